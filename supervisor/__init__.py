@@ -1,0 +1,1 @@
+"""tokenpipe supervisor: spawns workers, routes requests, the client API and the HTTP front end."""

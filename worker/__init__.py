@@ -1,0 +1,1 @@
+"""tokenpipe worker: one process, one device, one model, many sessions."""

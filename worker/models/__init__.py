@@ -1,0 +1,1 @@
+"""Model families on one set of layers."""
