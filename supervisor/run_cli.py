@@ -1,0 +1,256 @@
+"""`tokenpipe run`: the supervisor serving JSONL on its own stdin/stdout (and, with `--listen`,
+on a unix socket).
+
+stdout carries protocol lines only: first the supervisor's ready line, then the answers.
+Everything else (worker stderr, prefixed `[worker N]`, and the supervisor's own messages) goes
+to stderr.
+
+Shutdown: EOF on stdin (or a `shutdown` request) finishes what is in flight, stops the
+workers, exits 0. SIGTERM / the first SIGINT do the same within `--drain-timeout` seconds,
+then cancel what is left. A second SIGINT exits at once (workers are SIGKILLed).
+With `--listen`, stdin is not read: the supervisor runs until a signal or a `shutdown`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import click
+import msgspec
+import orjson
+
+from protocol import ProtocolError, decode_request
+from supervisor.core import Channel, Supervisor, SupervisorConfig
+from supervisor.pool import WorkerStartError, log
+
+
+class LineWriter:
+    """Batches answer lines and writes them once per event-loop turn (blocking write: a slow
+    reader slows the supervisor down instead of growing a buffer without bound)."""
+
+    def __init__(self, write: Callable[[bytes], None], on_broken: Callable[[], None]) -> None:
+        self._write = write
+        self._on_broken = on_broken
+        self._lines: list[bytes] = []
+        self._scheduled = False
+        self.broken = False
+        self._loop = asyncio.get_running_loop()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self._lines.append(orjson.dumps(event))
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def emit_line(self, line: bytes) -> None:
+        self._lines.append(line)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if not self._lines:
+            return
+        data = b"\n".join(self._lines) + b"\n"
+        self._lines = []
+        if self.broken:
+            return
+        try:
+            self._write(data)
+        except (BrokenPipeError, ConnectionError, ValueError, OSError):
+            self.broken = True
+            self._on_broken()
+
+
+def _stdout_write(data: bytes) -> None:
+    out = sys.stdout.buffer
+    out.write(data)
+    out.flush()
+
+
+def feed_line(channel: Channel, line: bytes) -> None:
+    """Decode one request line and hand it to the channel (errors keep their place)."""
+    if not line.strip():
+        return
+    decoded = decode_request(line)
+    if isinstance(decoded, ProtocolError):
+        event = msgspec.to_builtins(decoded.to_event())
+        event["event"] = "error"
+        channel.submit_error(event)
+        return
+    channel.submit(msgspec.to_builtins(decoded))
+
+
+def _read_stdin_thread(loop: asyncio.AbstractEventLoop, on_data: Callable[[bytes], None]) -> None:
+    fd = sys.stdin.fileno()
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except OSError:
+            data = b""
+        loop.call_soon_threadsafe(on_data, data)
+        if not data:
+            return
+
+
+async def serve(config: SupervisorConfig, listen: str | None = None) -> int:
+    supervisor = Supervisor(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    drain_deadline: list[float | None] = [None]  # None: EOF, wait for everything
+
+    def graceful(deadline: float | None) -> None:
+        if not stop.is_set():
+            drain_deadline[0] = deadline
+            stop.set()
+
+    sigint_count = [0]
+
+    def on_sigint() -> None:
+        sigint_count[0] += 1
+        if sigint_count[0] >= 2:
+            log("second SIGINT: exiting now")
+            supervisor.kill_workers()
+            os._exit(130)
+        log("SIGINT: finishing in-flight requests (press Ctrl-C again to exit at once)")
+        graceful(config.drain_timeout)
+
+    loop.add_signal_handler(signal.SIGTERM, lambda: graceful(config.drain_timeout))
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+
+    start = asyncio.ensure_future(supervisor.start())
+    stop_wait = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([start, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # a signal during start-up
+        start.cancel()
+        with contextlib.suppress(BaseException):
+            await start
+        await supervisor.aclose(0)
+        return 1
+    stop_wait.cancel()
+    try:
+        ready = start.result()
+    except (WorkerStartError, ValueError) as exc:
+        log(f"cannot start: {exc}")
+        return 1
+
+    writer = LineWriter(_stdout_write, lambda: graceful(config.drain_timeout))
+    writer.emit(ready)
+    writer.flush()
+    supervisor.on_shutdown_request = lambda: graceful(None)
+    server = None
+    if listen is None:
+        channel = supervisor.open_channel(writer.emit, writer.emit_line, writer.flush)
+        partial = [b""]
+
+        def on_data(data: bytes) -> None:
+            if not data:
+                if partial[0].strip():
+                    feed_line(channel, partial[0])
+                graceful(None)
+                return
+            lines = (partial[0] + data).split(b"\n")
+            partial[0] = lines.pop()
+            for line in lines:
+                feed_line(channel, line)
+
+        threading.Thread(target=_read_stdin_thread, args=(loop, on_data), daemon=True).start()
+    else:
+        server = await _listen(supervisor, listen, ready)
+        log(f"listening on {listen}")
+    await stop.wait()
+    if server is not None:
+        server.close()
+    await supervisor.aclose(drain_deadline[0])
+    writer.flush()
+    if listen is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(listen)
+    return 0
+
+
+async def _listen(supervisor: Supervisor, path: str, ready: dict[str, Any]) -> asyncio.Server:
+    """Serve the same protocol on a unix socket: a ready line per connection, then answers."""
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        def emit(event: dict[str, Any]) -> None:
+            if not writer.is_closing():
+                writer.write(orjson.dumps(event) + b"\n")
+
+        def emit_line(line: bytes) -> None:
+            if not writer.is_closing():
+                writer.write(line + b"\n")
+
+        emit(ready)
+        channel = supervisor.open_channel(emit, emit_line)
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except (ValueError, ConnectionError):
+                    break
+                if not line:
+                    break
+                feed_line(channel, line)
+            # The client closed its side: let its requests finish, then hang up.
+            while not channel.idle:
+                await asyncio.sleep(0.05)
+        finally:
+            supervisor.close_channel(channel)
+            writer.close()
+
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return await asyncio.start_unix_server(connection, path=path, limit=1 << 21)
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                 "help_option_names": ["-h", "--help"]})
+@click.option("--model", "--model_path", "model", default=None,
+              help="HF checkpoint dir or .gguf file (default: the packaged Gemma 3 270M).")
+@click.option("--gpus", default="all", show_default=True,
+              help="GPUs to run one worker each on: all, none, or a list like 0,2.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Run N CPU workers instead (wins over --gpus).")
+@click.option("--max-sessions", type=click.IntRange(min=1), default=None,
+              help="Sessions per worker, the scratch session included.")
+@click.option("--max-context", type=click.IntRange(min=1), default=None,
+              help="Context length per session.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests per worker in flight or waiting; beyond it: `overloaded`.")
+@click.option("--ready-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds to wait for each worker's ready line.")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+              help="On SIGTERM/SIGINT, seconds to finish in-flight work before cancelling.")
+@click.option("--listen", default=None, metavar="SOCKET",
+              help="Serve on this unix socket instead of stdin (for `generate --connect`).")
+@click.option("--worker-command", default=None, hidden=True,
+              help="Command line of a worker (tests, benchmarks).")
+@click.pass_context
+def command(ctx: click.Context, model: str | None, gpus: str, workers: int | None,
+            max_sessions: int | None, max_context: int | None, max_queue: int,
+            ready_timeout: float, drain_timeout: float, listen: str | None,
+            worker_command: str | None) -> None:
+    """Serve JSONL on stdin/stdout through one worker per GPU (one CPU worker without GPUs).
+
+    Other options (--dtype, --prefill-chunk, --prefix-ids, --no-warm-resume, --threads, ...)
+    are passed through to every worker.
+    """
+    try:
+        config = SupervisorConfig(
+            model=model, gpus=gpus, workers=workers, max_sessions=max_sessions,
+            max_context=max_context, max_queue=max_queue, worker_args=tuple(ctx.args),
+            worker_command=tuple(shlex.split(worker_command)) if worker_command else None,
+            ready_timeout=ready_timeout, drain_timeout=drain_timeout)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    sys.exit(asyncio.run(serve(config, listen)))

@@ -1,0 +1,259 @@
+"""The supervisor against the fake worker (real child processes, no model): multiplexing,
+routing, cancel, crash recovery, backpressure, start-up failures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocol import DoneEvent, ErrorEvent, GenerateRequest, TokenEvent
+from supervisor.client import AsyncClient, Client, TokenpipeError
+from supervisor.core import SupervisorConfig
+from supervisor.pool import WorkerStartError
+from tests.supervisor.conftest import JsonlProcess, fake_config, terminal
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(config: SupervisorConfig, body: Callable[[AsyncClient], Awaitable[Any]]) -> Any:
+    async def main() -> Any:
+        client = await AsyncClient.in_process(config, stderr_sink=lambda _: None)
+        try:
+            return await body(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+async def generate(client: AsyncClient, **fields: Any) -> tuple[str, Any]:
+    text = []
+    last = None
+    async for event in client.generate(GenerateRequest(**fields)):
+        if isinstance(event, TokenEvent):
+            text.append(event.token)
+        last = event
+    return "".join(text), last
+
+
+def test_sessions_spread_affinity_and_stats() -> None:
+    async def body(client: AsyncClient) -> None:
+        assert client.ready.max_sessions == 8 and client.ready.max_named_sessions == 6
+        assert client.ready.workers == 2
+        for sid in ("a", "b", "c", "d"):
+            await client.open_session(sid)
+        sup = client.supervisor
+        assert sup is not None
+        on = {sid: sup.placements[sid] for sid in "abcd"}
+        assert set(on.values()) == {0, 1}
+        for sid in "abcd":
+            _, done = await generate(client, prompt=f"hi {sid}", max_new_tokens=3, session_id=sid)
+            assert isinstance(done, DoneEvent) and done.completion_tokens == 3
+            assert sup.placements[sid] == on[sid]
+            assert done.resident_keep is None  # stripped: the client did not ask for it
+        stats = await client.stats()
+        assert stats["sessions"] == 4
+        assert sum(len(w["named_sessions"]) for w in stats["workers"]) == 4
+        assert all(w["worker"]["sessions"] == len(w["named_sessions"]) for w in stats["workers"])
+        assert stats["rss_bytes"] == sum(w["rss_bytes"] for w in stats["workers"]) > 0
+        await client.close_session("a")
+        assert "a" not in sup.placements
+
+    run(fake_config(2), body)
+
+
+def test_concurrent_ids_interleave_and_duplicates_are_rejected() -> None:
+    async def body(client: AsyncClient) -> None:
+        results = await asyncio.gather(*(generate(client, prompt=f"p{i}", max_new_tokens=5)
+                                         for i in range(6)))
+        assert all(isinstance(done, DoneEvent) for _, done in results)
+        events: list[Any] = []
+
+        async def consume(rid: str) -> None:
+            async for event in client.generate(GenerateRequest(prompt="x", max_new_tokens=20,
+                                                               id=rid)):
+                events.append(event)
+
+        task = asyncio.ensure_future(consume("same"))
+        await asyncio.sleep(0.02)
+        _, dup = await generate(client, prompt="y", max_new_tokens=2, id="same")
+        assert isinstance(dup, ErrorEvent) and dup.code == "duplicate_id"
+        await task
+        assert isinstance(events[-1], DoneEvent) and events[-1].completion_tokens == 20
+
+    run(fake_config(1), body)
+
+
+def test_cancel_and_leaving_the_loop_cancel() -> None:
+    async def body(client: AsyncClient) -> None:
+        events = []
+        async for event in client.generate(GenerateRequest(prompt="x", max_new_tokens=10_000,
+                                                           id="long")):
+            events.append(event)
+            if len(events) == 2:
+                await client.cancel("long")
+        assert isinstance(events[-1], DoneEvent) and events[-1].finish_reason == "cancelled"
+        assert len(events) < 100
+        async for _event in client.generate(GenerateRequest(prompt="x", max_new_tokens=10_000)):
+            break
+        sup = client.supervisor
+        assert sup is not None
+        for _ in range(100):
+            if not sup.slots[0].inflight:
+                break
+            await asyncio.sleep(0.02)
+        assert not sup.slots[0].inflight  # the worker's cancelled done came back
+        with pytest.raises(TokenpipeError) as err:
+            await client.request({"op": "cancel", "id": "nothing"})
+        assert err.value.code == "unknown_id"
+
+    run(fake_config(1), body)
+
+
+def _conversation(client: AsyncClient, crash: Callable[[], Awaitable[None]] | None):
+    async def body() -> tuple[str, str]:
+        first, _ = await generate(client, prompt="once upon", max_new_tokens=6, session_id="s")
+        if crash is not None:
+            await crash()
+        second, done = await generate(client, prompt="once upon" + first + " then",
+                                      max_new_tokens=6, session_id="s")
+        assert isinstance(done, DoneEvent), done
+        return first, second
+
+    return body()
+
+
+def test_crash_on_cue_loses_one_request_and_session_survives() -> None:
+    async def crash_body(client: AsyncClient) -> tuple[str, str]:
+        sup = client.supervisor
+        assert sup is not None
+
+        async def crash() -> None:
+            pid = sup.slots[0].process.pid  # type: ignore[union-attr]
+            events = [e async for e in client.generate(
+                GenerateRequest(prompt="CRASH now", max_new_tokens=5, session_id="s"))]
+            assert len(events) == 1 and isinstance(events[0], ErrorEvent)
+            assert events[0].code == "worker_lost"
+            for _ in range(200):
+                if sup.slots[0].process is not None and sup.slots[0].process.pid != pid:
+                    break
+                await asyncio.sleep(0.02)
+            assert sup.slots[0].restarts == 1
+
+        return await _conversation(client, crash)
+
+    crashed = run(fake_config(1, "--fake-crash-on", "CRASH"), crash_body)
+    clean = run(fake_config(1), lambda c: _conversation(c, None))
+    assert crashed == clean
+
+
+def test_kill_mid_generation_gives_exactly_one_worker_lost() -> None:
+    async def body(client: AsyncClient) -> None:
+        sup = client.supervisor
+        assert sup is not None
+        await generate(client, prompt="warm", max_new_tokens=2, session_id="k")
+        events: list[Any] = []
+        async for event in client.generate(GenerateRequest(prompt="warm more",
+                                                           max_new_tokens=10_000,
+                                                           session_id="k")):
+            events.append(event)
+            if len(events) == 3:
+                os.kill(sup.slots[0].process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        errors = [e for e in events if isinstance(e, ErrorEvent)]
+        assert len(errors) == 1 and errors[0].code == "worker_lost" and events[-1] is errors[0]
+        _, done = await generate(client, prompt="warm again", max_new_tokens=2, session_id="k")
+        assert isinstance(done, DoneEvent)
+        # The rebuilt session kept what the first turn left: "warm" + 2 tokens.
+        assert done.reused_prompt_tokens >= len("warm") + 1
+
+    run(fake_config(1), body)
+
+
+def test_flood_beyond_max_queue_is_overloaded_and_the_rest_completes() -> None:
+    async def body(client: AsyncClient) -> None:
+        results = await asyncio.gather(*(generate(client, prompt=f"f{i}", max_new_tokens=5)
+                                         for i in range(12)))
+        codes = [done.code if isinstance(done, ErrorEvent) else "ok" for _, done in results]
+        assert codes.count("ok") >= 3 and codes.count("overloaded") >= 1
+        assert set(codes) == {"ok", "overloaded"}
+        for (text, done), code in zip(results, codes, strict=True):
+            if code == "ok":
+                assert len(text) == 5 and done.completion_tokens == 5
+
+    run(fake_config(1, max_queue=3), body)
+
+
+def test_repeated_fast_failures_give_up(tmp_path: Path) -> None:
+    marker = tmp_path / "fail"
+
+    async def body(client: AsyncClient) -> None:
+        sup = client.supervisor
+        assert sup is not None
+        marker.write_text("x")
+        os.kill(sup.slots[0].process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        for _ in range(300):
+            if sup.slots[0].state.value == "failed":
+                break
+            await asyncio.sleep(0.02)
+        assert sup.slots[0].state.value == "failed"
+        _, done = await generate(client, prompt="x", max_new_tokens=2)
+        assert isinstance(done, DoneEvent)  # worker 1 still serves
+        assert sup.slots[1].state.value == "ready"
+
+    config = fake_config(2, "--fake-fail-start-if-exists", str(marker), max_fast_failures=2)
+    run(config, body)
+
+
+def test_worker_that_never_gets_ready_is_named_with_its_stderr() -> None:
+    config = fake_config(1, "--fake-hang-on-start", ready_timeout=1.5)
+    with pytest.raises(WorkerStartError) as err:
+        run(config, lambda c: asyncio.sleep(0))
+    assert "worker 0" in str(err.value) and "fake worker pid" in str(err.value)
+
+
+def test_blocking_client_twin() -> None:
+    with Client(config=fake_config(1), stderr_sink=lambda _: None) as client:
+        events = list(client.generate(GenerateRequest(prompt="abc", max_new_tokens=4)))
+        assert [type(e) for e in events] == [TokenEvent] * 4 + [DoneEvent]
+        assert client.tokenize("ab", add_prefix=True) == [1, 107, 108]
+        assert client.detokenize([107, 108]) == "ab"
+        assert client.info()["workers"] == 1
+        for _event in client.generate(GenerateRequest(prompt="abc", max_new_tokens=1000)):
+            break  # closing the iterator cancels
+
+
+def test_run_stdio_seed_order_and_errors_in_place() -> None:
+    proc = JsonlProcess.run("--workers", "2", "--worker-command", " ".join(
+        ["python", "tests/supervisor/fake_worker.py"]))
+    try:
+        ready = proc.read()
+        assert ready is not None and ready["ready"] is True and ready["max_sessions"] == 8
+        proc.send({"prompt": "x", "max_new_tokens": 50, "id": 5})
+        proc.send({"prompt": "y", "max_new_tokens": 2, "id": 5})
+        events = proc.read_until(lambda e: e.get("event") == "done")
+        dup = [e for e in events if e["event"] == "error"]
+        assert dup == [{"event": "error", "error": "id 5 is already in flight",
+                        "code": "duplicate_id", "id": 5, "op": "generate"}]
+        assert events[-1]["id"] == 5 and events[-1]["completion_tokens"] == 50
+        proc.send({"prompt": "aaa", "max_new_tokens": 8})
+        proc.send({"op": "nope"})
+        proc.send({"prompt": "bbb", "max_new_tokens": 3})
+        first = proc.read_until(terminal)
+        second = proc.read_until(terminal)
+        third = proc.read_until(terminal)
+        assert [e["event"] for e in first] == ["token"] * 8 + ["done"]
+        assert second == [{"event": "error", "error": "op: unknown operation 'nope'",
+                           "code": "unknown_op", "op": "nope"}]
+        assert [e["event"] for e in third] == ["token"] * 3 + ["done"]
+        assert all("id" not in e for e in first + third)
+        proc.close_stdin()
+        assert proc.proc.wait(20) == 0
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill()
