@@ -83,6 +83,11 @@ class SupervisorConfig:
     fast_failure_s: float = 30.0  # a worker dying sooner than this after ready failed "fast"
     restart_base_s: float = 0.5
     env: tuple[tuple[str, str], ...] = ()  # extra environment for every worker
+    # Liveness: a ping every `heartbeat_interval` s; a worker that has written nothing for
+    # `heartbeat_timeout` s while a ping is out is killed and restarted (0 disables). The
+    # timeout must exceed the longest forward step (a worker answers pings between steps).
+    heartbeat_interval: float = 5.0
+    heartbeat_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -93,6 +98,8 @@ class SupervisorConfig:
             raise ValueError(f"max_sessions must be at least 1, got {self.max_sessions}")
         if self.ready_timeout <= 0:
             raise ValueError("ready_timeout must be positive")
+        if self.heartbeat_timeout < 0 or self.heartbeat_interval <= 0:
+            raise ValueError("heartbeat_timeout must be >= 0 and heartbeat_interval positive")
 
 
 def build_worker_args(config: SupervisorConfig) -> list[str]:
@@ -156,6 +163,8 @@ class WorkerSlot:
     fast_failures: int = 0
     ready_info: dict[str, Any] = field(default_factory=dict)
     restart_task: asyncio.Task[None] | None = None
+    last_heard: float = 0.0  # monotonic time of the last stdout line (or of ready)
+    ping_sent_at: float | None = None  # a heartbeat ping is out since then
 
     @property
     def index(self) -> int:
@@ -263,6 +272,7 @@ class Supervisor:
         self.started_at = time.monotonic()
         self._ids = itertools.count(1)
         self._idle = asyncio.Event()
+        self._heartbeat_task: asyncio.Task[None] | None = None
         self.on_shutdown_request: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -280,6 +290,8 @@ class Supervisor:
             await self._stop_workers()
             raise errors[0]
         self.ready = self._ready_event()
+        if self.config.heartbeat_timeout > 0:
+            self._heartbeat_task = asyncio.ensure_future(self._heartbeat())
         return self.ready
 
     async def _spawn(self, slot: WorkerSlot) -> None:
@@ -293,6 +305,8 @@ class Supervisor:
         slot.process = process
         slot.ready_info = process.ready_info
         slot.state = WorkerState.READY
+        slot.last_heard = time.monotonic()
+        slot.ping_sent_at = None
         held, slot.held = slot.held, []
         for flight, line in held:
             self._write(slot, flight, line)
@@ -368,6 +382,8 @@ class Supervisor:
         await self._stop_workers()
 
     async def _stop_workers(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
         for slot in self.slots:
             if slot.restart_task is not None:
                 slot.restart_task.cancel()
@@ -401,6 +417,7 @@ class Supervisor:
         """Deliver a terminal answer of `flight` to its client (or its internal callback)."""
         if flight.then is not None:
             flight.then(event)
+            self._maybe_idle()  # an internal request (ping, stats, rebuild) may be the last
             return
         if channel is None:
             return
@@ -581,6 +598,7 @@ class Supervisor:
 
     def _on_worker_lines(self, slot: WorkerSlot, lines: list[bytes]) -> None:
         """The relay hot path: one call per pipe read."""
+        slot.last_heard = time.monotonic()
         inflight = slot.inflight
         loads = orjson.loads
         touched: set[Channel] = set()
@@ -731,6 +749,37 @@ class Supervisor:
             slot.restarts += 1
             log(f"worker {slot.index} restarted (pid {slot.process.pid if slot.process else '?'})")
             return
+
+    # ------------------------------------------------------------------ heartbeat
+
+    async def _heartbeat(self) -> None:
+        """Ping every ready worker; kill one that stays silent past the timeout (a hung or
+        SIGSTOPped process never dies by itself). Its death then runs the crash path."""
+        interval = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 2)
+        while not self.closing:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for slot in self.slots:
+                process = slot.process
+                if slot.state is not WorkerState.READY or process is None or not process.alive:
+                    continue
+                silent = now - slot.last_heard
+                if slot.ping_sent_at is not None and silent > self.config.heartbeat_timeout:
+                    log(f"worker {slot.index} (pid {process.pid}) wrote nothing for "
+                        f"{silent:.1f}s with a ping out (heartbeat timeout "
+                        f"{self.config.heartbeat_timeout:g}s): killing it")
+                    slot.ping_sent_at = None
+                    process.kill()  # SIGKILL: works on a stopped process too
+                elif slot.ping_sent_at is None:
+                    slot.ping_sent_at = now
+
+                    def pong(event: dict[str, Any], slot: WorkerSlot = slot,
+                             process: WorkerProcess = process) -> None:
+                        if slot.process is process:
+                            slot.ping_sent_at = None
+
+                    flight = self._internal(slot, {"op": "ping"}, "", pong)
+                    self._send(slot, flight, {"op": "ping"})
 
     # ------------------------------------------------------------------ stats
 

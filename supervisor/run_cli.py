@@ -231,6 +231,11 @@ async def _listen(supervisor: Supervisor, path: str, ready: dict[str, Any]) -> a
               help="Seconds to wait for each worker's ready line.")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds to finish in-flight work before cancelling.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(min=0), default=120.0,
+              show_default=True,
+              help="Kill and restart a worker silent this long with a ping out (0: off).")
+@click.option("--heartbeat-interval", type=click.FloatRange(min=0.01), default=5.0,
+              show_default=True, help="Seconds between heartbeat pings to each worker.")
 @click.option("--listen", default=None, metavar="SOCKET",
               help="Serve on this unix socket instead of stdin (for `generate --connect`).")
 @click.option("--worker-command", default=None, hidden=True,
@@ -238,8 +243,8 @@ async def _listen(supervisor: Supervisor, path: str, ready: dict[str, Any]) -> a
 @click.pass_context
 def command(ctx: click.Context, model: str | None, gpus: str, workers: int | None,
             max_sessions: int | None, max_context: int | None, max_queue: int,
-            ready_timeout: float, drain_timeout: float, listen: str | None,
-            worker_command: str | None) -> None:
+            ready_timeout: float, drain_timeout: float, heartbeat_timeout: float,
+            heartbeat_interval: float, listen: str | None, worker_command: str | None) -> None:
     """Serve JSONL on stdin/stdout through one worker per GPU (one CPU worker without GPUs).
 
     Other options (--dtype, --prefill-chunk, --prefix-ids, --no-warm-resume, --threads, ...)
@@ -250,7 +255,8 @@ def command(ctx: click.Context, model: str | None, gpus: str, workers: int | Non
             model=model, gpus=gpus, workers=workers, max_sessions=max_sessions,
             max_context=max_context, max_queue=max_queue, worker_args=tuple(ctx.args),
             worker_command=tuple(shlex.split(worker_command)) if worker_command else None,
-            ready_timeout=ready_timeout, drain_timeout=drain_timeout)
+            ready_timeout=ready_timeout, drain_timeout=drain_timeout,
+            heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     sys.exit(asyncio.run(serve(config, listen)))

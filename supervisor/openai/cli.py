@@ -1,0 +1,114 @@
+"""`tokenpipe serve`: the OpenAI-compatible HTTP API (starlette on uvicorn).
+
+The supervisor runs in this process (`AsyncClient.in_process`) on uvicorn's event loop; the
+port opens at once and `/health` answers 503 until the model is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--model-id", default=None, help="Model id clients send (default: model name).")
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="TOKENPIPE_API_KEY",
+    help="Require `Authorization: Bearer KEY` on every API request.",
+)
+@click.option(
+    "--chat-template",
+    "chat_template_file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A jinja chat template file overriding the model's.",
+)
+@click.option(
+    "--tool-parser",
+    type=click.Choice(["gemma4", "hermes", "qwen"]),
+    default=None,
+    help="Tool-call markup to parse (default: the model family's).",
+)
+@click.option("--max-body-bytes", default=8 << 20, show_default=True, type=click.IntRange(1))
+@click.option("--model", default=None, help="HF checkpoint dir or .gguf (default: Gemma 3 270M).")
+@click.option("--workers", default=None, type=click.IntRange(1), help="CPU workers to run.")
+@click.option("--gpus", default="all", show_default=True, help="all | none | 0,2")
+@click.option("--max-sessions", default=None, type=click.IntRange(1), help="Per worker.")
+@click.option("--max-context", default=None, type=click.IntRange(1), help="Context per session.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--worker-arg",
+    "worker_args",
+    multiple=True,
+    help="An extra flag for every worker (repeatable), e.g. --worker-arg=--dtype=bfloat16",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+def command(
+    host: str,
+    port: int,
+    model_id: str | None,
+    api_key: str | None,
+    chat_template_file: Path | None,
+    tool_parser: str | None,
+    max_body_bytes: int,
+    model: str | None,
+    workers: int | None,
+    gpus: str,
+    max_sessions: int | None,
+    max_context: int | None,
+    max_queue: int,
+    worker_args: tuple[str, ...],
+    log_level: str,
+) -> None:
+    """Serve the OpenAI-compatible HTTP API (chat, completions, tokenize, metrics)."""
+    import uvicorn
+
+    from supervisor.client import AsyncClient
+    from supervisor.core import SupervisorConfig
+
+    from .app import Server, ServerConfig, create_app
+
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        supervisor_config = SupervisorConfig(
+            model=model,
+            gpus=gpus,
+            workers=workers,
+            max_sessions=max_sessions,
+            max_context=max_context,
+            max_queue=max_queue,
+            worker_args=tuple(worker_args),
+        )
+        server_config = ServerConfig(
+            model_id=model_id,
+            api_key=api_key,
+            chat_template=chat_template_file.read_text() if chat_template_file else None,
+            tool_parser=tool_parser,
+            max_body_bytes=max_body_bytes,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+    async def start_client() -> AsyncClient:
+        return await AsyncClient.in_process(supervisor_config)
+
+    server = Server(server_config, start_client)
+    uvicorn.run(
+        create_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30
+    )

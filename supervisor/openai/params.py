@@ -1,0 +1,372 @@
+"""Request validation: an OpenAI request body -> frozen parameters, or an `APIError` (pure).
+
+Honoured, accepted-and-ignored (`user`, `store`, `metadata`, `strict`, `reasoning_effort`,
+`parallel_tool_calls` and unknown keys) and rejected parameters: anything the server cannot
+do is rejected with 400 `unsupported_parameter`, never silently ignored; a bad value is 400
+`invalid_value`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import APIError, invalid_value, unsupported
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 16
+MAX_SESSION_ID_LEN = 256
+# Protocol seeds are >= 1 (0 means "unset"); an OpenAI seed s maps to s + 1.
+SEED_OFFSET = 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the worker is asked for, shared by chat and text completions."""
+
+    max_new_tokens: int = -1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    """A validated chat completion request. `messages` are normalized for templates: text
+    content as one string, `developer` as `system`, tool-call arguments parsed to objects."""
+
+    model: str | None
+    messages: list[dict[str, Any]]
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    tools: list[dict[str, Any]] | None = None
+    parse_tools: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    session_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletionParams:
+    """A validated text completion request: `prompt` text or token ids."""
+
+    model: str | None
+    prompt: str | list[int]
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    session_id: str | None = None
+
+
+# ------------------------------------------------------------------------------- primitives
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid_value(f"'{name}' must be a number", name)
+    if not low <= value <= high:
+        raise invalid_value(f"'{name}' must be between {low} and {high}, got {value}", name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, low: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid_value(f"'{name}' must be an integer", name)
+    if value < low:
+        raise invalid_value(f"'{name}' must be at least {low}, got {value}", name)
+    return value
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid_value(f"'{name}' must be a boolean", name)
+    return value
+
+
+def validate_session_id(value: Any, source: str = "session_id") -> str:
+    """1..256 printable ASCII characters, else 400 `invalid_value`."""
+    if (
+        not isinstance(value, str)
+        or not 1 <= len(value) <= MAX_SESSION_ID_LEN
+        or not all(" " <= ch <= "~" for ch in value)
+    ):
+        raise invalid_value(
+            f"{source} must be 1 to {MAX_SESSION_ID_LEN} printable ASCII characters", "session_id"
+        )
+    return value
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid_value("'model' must be a string", "model")
+    return model
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise invalid_value("'stop' must be a non-empty string or a list of them", "stop")
+    if len(items) > MAX_STOP_STRINGS:
+        raise invalid_value(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop")
+    return tuple(items)
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise unsupported("'n' other than 1 is not supported", "n")
+    if body.get("logit_bias"):
+        raise unsupported("'logit_bias' is not supported", "logit_bias")
+    if body.get("logprobs") or body.get("top_logprobs") is not None:
+        raise unsupported("'logprobs' is not supported", "logprobs")
+    response_format = body.get("response_format")
+    if response_format is not None and (
+        not isinstance(response_format, dict) or response_format.get("type") != "text"
+    ):
+        raise unsupported("'response_format' other than text is not supported", "response_format")
+    # Penalties are not implemented: only their neutral values are accepted.
+    for penalty, neutral in (
+        ("presence_penalty", 0),
+        ("frequency_penalty", 0),
+        ("repetition_penalty", 1),
+    ):
+        value = body.get(penalty)
+        if value is not None and value != neutral:
+            raise unsupported(f"'{penalty}' is not supported", penalty)
+
+
+def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> SamplingParams:
+    """The sampling fields shared by both endpoints."""
+    max_tokens = _integer(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    top_k = _integer(body, "top_k", -1)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise invalid_value("'seed' must be a non-negative integer", "seed")
+    if seed is not None and seed >= (1 << 63) - SEED_OFFSET:
+        raise invalid_value("'seed' is too large", "seed")
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise invalid_value("'top_p' must be greater than 0", "top_p")
+    return SamplingParams(
+        max_new_tokens=-1 if max_tokens is None else max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=top_p,
+        top_k=0 if top_k is None or top_k == -1 else top_k,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=0 if seed is None else seed + SEED_OFFSET,
+        stop=_stop(body),
+    )
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise invalid_value("'stream_options' must be an object", "stream_options")
+    return _bool(options, "include_usage")
+
+
+# --------------------------------------------------------------------------------- messages
+
+
+def content_text(content: Any, where: str) -> str:
+    """A message's content as one string: text parts joined with newlines."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise invalid_value(f"{where}: only text content parts are supported, got {kind}")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid_value(f"{where}: a text part needs a string 'text'")
+            texts.append(text)
+        return "\n".join(texts)
+    raise invalid_value(f"{where}: content must be a string or a list of content parts")
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise invalid_value(f"{where}: tool_calls must be a list")
+    calls = []
+    for call in value:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid_value(f"{where}: each tool call needs a function with a name")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                pass  # templates get the raw text; fingerprints compare it as text
+        calls.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return calls
+
+
+def normalize_messages(value: Any) -> list[dict[str, Any]]:
+    """OpenAI messages -> the plain dicts a chat template reads (None values dropped)."""
+    if not isinstance(value, list) or not value:
+        raise invalid_value("'messages' must be a non-empty list", "messages")
+    messages: list[dict[str, Any]] = []
+    for index, message in enumerate(value):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise invalid_value(f"{where} must be an object", "messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid_value(f"{where}: role must be one of {', '.join(ROLES)}", "messages")
+        normalized: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": content_text(message.get("content"), where),
+        }
+        if role == "assistant":
+            if message.get("tool_calls"):
+                normalized["tool_calls"] = _tool_calls(message["tool_calls"], where)
+            reasoning = message.get("reasoning_content", message.get("reasoning"))
+            if isinstance(reasoning, str) and reasoning:
+                normalized["reasoning_content"] = reasoning
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            normalized["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            normalized["name"] = message["name"]
+        messages.append(normalized)
+    return messages
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise invalid_value("'tools' must be a list", "tools")
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+        ):
+            raise invalid_value(
+                "each tool must be {type: function, function: {name, ...}}", "tools"
+            )
+    return tools or None
+
+
+def _tool_choice(body: dict[str, Any]) -> str:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none"):
+        return str(choice)
+    if choice == "required" or isinstance(choice, dict):
+        raise unsupported("'tool_choice' must be 'auto' or 'none'", "tool_choice")
+    raise invalid_value("'tool_choice' must be 'auto' or 'none'", "tool_choice")
+
+
+def _body_session(body: dict[str, Any]) -> str | None:
+    value = body.get("session_id")
+    return None if value is None else validate_session_id(value)
+
+
+def parse_chat(body: Any) -> ChatParams:
+    """Validate a `/v1/chat/completions` body."""
+    if not isinstance(body, dict):
+        raise invalid_value("the request body must be a JSON object")
+    _reject_unsupported(body)
+    tools = _tools(body)
+    choice = _tool_choice(body)
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, dict):
+        raise invalid_value("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return ChatParams(
+        model=_model(body),
+        messages=normalize_messages(body.get("messages")),
+        sampling=sampling_params(body, None),
+        stream=_bool(body, "stream"),
+        include_usage=_include_usage(body),
+        tools=tools,
+        parse_tools=tools is not None and choice == "auto",
+        template_kwargs=dict(kwargs),
+        session_id=_body_session(body),
+    )
+
+
+def parse_completion(body: Any) -> CompletionParams:
+    """Validate a `/v1/completions` body (a prompt string or a list of token ids)."""
+    if not isinstance(body, dict):
+        raise invalid_value("the request body must be a JSON object")
+    _reject_unsupported(body)
+    if body.get("echo"):
+        raise unsupported("'echo' is not supported", "echo")
+    if body.get("suffix"):
+        raise unsupported("'suffix' is not supported", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise unsupported("'best_of' other than 1 is not supported", "best_of")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not prompt or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in prompt
+        ):
+            if prompt and all(isinstance(p, str) for p in prompt):
+                raise unsupported("a batch of several prompts is not supported", "prompt")
+            raise invalid_value("'prompt' must be a string or a list of token ids", "prompt")
+    elif not isinstance(prompt, str):
+        raise invalid_value("'prompt' must be a string or a list of token ids", "prompt")
+    return CompletionParams(
+        model=_model(body),
+        prompt=prompt,
+        sampling=sampling_params(body, 16),
+        stream=_bool(body, "stream"),
+        include_usage=_include_usage(body),
+        session_id=_body_session(body),
+    )
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 `model_not_found` unless `requested` is absent or the served model id."""
+    if requested is not None and requested != served:
+        raise APIError(
+            404,
+            "model_not_found",
+            f"The model '{requested}' does not exist; this server serves '{served}'",
+            param="model",
+        )

@@ -1,0 +1,228 @@
+"""The decode-graph runner: on the CPU its static-buffer path (the body a CUDA graph
+captures) must give the eager model's logits; on CUDA, graph replay must equal eager."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.cuda_graphs import (
+    DecodeGraphRunner,
+    GraphedCausalLM,
+    bucket_for,
+    is_decode_only,
+)
+from worker.kernels.batched_sampling import RowSampling
+from worker.models.config import ModelConfig
+from worker.models.random_init import init_random_weights
+from worker.models.registry import build_model
+from worker.models.step import StepInput
+
+torch.set_num_threads(2)
+
+CONFIG_31B = Path(__file__).resolve().parents[2] / "examples" / "gemma4_31b" / "config.json"
+
+
+def tiny_gemma4_config() -> dict:
+    """The 31B config shrunk: sliding (window 8, 2 KV heads, dim 16) and K=V full layers
+    (1 KV head, dim 32, partial proportional rope), softcap, tied embeddings."""
+    config = json.loads(CONFIG_31B.read_text())
+    config.update(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_global_key_value_heads=1, head_dim=16, global_head_dim=32, num_hidden_layers=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        sliding_window=8, vocab_size=256, vocab_size_per_layer_input=256,
+        max_position_embeddings=512,
+    )  # fmt: skip
+    return config
+
+
+def tiny_model(device: str = "cpu", dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
+    model = build_model(ModelConfig.from_hf(tiny_gemma4_config()), device, dtype)
+    init_random_weights(model, seed=3)
+    return model
+
+
+def test_bucket_for() -> None:
+    assert bucket_for(1) == 1 and bucket_for(3) == 4 and bucket_for(33) == 64
+    assert bucket_for(64) == 64 and bucket_for(65) is None
+    assert bucket_for(5, (8, 2)) == 8
+
+
+def test_is_decode_only() -> None:
+    ids = torch.zeros(3, dtype=torch.int64)
+    assert is_decode_only(StepInput(ids[:2], ids[:2], [0, 1], [4, 9], [1, 1]))
+    assert not is_decode_only(StepInput(ids, ids, [0, 1], [4, 9], [1, 2]))
+    assert not is_decode_only(StepInput(ids[:1], ids[:1], [0], [0], [1]))  # fresh sequence
+
+
+def _prefill(model, kv, prompts: dict[int, list[int]]) -> None:  # type: ignore[no-untyped-def]
+    for slot, ids in prompts.items():
+        model(StepInput.single(ids, slot, 0, device=model.device), kv)
+
+
+def _decode_both(device: str, use_graphs: bool, steps: int = 12) -> None:
+    """Greedy decode of 3 sequences (padded to bucket 4) past the sliding ring (R = 24):
+    the runner's logits equal the eager model's at every step."""
+    model = tiny_model(device)
+    graphed = GraphedCausalLM(model, use_graphs=use_graphs)
+    kv_eager = model.make_kv_cache(5, 64)
+    kv_graph = graphed.make_kv_cache(5, 64)
+    assert graphed.runner is not None and graphed.runner.buckets == (1, 2, 4, 8)
+    gen = torch.Generator().manual_seed(0)
+    prompts = {4: torch.randint(0, 256, (5,), generator=gen).tolist(),
+               0: torch.randint(0, 256, (21,), generator=gen).tolist(),
+               2: torch.randint(0, 256, (30,), generator=gen).tolist()}  # fmt: skip
+    _prefill(model, kv_eager, prompts)
+    _prefill(graphed, kv_graph, prompts)
+    slots = [2, 4, 0]
+    lens = [len(prompts[s]) for s in slots]
+    tokens = [prompts[s][-1] for s in slots]
+    for _ in range(steps):
+        step = StepInput(
+            input_ids=torch.tensor(tokens, device=device),
+            positions=torch.tensor(lens, device=device),
+            slots=slots, cached_lens=list(lens), new_lens=[1, 1, 1],
+        )  # fmt: skip
+        want = model(step, kv_eager)
+        got = graphed(step, kv_graph).clone()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        tokens = want.argmax(dim=-1).tolist()
+        assert got.argmax(dim=-1).tolist() == tokens
+        lens = [n + 1 for n in lens]
+    # the slots nobody used stayed untouched by the padded rows
+    for layer in kv_graph.layers:
+        assert torch.equal(layer.k[1], torch.zeros_like(layer.k[1]))
+        assert torch.equal(layer.k[3], torch.zeros_like(layer.k[3]))
+
+
+def test_runner_body_matches_eager_model_on_cpu() -> None:
+    _decode_both("cpu", use_graphs=False)
+
+
+def test_runner_decode_samples_inside_the_step() -> None:
+    model = tiny_model()
+    kv = model.make_kv_cache(3, 32)
+    prompts = {0: [5, 6, 7], 1: [9, 8, 7, 6], 2: [1, 2]}
+    _prefill(model, kv, prompts)
+    kv_copy = [(layer.k.clone(), layer.v.clone()) for layer in kv.layers]
+    runner = DecodeGraphRunner(model, kv, 3, use_graphs=False)
+    slots, positions, tokens = [0, 1, 2], [3, 4, 2], [7, 6, 2]
+    rows = [RowSampling(), RowSampling(1.0, 0, 0.9, 0.0, 11), RowSampling(0.0)]
+    got = runner.decode(tokens, positions, slots, rows)
+    # the same step through the eager model
+    for layer, (k, v) in zip(kv.layers, kv_copy, strict=True):
+        layer.k.copy_(k)
+        layer.v.copy_(v)
+    step = StepInput(torch.tensor(tokens), torch.tensor(positions), slots, positions, [1, 1, 1])
+    greedy = model(step, kv).argmax(dim=-1).tolist()
+    assert got[0] == greedy[0] and got[2] == greedy[2]
+    assert 0 <= got[1] < 256
+    # a seeded row draws the same token alone as in the batch
+    for layer, (k, v) in zip(kv.layers, kv_copy, strict=True):
+        layer.k.copy_(k)
+        layer.v.copy_(v)
+    alone = runner.decode([6], [4], [1], [rows[1]])
+    assert alone == [got[1]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replay_matches_eager_on_cuda() -> None:
+    _decode_both("cuda", use_graphs=True)
+
+
+# ------------------------------------------------------------------ GPU correctness (issue 6)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# the default model's (Gemma 3 270M) text config, as the GGUF conversion writes it
+GEMMA3_270M = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+    "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256, "sliding_window": 512,
+    "sliding_window_pattern": 6, "final_logit_softcapping": None, "bos_token_id": 2,
+    "eos_token_id": 1, "pad_token_id": 0,
+}  # fmt: skip
+
+
+def sharpened_tiny_model(device: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """tiny_model with its (tied) embedding x16: logits spread like a trained model's (std
+    about 2.5 instead of 0.16), so a top-1 comparison measures rounding, not coin flips."""
+    model = tiny_model(device, dtype)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(16.0)
+    return model
+
+
+def _greedy(model, kv, prompts: dict[int, list[int]], steps: int) -> dict[int, list[int]]:  # type: ignore[no-untyped-def]
+    """Prefill each prompt (eager), then decode all together through the runner."""
+    slots = list(prompts)
+    out: dict[int, list[int]] = {s: [] for s in slots}
+    tokens = []
+    for slot in slots:
+        logits = model(StepInput.single(prompts[slot], slot, 0, device=model.device), kv)
+        tokens.append(int(logits.argmax(dim=-1)[0]))
+    lens = [len(prompts[s]) for s in slots]
+    for _ in range(steps):
+        for slot, token in zip(slots, tokens, strict=True):
+            out[slot].append(token)
+        tokens = model.runner.decode(tokens, lens, slots, [RowSampling()] * len(slots))
+        lens = [n + 1 for n in lens]
+    return out
+
+
+@needs_cuda
+def test_bf16_gpu_top1_agrees_with_fp32_cpu() -> None:
+    cpu = sharpened_tiny_model("cpu", torch.float32)
+    gpu = GraphedCausalLM(sharpened_tiny_model("cuda", torch.bfloat16))
+    kv_cpu, kv_gpu = cpu.make_kv_cache(1, 600), gpu.make_kv_cache(1, 600)
+    ids = torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(5)).tolist()
+    agree = 0
+    for pos, token in enumerate(ids):  # teacher-forced: position 0 prefills, then decode
+        want = cpu(StepInput.single([token], 0, pos), kv_cpu).argmax(dim=-1).item()
+        got = gpu(StepInput.single([token], 0, pos, device="cuda"), kv_gpu).argmax(dim=-1).item()
+        agree += int(want == got)
+    print(f"bf16 GPU vs fp32 CPU top-1 agreement: {agree}/512")
+    assert agree >= 0.99 * 512
+
+
+@needs_cuda
+def test_eight_sessions_together_equal_each_alone() -> None:
+    model = GraphedCausalLM(sharpened_tiny_model("cuda", torch.bfloat16))
+    kv = model.make_kv_cache(9, 256)
+    gen = torch.Generator().manual_seed(9)
+    prompts = {
+        slot: torch.randint(0, 256, (3 + 5 * slot,), generator=gen).tolist() for slot in range(8)
+    }
+    together = _greedy(model, kv, prompts, steps=40)
+    for slot, prompt in prompts.items():
+        assert _greedy(model, kv, {slot: prompt}, steps=40)[slot] == together[slot]
+
+
+@needs_cuda
+def test_default_architecture_fp32_gpu_greedy_equals_cpu() -> None:
+    config = ModelConfig.from_hf(GEMMA3_270M)
+    cpu = build_model(config, "cpu", torch.float32)
+    init_random_weights(cpu, seed=1)  # made on the CPU ...
+    gpu = build_model(config, "cpu", torch.float32)
+    gpu.load_state_dict(cpu.state_dict())
+    gpu = GraphedCausalLM(gpu.to("cuda"))  # ... and moved
+    prompt = torch.randint(10, 262144, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    kv_cpu, kv_gpu = cpu.make_kv_cache(1, 128), gpu.make_kv_cache(1, 128)
+    want, got = [], []
+    for model, kv, out in ((cpu, kv_cpu, want), (gpu, kv_gpu, got)):
+        ids, pos = list(prompt), 0
+        for _ in range(16):
+            step = StepInput.single(ids, 0, pos, device=model.device)
+            token = int(model(step, kv).argmax(dim=-1)[0])
+            out.append(token)
+            pos += len(ids)
+            ids = [token]
+    assert got == want

@@ -1,0 +1,350 @@
+"""GGUF -> cached HF directory: tensors and config equal transformers' own GGUF reading, the
+llama Q/K permutation is undone, the cache is keyed and atomic, corrupt files fail clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from worker.checkpoint import ModelLoadError, open_checkpoint, read_safetensors_header
+from worker.gguf_convert import cache_root, convert_gguf, unpermute_rows
+
+gguf = pytest.importorskip("gguf")
+
+
+# ---------------------------------------------------------------------------------------------
+# The default model against transformers
+
+
+@pytest.mark.slow
+def test_default_model_tensors_equal_transformers(default_model_dir: Path, hf_gguf_oracle) -> None:
+    checkpoint = open_checkpoint(default_model_dir)
+    expected = hf_gguf_oracle.state_dict
+    ours = dict(checkpoint.iter_tensors())
+    assert set(ours) == set(expected)
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, expected[name].float()), name
+
+
+@pytest.mark.slow
+def test_default_model_config_matches_transformers(default_model_dir: Path, hf_gguf_oracle) -> None:
+    ours = json.loads((default_model_dir / "config.json").read_text())
+    theirs = hf_gguf_oracle.config.to_dict()
+    assert ours["architectures"] == ["Gemma3ForCausalLM"]
+    for key in [
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_activation",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "query_pre_attn_scalar",
+        "sliding_window",
+        "layer_types",
+        "final_logit_softcapping",
+        "attn_logit_softcapping",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "attention_bias",
+    ]:
+        assert ours[key] == theirs[key], key
+    assert ours["rope_local_base_freq"] == 10000.0 and ours["rope_theta"] == 1e6
+    generation = json.loads((default_model_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [1, 106]
+
+
+def test_default_model_cache_layout(default_model_dir: Path) -> None:
+    names = {p.name for p in default_model_dir.iterdir()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= (
+        names
+    )
+    header = read_safetensors_header(default_model_dir / "model.safetensors")
+    assert header["model.embed_tokens.weight"].shape == (262144, 640)
+    assert header["model.layers.0.self_attn.q_proj.weight"].shape == (1024, 640)
+    assert "lm_head.weight" not in header  # tied
+    tokenizer_config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["add_bos_token"] is True and tokenizer_config["bos_token"] == "<bos>"
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny llama GGUF, written here the way llama.cpp writes one
+
+
+SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "▁h", "▁w", "or", "ld"]
+SPM_PIECES += ["▁he", "▁hello", "▁wor", "▁world", "x", "y", "▁x", "12", "1", "2", "é", "▁é"]
+TINY = {"hidden": 64, "inter": 128, "layers": 2, "heads": 4, "kv_heads": 2}
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to HF q/k rows (the inverse of what we undo)."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def tiny_vocab() -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(SPM_PIECES))]
+    return tokens, scores, types
+
+
+def hf_tiny_weights(vocab_size: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    hidden, inter = TINY["hidden"], TINY["inter"]
+    head_dim = hidden // TINY["heads"]
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    weights = {"model.embed_tokens.weight": rand(vocab_size, hidden)}
+    weights["model.norm.weight"] = 1 + rand(hidden)
+    weights["lm_head.weight"] = rand(vocab_size, hidden)
+    for i in range(TINY["layers"]):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = 1 + rand(hidden)
+        weights[p + "post_attention_layernorm.weight"] = 1 + rand(hidden)
+        weights[p + "self_attn.q_proj.weight"] = rand(TINY["heads"] * head_dim, hidden)
+        weights[p + "self_attn.k_proj.weight"] = rand(TINY["kv_heads"] * head_dim, hidden)
+        weights[p + "self_attn.v_proj.weight"] = rand(TINY["kv_heads"] * head_dim, hidden)
+        weights[p + "self_attn.o_proj.weight"] = rand(hidden, TINY["heads"] * head_dim)
+        weights[p + "mlp.gate_proj.weight"] = rand(inter, hidden)
+        weights[p + "mlp.up_proj.weight"] = rand(inter, hidden)
+        weights[p + "mlp.down_proj.weight"] = rand(hidden, inter)
+    return weights
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_NAMES:
+        return GGUF_NAMES[hf_name]
+    _, _, layer, module, proj, leaf = (hf_name.split(".") + [""])[:6]
+    key = f"{module}.{proj}" if leaf else module
+    return f"blk.{layer}.{GGUF_NAMES[key]}.weight"
+
+
+def write_tiny_llama_gguf(path: Path, quantize_ffn: bool = True, arch: str = "llama") -> dict:
+    tokens, scores, types = tiny_vocab()
+    weights = hf_tiny_weights(len(tokens))
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(TINY["hidden"])
+    writer.add_block_count(TINY["layers"])
+    writer.add_feed_forward_length(TINY["inter"])
+    writer.add_head_count(TINY["heads"])
+    writer.add_head_count_kv(TINY["kv_heads"])
+    writer.add_rope_dimension_count(TINY["hidden"] // TINY["heads"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    for name, value in weights.items():
+        stored = value
+        if ".q_proj." in name:
+            stored = llama_cpp_permute(value, TINY["heads"])
+        elif ".k_proj." in name:
+            stored = llama_cpp_permute(value, TINY["kv_heads"])
+        if quantize_ffn and ".mlp." in name:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(
+                gguf_name(name),
+                gguf.quants.quantize(stored, kind),
+                raw_dtype=kind,
+            )
+        else:
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(stored))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TOKENPIPE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "gguf"
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    path = tmp_path / "tiny-llama.gguf"
+    return path, write_tiny_llama_gguf(path)
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    weight = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    for heads in (1, 2, 8):
+        assert np.array_equal(unpermute_rows(llama_cpp_permute(weight, heads), heads), weight)
+
+
+def test_tiny_llama_recovers_the_hf_weights(tiny_gguf, cache: Path) -> None:
+    path, weights = tiny_gguf
+    directory = convert_gguf(path, progress=False)
+    assert directory.parent == cache
+    ours = dict(open_checkpoint(directory).iter_tensors())
+    assert set(ours) == set(weights)
+    for name, value in weights.items():
+        if ".mlp." in name:  # Q8_0: equal up to the quantization step
+            assert np.allclose(ours[name].numpy(), value, atol=2e-3), name
+        else:  # F32: exact, including the un-permuted q/k rows
+            assert np.array_equal(ours[name].numpy(), value), name
+    config = json.loads((directory / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+    assert config["tie_word_embeddings"] is False and config["head_dim"] == 16
+
+
+@pytest.mark.slow
+def test_tiny_llama_matches_transformers(tiny_gguf, cache: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path, _ = tiny_gguf
+    directory = convert_gguf(path, progress=False)
+    hf_config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
+    expected = load_gguf_checkpoint(
+        str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+    )["tensors"]
+    ours = dict(open_checkpoint(directory).iter_tensors())
+    assert set(ours) == set(expected)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, expected[name]), name
+    config = json.loads((directory / "config.json").read_text())
+    theirs = hf_config.to_dict()
+    for key in [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ]:
+        assert config[key] == theirs[key], key
+    assert config["rope_theta"] == theirs["rope_parameters"]["rope_theta"]
+
+    from worker.tokenizer import Tokenizer
+
+    checkpoint = open_checkpoint(directory)
+    assert checkpoint.tokenizer_path is not None
+    ours_tok = Tokenizer.from_file(
+        checkpoint.tokenizer_path,
+        checkpoint.tokenizer_config,
+        checkpoint.generation_config,
+        checkpoint.config,
+    )
+    theirs_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in ["hello world", "hello", " hello  world", "xy 12 é", "wörld ☃", "</s> x"]:
+        assert ours_tok.prefix_ids + ours_tok.encode(text) == theirs_tok(text)["input_ids"], text
+    assert ours_tok.bos_id == 1 and ours_tok.eos_ids == frozenset({2})
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache
+
+
+def test_cache_is_reused_and_keyed_by_identity(tiny_gguf, cache: Path) -> None:
+    path, _ = tiny_gguf
+    first = convert_gguf(path, progress=False)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert convert_gguf(path, progress=False) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    second = convert_gguf(path, progress=False)
+    assert second != first and second.is_dir()
+    bf16 = convert_gguf(path, dtype=torch.bfloat16, progress=False)
+    assert bf16 not in (first, second)
+    assert read_safetensors_header(bf16 / "model.safetensors")["lm_head.weight"].dtype == "BF16"
+    leftovers = [p.name for p in cache.iterdir() if p.name.startswith(".") and p.is_dir()]
+    assert leftovers == []
+    assert cache_root() == cache
+
+
+def test_failed_conversion_leaves_no_cache_directory(tmp_path: Path, cache: Path) -> None:
+    path = tmp_path / "tiny-other.gguf"
+    write_tiny_llama_gguf(path, arch="mamba")
+    with pytest.raises(ModelLoadError, match="'mamba' is not supported; supported: gemma3, llama"):
+        convert_gguf(path, progress=False)
+    assert not any(p.is_dir() for p in cache.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# Corrupt files
+
+
+def test_truncated_gguf(tiny_gguf, cache: Path) -> None:
+    path, _ = tiny_gguf
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ModelLoadError, match="truncated|corrupt"):
+        convert_gguf(path, progress=False)
+    path.write_bytes(data[:100])  # inside the metadata
+    with pytest.raises(ModelLoadError, match="corrupt or truncated GGUF"):
+        convert_gguf(path, progress=False)
+
+
+def test_bad_magic_and_bit_flipped_header(tiny_gguf, cache: Path) -> None:
+    path, _ = tiny_gguf
+    data = bytearray(path.read_bytes())
+    flipped = bytearray(data)
+    flipped[0] ^= 0x01
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        convert_gguf(path, progress=False)
+    flipped = bytearray(data)
+    flipped[16 + 7] ^= 0x40  # the high byte of the metadata count: absurdly many keys
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(ModelLoadError, match="corrupt or truncated GGUF"):
+        convert_gguf(path, progress=False)
+
+
+def test_missing_gguf(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        convert_gguf(tmp_path / "nope.gguf", progress=False)

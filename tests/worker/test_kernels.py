@@ -1,0 +1,236 @@
+"""Decode-attention kernels: the torch reference against plain attention over an explicit
+token history, and the Triton kernels (CUDA, or Triton's CPU interpreter) against the
+reference. The Triton half skips when triton is not importable."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    # Triton's CPU interpreter: must be chosen before triton (and its @jit library) imports
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from worker.kernels.reference import (
+    decode_attention_reference,
+    entry_positions,
+    store_kv_reference,
+)
+
+torch.set_num_threads(2)
+
+
+def _history_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int, scale: float
+) -> torch.Tensor:
+    """Plain attention of one query (at the last position) over the whole history.
+
+    q: [Hq, D]; keys, values: [T, Hkv, D] -> [Hq, D] float64."""
+    t_len = keys.shape[0]
+    q_heads, kv_heads = q.shape[0], keys.shape[1]
+    group = q_heads // kv_heads
+    first = max(0, t_len - window) if window else 0
+    k = keys[first:].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+    v = values[first:].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,nhd->hn", q.double(), k) * scale
+    return torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
+
+
+def test_entry_positions_ring_and_full() -> None:
+    lens = torch.tensor([0, 3, 5, 12])
+    pos = entry_positions(lens, 5)
+    assert pos[0].lt(0).all()
+    assert pos[1].tolist()[:3] == [0, 1, 2] and pos[1, 3:].lt(0).all()
+    assert pos[2].tolist() == [0, 1, 2, 3, 4]
+    assert pos[3].tolist() == [10, 11, 7, 8, 9]  # positions 7..11 live at p % 5
+
+
+@pytest.mark.parametrize("window,capacity", [(0, 40), (6, 6), (6, 9)])
+def test_reference_matches_attention_over_history(window: int, capacity: int) -> None:
+    gen = torch.Generator().manual_seed(window * 100 + capacity)
+    slots_total, kv_heads, q_heads, dim = 3, 2, 4, 8
+    k_cache = torch.randn(slots_total, kv_heads, capacity, dim, generator=gen)  # garbage
+    v_cache = torch.randn(slots_total, kv_heads, capacity, dim, generator=gen)
+    lengths = {2: 1, 0: 4, 1: 23 if window else 30}  # slot -> tokens
+    history = {}
+    for slot, length in lengths.items():
+        keys = torch.randn(length, kv_heads, dim, generator=gen)
+        values = torch.randn(length, kv_heads, dim, generator=gen)
+        history[slot] = (keys, values)
+        for p in range(length):  # one token at a time, as decode stores them
+            store_kv_reference(
+                k_cache, v_cache, keys[p : p + 1], values[p : p + 1],
+                torch.tensor([slot]), torch.tensor([p]),
+            )  # fmt: skip
+    rows = [1, 2, 0]
+    q = torch.randn(len(rows), q_heads, dim, generator=gen)
+    out = decode_attention_reference(
+        q, k_cache, v_cache, torch.tensor(rows), torch.tensor([lengths[s] for s in rows]),
+        sm_scale=0.3, window=window,
+    )  # fmt: skip
+    for i, slot in enumerate(rows):
+        want = _history_attention(q[i], *history[slot], window=window, scale=0.3)
+        torch.testing.assert_close(out[i].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_padding_rows_are_zero_and_store_skips_them() -> None:
+    k_cache = torch.randn(2, 1, 4, 8)
+    v_cache = torch.randn(2, 1, 4, 8)
+    before = k_cache.clone()
+    store_kv_reference(
+        k_cache, v_cache, torch.ones(2, 1, 8), torch.ones(2, 1, 8),
+        torch.tensor([-1, 1]), torch.tensor([0, 5]),
+    )  # fmt: skip
+    assert torch.equal(k_cache[0], before[0])
+    assert torch.equal(k_cache[1, 0, 1], torch.ones(8))  # position 5 -> entry 1
+    assert torch.equal(k_cache[1, 0, 0], before[1, 0, 0])
+    out = decode_attention_reference(
+        torch.randn(2, 2, 8), k_cache, v_cache, torch.tensor([-1, 0]), torch.tensor([0, 3]),
+        sm_scale=1.0,
+    )  # fmt: skip
+    assert torch.equal(out[0], torch.zeros(2, 8))
+    assert out[1].abs().sum() > 0 and torch.isfinite(out).all()
+
+
+# --------------------------------------------------------------------------- Triton
+
+
+@pytest.fixture(scope="module")
+def triton_kernels() -> ModuleType:
+    """worker.kernels.decode_attention, compiled for CUDA or run by Triton's interpreter."""
+    pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not torch.cuda.is_available() and not isinstance(tl.zeros, InterpretedFunction):
+        pytest.skip("no CUDA, and triton was imported before TRITON_INTERPRET could be set")
+    return importlib.import_module("worker.kernels.decode_attention")
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+CASES = [
+    # q_heads, kv_heads, dim, capacity, window, lens, num_splits, dtype
+    (4, 2, 16, 48, 0, [0, 1, 17, 48], 1, torch.float32),
+    (8, 1, 32, 70, 0, [70, 5, 0], 3, torch.float32),  # GQA 8 (the 31B full layers)
+    (4, 2, 16, 20, 16, [3, 19, 20, 21, 57], 2, torch.float32),  # ring R > W, wrapped
+    (2, 2, 32, 16, 16, [40, 16, 9], 4, torch.bfloat16),  # ring R == W, MHA
+    (2, 1, 256, 40, 0, [33, 1], 2, torch.bfloat16),  # the 31B sliding head_dim
+    (8, 1, 512, 24, 0, [24, 7], 2, torch.bfloat16),  # the 31B full head_dim
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_triton_decode_attention_matches_reference(triton_kernels: ModuleType, case: tuple) -> None:
+    q_heads, kv_heads, dim, capacity, window, lens, num_splits, dtype = case
+    device = _device()
+    gen = torch.Generator().manual_seed(sum(lens) + dim)
+    batch, pool_slots = len(lens), len(lens) + 2
+    q = torch.randn(batch, q_heads, dim, generator=gen).to(device, dtype)
+    # the pool as [slots, capacity, heads, dim] storage viewed [slots, heads, capacity, dim]:
+    # the kernel must follow strides, not assume contiguity
+    k_store = torch.randn(pool_slots, capacity, kv_heads, dim, generator=gen).to(device, dtype)
+    v_store = torch.randn(pool_slots, capacity, kv_heads, dim, generator=gen).to(device, dtype)
+    k_cache, v_cache = k_store.transpose(1, 2), v_store.transpose(1, 2)
+    slots = torch.randperm(pool_slots, generator=gen)[:batch]
+    slots = torch.where(torch.tensor(lens) == 0, -1, slots).to(device)
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+    got = triton_kernels.decode_attention_triton(
+        q, k_cache, v_cache, slots, lens_t, sm_scale=dim**-0.5, window=window,
+        num_splits=num_splits,
+    )  # fmt: skip
+    want = decode_attention_reference(
+        q, k_cache, v_cache, slots, lens_t, sm_scale=dim**-0.5, window=window
+    )
+    assert got.shape == want.shape and got.dtype == dtype
+    assert torch.isfinite(got).all()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for row, length in enumerate(lens):
+        if length == 0:
+            assert torch.equal(got[row].float().cpu(), torch.zeros(q_heads, dim))
+
+
+def test_triton_store_kv_matches_reference(triton_kernels: ModuleType) -> None:
+    device = _device()
+    gen = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(4, 2, 6, 16, generator=gen).to(device, torch.bfloat16)
+    v_cache = torch.randn(4, 2, 6, 16, generator=gen).to(device, torch.bfloat16)
+    k = torch.randn(3, 2, 16, generator=gen).to(device, torch.bfloat16)
+    v = torch.randn(3, 2, 16, generator=gen).to(device, torch.bfloat16)
+    slots = torch.tensor([2, -1, 0], device=device)
+    positions = torch.tensor([13, 4, 0], device=device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    store_kv_reference(want_k, want_v, k, v, slots, positions)
+    triton_kernels.store_kv_triton(k_cache, v_cache, k, v, slots, positions)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert not torch.equal(want_k, k_cache.new_zeros(k_cache.shape))
+
+
+def test_choose_num_splits_fills_the_chip(triton_kernels: ModuleType) -> None:
+    choose = triton_kernels.choose_num_splits
+    assert choose(1, 4, 8192, 132) == 32  # batch 1, 31B full layer: 128 programs -> 2 per SM
+    assert choose(64, 16, 1040, 132) == 1  # big batch: the grid is already full
+    assert choose(1, 4, 100, 132) == 1  # short capacity: no split below 256 entries
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _draw(logits: torch.Tensor, rows: list, counters: list[int]) -> torch.Tensor:
+    from worker.kernels.batched_sampling import sample_rows, sampling_tensors
+
+    return sample_rows(logits, *sampling_tensors(rows, counters, logits.device))
+
+
+def test_batched_sampling_draws_from_the_filtered_distribution() -> None:
+    from worker.kernels.batched_sampling import RowSampling
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 40, generator=gen) * 2
+    rows = [
+        RowSampling(),  # greedy
+        RowSampling(temperature=1.0, seed=5),
+        RowSampling(temperature=1.0, top_k=3, seed=6),
+        RowSampling(temperature=0.5, top_p=0.5, min_p=0.2, seed=7),
+    ]
+    draws = 3000  # all draws in one batch: row r repeated, counter = draw number
+    ids = _draw(logits.repeat(draws, 1), rows * draws, [i // 4 for i in range(4 * draws)])
+    counts = torch.zeros(4, 40)
+    counts.index_put_((torch.arange(4).repeat(draws), ids), torch.ones(4 * draws), accumulate=True)
+    assert counts[0, logits[0].argmax()] == draws
+    freq = counts[1] / draws
+    assert (freq - torch.softmax(logits[1], -1)).abs().max() < 0.03
+    top3 = set(torch.topk(logits[2], 3).indices.tolist())
+    assert set(counts[2].nonzero().flatten().tolist()) == top3
+    want = torch.softmax(logits[2], -1)[list(top3)]
+    got = counts[2, list(top3)] / draws
+    assert (got - want / want.sum()).abs().max() < 0.03
+    # row 3: scaled probs p; keep p >= 0.2 p_max, then the top-p 0.5 nucleus
+    probs = torch.softmax(logits[3] / 0.5, -1)
+    kept = probs >= 0.2 * probs.max()
+    sorted_p, order = torch.sort(torch.where(kept, probs, 0.0), descending=True)
+    sorted_p = sorted_p / sorted_p.sum()
+    nucleus = order[(torch.cumsum(sorted_p, 0) - sorted_p) < 0.5]
+    assert set(counts[3].nonzero().flatten().tolist()) == set(nucleus.tolist())
+
+
+def test_batched_sampling_row_independent_of_its_batch() -> None:
+    from worker.kernels.batched_sampling import RowSampling
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 1000, generator=gen)
+    row = RowSampling(temperature=1.0, top_p=0.95, seed=1234)
+    together = _draw(logits, [RowSampling(1.0, seed=9), row, RowSampling()], [4, 17, 2])
+    alone = _draw(logits[1:2], [row], [17])
+    assert together[1] == alone[0]
+    # another counter or seed draws differently at least sometimes
+    other = [_draw(logits[1:2], [row], [c])[0].item() for c in range(20)]
+    assert len(set(other)) > 1

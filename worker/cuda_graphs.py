@@ -1,0 +1,303 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step (every sequence adds one token) has static shapes once the batch is padded to
+a bucket (1, 2, 4, ... 64), so it is captured once per bucket and replayed: one launch per
+step instead of thousands. Inputs live in static device buffers; padded rows have slot -1
+(nothing is stored, attention returns zeros) and their outputs are ignored.
+
+The step is the model's own layers with attention through `FusedDecodePlan`, which stands in
+for `worker.models.attention.AttentionPlan` and calls the kernels of `worker.kernels.attention`
+(store the new K/V at `position % capacity` of the slot, then split-KV decode attention read
+in place from the pool). `decode_logits` mirrors `CausalLM.forward` for that case.
+
+Two entry points:
+- `GraphedCausalLM(model)`: a drop-in for the model object. `make_kv_cache` also builds the
+  runner; `model(step, kv)` replays a graph when every sequence decodes one token, and runs
+  the eager model otherwise (prefill, mixed steps, batches above the largest bucket).
+- `DecodeGraphRunner.decode(...)`: the same step with sampling inside the graph
+  (`worker.kernels.batched_sampling`); only the sampled ids come back, one sync per step.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker.kernels.attention import decode_attention, store_kv
+from worker.kernels.batched_sampling import RowSampling, sample_rows
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket_for(batch: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int | None:
+    """The smallest bucket >= batch, or None when the batch is larger than all (pure)."""
+    for size in sorted(buckets):
+        if size >= batch:
+            return size
+    return None
+
+
+class FusedDecodePlan:
+    """Tensor-only attention plan of a decode step: row b adds the token at `positions[b]`
+    to slot `slots[b]` (-1: padding). Everything stays on the device."""
+
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        self.slots = slots  # [B] int64
+        self.positions = positions  # [B] int64
+        self.lens = torch.where(slots >= 0, positions + 1, 0)  # [B] tokens after the write
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, scale: float
+    ) -> torch.Tensor:
+        """q [B, H, D]; k, v [B, KVH, D]; cache: a worker.models.kv.LayerCache."""
+        store_kv(cache.k, cache.v, k.contiguous(), v.contiguous(), self.slots, self.positions)
+        return decode_attention(
+            q.contiguous(), cache.k, cache.v, self.slots, self.lens,
+            sm_scale=scale, window=cache.window or 0,
+        )  # fmt: skip
+
+
+def attend_with_fused_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, plan: Any, scale: float
+) -> torch.Tensor:
+    """`worker.models.attention.attend`, plus the FusedDecodePlan case."""
+    if isinstance(plan, FusedDecodePlan):
+        return plan.attend(q, k, v, cache, scale)
+    from worker.models.attention import attend
+
+    return attend(q, k, v, cache, plan, scale)
+
+
+def install_fused_decode_hook() -> None:
+    """Route the layers' attention through `attend_with_fused_decode` (idempotent).
+
+    Interim: the permanent form is one line at the top of
+    `worker.models.attention.attend`: `if hasattr(plan, "attend"): return plan.attend(q, k,
+    v, cache, scale)`; this function is then a no-op in effect.
+    """
+    import worker.models.layers as layers
+
+    if layers.attend is not attend_with_fused_decode:
+        layers.attend = attend_with_fused_decode
+
+
+@torch.no_grad()
+def decode_logits(
+    model: Any, kv: Any, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """`CausalLM.forward` for one new token per row, tensors only (capturable).
+
+    input_ids, positions, slots: [B] int64 on the model's device -> [B, vocab] float32.
+    """
+    plan = FusedDecodePlan(slots, positions)
+    x = model.model.embed_tokens(input_ids)  # [B, hidden]
+    if model.embed_scale is not None:
+        x = x * torch.tensor(model.embed_scale, dtype=x.dtype)
+    tables = {key: rot.cos_sin(positions, x.dtype) for key, rot in model._rotaries.items()}
+    for layer, rope_key, cache in zip(model.model.layers, model._rope_keys, kv.layers, strict=True):
+        x = layer(x, tables[rope_key], cache, plan)
+    last = model.model.norm(x)
+    weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    logits = F.linear(last, weight).float()  # [B, vocab]
+    cap = model.config.final_logit_softcapping
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+class DecodeGraphRunner:
+    """Static buffers and one captured decode graph per bucket (eager when `use_graphs` is
+    false: the same code path without capture, for CPU tests)."""
+
+    def __init__(
+        self,
+        model: Any,
+        kv: Any,
+        max_batch: int,
+        *,
+        use_graphs: bool | None = None,
+        buckets: Sequence[int] = BATCH_BUCKETS,
+    ) -> None:
+        install_fused_decode_hook()
+        self.model, self.kv = model, kv
+        self.device = model.device
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.buckets = tuple(b for b in sorted(buckets) if b <= max(max_batch, 1))
+        if not self.buckets or self.buckets[-1] < max_batch:
+            self.buckets += (bucket_for(max_batch, buckets) or max_batch,)
+        size = self.buckets[-1]
+        dev = self.device
+        # static inputs: [size]; rows past the live batch are padding
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.slots = torch.full((size,), -1, dtype=torch.int64, device=dev)
+        self.temperature = torch.zeros(size, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(size, dtype=torch.float32, device=dev)
+        self.min_p = torch.zeros(size, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.seeds = torch.zeros(size, dtype=torch.int64, device=dev)
+        pin = self.device.type == "cuda"
+        # host staging, one copy per step: ints [4, size] (positions, slots, top_k, seeds),
+        # floats [3, size] (temperature, top_p, min_p)
+        self._host_ints = torch.zeros((4, size), dtype=torch.int64, pin_memory=pin)
+        self._host_floats = torch.zeros((3, size), dtype=torch.float32, pin_memory=pin)
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pool: Any = None
+
+    # -- capture ---------------------------------------------------------------------------
+
+    def _body(self, size: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = decode_logits(
+            self.model, self.kv, self.input_ids[:size], self.positions[:size], self.slots[:size]
+        )
+        if sample:
+            ids = sample_rows(
+                logits, self.temperature[:size], self.top_k[:size], self.top_p[:size],
+                self.min_p[:size], self.seeds[:size], self.positions[:size],
+            )  # fmt: skip
+        else:
+            ids = torch.argmax(logits, dim=-1)
+        return logits, ids
+
+    def capture(self, sample: bool = False, sizes: Sequence[int] | None = None) -> None:
+        """Capture the graphs of `sizes` (default: every bucket), largest first so the
+        smaller ones reuse its memory pool. Inputs are reset to padding first."""
+        if not self.use_graphs:
+            return
+        self.slots.fill_(-1)
+        self.input_ids.zero_()
+        self.positions.zero_()
+        for size in sorted(sizes or self.buckets, reverse=True):
+            key = (size, sample)
+            if key in self._graphs:
+                continue
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                self._body(size, sample)  # warm-up: lazy tables, Triton compile, cuBLAS
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+                out = self._body(size, sample)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[key] = graph
+            self._outputs[key] = out
+        torch.cuda.synchronize(self.device)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def _load(
+        self,
+        input_ids: torch.Tensor,
+        positions: Sequence[int],
+        slots: Sequence[int],
+        rows: Sequence[RowSampling] | None,
+    ) -> int:
+        batch = len(slots)
+        size = bucket_for(batch, self.buckets)
+        if size is None:
+            raise ValueError(f"batch {batch} exceeds the largest bucket {self.buckets[-1]}")
+        ints, floats = self._host_ints, self._host_floats
+        ints[:, :size].zero_()
+        ints[1, :size] = -1
+        ints[0, :batch] = torch.as_tensor(positions, dtype=torch.int64)
+        ints[1, :batch] = torch.as_tensor(slots, dtype=torch.int64)
+        if rows is not None:
+            floats[:, :size] = torch.tensor([[0.0], [1.0], [0.0]])
+            floats[:, :batch] = torch.tensor(
+                [[r.temperature, r.top_p, r.min_p] for r in rows], dtype=torch.float32
+            ).T
+            ints[2, :batch] = torch.as_tensor([r.top_k for r in rows], dtype=torch.int64)
+            ints[3, :batch] = torch.as_tensor([r.seed for r in rows], dtype=torch.int64)
+        dev_ints = ints.to(self.device, non_blocking=True)[:, :size]
+        self.positions[:size].copy_(dev_ints[0])
+        self.slots[:size].copy_(dev_ints[1])
+        if rows is not None:
+            dev_floats = floats.to(self.device, non_blocking=True)[:, :size]
+            self.top_k[:size].copy_(dev_ints[2])
+            self.seeds[:size].copy_(dev_ints[3])
+            self.temperature[:size].copy_(dev_floats[0])
+            self.top_p[:size].copy_(dev_floats[1])
+            self.min_p[:size].copy_(dev_floats[2])
+        self.input_ids[batch:size].zero_()
+        self.input_ids[:batch].copy_(input_ids.to(self.device, non_blocking=True))
+        return size
+
+    def _run(self, size: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (size, sample)
+        if not self.use_graphs:
+            with torch.inference_mode():
+                return self._body(size, sample)
+        if key not in self._graphs:
+            print(f"cuda_graphs: capturing decode bucket {size} (sample={sample})",
+                  file=sys.stderr)  # fmt: skip
+            self.capture(sample, [size])
+        self._graphs[key].replay()
+        return self._outputs[key]
+
+    def logits(self, step: Any) -> torch.Tensor:
+        """[B, vocab] float32 logits of a decode-only StepInput (a view of a static buffer:
+        valid until the next step)."""
+        size = self._load(step.input_ids, step.cached_lens, step.slots, None)
+        logits, _ = self._run(size, sample=False)
+        return logits[: len(step.slots)]
+
+    def decode(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        positions: Sequence[int],
+        slots: Sequence[int],
+        rows: Sequence[RowSampling],
+    ) -> list[int]:
+        """Feed one token per sequence and return the sampled next ids (one host sync)."""
+        ids = torch.as_tensor(tokens, dtype=torch.int64)
+        sample = any(r.temperature > 0 and r.top_k != 1 for r in rows)
+        size = self._load(ids, positions, slots, rows if sample else None)
+        _, picked = self._run(size, sample)
+        return picked[: len(slots)].tolist()
+
+
+def is_decode_only(step: Any) -> bool:
+    """Every sequence of the step adds one token to a non-empty cache (pure)."""
+    return all(n == 1 for n in step.new_lens) and all(c > 0 for c in step.cached_lens)
+
+
+class GraphedCausalLM:
+    """The model object with decode steps served by a DecodeGraphRunner (see module doc).
+
+    Wiring (CUDA only): `loaded.model = GraphedCausalLM(loaded.model)` before the Engine is
+    built; everything else is delegated to the wrapped model.
+    """
+
+    def __init__(self, model: Any, *, use_graphs: bool | None = None, capture: bool = True):
+        self.inner = model
+        self.runner: DecodeGraphRunner | None = None
+        self._use_graphs = use_graphs
+        self._capture = capture
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def make_kv_cache(self, num_slots: int, max_context: int, **kwargs: Any) -> Any:
+        kv = self.inner.make_kv_cache(num_slots, max_context, **kwargs)
+        self.runner = DecodeGraphRunner(self.inner, kv, num_slots, use_graphs=self._use_graphs)
+        if self._capture:
+            self.runner.capture(sample=False)
+        return kv
+
+    def __call__(self, step: Any, kv: Any) -> torch.Tensor:
+        runner = self.runner
+        if (
+            runner is not None
+            and kv is runner.kv
+            and is_decode_only(step)
+            and bucket_for(len(step.slots), runner.buckets) is not None
+        ):
+            return runner.logits(step)
+        return self.inner(step, kv)

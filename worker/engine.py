@@ -1,0 +1,605 @@
+"""The engine: weights, the KV pool, sessions, and the batched token-step loop. No I/O.
+
+`submit(request)` takes a decoded request and returns the events it answers at once
+(ping, cancel errors, ...); everything else is queued. `step()` starts what the
+scheduler admits and runs at most one forward pass (every decoding sequence plus at most
+one prefill chunk), returning the events produced. `main.py` feeds and drains it.
+
+Token lifecycle of a generate: the prompt is prefilled in chunks; the forward that feeds
+the last prompt token yields logits, a token is sampled and streamed (unless it is an
+EOS id), and becomes `pending`; the next decode step feeds it. So the resident ids never
+hold the last sampled token (it is fed only if the request goes on), and a turn that ends
+by length leaves `prompt + generated[:-1]` resident.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from protocol import (
+    CancelRequest,
+    ClosedEvent,
+    CloseRequest,
+    DetokenizeRequest,
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    Event,
+    GenerateRequest,
+    InfoEvent,
+    InfoRequest,
+    OpenedEvent,
+    OpenRequest,
+    PingRequest,
+    PongEvent,
+    ReadyEvent,
+    Request,
+    RequestId,
+    ResetEvent,
+    ResetRequest,
+    ShutdownRequest,
+    StatsEvent,
+    StatsRequest,
+    TextEvent,
+    TokenEvent,
+    TokenizeRequest,
+    TokensEvent,
+)
+from worker.chat import PromptError, build_prompt
+from worker.faults import maybe_inject
+from worker.models.step import StepInput
+from worker.resume import NEW, ResumePlan, plan_resume
+from worker.sampling import SamplingParams, make_generator, sample
+from worker.scheduler import QueuedItem, RunningItem, plan_admission, plan_step
+from worker.session import Session, SessionPool
+from worker.text import TextStream
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings, validated once."""
+
+    max_sessions: int = 8
+    max_context: int = 4096
+    prefill_chunk: int = 512
+    warm_resume: bool = True
+    prefix_ids: tuple[int, ...] | None = None  # None: the tokenizer's own
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_context", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class _Queued:
+    key: int
+    request: Request | None
+    deferred_error: ErrorEvent | None = None  # a bad id-less line, answered in order
+    t_arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Active:
+    """A generate in flight. `prompt_ids[fed:]` is what prefill still has to feed."""
+
+    key: int
+    request: GenerateRequest
+    session: Session
+    prompt_ids: list[int]
+    fed: int  # index into prompt_ids of the next prompt token to feed
+    plan: ResumePlan
+    max_new: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_ids: frozenset[int]
+    text: TextStream
+    t_arrival: float  # when the request line was read (total_ms counts from here)
+    t_start: float  # when it was admitted (prefill_ms counts from here)
+    t_first: float | None = None
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None  # sampled, streamed, not yet fed
+    unreported_ids: list[int] = field(default_factory=list)  # ids behind held-back text
+    cancelled: bool = False
+
+    @property
+    def prefill_remaining(self) -> int:
+        return len(self.prompt_ids) - self.fed
+
+
+class Engine:
+    """One model, one device, many sessions. Single-threaded: call from one thread."""
+
+    def __init__(self, loaded: Any, config: EngineConfig, device: torch.device | str) -> None:
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.meta: dict[str, Any] = dict(getattr(loaded, "meta", None) or {})
+        self.config = config
+        self.device = torch.device(device)
+        self.kv = self.model.make_kv_cache(config.max_sessions, config.max_context)
+        self.pool = SessionPool(config.max_sessions)
+        self.prefix_ids = list(
+            config.prefix_ids if config.prefix_ids is not None else self.tokenizer.prefix_ids
+        )
+        self.shutting_down = False
+        self._keys = itertools.count()
+        self._queue: list[_Queued] = []
+        self._active: list[_Active] = []  # arrival order
+        self._steps = 0
+        self._generated_tokens = 0
+
+    # ------------------------------------------------------------------ public surface
+
+    def ready_event(self) -> ReadyEvent:
+        return ReadyEvent(
+            max_sessions=self.config.max_sessions,
+            max_named_sessions=self.pool.max_named,
+            model=self.meta.get("model"),
+            architecture=getattr(self.model_config, "architecture", None),
+            context_length=self.config.max_context,
+            device=str(self.device),
+            protocol_version=1,
+        )
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self._active
+
+    def submit(self, request: Request) -> list[Event]:
+        """Take one decoded request; return the events that answer it right away."""
+        rid = request.id
+        if self.shutting_down:
+            return [_error(rid, "the worker is shutting down", ErrorCode.SHUTTING_DOWN)]
+        if isinstance(request, CancelRequest):
+            return self._cancel(request.id)
+        if rid is not None and self._in_flight(rid):
+            msg = f"a request with id {rid!r} is still in flight"
+            return [_error(rid, msg, ErrorCode.DUPLICATE_ID, op=request.op)]
+        if isinstance(request, ShutdownRequest) and rid is not None:
+            self.shutting_down = True
+            return []
+        immediate = (PingRequest, InfoRequest, StatsRequest, TokenizeRequest, DetokenizeRequest)
+        if rid is not None and isinstance(request, immediate):
+            try:
+                return self._run_op(request)
+            except Exception as exc:  # noqa: BLE001 - answer, keep serving
+                return [_error(rid, f"internal error: {exc!r}", ErrorCode.INTERNAL_ERROR)]
+        self._queue.append(_Queued(next(self._keys), request))
+        return []
+
+    def submit_error(self, error: ErrorEvent) -> list[Event]:
+        """A line that failed to decode: answered now if it has an id, else in order."""
+        if error.id is not None:
+            return [error]
+        self._queue.append(_Queued(next(self._keys), None, deferred_error=error))
+        return []
+
+    def step(self) -> list[Event]:
+        """Start what may start, then run at most one forward pass."""
+        events: list[Event] = []
+        for active in [a for a in self._active if a.cancelled]:
+            events.extend(self._finish(active, "cancelled"))
+        self._admit(events)
+        plan = plan_step(
+            [
+                RunningItem(a.key, a.session.name, a.request.id is None, a.prefill_remaining)
+                for a in self._active
+            ],
+            self.config.prefill_chunk,
+        )
+        if not plan.empty:
+            self._run_forward(plan.decode, plan.prefill, events)
+        return events
+
+    # ------------------------------------------------------------------------ admission
+
+    def _in_flight(self, rid: RequestId) -> bool:
+        return any(a.request.id == rid for a in self._active) or any(
+            q.request is not None and q.request.id == rid for q in self._queue
+        )
+
+    def _queued_item(self, q: _Queued) -> QueuedItem:
+        req = q.request
+        session = getattr(req, "session_id", None) or None
+        is_generate = isinstance(req, GenerateRequest)
+        if is_generate and session is None:
+            needs_slot = True
+        elif isinstance(req, (GenerateRequest, OpenRequest)) and session is not None:
+            needs_slot = self.pool.get(session) is None and self.pool.can_create_named()
+        else:
+            needs_slot = False
+        in_order = q.request is None or q.request.id is None
+        return QueuedItem(q.key, session, in_order, is_generate, needs_slot)
+
+    def _admit(self, events: list[Event]) -> None:
+        if not self._queue:
+            return
+        running = [
+            RunningItem(a.key, a.session.name, a.request.id is None, a.prefill_remaining)
+            for a in self._active
+        ]
+        admitted = set(
+            plan_admission(
+                [self._queued_item(q) for q in self._queue], running, self.pool.free_slots
+            )
+        )
+        if not admitted:
+            return
+        starting = [q for q in self._queue if q.key in admitted]
+        self._queue = [q for q in self._queue if q.key not in admitted]
+        for q in starting:
+            try:
+                if q.deferred_error is not None:
+                    events.append(q.deferred_error)
+                elif isinstance(q.request, GenerateRequest):
+                    events.extend(self._start_generate(q.key, q.request, q.t_arrival))
+                elif isinstance(q.request, ShutdownRequest):
+                    self.shutting_down = True
+                elif q.request is not None:
+                    events.extend(self._run_op(q.request))
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
+                rid = q.request.id if q.request is not None else None
+                events.append(_error(rid, f"internal error: {exc!r}", ErrorCode.INTERNAL_ERROR))
+
+    def _start_generate(self, key: int, req: GenerateRequest, t_arrival: float) -> list[Event]:
+        rid = req.id
+        name = req.session_id or None
+        if name is not None and self.pool.get(name) is None and not self.pool.can_create_named():
+            return [_capacity_error(rid, name, self.pool.max_named)]
+        try:
+            prompt_ids = build_prompt(
+                req, self.tokenizer, self.prefix_ids, self._vocab_size(), self.config.max_context
+            )
+        except PromptError as exc:
+            return [_error(rid, str(exc), exc.code, session_id=name)]
+        room = self.config.max_context - len(prompt_ids)
+        max_new = room if req.max_new_tokens < 0 else min(req.max_new_tokens, room)
+        if name is None:
+            session = self.pool.borrow()
+            plan = ResumePlan(0, NEW)
+        else:
+            session = self.pool.open_named(name)
+            plan = plan_resume(
+                session.resident_ids,
+                prompt_ids,
+                dirty=session.dirty,
+                warm_resume=self.config.warm_resume,
+                keepable_prefix=getattr(self.kv, "keepable_prefix", None),
+            )
+            if plan.keep == 0:
+                session.clear()
+            else:
+                del session.resident_ids[plan.keep :]
+        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.min_p, req.seed)
+        generator = None if params.greedy else make_generator(req.seed, self.device)
+        eos = frozenset(self.tokenizer.eos_ids) | frozenset(req.stop_token_ids)
+        self._active.append(
+            _Active(
+                key=key,
+                request=req,
+                session=session,
+                prompt_ids=prompt_ids,
+                fed=plan.keep,
+                plan=plan,
+                max_new=max_new,
+                params=params,
+                generator=generator,
+                eos_ids=eos,
+                text=TextStream(tuple(req.stop)),
+                t_arrival=t_arrival,
+                t_start=time.perf_counter(),
+            )
+        )
+        return []
+
+    # --------------------------------------------------------------------- the forward
+
+    def _run_forward(self, decode: Iterable[int], prefill: Any, events: list[Event]) -> None:
+        by_key = {a.key: a for a in self._active}
+        rows: list[tuple[_Active, list[int]]] = []
+        for key in decode:
+            a = by_key[key]
+            assert a.pending is not None
+            rows.append((a, [a.pending]))
+        if prefill is not None:
+            a = by_key[prefill.key]
+            rows.append((a, a.prompt_ids[a.fed : a.fed + prefill.length]))
+        flat: list[int] = []
+        positions: list[int] = []
+        for a, new in rows:
+            start = len(a.session.resident_ids)
+            flat.extend(new)
+            positions.extend(range(start, start + len(new)))
+        step = StepInput(
+            input_ids=torch.tensor(flat, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            slots=[a.session.slot for a, _ in rows],
+            cached_lens=[len(a.session.resident_ids) for a, _ in rows],
+            new_lens=[len(new) for _, new in rows],
+        )
+        # rows that sample: every decoder, and a prefill that feeds its last prompt token
+        sampling_rows = [
+            i
+            for i, (a, new) in enumerate(rows)
+            if a.pending is not None or (a.fed + len(new) == len(a.prompt_ids) and a.max_new > 0)
+        ]
+        try:
+            with torch.inference_mode():
+                maybe_inject("forward")  # fault injection for reliability tests (no-op)
+                logits = self.model(step, self.kv)  # [B, vocab] float32
+                sampled: list[int] = []
+                if sampling_rows:
+                    picked = logits[sampling_rows] if len(sampling_rows) < len(rows) else logits
+                    ids = sample(
+                        picked,
+                        [rows[i][0].params for i in sampling_rows],
+                        [rows[i][0].generator for i in sampling_rows],
+                    )
+                    sampled = ids.tolist()  # the one host sync of the step
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not us
+            code = ErrorCode.OUT_OF_MEMORY if _is_oom(exc) else ErrorCode.INTERNAL_ERROR
+            for a, _ in rows:
+                a.session.dirty = True
+                events.append(
+                    _error(a.request.id, f"step failed: {exc!r}", code, session_id=a.session.name)
+                )
+                self._release(a)
+            return
+        self._steps += 1
+        now = time.perf_counter()
+        for a, new in rows:  # the KV now holds the fed tokens
+            a.session.resident_ids.extend(new)
+            if a.pending is not None:
+                a.pending = None
+            else:
+                a.fed += len(new)
+        sampled_by_row = dict(zip(sampling_rows, sampled, strict=True))
+        for i, (a, _) in enumerate(rows):
+            if a.prefill_remaining > 0:
+                continue
+            if a.t_first is None:
+                a.t_first = now
+            if i in sampled_by_row:
+                events.extend(self._accept_token(a, sampled_by_row[i]))
+            else:  # max_new_tokens == 0: prefill only
+                events.extend(self._finish(a, "length"))
+
+    def _accept_token(self, a: _Active, token: int) -> list[Event]:
+        """Stream one sampled token; finish the request when it ends the turn."""
+        if token in a.eos_ids:
+            return self._finish(a, "stop")
+        self._generated_tokens += 1
+        a.generated.append(token)
+        a.unreported_ids.append(token)
+        out = a.text.push(self.tokenizer.token_bytes(token))
+        events: list[Event] = []
+        if out.text:
+            events.append(self._token_event(a, out.text))
+        if out.stopped:
+            a.session.dirty = True
+            events.extend(self._finish(a, "stop"))
+        elif len(a.generated) >= a.max_new:
+            events.extend(self._finish(a, "length"))
+        else:
+            a.pending = token
+        return events
+
+    def _token_event(self, a: _Active, text: str) -> TokenEvent:
+        ids = None
+        if a.request.return_token_ids:
+            ids, a.unreported_ids = a.unreported_ids, []
+        return TokenEvent(token=text, token_ids=ids, id=a.request.id)
+
+    def _finish(self, a: _Active, reason: str) -> list[Event]:
+        """End `a` with its `done` line; the session keeps exactly the fed tokens."""
+        events: list[Event] = []
+        stopped_before = a.text.stopped
+        tail = a.text.finish()
+        if tail.text or (a.request.return_token_ids and a.unreported_ids and not tail.stopped):
+            events.append(self._token_event(a, tail.text))
+        if tail.stopped and not stopped_before:
+            a.session.dirty = True
+            reason = "stop"
+        now = time.perf_counter()
+        t_first = a.t_first if a.t_first is not None else now
+        prefill_s = t_first - a.t_start
+        decode_s = now - t_first
+        prefilled = a.fed - a.plan.keep
+        n = len(a.generated)
+        trimmed = a.text.stopped
+        req = a.request
+        done = DoneEvent(
+            id=req.id,
+            prompt_tokens=len(a.prompt_ids),
+            completion_tokens=n,
+            finish_reason=reason,  # type: ignore[arg-type]
+            reused_prompt_tokens=a.plan.keep,
+            prefilled_prompt_tokens=prefilled,
+            session_reset_reason=a.plan.reason,  # type: ignore[arg-type]
+            prefill_ms=round(prefill_s * 1000, 3),
+            decode_ms=round(decode_s * 1000, 3),
+            total_ms=round((now - a.t_arrival) * 1000, 3),
+            prefill_tok_s=round(prefilled / prefill_s, 3) if prefill_s > 0 else 0.0,
+            decode_tok_s=round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else 0.0,
+            generated_token_ids=None if trimmed else list(a.generated),
+            session_id=a.session.name,
+            resident_keep=a.plan.keep if req.return_resident else None,
+            resident_append=(
+                a.session.resident_ids[a.plan.keep :] if req.return_resident else None
+            ),
+        )
+        events.append(done)
+        self._release(a)
+        return events
+
+    def _release(self, a: _Active) -> None:
+        self._active.remove(a)
+        if a.session.name is None:
+            self.pool.give_back(a.session)
+
+    # ------------------------------------------------------------------ other requests
+
+    def _cancel(self, rid: RequestId) -> list[Event]:
+        for a in self._active:
+            if a.request.id == rid:
+                a.cancelled = True  # ends at the next step boundary
+                return []
+        for q in self._queue:
+            if (
+                q.request is not None
+                and q.request.id == rid
+                and isinstance(q.request, GenerateRequest)
+            ):
+                self._queue.remove(q)
+                session = self.pool.get(q.request.session_id or "")
+                kept = len(session.resident_ids) if session is not None else 0
+                return [_unstarted_done(q.request, kept)]
+        return [
+            _error(
+                rid, f"no request with id {rid!r} is in flight", ErrorCode.UNKNOWN_ID, op="cancel"
+            )
+        ]
+
+    def _run_op(self, req: Request) -> list[Event]:
+        rid = req.id
+        if isinstance(req, PingRequest):
+            return [PongEvent(id=rid)]
+        if isinstance(req, InfoRequest):
+            return [InfoEvent(info=self.info(), id=rid)]
+        if isinstance(req, StatsRequest):
+            return [StatsEvent(stats=self.stats(), id=rid)]
+        if isinstance(req, TokenizeRequest):
+            ids = self.tokenizer.encode(req.text)
+            return [TokensEvent(tokens=(self.prefix_ids + ids) if req.add_prefix else ids, id=rid)]
+        if isinstance(req, DetokenizeRequest):
+            bad = [i for i in req.ids if i >= self._vocab_size()]
+            if bad:
+                return [
+                    _error(
+                        rid,
+                        f"token id {bad[0]} is not below the vocabulary size {self._vocab_size()}",
+                        ErrorCode.INVALID_TOKEN_ID,
+                        op=req.op,
+                    )
+                ]
+            return [TextEvent(text=self.tokenizer.decode(req.ids), id=rid)]
+        if isinstance(req, OpenRequest):
+            name = req.session_id
+            if self.pool.get(name) is None and not self.pool.can_create_named():
+                return [_capacity_error(rid, name, self.pool.max_named, op="open")]
+            self.pool.open_named(name)
+            return [OpenedEvent(session_id=name, id=rid)]
+        if isinstance(req, CloseRequest):
+            self.pool.close_named(req.session_id)
+            return [ClosedEvent(session_id=req.session_id, id=rid)]
+        if isinstance(req, ResetRequest):
+            session = self.pool.get(req.session_id)
+            if session is not None:
+                session.clear()
+            return [ResetEvent(session_id=req.session_id, id=rid)]
+        return [_error(rid, f"op {req.op!r} is not handled here", ErrorCode.INVALID_REQUEST)]
+
+    def _vocab_size(self) -> int:
+        return int(self.tokenizer.vocab_size)
+
+    def info(self) -> dict[str, Any]:
+        tok = self.tokenizer
+        param = next(iter(self.model.parameters()), None)
+        return {
+            **self.meta,
+            "model": self.meta.get("model"),
+            "architecture": getattr(self.model_config, "architecture", None),
+            "context_length": self.config.max_context,
+            "model_context_length": getattr(self.model_config, "context_length", None),
+            "vocab_size": self._vocab_size(),
+            "bos_id": tok.bos_id,
+            "eos_ids": sorted(tok.eos_ids),
+            "prefix_ids": list(self.prefix_ids),
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "chat_template": tok.chat_template,
+            "max_sessions": self.config.max_sessions,
+            "max_named_sessions": self.pool.max_named,
+            "bytes_per_session": int(getattr(self.kv, "bytes_per_slot", 0)),
+            "prefill_chunk": self.config.prefill_chunk,
+            "warm_resume": self.config.warm_resume,
+            "device": str(self.device),
+            "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        import psutil
+
+        return {
+            "active_requests": len(self._active),
+            "queued_requests": len(self._queue),
+            "sessions": len(self.pool.named),
+            "session_ids": sorted(self.pool.named),
+            "free_slots": self.pool.free_slots,
+            "max_sessions": self.config.max_sessions,
+            "steps": self._steps,
+            "generated_tokens": self._generated_tokens,
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "requests": [
+                {
+                    "id": a.request.id,
+                    "session_id": a.session.name,
+                    "prompt_tokens": len(a.prompt_ids),
+                    "fed_prompt_tokens": a.fed,
+                    "completion_tokens": len(a.generated),
+                }
+                for a in self._active
+            ],
+        }
+
+
+def _error(
+    rid: RequestId | None,
+    message: str,
+    code: str,
+    *,
+    op: str | None = None,
+    session_id: str | None = None,
+) -> ErrorEvent:
+    return ErrorEvent(error=message, code=code, op=op, session_id=session_id, id=rid)
+
+
+def _capacity_error(
+    rid: RequestId | None, name: str, max_named: int, op: str | None = None
+) -> ErrorEvent:
+    msg = f"all {max_named} named session slots are taken; close one first"
+    return _error(rid, msg, ErrorCode.CAPACITY_EXHAUSTED, op=op, session_id=name)
+
+
+def _unstarted_done(req: GenerateRequest, kept: int) -> DoneEvent:
+    """`done` of a generate cancelled while still queued: nothing was fed or generated."""
+    resident = req.return_resident
+    return DoneEvent(
+        id=req.id,
+        prompt_tokens=0,
+        completion_tokens=0,
+        finish_reason="cancelled",
+        reused_prompt_tokens=0,
+        prefilled_prompt_tokens=0,
+        session_reset_reason=NEW,
+        prefill_ms=0.0,
+        decode_ms=0.0,
+        total_ms=0.0,
+        prefill_tok_s=0.0,
+        decode_tok_s=0.0,
+        generated_token_ids=[],
+        session_id=req.session_id or None,
+        resident_keep=kept if resident else None,
+        resident_append=[] if resident else None,
+    )
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "out of memory" in str(exc)

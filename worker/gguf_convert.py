@@ -1,0 +1,588 @@
+"""GGUF file -> a cached directory in Hugging Face layout.
+
+The first load of a `.gguf` reads it with the `gguf` package, dequantizes every tensor to the
+storage dtype, renames it to its Hugging Face name (undoing llama.cpp's changes: the Q/K row
+permutation of llama, Gemma's norm weights stored as 1+w), rebuilds the tokenizer from the GGUF
+vocabulary, and writes
+
+    <cache>/gguf/<stem>-<key>-<dtype>/
+        model.safetensors (or shards + model.safetensors.index.json)
+        config.json               the config transformers builds from this GGUF
+        tokenizer.json            a `tokenizers` Tokenizer rebuilt from the vocabulary
+        tokenizer_config.json     BOS/EOS/add-BOS and `tokenizer.chat_template`
+        generation_config.json    EOS ids
+        gguf_source.json          where it came from
+
+`<key>` hashes the file's size, modification time and its first bytes (the header), so a
+changed file converts again. The directory is written under a temporary name and renamed into
+place, so a crash never leaves a half-written cache behind; a lock file keeps two processes
+from converting the same file at once. Later loads read the directory like any checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.checkpoint import TORCH_TO_SAFETENSORS, ModelLoadError
+
+CONVERTER_VERSION = 2
+HEADER_HASH_BYTES = 16 * 1024 * 1024
+MAX_SHARD_BYTES = 4 * 1024**3
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama")
+
+# GGUF token types (llama.cpp's llama_token_type)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Cache location and identity
+
+
+def cache_root() -> Path:
+    """`$TOKENPIPE_CACHE/gguf`, default `~/.cache/tokenpipe/gguf`."""
+    base = os.environ.get("TOKENPIPE_CACHE")
+    root = Path(base).expanduser() if base else Path.home() / ".cache" / "tokenpipe"
+    return root / "gguf"
+
+
+def gguf_identity_key(path: Path) -> str:
+    """A short hash of the file's size, mtime and header bytes (plus the converter version)."""
+    stat = path.stat()
+    digest = hashlib.sha256()
+    digest.update(f"v{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    with path.open("rb") as handle:
+        digest.update(handle.read(HEADER_HASH_BYTES))
+    return digest.hexdigest()[:20]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cached_dir_for(path: Path, dtype: torch.dtype, root: Path | None = None) -> Path:
+    """The cache directory this GGUF file converts to (it may not exist yet)."""
+    root = cache_root() if root is None else root
+    return root / f"{path.stem}-{gguf_identity_key(path)}-{dtype_name(dtype)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress on stderr
+
+
+class Progress:
+    """A one-line progress bar on stderr (a no-op when disabled)."""
+
+    def __init__(self, label: str, total: int, enabled: bool) -> None:
+        self.label, self.total, self.enabled = label, max(total, 1), enabled
+        self.done = 0
+        self.started = time.monotonic()
+        self.last_draw = 0.0
+
+    def advance(self, count: int = 1) -> None:
+        self.done += count
+        now = time.monotonic()
+        if self.enabled and (now - self.last_draw > 0.2 or self.done >= self.total):
+            self.last_draw = now
+            width = 30
+            filled = width * self.done // self.total
+            bar = "#" * filled + "-" * (width - filled)
+            sys.stderr.write(
+                f"\r{self.label} [{bar}] {self.done}/{self.total} {now - self.started:5.1f}s"
+            )
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading GGUF metadata
+
+
+def open_reader(path: Path) -> Any:
+    """A `gguf.GGUFReader`, with a corrupt or truncated file reported as ModelLoadError."""
+    from gguf import GGUFReader
+
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (bad magic {magic!r})")
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError/IndexError/struct errors alike
+        raise ModelLoadError(
+            f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc}); re-download it"
+        ) from exc
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise ModelLoadError(
+                f"{path}: truncated GGUF file: tensor {tensor.name!r} ends past the end of the file"
+            )
+    return reader
+
+
+def metadata(reader: Any) -> dict[str, Any]:
+    """All GGUF key/values as Python values (strings decoded, arrays as lists)."""
+    values: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        try:
+            values[key] = field.contents()
+        except Exception as exc:
+            raise ModelLoadError(f"corrupt GGUF metadata field {key!r}: {exc}") from exc
+    return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: what transformers builds from each architecture's GGUF metadata
+
+
+def require(meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise ModelLoadError(f"GGUF file lacks the metadata key {key!r}")
+    return meta[key]
+
+
+def vocab_size_of(meta: dict[str, Any], arch: str) -> int:
+    if f"{arch}.vocab_size" in meta:
+        return int(meta[f"{arch}.vocab_size"])
+    return len(require(meta, "tokenizer.ggml.tokens"))
+
+
+def special_ids(meta: dict[str, Any]) -> dict[str, int]:
+    names = {
+        "bos_token_id": "tokenizer.ggml.bos_token_id",
+        "eos_token_id": "tokenizer.ggml.eos_token_id",
+        "pad_token_id": "tokenizer.ggml.padding_token_id",
+        "unk_token_id": "tokenizer.ggml.unknown_token_id",
+    }
+    return {name: int(meta[key]) for name, key in names.items() if key in meta}
+
+
+def gemma3_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """Gemma3ForCausalLM's config.json for a gemma3 GGUF (text stack only).
+
+    GGUF leaves out what transformers takes from Gemma3TextConfig's defaults: local RoPE base
+    10000, five sliding layers to one full, query_pre_attn_scalar = head_dim (llama.cpp uses
+    hidden/heads for the 27B model, whose checkpoint says so; we follow it there).
+    """
+    arch = "gemma3"
+    layers = int(require(meta, f"{arch}.block_count"))
+    hidden = int(require(meta, f"{arch}.embedding_length"))
+    heads = int(require(meta, f"{arch}.attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", 256))
+    rope_theta = float(meta.get(f"{arch}.rope.freq_base", 1_000_000.0))
+    local_base = 10_000.0
+    pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern", 6))
+    layer_types = [
+        "full_attention" if (index + 1) % pattern == 0 else "sliding_attention"
+        for index in range(layers)
+    ]
+    is_27b = layers == 62 and hidden == 5376
+    config: dict[str, Any] = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": vocab_size_of(meta, arch),
+        "hidden_size": hidden,
+        "intermediate_size": int(require(meta, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 32768)),
+        "initializer_range": 0.02,
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "use_cache": True,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_base},
+            "full_attention": {"rope_type": "default", "rope_theta": rope_theta},
+        },
+        "rope_theta": rope_theta,
+        "rope_local_base_freq": local_base,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "query_pre_attn_scalar": hidden // heads if is_27b else head_dim,
+        "sliding_window": int(meta.get(f"{arch}.attention.sliding_window", 512)),
+        "sliding_window_pattern": pattern,
+        "layer_types": layer_types,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+        "torch_dtype": "float32",
+    }
+    config.update(special_ids(meta))
+    return config
+
+
+def llama_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """LlamaForCausalLM's config.json for a llama GGUF."""
+    arch = "llama"
+    hidden = int(require(meta, f"{arch}.embedding_length"))
+    heads = int(require(meta, f"{arch}.attention.head_count"))
+    head_dim = int(
+        meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", 0))
+        or hidden // heads
+    )
+    rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10_000.0))
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size_of(meta, arch),
+        "hidden_size": hidden,
+        "intermediate_size": int(require(meta, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(require(meta, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 4096)),
+        "initializer_range": 0.02,
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "use_cache": True,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "rope_scaling": None,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    config.update(special_ids(meta))
+    return config
+
+
+CONFIG_BUILDERS: dict[str, Callable[[dict[str, Any], set[str]], dict[str, Any]]] = {
+    "gemma3": gemma3_config,
+    "llama": llama_config,
+}
+
+# ---------------------------------------------------------------------------------------------
+# Tensor names and the value changes llama.cpp made
+
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+BLOCK_NAMES_COMMON = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+BLOCK_NAMES = {
+    "llama": {**BLOCK_NAMES_COMMON, "ffn_norm": "post_attention_layernorm"},
+    "gemma3": {
+        **BLOCK_NAMES_COMMON,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+SKIPPED_TENSORS = ("rope_freqs.weight",)  # llama 3 RoPE factors: not an HF parameter
+
+
+def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor, or None when it has no HF counterpart."""
+    if gguf_name in SKIPPED_TENSORS:
+        return None
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+        target = BLOCK_NAMES[arch].get(parts[2])
+        if target is not None:
+            return f"model.layers.{parts[1]}.{target}.{parts[3]}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no known {arch} counterpart")
+
+
+def unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K permutation: per head, rows were reordered from HF's
+    [first halves..., second halves...] rotary layout to interleaved pairs.
+
+    weight: [heads * head_dim, ...] in GGUF order -> same shape in HF order.
+    """
+    head_dim = weight.shape[0] // heads
+    grouped = weight.reshape(heads, head_dim // 2, 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape)
+
+
+def hf_tensor_values(
+    arch: str, gguf_name: str, values: np.ndarray, config: dict[str, Any]
+) -> np.ndarray:
+    """Turn a dequantized GGUF tensor's values into the HF parameter's values."""
+    if arch == "gemma3" and gguf_name.endswith("norm.weight"):
+        return values - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w)
+    if arch == "llama" and ".attn_q." in gguf_name and values.ndim >= 1:
+        return unpermute_rows(values, config["num_attention_heads"])
+    if arch == "llama" and ".attn_k." in gguf_name and values.ndim >= 1:
+        return unpermute_rows(values, config["num_key_value_heads"])
+    return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming safetensors writer
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str  # HF name
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_shards(tensors: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
+    """Split tensors, in order, into shards of at most `max_bytes` (a big tensor gets its own)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if shards[-1] and size + tensor.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor.nbytes
+    return [shard for shard in shards if shard]
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file tensor by tensor: the header first (shapes are known up
+    front), then each tensor's bytes in the planned order, so only one tensor is in memory."""
+
+    def __init__(self, path: Path, tensors: list[PlannedTensor]) -> None:
+        self.order = [t.name for t in tensors]
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for tensor in tensors:
+            header[tensor.name] = {
+                "dtype": TORCH_TO_SAFETENSORS[tensor.dtype],
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + tensor.nbytes],
+            }
+            offset += tensor.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.handle = path.open("wb")
+        self.handle.write(len(raw).to_bytes(8, "little") + raw)
+        self.planned = {t.name: t for t in tensors}
+        self.written = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self.order[self.written] != name:
+            raise RuntimeError(f"tensor {name!r} written out of order")
+        planned = self.planned[name]
+        if tuple(tensor.shape) != planned.shape or tensor.dtype != planned.dtype:
+            raise RuntimeError(f"tensor {name!r} does not match its planned shape/dtype")
+        data = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+        self.handle.write(memoryview(data))
+        self.written += 1
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The conversion
+
+
+def dequantized(tensor: Any) -> np.ndarray:
+    """One GGUF tensor's values as float32 in HF (row-major, outermost first) shape."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kind = GGMLQuantizationType(tensor.tensor_type)
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        values = dequantize(np.asarray(tensor.data), kind)
+    else:
+        values = dequantize(tensor.data, kind)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+    return values if values.flags.writeable else values.copy()  # F32 data is a read-only map
+
+
+def iter_hf_tensors(
+    reader: Any, arch: str, config: dict[str, Any]
+) -> Iterator[tuple[str, np.ndarray]]:
+    for tensor in reader.tensors:
+        name = hf_tensor_name(arch, tensor.name)
+        if name is None:
+            continue
+        try:
+            values = dequantized(tensor)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"cannot dequantize GGUF tensor {tensor.name!r} ({exc}); corrupt file?"
+            ) from exc
+        yield name, hf_tensor_values(arch, tensor.name, values, config)
+
+
+def write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def convert_into(gguf_path: Path, out_dir: Path, dtype: torch.dtype, progress: bool) -> None:
+    """Convert `gguf_path` into `out_dir` (an empty directory)."""
+    from worker.tokenizer import build_gguf_tokenizer, write_token_bytes_sidecar
+
+    if progress:
+        print(
+            f"reading {gguf_path} (first use: converting it once into {out_dir.parent})",
+            file=sys.stderr,
+            flush=True,
+        )
+    reader = open_reader(gguf_path)
+    meta = metadata(reader)
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in CONFIG_BUILDERS:
+        raise ModelLoadError(
+            f"{gguf_path}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    tensor_names = {t.name for t in reader.tensors}
+    config = CONFIG_BUILDERS[arch](meta, tensor_names)
+    config["torch_dtype"] = dtype_name(dtype)
+
+    planned = [
+        PlannedTensor(name, tuple(int(d) for d in reversed(t.shape.tolist())), dtype)
+        for t in reader.tensors
+        if (name := hf_tensor_name(arch, t.name)) is not None
+    ]
+    shards = plan_shards(planned, MAX_SHARD_BYTES)
+    bar = Progress(f"converting {gguf_path.name}", len(planned) + 1, progress)
+
+    tokenizer_files = build_gguf_tokenizer(meta, arch)
+    tokenizer_files.backend.save(str(out_dir / "tokenizer.json"))
+    write_token_bytes_sidecar(out_dir / "tokenizer.json")
+    write_json(out_dir / "tokenizer_config.json", tokenizer_files.tokenizer_config)
+    write_json(out_dir / "generation_config.json", tokenizer_files.generation_config)
+    bar.advance()
+
+    weight_map: dict[str, str] = {}
+    tensors = iter_hf_tensors(reader, arch, config)
+    for index, shard in enumerate(shards):
+        filename = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        writer = SafetensorsWriter(out_dir / filename, shard)
+        try:
+            for planned_tensor in shard:
+                name, values = next(tensors)
+                if name != planned_tensor.name:
+                    raise RuntimeError(
+                        f"GGUF tensor order changed: {name} != {planned_tensor.name}"
+                    )
+                writer.write(name, torch.from_numpy(values).to(dtype))
+                weight_map[name] = filename
+                bar.advance()
+        finally:
+            writer.close()
+    if len(shards) > 1:
+        total = sum(t.nbytes for t in planned)
+        write_json(
+            out_dir / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+    write_json(out_dir / "config.json", config)
+    write_json(
+        out_dir / "gguf_source.json",
+        {
+            "path": str(gguf_path),
+            "size": gguf_path.stat().st_size,
+            "architecture": arch,
+            "name": meta.get("general.name"),
+            "file_type": meta.get("general.file_type"),
+            "converter_version": CONVERTER_VERSION,
+            "dtype": dtype_name(dtype),
+        },
+    )
+    bar.close()
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    root: Path | None = None,
+) -> Path:
+    """The cached HF-layout directory of a GGUF file, converting it on first use.
+
+    Thread/process safe: concurrent callers wait on a lock and reuse one conversion.
+    """
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    target = cached_dir_for(path, dtype, root)
+    if target.is_dir():
+        return target
+    with file_lock(target.parent / f".{target.name}.lock"):
+        if target.is_dir():
+            return target
+        scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        os.chmod(scratch, 0o755)
+        try:
+            convert_into(path, scratch, dtype, progress)
+            try:
+                os.rename(scratch, target)
+            except OSError:
+                if not target.is_dir():  # another process won the race: reuse its directory
+                    raise
+                shutil.rmtree(scratch, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+    with contextlib.suppress(OSError):
+        (target.parent / f".{target.name}.lock").unlink()
+    return target

@@ -1,0 +1,67 @@
+"""Decode attention entry points the models call: Triton on CUDA, torch elsewhere.
+
+The model's decode path (one new token per sequence, tensors only, so it can be captured
+in a CUDA graph) does, per attention layer:
+
+    store_kv(k_cache, v_cache, k, v, slots, positions)       # k, v: [B, Hkv, D]
+    out = decode_attention(q, k_cache, v_cache, slots, positions + 1,
+                           sm_scale=scale, window=W)          # q: [B, Hq, D] -> [B, Hq, D]
+
+with `k_cache` / `v_cache` the layer's pool viewed as [slots, kv_heads, capacity, head_dim]
+(see `reference.py` for the entry rule `position % capacity` and for padding rows).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from worker.kernels import triton_available
+from worker.kernels.reference import decode_attention_reference, store_kv_reference
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton kernels serve CUDA tensors when Triton imports (TOKENPIPE_NO_TRITON=1 opts out)."""
+    return t.is_cuda and triton_available() and os.environ.get("TOKENPIPE_NO_TRITON") != "1"
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    window: int = 0,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D] over the pool [S, Hkv, R, D] -> [B, Hq, D]; see `reference.py`."""
+    if use_triton(q):
+        from worker.kernels.decode_attention import decode_attention_triton
+
+        return decode_attention_triton(
+            q, k_cache, v_cache, slots, lens,
+            sm_scale=sm_scale, window=window, num_splits=num_splits,
+        )  # fmt: skip
+    return decode_attention_reference(
+        q, k_cache, v_cache, slots, lens, sm_scale=sm_scale, window=window
+    )
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Write k, v [B, Hkv, D] at entry `positions % R` of `slots` (negative slot: skip)."""
+    if use_triton(k):
+        from worker.kernels.decode_attention import store_kv_triton
+
+        store_kv_triton(k_cache, v_cache, k, v, slots, positions)
+        return
+    store_kv_reference(k_cache, v_cache, k, v, slots, positions)

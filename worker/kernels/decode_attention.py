@@ -1,0 +1,275 @@
+"""Triton decode attention over the preallocated KV pool ("flash decoding").
+
+One query token per sequence: q [B, Hq, D]. K/V are read in place from the pool
+(`cache[slot, kv_head, entry, head_dim]`, see `reference.py` for the entry/position rule)
+through `slots` and `lens`, with no gather copy. GQA: one program serves the G = Hq / Hkv
+query heads that share a KV head, so each K/V tile is loaded once for the whole group.
+
+Two launches with static shapes (capturable in a CUDA graph):
+1. split: grid (B, Hkv, num_splits); program s takes the s-th of `num_splits` equal
+   chunks of the min(len, R) valid entries and writes its normalised partial output and
+   log-sum-exp;
+2. combine: grid (B, Hq) merges the splits.
+`num_splits` is fixed per launch (chosen from the static batch and capacity by
+`choose_num_splits`; a run-time argument, so no recompiles); the chunk length follows each
+row's own `len` at run time, so short and long sequences in one batch share the launch.
+Padded rows (slot < 0 or len == 0) get a zero output.
+
+This module imports Triton: import it only after `worker.kernels.triton_available()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_block(
+    q, k_base, v_base, block_start, end, last, m_i, l_i, acc,
+    stride_kr, stride_vr, sm_scale, capacity, window,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over entries [block_start, block_start + BLOCK_N) ∩ [.., end).
+    q: [BLOCK_G, D]; m_i, l_i: [BLOCK_G]; acc: [BLOCK_G, D] float32."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = block_start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    k = tl.load(
+        k_base + offs_n[:, None] * stride_kr + offs_d[None, :],
+        mask=mask_n[:, None],
+        other=0.0,
+    )  # [BLOCK_N, D]
+    if INTERPRET:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    # scores: [BLOCK_G, BLOCK_N]
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+    # entry j < n_valid holds position last - (last - j) % R  (last - j >= 0 here)
+    pos = last - ((last - offs_n) % capacity)
+    valid = mask_n & ((window <= 0) | (pos > last - window))
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(
+        v_base + offs_n[:, None] * stride_vr + offs_d[None, :],
+        mask=mask_n[:, None],
+        other=0.0,
+    )  # [BLOCK_N, D]
+    if INTERPRET:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_kr,
+    stride_vs, stride_vh, stride_vr,
+    sm_scale, capacity, window,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    q_heads = tl.num_programs(1) * GROUP
+
+    length = tl.load(lens_ptr + row).to(tl.int32)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    length = tl.where(slot < 0, 0, length)
+    n_valid = tl.minimum(length, capacity)
+    per_split = (n_valid + num_splits - 1) // num_splits
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_valid)
+    last = length - 1  # position of the query token
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g  # [BLOCK_G]
+    q = tl.load(
+        q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None],
+        other=0.0,
+    )  # [BLOCK_G, D]
+    safe_slot = tl.maximum(slot, 0)
+    k_base = k_ptr + safe_slot * stride_ks + kv_head * stride_kh
+    v_base = v_ptr + safe_slot * stride_vs + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    if INTERPRET:  # Triton's CPU interpreter: no tensor bounds in range(), no bf16 dot
+        block_start = start
+        while block_start < end:
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, block_start, end, last, m_i, l_i, acc,
+                stride_kr, stride_vr, sm_scale, capacity, window,
+                HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
+            )  # fmt: skip
+            block_start += BLOCK_N
+    else:
+        for block_start in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, block_start, end, last, m_i, l_i, acc,
+                stride_kr, stride_vr, sm_scale, capacity, window,
+                HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
+            )  # fmt: skip
+
+    has_any = l_i > 0.0
+    out = tl.where(has_any[:, None], acc / tl.where(has_any, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has_any, m_i + tl.log(tl.where(has_any, l_i, 1.0)), float("-inf"))
+    # part_out: [B, Hq, num_splits, D] float32 contiguous; part_lse: [B, Hq, num_splits]
+    base = (row * q_heads + heads) * num_splits + split  # [BLOCK_G]
+    tl.store(part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_g[:, None])
+    tl.store(part_lse_ptr + base, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    q_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_s = offs_s < num_splits
+    base = (row * q_heads + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf"))
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=mask_s[:, None],
+        other=0.0,
+    )  # [BLOCK_S, D]
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)  # empty splits: exp(-inf) = 0
+    total = tl.sum(w, axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty)
+    )
+
+
+def choose_num_splits(batch: int, kv_heads: int, capacity: int, sm_count: int) -> int:
+    """Splits per (row, KV head) so the grid has about two programs per SM, each with at
+    least 256 entries of work at full capacity (pure: static shapes only)."""
+    programs = batch * kv_heads
+    want = max(1, -(-2 * sm_count // programs))
+    most = max(1, capacity // 256)
+    return int(min(want, most, 64))
+
+
+def _block_n(head_dim: int) -> int:
+    return 32 if head_dim >= 256 else 64
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    window: int = 0,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of `reference.decode_attention_reference` (same arguments and result).
+
+    q: [B, Hq, D] (last dim contiguous); k_cache / v_cache: [S, Hkv, R, D] views with a
+    contiguous last dim; D a power of two >= 16.
+    """
+    batch, q_heads, head_dim = q.shape
+    _, kv_heads, capacity, _ = k_cache.shape
+    group = q_heads // kv_heads
+    if q_heads % kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"unsupported shape: Hq={q_heads}, Hkv={kv_heads}, D={head_dim}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last dim")
+    if num_splits is None:
+        sm_count = (
+            torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        )
+        num_splits = choose_num_splits(batch, kv_heads, capacity, sm_count)
+    part_out = torch.empty(
+        (batch, q_heads, num_splits, head_dim), device=q.device, dtype=torch.float32
+    )
+    part_lse = torch.empty((batch, q_heads, num_splits), device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    block_g = max(16, triton.next_power_of_2(group))
+    num_warps = 8 if head_dim >= 512 else 4
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, slots, lens, part_out, part_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        float(sm_scale), capacity, window,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
+        BLOCK_N=_block_n(head_dim),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRET=bool(triton.knobs.runtime.interpret),
+        num_warps=num_warps, num_stages=2,
+    )  # fmt: skip
+    _decode_combine_kernel[(batch, q_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr,
+    stride_kb, stride_kh, stride_vb, stride_vh,
+    stride_ks, stride_kc_h, stride_kr,
+    stride_vs, stride_vc_h, stride_vr,
+    capacity,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if slot >= 0:
+        entry = tl.load(positions_ptr + row).to(tl.int64) % capacity
+        offs_d = tl.arange(0, HEAD_DIM)
+        k = tl.load(k_ptr + row * stride_kb + head * stride_kh + offs_d)
+        v = tl.load(v_ptr + row * stride_vb + head * stride_vh + offs_d)
+        k_dst = k_cache_ptr + slot * stride_ks + head * stride_kc_h + entry * stride_kr
+        v_dst = v_cache_ptr + slot * stride_vs + head * stride_vc_h + entry * stride_vr
+        tl.store(k_dst + offs_d, k.to(k_cache_ptr.dtype.element_ty))
+        tl.store(v_dst + offs_d, v.to(v_cache_ptr.dtype.element_ty))
+
+
+def store_kv_triton(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Triton twin of `reference.store_kv_reference`, with no host sync (rows with a
+    negative slot write nothing). k, v: [B, Hkv, D] with a contiguous last dim."""
+    batch, kv_heads, head_dim = k.shape
+    _store_kv_kernel[(batch, kv_heads)](
+        k, v, k_cache, v_cache, slots, positions,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.shape[2], HEAD_DIM=head_dim, num_warps=1 if head_dim <= 256 else 2,
+    )  # fmt: skip

@@ -1,0 +1,207 @@
+"""`load_model`: the one entry point the engine uses to get a model and its tokenizer.
+
+    loaded = load_model(path_or_None, device, dtype)
+    loaded.model        CausalLM (HF parameter names, the model contract of ARCHITECTURE.md)
+    loaded.tokenizer    Tokenizer
+    loaded.config       ModelConfig
+    loaded.meta         dict: source, checkpoint_dir, architecture, parameters, dtype, ...
+
+`path` is an HF checkpoint directory (or its config.json), a `.gguf` file (converted once into a
+cached HF-layout directory), or None for the default model. Every failure a user can fix is a
+`ModelLoadError` with a message saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker.checkpoint import Checkpoint, ModelLoadError, open_checkpoint
+from worker.gguf_convert import Progress, convert_gguf, dtype_name
+from worker.tokenizer import Tokenizer, TokenizerError
+
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_checkpoint_dir"]
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # worker.models.causal_lm.CausalLM
+    tokenizer: Tokenizer
+    config: Any  # worker.models.config.ModelConfig
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def cache_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a GGUF is dequantized into for the cache: float32 unless the compute dtype is a
+    16-bit float (then that, halving the cache and the load)."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def resolve_checkpoint_dir(
+    path: str | os.PathLike[str] | None, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[Path, Path | None]:
+    """(HF checkpoint directory, the GGUF file it came from or None) for a `--model` value."""
+    if path is None:
+        from worker.default_model import default_model_path
+
+        path = default_model_path()
+    source = Path(path).expanduser()
+    if source.is_dir() and not (source / "config.json").exists():
+        ggufs = sorted(source.glob("*.gguf"))
+        if len(ggufs) == 1:  # a directory holding just one GGUF file means that file
+            source = ggufs[0]
+    if source.suffix.lower() == ".gguf" or (source.is_file() and _is_gguf(source)):
+        if not source.is_file():
+            raise ModelLoadError(f"GGUF file {source} does not exist")
+        return convert_gguf(source, cache_dtype_for(dtype), progress=progress), source
+    return source, None
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with path.open("rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def open_model_files(
+    path: str | os.PathLike[str] | None,
+    dtype: torch.dtype = torch.float32,
+    require_weights: bool = True,
+    tokenizer_path: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> tuple[Checkpoint, Any, Tokenizer, Path | None]:
+    """Everything but the weights: (checkpoint, ModelConfig, Tokenizer, GGUF source or None)."""
+    from worker.models.config import ModelConfig
+    from worker.models.registry import SUPPORTED_ARCHITECTURES
+
+    directory, gguf_source = resolve_checkpoint_dir(path, dtype, progress)
+    checkpoint = open_checkpoint(directory, require_weights=require_weights)
+    try:
+        config = ModelConfig.from_hf(checkpoint.config)
+    except (ValueError, KeyError, TypeError) as exc:
+        message = str(exc)
+        if "upported" in message and "architecture" in message:
+            raise ModelLoadError(message) from exc
+        names = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ModelLoadError(
+            f"{directory / 'config.json'}: {message} (supported architectures: {names})"
+        ) from exc
+    tokenizer_file = Path(tokenizer_path) if tokenizer_path else checkpoint.tokenizer_path
+    if tokenizer_file is None or not tokenizer_file.exists():
+        missing = tokenizer_file if tokenizer_file is not None else directory / "tokenizer.json"
+        raise ModelLoadError(
+            f"tokenizer file {missing} is missing; the checkpoint needs a tokenizer.json "
+            "(or pass --tokenizer_path)"
+        )
+    try:
+        tokenizer = Tokenizer.from_file(
+            tokenizer_file,
+            tokenizer_config=checkpoint.tokenizer_config,
+            generation_config=checkpoint.generation_config,
+            config=checkpoint.config,
+            chat_template=checkpoint.chat_template,
+        )
+    except TokenizerError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer {tokenizer_file} has {tokenizer.vocab_size} tokens but the model's "
+            f"embedding has {config.vocab_size} rows (config.json vocab_size); the tokenizer "
+            "does not belong to this model"
+        )
+    return checkpoint, config, tokenizer, gguf_source
+
+
+def check_shapes(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
+    """Fail before reading any weight if a tensor's shape disagrees with the config."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    for name, entry in checkpoint.text_tensors().items():
+        shape = expected.get(name)
+        if shape is not None and shape != entry.shape:
+            raise ModelLoadError(
+                f"config does not match the weights: tensor {name!r} has shape "
+                f"{list(entry.shape)} in {entry.file.name} but config.json implies {list(shape)}"
+            )
+
+
+def _with_progress(
+    pairs: Iterable[tuple[str, torch.Tensor]], total: int, label: str, enabled: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    bar = Progress(label, total, enabled)
+    try:
+        for pair in pairs:
+            yield pair
+            bar.advance()
+    finally:
+        bar.close()
+
+
+def load_model(
+    path: str | os.PathLike[str] | None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    random_weights: bool = False,
+    progress: bool = True,
+    tokenizer_path: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load a model and its tokenizer onto `device` in `dtype` (see the module docstring).
+
+    With `random_weights`, `path` only needs a config.json (and a tokenizer.json); weights are
+    drawn from `seed`. Weights stream one tensor at a time from disk to the device.
+    """
+    from worker.models.random_init import init_random_weights
+    from worker.models.registry import build_model
+
+    started = time.monotonic()
+    checkpoint, config, tokenizer, gguf_source = open_model_files(
+        path,
+        dtype,
+        require_weights=not random_weights,
+        tokenizer_path=tokenizer_path,
+        progress=progress,
+    )
+    device = torch.device(device)
+    model = build_model(config, device, dtype)
+    if random_weights:
+        init_random_weights(model, seed)
+    else:
+        check_shapes(checkpoint, model)
+        targets = model.state_dict(keep_vars=True)
+        pairs = checkpoint.iter_tensors(device=device, dtype=dtype, targets=targets)
+        total = len(checkpoint.text_tensors())
+        label = f"loading {checkpoint.path.name}"
+        try:
+            model.load_weights(_with_progress(pairs, total, label, progress and total > 0))
+        except ValueError as exc:
+            raise ModelLoadError(f"{checkpoint.path}: {exc}") from exc
+    parameters = sum(p.numel() for p in model.parameters())
+    meta: dict[str, Any] = {
+        "model": str(gguf_source or checkpoint.path),
+        "checkpoint_dir": str(checkpoint.path),
+        "gguf_source": str(gguf_source) if gguf_source else None,
+        "architecture": config.architecture,
+        "parameters": parameters,
+        "dtype": dtype_name(dtype),
+        "device": str(device),
+        "context_length": config.context_length,
+        "vocab_size": config.vocab_size,
+        "random_weights": random_weights,
+        "load_seconds": round(time.monotonic() - started, 3),
+    }
+    if progress:
+        print(
+            f"loaded {meta['model']} ({config.architecture}, {parameters / 1e6:.0f}M parameters, "
+            f"{meta['dtype']}, {device}) in {meta['load_seconds']:.1f}s",
+            file=sys.stderr,
+        )
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, meta=meta)

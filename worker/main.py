@@ -1,0 +1,280 @@
+"""The worker process: a stdin reader thread, the engine loop on the main thread, a writer.
+
+stdout carries protocol lines only, one JSON object per line, flushed per line; logs and
+load progress go to stderr. EOF on stdin (or a `shutdown` request) stops intake; the
+loop finishes what is in flight, then the process exits 0.
+
+`command` is `tokenpipe worker`; `seed_main` is the `tokenpipe-worker` console script,
+the drop-in for the ExecuTorch llm_server control plane (`WORKER_BIN --model_path M
+--tokenizer_path T`).
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from typing import BinaryIO
+
+import click
+
+from protocol import ErrorEvent, Event, ProtocolError, decode_request, encode_event
+
+_EOF = None
+
+
+def log(message: str) -> None:
+    print(f"[tokenpipe worker] {message}", file=sys.stderr, flush=True)
+
+
+def _read_lines(stream: BinaryIO, lines: queue.Queue[bytes | None]) -> None:
+    """Reader thread: raw lines into `lines`, then the EOF marker."""
+    try:
+        for line in iter(stream.readline, b""):
+            lines.put(line)
+    finally:
+        lines.put(_EOF)
+
+
+def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
+    """Run the protocol loop until EOF (or shutdown) and nothing is in flight."""
+    from worker.engine import Engine
+
+    assert isinstance(engine, Engine)
+
+    def write(events: list[Event]) -> None:
+        for event in events:
+            stdout.write(encode_event(event))
+            stdout.flush()
+
+    lines: queue.Queue[bytes | None] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(stdin, lines), daemon=True).start()
+    write([engine.ready_event()])
+    eof = False
+    while True:
+        # Take every line that is already there; block only when there is nothing to do.
+        while not eof:
+            try:
+                line = lines.get(block=engine.idle and not engine.shutting_down)
+            except queue.Empty:
+                break
+            if line is _EOF:
+                eof = True
+                break
+            if not line.strip():
+                continue
+            decoded = decode_request(line)
+            if isinstance(decoded, ProtocolError):
+                write(engine.submit_error(decoded.to_event()))
+            else:
+                write(engine.submit(decoded))
+            if engine.shutting_down and engine.idle:
+                break
+        if engine.idle and (eof or engine.shutting_down):
+            return 0
+        write(engine.step())
+
+
+def _parse_prefix_ids(value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    value = value.strip()
+    if not value:
+        return ()
+    try:
+        return tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated token ids, got {value!r}") from None
+
+
+def build_engine(
+    model: str | None,
+    tokenizer_path: str | None,
+    device: str | None,
+    dtype: str | None,
+    max_sessions: int,
+    max_context: int | None,
+    prefill_chunk: int | None,
+    prefix_ids: str | None,
+    warm_resume: bool,
+    random_weights: bool,
+    seed: int,
+    threads: int | None,
+    cuda_graphs: bool = True,
+) -> object:
+    """Load the model and build the engine (load progress on stderr)."""
+    import torch
+
+    from worker.engine import Engine, EngineConfig
+    from worker.loading import load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)  # denormal activations are very slow on x86 CPUs
+    device_name = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_device = torch.device(device_name)
+    on_cpu = torch_device.type == "cpu"
+    dtype_name = dtype or ("float32" if on_cpu else "bfloat16")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        dtype_name
+    ]
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    log(f"loading {model or 'the default model'} on {torch_device} as {dtype_name}")
+    loaded = load_model(
+        model,
+        torch_device,
+        torch_dtype,
+        random_weights=random_weights,
+        tokenizer_path=tokenizer_path,
+        seed=seed,
+    )
+    log(f"loaded in {time.perf_counter() - started:.1f}s")
+    if torch_device.type == "cuda" and cuda_graphs:
+        from worker.cuda_graphs import GraphedCausalLM
+
+        loaded.model = GraphedCausalLM(loaded.model)  # decode steps replayed from CUDA graphs
+    model_context = int(getattr(loaded.config, "context_length", 0) or 4096)
+    default_context = min(model_context, 4096 if on_cpu else 32768)
+    config = EngineConfig(
+        max_sessions=max_sessions,
+        max_context=min(max_context or default_context, model_context),
+        prefill_chunk=prefill_chunk or (512 if on_cpu else 2048),
+        warm_resume=warm_resume,
+        prefix_ids=_parse_prefix_ids(prefix_ids),
+    )
+    engine = Engine(loaded, config, torch_device)
+    log(
+        f"ready: {config.max_sessions} sessions x {config.max_context} tokens, "
+        f"prefill chunk {config.prefill_chunk}"
+    )
+    return engine
+
+
+def _options(func: click.decorators.FC) -> click.decorators.FC:
+    opts = [
+        click.option(
+            "--model",
+            "--model_path",
+            "model",
+            default=None,
+            help="HF checkpoint dir or .gguf file (default: packaged Gemma 3 270M).",
+        ),
+        click.option(
+            "--tokenizer_path",
+            "--tokenizer-path",
+            "tokenizer_path",
+            default=None,
+            help="A tokenizer.json overriding the model's own tokenizer.",
+        ),
+        click.option("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if any)."),
+        click.option(
+            "--dtype",
+            type=click.Choice(["float32", "bfloat16", "float16"]),
+            default=None,
+            help="Default: float32 on CPU, bfloat16 on CUDA.",
+        ),
+        click.option(
+            "--max-sessions",
+            type=click.IntRange(min=1),
+            default=8,
+            show_default=True,
+            help="KV slots, the scratch session's included.",
+        ),
+        click.option(
+            "--max-context",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Tokens per session (default: the model's, 4096 on CPU).",
+        ),
+        click.option(
+            "--prefill-chunk",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Most prompt tokens per step (default 512 on CPU, 2048 on CUDA).",
+        ),
+        click.option(
+            "--prefix-ids",
+            default=None,
+            help="Comma-separated ids prepended to prompts (overrides BOS).",
+        ),
+        click.option("--no-warm-resume", is_flag=True, help="Always re-prefill the whole prompt."),
+        click.option("--random-weights", is_flag=True, help="Random weights (config only)."),
+        click.option(
+            "--seed", type=int, default=0, show_default=True, help="Seed for --random-weights."
+        ),
+        click.option(
+            "--threads",
+            type=click.IntRange(min=1),
+            default=None,
+            help="CPU threads for torch (default: torch's).",
+        ),
+        click.option(
+            "--cuda-graphs/--no-cuda-graphs",
+            default=True,
+            show_default=True,
+            help="Replay decode steps from CUDA graphs (CUDA only).",
+        ),
+    ]
+    for opt in reversed(opts):
+        func = opt(func)
+    return func
+
+
+@click.command(name="worker")
+@_options
+def command(
+    model: str | None,
+    tokenizer_path: str | None,
+    device: str | None,
+    dtype: str | None,
+    max_sessions: int,
+    max_context: int | None,
+    prefill_chunk: int | None,
+    prefix_ids: str | None,
+    no_warm_resume: bool,
+    random_weights: bool,
+    seed: int,
+    threads: int | None,
+    cuda_graphs: bool,
+) -> None:
+    """Run one worker process: JSONL requests on stdin, JSONL events on stdout."""
+    try:
+        engine = build_engine(
+            model,
+            tokenizer_path,
+            device,
+            dtype,
+            max_sessions,
+            max_context,
+            prefill_chunk,
+            prefix_ids,
+            not no_warm_resume,
+            random_weights,
+            seed,
+            threads,
+            cuda_graphs,
+        )
+    except Exception as exc:
+        log(f"failed to start: {exc!r}")
+        sys.stdout.buffer.write(
+            encode_event(ErrorEvent(error=f"failed to start: {exc}", code="internal_error"))
+        )
+        sys.stdout.buffer.flush()
+        sys.exit(1)
+    try:
+        code = serve(engine, sys.stdin.buffer, sys.stdout.buffer)
+    except BrokenPipeError:  # the reader went away: nothing left to answer
+        log("stdout closed; exiting")
+        code = 0
+    sys.exit(code)
+
+
+def seed_main() -> None:
+    """`tokenpipe-worker`: the ExecuTorch llm_server drop-in (no subcommand)."""
+    command.main(prog_name="tokenpipe-worker")
+
+
+if __name__ == "__main__":
+    seed_main()

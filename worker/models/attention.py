@@ -1,0 +1,257 @@
+"""Attention over the KV cache for one flattened step (see worker/models/step.py).
+
+``AttentionPlan`` is built once per forward from the StepInput: token ranges, the decode group
+(sequences adding one token: one batched SDPA call per layer) and the prefill sequences (one SDPA
+call each). Masks depend only on the plan and the layer geometry (full, or ring size + window),
+so each is built once per forward and shared by all layers of that geometry.
+
+Mask convention: bool, True = may attend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from worker.models.kv import LayerCache
+from worker.models.step import StepInput
+
+
+@dataclass(frozen=True)
+class SeqView:
+    start: int  # first row of this sequence in the flattened step
+    slot: int
+    cached: int  # tokens already in the slot
+    new: int  # tokens added by this step
+
+    @property
+    def end(self) -> int:
+        return self.start + self.new
+
+
+@dataclass
+class AttentionPlan:
+    device: torch.device
+    prefill: list[SeqView]  # sequences with new > 1, or a fresh single token
+    decode: list[SeqView]  # sequences with new == 1 and cached > 0
+    last_rows: torch.Tensor  # [B] row of each sequence's last new token (StepInput order)
+    decode_rows: torch.Tensor | None = None  # [Bd] rows of the decode group
+    decode_slots: torch.Tensor | None = None  # [Bd]
+    decode_pos: torch.Tensor | None = None  # [Bd] position of the new token (== cached)
+    decode_slot_range: slice | None = None  # the decode slots when they are consecutive
+    decode_max_pos: int = -1
+    _masks: dict[tuple[object, ...], torch.Tensor | None] = field(default_factory=dict)
+
+    @staticmethod
+    def build(step: StepInput, device: torch.device) -> AttentionPlan:
+        n = len(step.slots)
+        if not (len(step.cached_lens) == len(step.new_lens) == n):
+            raise ValueError("slots, cached_lens and new_lens must have the same length")
+        if sum(step.new_lens) != step.input_ids.shape[0]:
+            raise ValueError(
+                f"sum(new_lens)={sum(step.new_lens)} != {step.input_ids.shape[0]} input ids"
+            )
+        if len(set(step.slots)) != n:
+            raise ValueError(f"a slot appears twice in one step: {step.slots}")
+        prefill, decode, last_rows = [], [], []
+        start = 0
+        for slot, cached, new in zip(step.slots, step.cached_lens, step.new_lens, strict=True):
+            if new < 1 or cached < 0:
+                raise ValueError(f"bad sequence: cached_len={cached}, new_len={new}")
+            view = SeqView(start, slot, cached, new)
+            (decode if new == 1 and cached > 0 else prefill).append(view)
+            start += new
+            last_rows.append(start - 1)
+        plan = AttentionPlan(
+            device=device,
+            prefill=prefill,
+            decode=decode,
+            last_rows=torch.tensor(last_rows, dtype=torch.int64, device=device),
+        )
+        if decode:
+            plan.decode_rows = torch.tensor([s.start for s in decode], device=device)
+            plan.decode_slots = torch.tensor([s.slot for s in decode], device=device)
+            plan.decode_pos = torch.tensor([s.cached for s in decode], device=device)
+            plan.decode_max_pos = max(s.cached for s in decode)
+            first = decode[0].slot
+            if [s.slot for s in decode] == list(range(first, first + len(decode))):
+                plan.decode_slot_range = slice(first, first + len(decode))
+        return plan
+
+    # -- masks (memoized per geometry) ---------------------------------------------------------
+
+    def prefill_mask(self, i: int, cache: LayerCache) -> torch.Tensor | None:
+        """Mask of prefill sequence i for this layer geometry; None means plain causal."""
+        key = ("prefill", i, cache.capacity, cache.window)
+        if key not in self._masks:
+            self._masks[key] = self._prefill_mask(self.prefill[i], cache)
+        return self._masks[key]
+
+    def _prefill_mask(self, seq: SeqView, cache: LayerCache) -> torch.Tensor | None:
+        c, n, dev = seq.cached, seq.new, self.device
+        q_pos = torch.arange(c, c + n, device=dev)[:, None]  # [n, 1]
+        if cache.window is None:
+            if c == 0:
+                return None  # keys are exactly the new tokens: is_causal
+            k_pos = torch.arange(c + n, device=dev)[None, :]  # [1, c + n]
+            return k_pos <= q_pos  # [n, c + n]
+        window = cache.window
+        new_pos = torch.arange(c, c + n, device=dev)[None, :]  # [1, n]
+        new_part = (new_pos <= q_pos) & (new_pos > q_pos - window)  # [n, n]
+        if c == 0:
+            return new_part
+        ring_pos = ring_positions(c, cache.capacity, dev)[None, :]  # [1, R]
+        ring_part = (ring_pos >= 0) & (ring_pos > q_pos - window)  # [n, R]
+        return torch.cat([ring_part, new_part], dim=1)  # [n, R + n]
+
+    def decode_mask(self, cache: LayerCache) -> torch.Tensor:
+        """[Bd, 1, 1, L] mask of the decode group, after its new keys were written."""
+        key = ("decode", cache.capacity, cache.window)
+        mask = self._masks.get(key)
+        if mask is None:
+            assert self.decode_pos is not None
+            q_pos = self.decode_pos[:, None]  # [Bd, 1]
+            if cache.window is None:
+                length = int(max(s.cached for s in self.decode)) + 1
+                k_pos = torch.arange(length, device=self.device)[None, :]  # [1, L]
+                mask = k_pos <= q_pos  # [Bd, L]
+            else:
+                ring = cache.capacity
+                idx = torch.arange(ring, device=self.device)[None, :]  # [1, R]
+                oldest = q_pos + 1 - ring  # [Bd, 1] oldest position the ring can hold
+                k_pos = oldest + (idx - oldest) % ring  # [Bd, R] position held at each index
+                mask = (k_pos >= 0) & (k_pos > q_pos - cache.window)
+            mask = mask[:, None, None, :]
+            self._masks[key] = mask
+        return mask
+
+
+def ring_positions(cached: int, ring: int, device: torch.device) -> torch.Tensor:
+    """[R] position held at each ring index when ``cached`` tokens were written (< 0: empty).
+
+    Index r holds the unique p in [cached - R, cached) with p % R == r.
+    """
+    idx = torch.arange(ring, device=device)
+    oldest = cached - ring
+    return oldest + (idx - oldest) % ring
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerCache,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's keys/values into ``cache`` and attend.
+
+    q [T, H, D]; k, v [T, KVH, D] (rotated, normed) -> out [T, H, D].
+    A plan object with its own ``attend`` (worker/cuda_graphs.py's fused decode plan) does
+    the work itself, with the same cache layout.
+    """
+    if not isinstance(plan, AttentionPlan) and hasattr(plan, "attend"):
+        return plan.attend(q, k, v, cache, scale)  # type: ignore[no-any-return]
+    out = torch.empty_like(q)
+    if plan.decode:
+        _decode_group(q, k, v, cache, plan, scale, out)
+    for i, seq in enumerate(plan.prefill):
+        _prefill_one(q, k, v, cache, plan, i, seq, scale, out)
+    return out
+
+
+def _decode_group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerCache,
+    plan: AttentionPlan,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    rows, slots, pos = plan.decode_rows, plan.decode_slots, plan.decode_pos
+    assert rows is not None and slots is not None and pos is not None
+    if cache.window is None and plan.decode_max_pos >= cache.capacity:
+        raise ValueError(f"a sequence reached max_context {cache.capacity}")
+    # write first: on a ring the overwritten index held position pos - R <= pos - W, unseen
+    index = pos if cache.window is None else pos % cache.capacity  # [Bd]
+    cache.k[slots, :, index] = k[rows]  # [Bd, KVH, D]
+    cache.v[slots, :, index] = v[rows]
+    mask = plan.decode_mask(cache)  # [Bd, 1, 1, L]
+    length = mask.shape[-1]
+    # consecutive slots are a view; others a gather (a copy of the keys the group reads)
+    by = plan.decode_slot_range if plan.decode_slot_range is not None else slots
+    keys = cache.k[by, :, :length]  # [Bd, KVH, L, D]
+    values = cache.v[by, :, :length]
+    query = q[rows][:, :, None, :]  # [Bd, H, 1, D]
+    o = _sdpa(query, keys, values, mask, False, scale)  # [Bd, H, 1, D]
+    out[rows] = o[:, :, 0, :]
+
+
+def _prefill_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerCache,
+    plan: AttentionPlan,
+    i: int,
+    seq: SeqView,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    c, n, s = seq.cached, seq.new, seq.slot
+    new_k = k[seq.start : seq.end].transpose(0, 1)  # [KVH, n, D]
+    new_v = v[seq.start : seq.end].transpose(0, 1)
+    mask = plan.prefill_mask(i, cache)  # see AttentionPlan._prefill_mask for the shapes
+    if cache.window is None:
+        if c + n > cache.capacity:
+            raise ValueError(f"slot {s}: {c + n} tokens exceed max_context {cache.capacity}")
+        cache.k[s, :, c : c + n] = new_k
+        cache.v[s, :, c : c + n] = new_v
+        keys, values = cache.k[s, :, : c + n], cache.v[s, :, : c + n]  # [KVH, c + n, D]
+    else:
+        if c == 0:
+            keys, values = new_k, new_v  # [KVH, n, D]
+        else:
+            # the ring as it was before this step, then the new keys: [KVH, R + n, D]
+            keys = torch.cat([cache.k[s], new_k], dim=1)
+            values = torch.cat([cache.v[s], new_v], dim=1)
+        # keep the last min(n, R) new positions; earlier ones are past every later window
+        ring = cache.capacity
+        kept = min(n, ring)
+        index = torch.arange(c + n - kept, c + n, device=plan.device) % ring  # [kept]
+        cache.k[s].index_copy_(1, index, new_k[:, n - kept :])
+        cache.v[s].index_copy_(1, index, new_v[:, n - kept :])
+    query = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, H, n, D]
+    o = _sdpa(query, keys[None], values[None], mask, mask is None, scale)
+    out[seq.start : seq.end] = o[0].transpose(0, 1)  # [n, H, D]
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, KVH, Lk, D], mask broadcastable to [B, 1, Lq, Lk] -> [B, H, Lq, D].
+
+    Query head h reads KV head h // (H / KVH). The fused CUDA kernels need equal head counts, so
+    a single-query step folds each head group into the query rows (no copy) and longer steps
+    expand the KV heads.
+    """
+    batch, heads, q_len, dim = q.shape
+    groups = heads // k.shape[1]
+    if groups > 1 and q_len == 1:
+        folded = q.view(batch, k.shape[1], groups, dim)  # [B, KVH, G, D]: G rows share a mask row
+        o = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+        return o.view(batch, heads, 1, dim)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)  # [B, H, Lk, D]
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal and q_len > 1, scale=scale
+    )

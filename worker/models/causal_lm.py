@@ -1,0 +1,196 @@
+"""CausalLM: the decoder stack every family shares, with the model contract of ARCHITECTURE.md.
+
+    model.load_weights(pairs)                   # (HF name, tensor) pairs
+    kv = model.make_kv_cache(num_slots, max_context)
+    logits = model(step, kv)                    # [B, vocab] float32, last new token of each seq
+
+Families (llama.py, gemma3.py, gemma4.py) only choose the decoder layer, the norm style and
+whether embeddings are scaled by sqrt(hidden).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from worker.models.attention import AttentionPlan
+from worker.models.config import ModelConfig, RopeSpec
+from worker.models.kv import DEFAULT_RING_SLACK, KVCache
+from worker.models.layers import NormStyle, RMSNorm
+from worker.models.rope import Rotary
+from worker.models.step import StepInput
+
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+LayerFactory = Callable[[ModelConfig, int], nn.Module]
+
+# checkpoint name prefixes of multimodal wrappers -> our text-only names
+_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+# parts of multimodal checkpoints a text-only model does not use
+_IGNORED_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "model.embed_vision.",
+    "model.audio_tower.",
+    "model.embed_audio.",
+)
+
+
+@dataclass
+class LoadReport:
+    loaded: int = 0
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+class DecoderStack(nn.Module):
+    """``model.*`` in HF names: embed_tokens, layers, norm."""
+
+    def __init__(
+        self, config: ModelConfig, make_layer: LayerFactory, norm: NormStyle, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm, dtype=dtype)
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        make_layer: LayerFactory,
+        norm: NormStyle,
+        scale_embeddings: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype_ = dtype
+        self.model = DecoderStack(config, make_layer, norm, dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        )
+        self.embed_scale = config.hidden_size**0.5 if scale_embeddings else None
+        # one rotary table per distinct (rope, head_dim); layer i uses self._rope_keys[i]
+        self._rope_keys: list[tuple[RopeSpec, int]] = [(s.rope, s.head_dim) for s in config.layers]
+        self._rotaries = {
+            key: Rotary(key[0], key[1], config.max_position_embeddings)
+            for key in dict.fromkeys(self._rope_keys)
+        }
+
+    # -- the contract --------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def make_kv_cache(
+        self, num_slots: int, max_context: int, ring_slack: int = DEFAULT_RING_SLACK
+    ) -> KVCache:
+        return KVCache(
+            self.config.layers,
+            self.config.sliding_window,
+            num_slots,
+            max_context,
+            self.device,
+            self.model.embed_tokens.weight.dtype,
+            ring_slack=ring_slack,
+        )
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput, kv: KVCache) -> torch.Tensor:
+        """-> [B, vocab] float32 logits of the last new token of each sequence."""
+        device = self.device
+        input_ids = step.input_ids.to(device)
+        positions = step.positions.to(device)
+        plan = AttentionPlan.build(step, device)
+
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        dtype = x.dtype
+        tables = {key: rot.cos_sin(positions, dtype) for key, rot in self._rotaries.items()}
+
+        layers = zip(self.model.layers, self._rope_keys, kv.layers, strict=True)
+        # cuDNN attention builds a graph per new shape (that is, every step): milliseconds each
+        with sdpa_kernel(_SDPA_BACKENDS):
+            for layer, rope_key, cache in layers:
+                x = layer(x, tables[rope_key], cache, plan)
+
+        last = self.model.norm(x[plan.last_rows])  # [B, hidden]: never [T, vocab]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(last, weight).float()  # [B, vocab]
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> LoadReport:
+        """Copy (HF name, tensor) pairs into the parameters (cast to the model's dtype/device).
+
+        Raises ValueError on a shape mismatch (naming the tensor and both shapes) and, when
+        ``strict``, if any parameter was not supplied or any name is unknown.
+        """
+        targets = self.state_dict(keep_vars=True)  # name -> Parameter / persistent buffer
+        seen: set[str] = set()
+        report = LoadReport()
+        with torch.no_grad():
+            for raw_name, tensor in tensors:
+                name = _canonical_name(raw_name)
+                if name is None:
+                    continue
+                if name == "lm_head.weight" and self.lm_head is None:
+                    continue  # tied: the embedding is the head
+                target = targets.get(name)
+                if target is None:
+                    report.unexpected.append(raw_name)
+                    continue
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"tensor {raw_name!r}: checkpoint shape {tuple(tensor.shape)} does not "
+                        f"match model shape {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+                seen.add(name)
+                report.loaded += 1
+        report.missing = sorted(set(targets) - seen)
+        if strict and (report.missing or report.unexpected):
+            raise ValueError(
+                f"checkpoint does not match {self.config.architecture}: "
+                f"missing {_shorten(report.missing)}, unexpected {_shorten(report.unexpected)}"
+            )
+        return report
+
+
+def _canonical_name(name: str) -> str | None:
+    """Our parameter name for a checkpoint name; None for tensors a text model ignores."""
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    if name.startswith(_IGNORED_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
+        return None
+    return name
+
+
+def _shorten(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "[]"
+    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
+    return "[" + ", ".join(names[:limit]) + more + "]"

@@ -1,0 +1,111 @@
+"""The KV cache: per-slot tensors preallocated once, one pair per decoder layer.
+
+Full-attention layers keep every position: k, v [slots, kv_heads, max_context, head_dim], position
+p at index p.
+
+Sliding-window layers (window W: a query at position q sees keys in (q - W, q]) keep a ring of
+R = min(W + ring_slack, max_context) entries: k, v [slots, kv_heads, R, head_dim], position p at
+index p % R. With N tokens cached, the ring holds positions [N - R, N) (those >= 0); a query needs
+at most the W - 1 positions before it, so R >= W always suffices. The slack lets a resume drop a
+few tokens (see ``keepable_prefix``).
+
+K=V layers (gemma4 full layers, no v_proj) still store K and V separately: K is the k-normed,
+rotated projection and V the weightless-normed, unrotated one, so the cached tensors differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker.models.config import LayerSpec
+
+DEFAULT_RING_SLACK = 16
+
+
+@dataclass
+class LayerCache:
+    """The cache of one decoder layer for all slots."""
+
+    k: torch.Tensor  # [slots, kv_heads, capacity, head_dim]
+    v: torch.Tensor  # [slots, kv_heads, capacity, head_dim]
+    window: int | None  # None: full attention; else the sliding window W
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def is_ring(self) -> bool:
+        return self.window is not None
+
+
+def keepable_prefix_for(rings: Sequence[tuple[int, int]], cached_len: int, common_len: int) -> int:
+    """How many of the first ``common_len`` cached tokens stay usable (pure).
+
+    ``rings`` lists (ring size R, window W) of every sliding layer. Full layers keep any prefix.
+    Keeping prefix L of N = cached_len tokens needs positions [L - W + 1, L) intact in every ring;
+    a ring of size R holds [N - R, N), so L must be 0, or N <= R, or L >= N - R + W - 1.
+    """
+    keep = max(0, min(common_len, cached_len))
+    for ring_size, window in rings:
+        if keep == 0:
+            break
+        needs_history = window > 1  # a window of 1 sees only the token itself
+        if needs_history and cached_len > ring_size and keep < cached_len - ring_size + window - 1:
+            keep = 0
+    return keep
+
+
+class KVCache:
+    """All layers' caches; the model's ``make_kv_cache`` builds it."""
+
+    def __init__(
+        self,
+        layer_specs: Sequence[LayerSpec],
+        window: int | None,
+        num_slots: int,
+        max_context: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        ring_slack: int = DEFAULT_RING_SLACK,
+    ) -> None:
+        if num_slots < 1 or max_context < 1:
+            raise ValueError(
+                f"need num_slots >= 1 and max_context >= 1, got {num_slots}, {max_context}"
+            )
+        if ring_slack < 0:
+            raise ValueError(f"ring_slack must be >= 0, got {ring_slack}")
+        self.num_slots = num_slots
+        self.max_context = max_context
+        self.ring_slack = ring_slack
+        self.layers: list[LayerCache] = []
+        for spec in layer_specs:
+            sliding = spec.kind == "sliding"
+            assert not sliding or window is not None, "sliding layers need a window"
+            capacity = min(window + ring_slack, max_context) if sliding and window else max_context
+            shape = (num_slots, spec.num_kv_heads, capacity, spec.head_dim)
+            k = torch.zeros(shape, device=device, dtype=dtype)
+            v = torch.zeros(shape, device=device, dtype=dtype)
+            self.layers.append(LayerCache(k, v, window if sliding else None))
+
+    @property
+    def bytes_per_slot(self) -> int:
+        total = 0
+        for layer in self.layers:
+            total += (layer.k[0].numel() + layer.v[0].numel()) * layer.k.element_size()
+        return total
+
+    @property
+    def rings(self) -> list[tuple[int, int]]:
+        """(ring size, window) of each distinct sliding-layer geometry."""
+        return sorted(
+            {(layer.capacity, layer.window) for layer in self.layers if layer.window is not None}
+        )
+
+    def keepable_prefix(self, cached_len: int, common_len: int) -> int:
+        """Tokens of a common prefix this cache can keep when a slot holding ``cached_len``
+        tokens is truncated and continued (pure; 0 means re-prefill from scratch)."""
+        return keepable_prefix_for(self.rings, cached_len, common_len)

@@ -1,0 +1,37 @@
+"""The input of one model step: a flattened, variable-length batch of sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """New tokens of B sequences, concatenated (no padding).
+
+    Sequence i owns ``input_ids[sum(new_lens[:i]) : sum(new_lens[:i + 1])]``; its KV lives in
+    slot ``slots[i]``, which already holds ``cached_lens[i]`` tokens. After the model runs, the
+    slot holds ``cached_lens[i] + new_lens[i]`` tokens.
+    """
+
+    input_ids: torch.Tensor  # [T] int64: the new tokens of all sequences, concatenated
+    positions: torch.Tensor  # [T] int64: absolute positions
+    slots: list[int]  # [B] KV slot of each sequence
+    cached_lens: list[int]  # [B] tokens already in the KV of each sequence
+    new_lens: list[int]  # [B] new tokens of each sequence; sum == T
+
+    @staticmethod
+    def single(
+        input_ids: list[int], slot: int, cached_len: int, device: torch.device | str = "cpu"
+    ) -> StepInput:
+        """One sequence continuing at ``cached_len`` (a convenience for tests and tools)."""
+        n = len(input_ids)
+        return StepInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=torch.arange(cached_len, cached_len + n, dtype=torch.int64, device=device),
+            slots=[slot],
+            cached_lens=[cached_len],
+            new_lens=[n],
+        )
