@@ -12,14 +12,16 @@ in place from the pool). `decode_logits` mirrors `CausalLM.forward` for that cas
 
 Two entry points:
 - `GraphedCausalLM(model)`: a drop-in for the model object. `make_kv_cache` also builds the
-  runner; `model(step, kv)` replays a graph when every sequence decodes one token, and runs
-  the eager model otherwise (prefill, mixed steps, batches above the largest bucket).
+  runner; `model(step, kv)` replays a graph for the sequences that decode one token and runs
+  the eager model for the rest (prefill chunks; every row when the decoders exceed the
+  largest bucket).
 - `DecodeGraphRunner.decode(...)`: the same step with sampling inside the graph
   (`worker.kernels.batched_sampling`); only the sampled ids come back, one sync per step.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from worker.kernels.attention import decode_attention, store_kv
+from worker.kernels.attention import decode_attention_op, store_kv_op
 from worker.kernels.batched_sampling import RowSampling, sample_rows
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -54,11 +56,10 @@ class FusedDecodePlan:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, scale: float
     ) -> torch.Tensor:
         """q [B, H, D]; k, v [B, KVH, D]; cache: a worker.models.kv.LayerCache."""
-        store_kv(cache.k, cache.v, k.contiguous(), v.contiguous(), self.slots, self.positions)
-        return decode_attention(
-            q.contiguous(), cache.k, cache.v, self.slots, self.lens,
-            sm_scale=scale, window=cache.window or 0,
-        )  # fmt: skip
+        store_kv_op(cache.k, cache.v, k.contiguous(), v.contiguous(), self.slots, self.positions)
+        return decode_attention_op(
+            q.contiguous(), cache.k, cache.v, self.slots, self.lens, float(scale), cache.window or 0
+        )
 
 
 def attend_with_fused_decode(
@@ -121,8 +122,14 @@ class DecodeGraphRunner:
         *,
         use_graphs: bool | None = None,
         buckets: Sequence[int] = BATCH_BUCKETS,
+        compile_decode: bool | None = None,
     ) -> None:
         install_fused_decode_hook()
+        if compile_decode is None:
+            compile_decode = os.environ.get("TOKENPIPE_COMPILE_DECODE") == "1"
+        # torch.compile fuses the small per-layer ops (norms, rope, residuals) of the step;
+        # batch is dynamic, so one compile serves the buckets above 1 (and one for batch 1)
+        self._compiled: Any = torch.compile(decode_logits, dynamic=True) if compile_decode else None
         self.model, self.kv = model, kv
         self.device = model.device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
@@ -152,9 +159,16 @@ class DecodeGraphRunner:
     # -- capture ---------------------------------------------------------------------------
 
     def _body(self, size: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = decode_logits(
-            self.model, self.kv, self.input_ids[:size], self.positions[:size], self.slots[:size]
-        )
+        inputs = (self.input_ids[:size], self.positions[:size], self.slots[:size])
+        logits = None
+        if self._compiled is not None:
+            try:
+                logits = self._compiled(self.model, self.kv, *inputs)
+            except Exception as exc:  # noqa: BLE001 - fall back to the eager step
+                print(f"cuda_graphs: torch.compile failed, eager decode: {exc!r}", file=sys.stderr)
+                self._compiled = None
+        if logits is None:
+            logits = decode_logits(self.model, self.kv, *inputs)
         if sample:
             ids = sample_rows(
                 logits, self.temperature[:size], self.top_k[:size], self.top_p[:size],
@@ -268,6 +282,33 @@ def is_decode_only(step: Any) -> bool:
     return all(n == 1 for n in step.new_lens) and all(c > 0 for c in step.cached_lens)
 
 
+def split_decode_rows(step: Any) -> tuple[list[int], list[int]]:
+    """(decode rows, other rows) of a step: a decode row adds one token to a non-empty
+    cache (pure)."""
+    decode, other = [], []
+    for i, (cached, new) in enumerate(zip(step.cached_lens, step.new_lens, strict=True)):
+        (decode if new == 1 and cached > 0 else other).append(i)
+    return decode, other
+
+
+def sub_step(step: Any, rows: Sequence[int]) -> Any:
+    """The StepInput of the given sequences only (their tokens, in the given order)."""
+    from worker.models.step import StepInput
+
+    starts = [0]
+    for n in step.new_lens:
+        starts.append(starts[-1] + n)
+    index = [t for i in rows for t in range(starts[i], starts[i + 1])]
+    picked = torch.tensor(index, dtype=torch.int64).to(step.input_ids.device, non_blocking=True)
+    return StepInput(
+        input_ids=step.input_ids.index_select(0, picked),
+        positions=step.positions.index_select(0, picked),
+        slots=[step.slots[i] for i in rows],
+        cached_lens=[step.cached_lens[i] for i in rows],
+        new_lens=[step.new_lens[i] for i in rows],
+    )
+
+
 class GraphedCausalLM:
     """The model object with decode steps served by a DecodeGraphRunner (see module doc).
 
@@ -292,12 +333,24 @@ class GraphedCausalLM:
         return kv
 
     def __call__(self, step: Any, kv: Any) -> torch.Tensor:
+        """Decode rows through the graph; prefill rows (a chunk riding along with the
+        decoders) through the eager model, in a second forward of their own."""
         runner = self.runner
-        if (
-            runner is not None
-            and kv is runner.kv
-            and is_decode_only(step)
-            and bucket_for(len(step.slots), runner.buckets) is not None
-        ):
+        if runner is None or kv is not runner.kv:
+            return self.inner(step, kv)
+        decode, other = split_decode_rows(step)
+        if not decode or bucket_for(len(decode), runner.buckets) is None:
+            return self.inner(step, kv)
+        if not other:
             return runner.logits(step)
-        return self.inner(step, kv)
+        prefill_logits = self.inner(sub_step(step, other), kv)  # [len(other), vocab]
+        decode_logits_ = runner.logits(sub_step(step, decode))  # [len(decode), vocab]
+        out = torch.empty(
+            (len(step.slots), decode_logits_.shape[1]),
+            dtype=decode_logits_.dtype,
+            device=decode_logits_.device,
+        )
+        device = out.device
+        out[torch.tensor(decode, device=device)] = decode_logits_
+        out[torch.tensor(other, device=device)] = prefill_logits
+        return out

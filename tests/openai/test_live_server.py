@@ -104,8 +104,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+def client(server: LiveServer) -> Iterator[openai.OpenAI]:
+    # Closed before the server stops, so no idle keep-alive connection delays its shutdown.
+    with openai.OpenAI(
+        base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=300
+    ) as api:
+        yield api
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +160,9 @@ def test_non_streaming_and_streaming_agree_with_usage(
 
 def test_multibyte_text_integrity(client: openai.OpenAI, model_id: str, server: LiveServer) -> None:
     prompt = "日本の首都は東京です。中国の首都は"
-    whole = client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+    whole = client.completions.create(model=model_id, prompt=prompt, max_tokens=5, temperature=0)
     streamed = client.completions.create(
-        model=model_id, prompt=prompt, max_tokens=8, temperature=0, stream=True
+        model=model_id, prompt=prompt, max_tokens=5, temperature=0, stream=True
     )
     pieces = [c.choices[0].text for c in streamed if c.choices]
     text = whole.choices[0].text
@@ -197,12 +201,12 @@ def test_session_reuse_shows_in_cached_tokens(client: openai.OpenAI, model_id: s
 
 def test_stop_strings(client: openai.OpenAI, model_id: str) -> None:
     prompt = "1, 2, 3, 4, 5,"
-    free = client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+    free = client.completions.create(model=model_id, prompt=prompt, max_tokens=5, temperature=0)
     text = free.choices[0].text
     stop = text.strip()[2:4] if len(text.strip()) >= 4 else text.strip()[-1:]
     cut = text.index(stop)
     stopped = client.completions.create(
-        model=model_id, prompt=prompt, max_tokens=8, temperature=0, stop=[stop]
+        model=model_id, prompt=prompt, max_tokens=5, temperature=0, stop=[stop]
     )
     assert stopped.choices[0].text == text[:cut]
     assert stopped.choices[0].finish_reason == "stop"

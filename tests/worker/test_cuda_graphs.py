@@ -104,6 +104,26 @@ def test_runner_body_matches_eager_model_on_cpu() -> None:
     _decode_both("cpu", use_graphs=False)
 
 
+def test_mixed_step_splits_decoders_from_the_prefill_chunk() -> None:
+    model = tiny_model()
+    graphed = GraphedCausalLM(model, use_graphs=False)
+    kv_eager, kv_graph = model.make_kv_cache(4, 64), graphed.make_kv_cache(4, 64)
+    prompts = {0: [3, 4, 5, 6], 2: [7, 8, 9]}
+    _prefill(model, kv_eager, prompts)
+    _prefill(graphed, kv_graph, prompts)
+    # slot 2 decodes, slot 1 prefills 5 tokens, slot 0 decodes
+    step = StepInput(
+        input_ids=torch.tensor([11, 20, 21, 22, 23, 24, 12]),
+        positions=torch.tensor([3, 0, 1, 2, 3, 4, 4]),
+        slots=[2, 1, 0], cached_lens=[3, 0, 4], new_lens=[1, 5, 1],
+    )  # fmt: skip
+    want = model(step, kv_eager)
+    got = graphed(step, kv_graph)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for layer_eager, layer_graph in zip(kv_eager.layers, kv_graph.layers, strict=True):
+        torch.testing.assert_close(layer_graph.k, layer_eager.k, rtol=1e-5, atol=1e-5)
+
+
 def test_runner_decode_samples_inside_the_step() -> None:
     model = tiny_model()
     kv = model.make_kv_cache(3, 32)

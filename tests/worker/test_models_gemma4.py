@@ -127,6 +127,10 @@ def test_31b_layout_from_global_keys() -> None:
 
     model = build_model(cfg, "meta", torch.bfloat16)
     assert model.model.layers[5].self_attn.v_proj is None
+    kv = model.make_kv_cache(1, 4096)  # on meta: sizes without memory
+    sliding = 50 * 2 * 16 * (1024 + kv.ring_slack) * 256 * 2
+    full = 10 * 2 * 4 * 4096 * 512 * 2
+    assert kv.bytes_per_slot == sliding + full
 
 
 @pytest.mark.parametrize(

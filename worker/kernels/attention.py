@@ -65,3 +65,42 @@ def store_kv(
         store_kv_triton(k_cache, v_cache, k, v, slots, positions)
         return
     store_kv_reference(k_cache, v_cache, k, v, slots, positions)
+
+
+# The same two functions as torch custom ops, so `torch.compile` keeps them as opaque calls
+# (no graph break) when it compiles a whole decode step (worker/cuda_graphs.py).
+
+
+@torch.library.custom_op("tokenpipe::decode_attention", mutates_args=())
+def decode_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    sm_scale: float,
+    window: int,
+) -> torch.Tensor:
+    return decode_attention(q, k_cache, v_cache, slots, lens, sm_scale=sm_scale, window=window)
+
+
+@decode_attention_op.register_fake
+def _(q, k_cache, v_cache, slots, lens, sm_scale, window):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("tokenpipe::store_kv", mutates_args=("k_cache", "v_cache"))
+def store_kv_op(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    store_kv(k_cache, v_cache, k, v, slots, positions)
+
+
+@store_kv_op.register_fake
+def _(k_cache, v_cache, k, v, slots, positions):  # type: ignore[no-untyped-def]
+    return None

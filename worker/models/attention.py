@@ -55,7 +55,9 @@ class AttentionPlan:
             )
         if len(set(step.slots)) != n:
             raise ValueError(f"a slot appears twice in one step: {step.slots}")
-        prefill, decode, last_rows = [], [], []
+        prefill: list[SeqView] = []
+        decode: list[SeqView] = []
+        last_rows: list[int] = []
         start = 0
         for slot, cached, new in zip(step.slots, step.cached_lens, step.new_lens, strict=True):
             if new < 1 or cached < 0:
@@ -153,7 +155,7 @@ def attend(
     the work itself, with the same cache layout.
     """
     if not isinstance(plan, AttentionPlan) and hasattr(plan, "attend"):
-        return plan.attend(q, k, v, cache, scale)  # type: ignore[no-any-return]
+        return plan.attend(q, k, v, cache, scale)
     out = torch.empty_like(q)
     if plan.decode:
         _decode_group(q, k, v, cache, plan, scale, out)

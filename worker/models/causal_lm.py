@@ -77,7 +77,6 @@ class CausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.dtype_ = dtype
         self.model = DecoderStack(config, make_layer, norm, dtype)
         self.lm_head = (
             None

@@ -84,7 +84,8 @@ class GatedMLP(nn.Module):
         self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class Attention(nn.Module):
@@ -132,7 +133,8 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attend(q, k, v, cache, plan, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        out: torch.Tensor = self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return out
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -154,7 +156,8 @@ class PreNormDecoderLayer(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mlp: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mlp
 
 
 class SandwichDecoderLayer(nn.Module):
