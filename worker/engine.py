@@ -537,7 +537,13 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         import psutil
 
+        device_memory = (
+            {"device_memory_allocated": torch.cuda.memory_allocated(self.device)}
+            if self.device.type == "cuda"
+            else {}
+        )
         return {
+            **device_memory,
             "active_requests": len(self._active),
             "queued_requests": len(self._queue),
             "sessions": len(self.pool.named),

@@ -41,7 +41,7 @@ import torch
 
 from worker.checkpoint import TORCH_TO_SAFETENSORS, ModelLoadError
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 HEADER_HASH_BYTES = 16 * 1024 * 1024
 MAX_SHARD_BYTES = 4 * 1024**3
 SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama")
@@ -456,6 +456,17 @@ def iter_hf_tensors(
         yield name, hf_tensor_values(arch, tensor.name, values, config)
 
 
+def save_tokenizer(backend: Any, path: Path) -> None:
+    """Save a tokenizers Tokenizer; merges as "left right" strings when no piece has a space
+    (the older, equivalent spelling tokenizers parses about a third faster than pairs)."""
+    document = json.loads(backend.to_str())
+    merges = document.get("model", {}).get("merges")
+    if merges and isinstance(merges[0], list):
+        if not any(" " in left or " " in right for left, right in merges):
+            document["model"]["merges"] = [f"{left} {right}" for left, right in merges]
+    path.write_text(json.dumps(document, ensure_ascii=False), encoding="utf-8")
+
+
 def write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -491,7 +502,7 @@ def convert_into(gguf_path: Path, out_dir: Path, dtype: torch.dtype, progress: b
     bar = Progress(f"converting {gguf_path.name}", len(planned) + 1, progress)
 
     tokenizer_files = build_gguf_tokenizer(meta, arch)
-    tokenizer_files.backend.save(str(out_dir / "tokenizer.json"))
+    save_tokenizer(tokenizer_files.backend, out_dir / "tokenizer.json")
     write_token_bytes_sidecar(out_dir / "tokenizer.json")
     write_json(out_dir / "tokenizer_config.json", tokenizer_files.tokenizer_config)
     write_json(out_dir / "generation_config.json", tokenizer_files.generation_config)

@@ -15,7 +15,7 @@ import queue
 import sys
 import threading
 import time
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import click
 
@@ -76,6 +76,28 @@ def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
         write(engine.step())
 
 
+def _memory_capped_context(model: Any, sessions: int, wanted: int) -> int:
+    """The largest context <= `wanted` whose KV for `sessions` slots fits the memory budget
+    (80% of free device memory on CUDA, half the available RAM on CPU)."""
+    import psutil
+    import torch
+
+    probe_len = 256
+    probe = model.make_kv_cache(1, probe_len)
+    per_token = max(1, int(getattr(probe, "bytes_per_slot", 0)) // probe_len)
+    device = next(iter(model.parameters())).device
+    del probe
+    if device.type == "cuda":
+        budget = torch.cuda.mem_get_info(device)[0] * 0.8
+    else:
+        budget = psutil.virtual_memory().available * 0.5
+    fits = int(budget // (per_token * sessions))
+    capped = max(probe_len, min(wanted, fits // probe_len * probe_len))
+    if capped < wanted:
+        log(f"max context capped at {capped} tokens by memory ({sessions} sessions)")
+    return capped
+
+
 def _parse_prefix_ids(value: str | None) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -131,12 +153,14 @@ def build_engine(
         seed=seed,
     )
     log(f"loaded in {time.perf_counter() - started:.1f}s")
+    model_context = int(getattr(loaded.config, "context_length", 0) or 4096)
+    default_context = min(model_context, 4096 if on_cpu else 32768)
+    if max_context is None:
+        default_context = _memory_capped_context(loaded.model, max_sessions, default_context)
     if torch_device.type == "cuda" and cuda_graphs:
         from worker.cuda_graphs import GraphedCausalLM
 
         loaded.model = GraphedCausalLM(loaded.model)  # decode steps replayed from CUDA graphs
-    model_context = int(getattr(loaded.config, "context_length", 0) or 4096)
-    default_context = min(model_context, 4096 if on_cpu else 32768)
     config = EngineConfig(
         max_sessions=max_sessions,
         max_context=min(max_context or default_context, model_context),

@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from starlette.applications import Starlette
@@ -175,7 +175,10 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
 
 
-async def race_disconnect(awaitable: Awaitable[Any], receive: Receive) -> Any:
+T = TypeVar("T")
+
+
+async def race_disconnect(awaitable: Awaitable[T], receive: Receive) -> T:
     """Await `awaitable` unless the HTTP client disconnects first (then cancel it and raise
     `ClientGone`)."""
     task = asyncio.ensure_future(awaitable)
@@ -334,7 +337,7 @@ class Server:
         session = request.get("session_id")
         for attempt in range(3):
             retry = False
-            async with contextlib.aclosing(client.generate(dict(request))) as events:
+            async with _closing(client.generate(dict(request))) as events:
                 first = True
                 async for event in events:
                     if first and isinstance(event, ErrorEvent) and session and attempt < 2:
@@ -512,8 +515,14 @@ def create_app(server: Server) -> Starlette:
                 server.metrics.cancelled += 1
                 response = Response(status_code=499)
             except Exception as exc:  # never leak a traceback as a non-JSON 500
-                log.exception("internal error in %s", name)
-                response = _error_response(APIError(500, "internal_error", str(exc)))
+                code = getattr(exc, "code", None)  # a client TokenpipeError carries its code
+                if isinstance(code, str):
+                    response = _error_response(
+                        from_worker_error(code, getattr(exc, "message", str(exc)))
+                    )
+                else:
+                    log.exception("internal error in %s", name)
+                    response = _error_response(APIError(500, "internal_error", str(exc)))
             server.metrics.count_request(name, response.status_code)
             return response
 
@@ -790,9 +799,10 @@ def create_app(server: Server) -> Starlette:
             except ChatTemplateError as exc:
                 raise APIError(400, "template_error", str(exc)) from exc
         else:
-            text = body.get("prompt", body.get("text"))
-            if not isinstance(text, str):
+            prompt = body.get("prompt", body.get("text"))
+            if not isinstance(prompt, str):
                 raise invalid_value("'prompt' must be a string", "prompt")
+            text = prompt
         tokens = await client.tokenize(text, add_prefix=add_prefix)
         return _json(
             {"tokens": tokens, "count": len(tokens), "max_model_len": model.context_length}
@@ -877,6 +887,18 @@ def create_app(server: Server) -> Starlette:
     return Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found}
     )
+
+
+@contextlib.asynccontextmanager
+async def _closing(events: AsyncIterator[Event]) -> AsyncIterator[AsyncIterator[Event]]:
+    """Close the client's generator on exit: leaving it early cancels the request now, not
+    whenever the garbage collector finalizes it."""
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def _count_cancel(server: Server) -> None:

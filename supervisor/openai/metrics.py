@@ -106,8 +106,8 @@ class Metrics:
         lines += self.ttft.lines("tokenpipe_time_to_first_token_seconds")
         header("tokenpipe_inter_token_latency_seconds", "histogram", "Time between tokens.")
         lines += self.itl.lines("tokenpipe_inter_token_latency_seconds")
-        for name, value in sorted(gauges.items()):
+        for name, gauge in sorted(gauges.items()):
             kind = "counter" if name.endswith("_total") else "gauge"
             header(f"tokenpipe_{name}", kind, name.replace("_", " ") + ".")
-            lines.append(f"tokenpipe_{name} {_number(value)}")
+            lines.append(f"tokenpipe_{name} {_number(gauge)}")
         return "\n".join(lines) + "\n"

@@ -50,6 +50,8 @@ class LiveServer:
                 "4",
                 "--api-key",
                 API_KEY,
+                # Small prefill chunks: a cancel lands between chunks, also during a prefill.
+                "--worker-arg=--prefill-chunk=64",
                 "--log-level",
                 "warning",
             ],

@@ -203,12 +203,14 @@ def test_bf16_gpu_top1_agrees_with_fp32_cpu() -> None:
     cpu = sharpened_tiny_model("cpu", torch.float32)
     gpu = GraphedCausalLM(sharpened_tiny_model("cuda", torch.bfloat16))
     kv_cpu, kv_gpu = cpu.make_kv_cache(1, 600), gpu.make_kv_cache(1, 600)
-    ids = torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(5)).tolist()
+    ids = torch.randint(0, 256, (513,), generator=torch.Generator().manual_seed(5)).tolist()
     agree = 0
-    for pos, token in enumerate(ids):  # teacher-forced: position 0 prefills, then decode
-        want = cpu(StepInput.single([token], 0, pos), kv_cpu).argmax(dim=-1).item()
-        got = gpu(StepInput.single([token], 0, pos, device="cuda"), kv_gpu).argmax(dim=-1).item()
-        agree += int(want == got)
+    # teacher-forced: a 2-token prefill gives position 1, then 511 decode steps
+    for pos in range(1, 513):
+        new, cached = (ids[:2], 0) if pos == 1 else ([ids[pos]], pos)
+        want = cpu(StepInput.single(new, 0, cached), kv_cpu).argmax(dim=-1).item()
+        step = StepInput.single(new, 0, cached, device="cuda")
+        agree += int(want == gpu(step, kv_gpu).argmax(dim=-1).item())
     print(f"bf16 GPU vs fp32 CPU top-1 agreement: {agree}/512")
     assert agree >= 0.99 * 512
 

@@ -94,6 +94,7 @@ def test_load_model_default(loaded: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 2 x 160 forward steps of a 270M model on a shared CPU
 def test_greedy_continuations_equal_transformers(loaded: Any, hf_gguf_oracle) -> None:
     oracle = hf_gguf_oracle.model()
     for prompt in PROMPTS:

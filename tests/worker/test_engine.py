@@ -435,3 +435,57 @@ def test_seeded_sampling_reproducible_in_batch(temperature: float) -> None:
         gen("other", temperature=1.0, max_new_tokens=6, id=2),
     )
     assert terminal(events, 1).generated_token_ids == alone.generated_token_ids
+
+
+def test_serve_loop_answers_in_order_and_exits_on_eof() -> None:
+    import io
+    import json
+
+    from worker.main import serve
+
+    stdin = io.BytesIO(
+        b'{"prompt": "ab", "max_new_tokens": 2}\n'
+        b"\n"
+        b'{"op": "nope"}\n'
+        b'{"op": "ping", "id": 1}\n'
+        b'{"prompt": "cd", "max_new_tokens": 1, "id": "x"}\n'
+    )
+    stdout = io.BytesIO()
+    assert serve(make_engine(), stdin, stdout) == 0
+    lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
+    assert lines[0]["ready"] is True
+    events = [line["event"] for line in lines[1:]]
+    assert events.count("done") == 2 and events.count("error") == 1
+    assert events.count("pong") == 1
+    # the id-less error waits for the id-less generate before it; id'd lines may interleave
+    seed_lines = [line for line in lines[1:] if "id" not in line]
+    assert [line["event"] for line in seed_lines] == ["token", "token", "done", "error"]
+
+
+def test_serve_shutdown_finishes_in_flight() -> None:
+    import io
+    import json
+
+    from worker.main import serve
+
+    stdin = io.BytesIO(
+        b'{"prompt": "ab", "max_new_tokens": 3, "id": 1}\n'
+        b'{"op": "shutdown", "id": 2}\n'
+        b'{"op": "ping", "id": 3}\n'
+    )
+    stdout = io.BytesIO()
+    assert serve(make_engine(), stdin, stdout) == 0
+    lines = [json.loads(line) for line in stdout.getvalue().splitlines()]
+    done = [line for line in lines if line["event"] == "done"]
+    assert len(done) == 1 and done[0]["completion_tokens"] == 3
+    late = [line for line in lines if line.get("id") == 3]
+    assert late and late[0]["code"] == "shutting_down"
+
+
+def test_drop_in_command_defaults() -> None:
+    from worker.main import command
+
+    params = {p.name: p for p in command.params}
+    assert params["max_sessions"].default == 8  # > 1: named sessions available
+    assert {"--model_path", "--model"} <= set(params["model"].opts)
+    assert "--tokenizer_path" in params["tokenizer_path"].opts
