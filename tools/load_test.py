@@ -419,7 +419,7 @@ async def http_mode(args: argparse.Namespace) -> dict[str, Any]:
         problems.append(f"requests still in flight: {inflight}")
     process.terminate()
     code = await asyncio.wait_for(process.wait(), 120)
-    if code != 0:
+    if code not in (0, -15):  # uvicorn re-raises SIGTERM after a graceful shutdown
         problems.append(f"tokenpipe serve exited with status {code}")
     return {
         "mode": "http", "clients": args.clients,

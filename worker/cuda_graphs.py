@@ -193,7 +193,10 @@ class DecodeGraphRunner:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), torch.inference_mode():
-                self._body(size, sample)  # warm-up: lazy tables, Triton compile, cuBLAS
+                # warm-up: lazy tables, Triton and torch.compile compilation, cuBLAS; twice,
+                # so a recompile (dynamic shapes) happens here and never during capture
+                for _ in range(2 if self._compiled is not None else 1):
+                    self._body(size, sample)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):

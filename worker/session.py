@@ -41,7 +41,7 @@ class SessionPool:
 
     @property
     def max_named(self) -> int:
-        return max(self.max_sessions - 1, 1) if self.max_sessions > 1 else 0
+        return self.max_sessions - 1  # one slot always left for anonymous requests
 
     @property
     def free_slots(self) -> int:

@@ -250,7 +250,7 @@ def _sdpa(
     if groups > 1 and q_len == 1:
         folded = q.view(batch, k.shape[1], groups, dim)  # [B, KVH, G, D]: G rows share a mask row
         o = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
-        return o.view(batch, heads, 1, dim)
+        return o.reshape(batch, heads, 1, dim)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)  # [B, H, Lk, D]
         v = v.repeat_interleave(groups, dim=1)
