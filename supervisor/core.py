@@ -406,7 +406,9 @@ class Supervisor:
     def _loads(self) -> list[WorkerLoad]:
         return [
             WorkerLoad(
-                index=s.index, state=s.state, queued=len(s.inflight), named_sessions=len(s.named),
+                index=s.index, state=s.state,
+                queued=len(s.inflight) - (s.ping_sent_at is not None),  # a heartbeat is no load
+                named_sessions=len(s.named),
                 max_named_sessions=int(s.ready_info.get("max_named_sessions", 0)),
                 max_queue=self.config.max_queue,
             )

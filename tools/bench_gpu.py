@@ -69,6 +69,7 @@ def install_cuda_hooks() -> None:
     import worker.loading as loading
     import worker.models.random_init as random_init
     from worker.cuda_graphs import GraphedCausalLM
+    from worker.cuda_setup import prepare_model_for_device
     from worker.kernels.random_weights import init_random_weights_on_device
 
     cpu_init = random_init.init_random_weights
@@ -83,10 +84,14 @@ def install_cuda_hooks() -> None:
     def load_model(*args: Any, **kwargs: Any) -> Any:
         loaded = plain_load(*args, **kwargs)
         model = loaded.model
-        # TOKENPIPE_BENCH_WRAP_CPU=1: the same wrapper, eager, on the CPU (the dry run)
-        wrap = model.device.type == "cuda" or os.environ.get("TOKENPIPE_BENCH_WRAP_CPU") == "1"
-        if wrap and os.environ.get("TOKENPIPE_NO_GRAPHS") != "1":
-            if not isinstance(model, GraphedCausalLM):
+        if model.device.type == "cuda":
+            # fused projections + CUDA graphs (worker.cuda_setup); main.py's own
+            # GraphedCausalLM wrap, if any, then sees an already wrapped model
+            loaded.model = prepare_model_for_device(loaded, model.device)
+        elif os.environ.get("TOKENPIPE_BENCH_WRAP_CPU") == "1":
+            # the same wrapper, eager, on the CPU (the dry run)
+            if os.environ.get("TOKENPIPE_NO_GRAPHS") != "1":
+                model.fuse_projections()
                 loaded.model = GraphedCausalLM(model)
         return loaded
 

@@ -320,6 +320,8 @@ class GraphedCausalLM:
     """
 
     def __init__(self, model: Any, *, use_graphs: bool | None = None, capture: bool = True):
+        if isinstance(model, GraphedCausalLM):  # wrapping twice: one wrapper (one runner)
+            model = model.inner
         self.inner = model
         self.runner: DecodeGraphRunner | None = None
         self._use_graphs = use_graphs

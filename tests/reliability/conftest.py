@@ -26,7 +26,7 @@ ROWS = {
                        "with a named and an anonymous request in flight (tiny checkpoint)"),
     "test_corrupt_models.py": ("corrupt models (CI)", "18 corruptions (safetensors truncated / "
                                "header flipped / empty, config vs weights mismatches, wrong "
-                               "tokenizer size, bad JSON, GGUF truncated to 4 MB / magic / "
+                               "tokenizer size, bad JSON, GGUF truncated to 1 MB / magic / "
                                "tensor count flipped / empty) in process, 4 as `tokenpipe "
                                "worker` processes"),
     "test_security.py": ("security (CI)", "session id validation (4 ops x ~45 ids), request "

@@ -179,7 +179,14 @@ def test_open_close_storm(target: LineProcess) -> None:
             rid = f"{op}-{i}"
             proc.send({"op": op, "session_id": sid, "id": rid})
             sent.append(rid)
-    events = proc.read_until(lambda e: e.get("id") == sent[-1], timeout=300)
+    waiting = set(sent)  # requests with ids may be answered in any order
+
+    def all_answered(event: dict[str, Any]) -> bool:
+        if event["event"] in TERMINAL:
+            waiting.discard(event.get("id"))
+        return not waiting
+
+    events = proc.read_until(all_answered, timeout=300)
     events = [e for e in events if str(e.get("id", "")).split("-")[0] in ("open", "reset",
                                                                             "close")]
     check_exactly_once(sent, events)

@@ -234,3 +234,139 @@ def test_batched_sampling_row_independent_of_its_batch() -> None:
     # another counter or seed draws differently at least sometimes
     other = [_draw(logits[1:2], [row], [c])[0].item() for c in range(20)]
     assert len(set(other)) > 1
+
+
+# --------------------------------------------------------------------------- fused norms
+
+
+@pytest.fixture(scope="module")
+def fused() -> ModuleType:
+    """worker.kernels.rmsnorm, compiled for CUDA or run by Triton's interpreter."""
+    pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not torch.cuda.is_available() and not isinstance(tl.zeros, InterpretedFunction):
+        pytest.skip("no CUDA, and triton was imported before TRITON_INTERPRET could be set")
+    return importlib.import_module("worker.kernels.rmsnorm")
+
+
+def _styles():  # type: ignore[no-untyped-def]
+    from worker.models.layers import GEMMA3_NORM, GEMMA4_NORM, LLAMA_NORM
+
+    return {"llama": LLAMA_NORM, "gemma3": GEMMA3_NORM, "gemma4": GEMMA4_NORM}
+
+
+def _torch_norm(dim: int, style_name: str, dtype: torch.dtype, with_scale: bool = True):  # type: ignore[no-untyped-def]
+    """The model's own RMSNorm (torch path: the inputs below are on the CPU, or the test
+    calls forward under TOKENPIPE_NO_TRITON) with a random weight."""
+    from worker.models.layers import RMSNorm
+
+    norm = RMSNorm(dim, 1e-6, _styles()[style_name], with_scale=with_scale, dtype=dtype)
+    if norm.weight is not None:
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(dim, generator=torch.Generator().manual_seed(dim)))
+    return norm.to(_device())
+
+
+def _reference(fn, *args):  # type: ignore[no-untyped-def]
+    """Run `fn` on the torch path even on CUDA."""
+    old = os.environ.get("TOKENPIPE_NO_TRITON")
+    os.environ["TOKENPIPE_NO_TRITON"] = "1"
+    try:
+        return fn(*args)
+    finally:
+        if old is None:
+            del os.environ["TOKENPIPE_NO_TRITON"]
+        else:
+            os.environ["TOKENPIPE_NO_TRITON"] = old
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    # bf16: the kernel rounds where torch rounds; summation order may flip one ulp
+    return (
+        {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    )
+
+
+@pytest.mark.parametrize("style", ["llama", "gemma3", "gemma4", "weightless"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_matches_torch(fused: ModuleType, style: str, dtype: torch.dtype) -> None:
+    norm = _torch_norm(48, "gemma4" if style == "weightless" else style, dtype,
+                       with_scale=style != "weightless")  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    x2 = (torch.randn(5, 48, generator=gen) * 3).to(dtype).to(_device())
+    wide = (torch.randn(3, 7 * 48, generator=gen)).to(dtype).to(_device())
+    x3 = wide[:, 48:].view(3, 6, 48)  # a strided [T, H, D] view, as q/k/v of one qkv matmul
+    for x in (x2, x3):
+        got = fused.rms_norm_triton(x, norm.weight, norm.eps, norm.style.offset, norm.round_first)
+        want = _reference(norm, x)
+        assert got.dtype == dtype and got.shape == x.shape
+        torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("style", ["llama", "gemma4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_kernel_matches_torch(
+    fused: ModuleType, style: str, dtype: torch.dtype
+) -> None:
+    n1, n2 = _torch_norm(40, style, dtype), _torch_norm(40, style, dtype)
+    with torch.no_grad():
+        n2.weight.mul_(-0.5)
+    gen = torch.Generator().manual_seed(2)
+    y = torch.randn(6, 40, generator=gen).to(dtype).to(_device())
+    r = torch.randn(6, 40, generator=gen).to(dtype).to(_device())
+    scale = torch.tensor([0.75], dtype=dtype, device=_device())
+    args = (n1.eps, n1.style.offset, n1.round_first)
+    # sandwich: h = (r + n1(y)) * scale, out = n2(h)
+    h, out = fused.add_rms_norm_triton(y, r, n1.weight, n2.weight, scale, *args)
+    want_h = _reference(lambda: (r + n1(y)) * scale)
+    torch.testing.assert_close(h, want_h, **_tol(dtype))
+    torch.testing.assert_close(out, _reference(n2, want_h), **_tol(dtype))
+    # pre-norm: h = r + y, out = n2(h); no second output without w2
+    h, out = fused.add_rms_norm_triton(y, r, None, n2.weight, None, *args)
+    torch.testing.assert_close(h, r + y, **_tol(dtype))
+    torch.testing.assert_close(out, _reference(n2, r + y), **_tol(dtype))
+    h, none = fused.add_rms_norm_triton(y, r, n1.weight, None, None, *args)
+    assert none is None
+    torch.testing.assert_close(h, _reference(lambda: r + n1(y)), **_tol(dtype))
+
+
+@pytest.mark.parametrize("style", ["llama", "gemma3", "gemma4", "rope_only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rope_kernel_matches_torch(
+    fused: ModuleType, style: str, dtype: torch.dtype
+) -> None:
+    from worker.models.config import RopeSpec
+    from worker.models.rope import Rotary, apply_rotary
+
+    dim, heads, t = 32, 3, 5
+    norm = _torch_norm(dim, "gemma4" if style == "rope_only" else style, dtype)
+    spec = RopeSpec(rope_type="proportional", theta=10000.0, partial_rotary_factor=0.25)
+    rot = Rotary(spec, dim, 512)
+    positions = torch.tensor([0, 1, 7, 100, 511], device=_device())
+    cos, sin = rot.cos_sin(positions, dtype)
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(t, (heads + 2) * dim, generator=gen).to(dtype).to(_device())
+    x = wide[:, dim : (heads + 1) * dim].view(t, heads, dim)  # strided view
+    if style == "rope_only":
+        got = fused.rms_norm_rope_triton(x, None, cos, sin, 0.0, 0.0, False, norm=False)
+        want = apply_rotary(x, cos, sin)
+    else:
+        got = fused.rms_norm_rope_triton(
+            x, norm.weight, cos, sin, norm.eps, norm.style.offset, norm.round_first
+        )
+        want = _reference(lambda: apply_rotary(norm(x), cos, sin))
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_act_kernel_matches_torch(fused: ModuleType, act: str, dtype: torch.dtype) -> None:
+    from worker.models.layers import activation
+
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(3, 2 * 1500, generator=gen) * 4).to(dtype).to(_device())
+    gate, up = gate_up[:, :1500], gate_up[:, 1500:]
+    got = fused.gated_act_triton(gate, up, act)
+    torch.testing.assert_close(got, activation(act)(gate) * up, **_tol(dtype))

@@ -22,8 +22,11 @@ from worker.kernels.reference import decode_attention_reference, store_kv_refere
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Triton kernels serve CUDA tensors when Triton imports (TOKENPIPE_NO_TRITON=1 opts out)."""
-    return t.is_cuda and triton_available() and os.environ.get("TOKENPIPE_NO_TRITON") != "1"
+    """Triton kernels serve CUDA tensors when Triton imports (TOKENPIPE_NO_TRITON=1 opts out;
+    TOKENPIPE_TRITON_CPU=1, with TRITON_INTERPRET=1, sends CPU tensors through Triton's
+    interpreter too: the tests of the fused paths)."""
+    on_device = t.is_cuda or os.environ.get("TOKENPIPE_TRITON_CPU") == "1"
+    return on_device and triton_available() and os.environ.get("TOKENPIPE_NO_TRITON") != "1"
 
 
 def decode_attention(

@@ -11,6 +11,7 @@ Mask convention: bool, True = may attend.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -227,6 +228,14 @@ def _prefill_one(
         cache.k[s].index_copy_(1, index, new_k[:, n - kept :])
         cache.v[s].index_copy_(1, index, new_v[:, n - kept :])
     query = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, H, n, D]
+    if mask is not None and cache.window is None and q.is_cuda:
+        # full layer over a cached prefix: the mask is causal aligned to the bottom right;
+        # as a CausalBias the fused (memory-efficient) kernel applies it without [n, c + n]
+        from torch.nn.attention.bias import causal_lower_right
+
+        o = _sdpa(query, keys[None], values[None], causal_lower_right(n, c + n), False, scale)
+        out[seq.start : seq.end] = o[0].transpose(0, 1)
+        return
     o = _sdpa(query, keys[None], values[None], mask, mask is None, scale)
     out[seq.start : seq.end] = o[0].transpose(0, 1)  # [n, H, D]
 
@@ -235,7 +244,7 @@ def _sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: Any,
     is_causal: bool,
     scale: float,
 ) -> torch.Tensor:

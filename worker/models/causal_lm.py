@@ -138,6 +138,18 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def fuse_projections(self) -> int:
+        """Merge each layer's q/k/v and gate/up weights into one matrix each (a post-load
+        step for the GPU: one GEMV instead of two or three). The HF names are gone after it,
+        so it runs after ``load_weights``. Returns the number of modules merged."""
+        merged = 0
+        for module in list(self.modules()):
+            fuse = getattr(module, "fuse_projections", None)
+            if module is not self and callable(fuse):
+                fuse()
+                merged += 1
+        return merged
+
     def load_weights(
         self, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True
     ) -> LoadReport:

@@ -2,6 +2,12 @@
 
 Module and parameter names follow Hugging Face so a checkpoint loads by name. All modules take
 the flattened step layout: hidden states are [T, hidden] (no batch dimension).
+
+On CUDA (``worker.kernels.attention.use_triton``) the norms, the residual adds, the q/k norm +
+rotary and the gated activation run as fused Triton kernels (``worker.kernels.rmsnorm``), with
+the torch path's roundings; elsewhere (the CPU) the torch code below runs unchanged.
+After ``fuse_projections()`` (a post-load step, CUDA only: ``worker.cuda_setup``) q/k/v and
+gate/up are one matmul each, split with views; the HF parameter names are gone then.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.kernels.attention import use_triton
 from worker.models.attention import AttentionPlan, attend
 from worker.models.config import ModelConfig
 from worker.models.kv import LayerCache
@@ -48,7 +55,16 @@ class RMSNorm(nn.Module):
         self.style = style
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if with_scale else None
 
+    @property
+    def round_first(self) -> bool:
+        """The llama style: the normed value is rounded before the weight multiplies it."""
+        return not self.style.scale_in_float
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() in (2, 3) and use_triton(x):
+            from worker.kernels.rmsnorm import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps, self.style.offset, self.round_first)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x²) + eps)
         if self.weight is None:
             return normed.to(x.dtype)
@@ -82,10 +98,50 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=bias, **factory)
         self.down_proj = nn.Linear(inner, hidden, bias=bias, **factory)
         self.act = activation(config.hidden_act)
+        self.act_name = config.hidden_act
+        self.inner = inner
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """Replace gate_proj and up_proj by one gate_up_proj ([2 * inner, hidden])."""
+        if self.gate_up_proj is not None:
+            return
+        self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate_up = self.gate_up_proj(x)  # [T, 2 * inner]
+            gate, up = gate_up[:, : self.inner], gate_up[:, self.inner :]
+        if x.dim() == 2 and use_triton(x):
+            from worker.kernels.rmsnorm import GATED_ACTIVATIONS, gated_act_triton
+
+            if self.act_name in GATED_ACTIVATIONS:
+                out: torch.Tensor = self.down_proj(gated_act_triton(gate, up, self.act_name))
+                return out
+        out = self.down_proj(self.act(gate) * up)
         return out
+
+
+def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the parts' outputs concatenated (weights moved, not kept)."""
+    first = parts[0]
+    bias = first.bias is not None
+    weight = torch.cat([p.weight.detach() for p in parts], dim=0)
+    fused = nn.Linear(
+        first.in_features, weight.shape[0], bias=bias, device=weight.device, dtype=weight.dtype
+    )
+    with torch.no_grad():
+        fused.weight = nn.Parameter(weight, requires_grad=False)
+        if bias:
+            biases = [p.bias.detach() for p in parts if p.bias is not None]
+            fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    for p in parts:  # free the originals now, one layer at a time
+        p.weight = None  # type: ignore[assignment]
+        p.bias = None
+    return fused
 
 
 class Attention(nn.Module):
@@ -113,6 +169,35 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps, norm, **factory) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, norm, **factory) if config.qk_norm else None
         self.v_norm = RMSNorm(self.head_dim, eps, norm, with_scale=False) if v_norm else None
+        self.qkv_proj: nn.Linear | None = None  # set by fuse_projections
+
+    def fuse_projections(self) -> None:
+        """Replace q_proj, k_proj (and v_proj) by one qkv_proj: rows q, then k, then v."""
+        if self.qkv_proj is not None:
+            return
+        parts = [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj is not None else [])
+        self.qkv_proj = _concat_linears(parts)
+        del self.q_proj, self.k_proj
+        self.v_proj = None
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, D], k, v [T, KVH, D] (views; v is k when K=V)."""
+        t = x.shape[0]
+        kv_width = self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)  # [T, (H + KVH (+ KVH)) * D]
+            q_width = self.num_heads * self.head_dim
+            q = qkv[:, :q_width].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, q_width : q_width + kv_width].view(t, self.num_kv_heads, self.head_dim)
+            if self.k_eq_v:
+                return q, k, k
+            v = qkv[:, q_width + kv_width :].view(t, self.num_kv_heads, self.head_dim)
+            return q, k, v
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        # K=V: V is the k projection before k_norm and rotary
+        v = k if self.v_proj is None else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v
 
     def forward(
         self,
@@ -122,19 +207,43 @@ class Attention(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        # K=V: V is the k projection before k_norm and rotary
-        v = k if self.v_proj is None else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
+        cos, sin = cos_sin
+        if use_triton(x):
+            q, k, v = self._norm_rope_fused(q, k, v, cos, sin)
+            o = attend(q, k, v, cache, plan, self.scale)  # [T, H, D]
+            fused: torch.Tensor = self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+            return fused
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.v_norm is not None:
             v = self.v_norm(v)
-        cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attend(q, k, v, cache, plan, self.scale)  # [T, H, D]
         out: torch.Tensor = self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
         return out
+
+    def _norm_rope_fused(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The torch path's norms and rotary, one Triton launch per tensor."""
+        from worker.kernels.rmsnorm import rms_norm_rope_triton, rms_norm_triton
+
+        def norm_rope(x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+            if norm is None:
+                return rms_norm_rope_triton(x, None, cos, sin, 0.0, 0.0, False, norm=False)
+            return rms_norm_rope_triton(
+                x, norm.weight, cos, sin, norm.eps, norm.style.offset, norm.round_first
+            )
+
+        has_qk_norm = self.q_norm is not None and self.k_norm is not None
+        v_out = v
+        if self.v_norm is not None:
+            v_out = rms_norm_triton(v, None, self.v_norm.eps, 0.0, False)
+        q_out = norm_rope(q, self.q_norm if has_qk_norm else None)
+        k_out = norm_rope(k, self.k_norm if has_qk_norm else None)
+        return q_out, k_out, v_out
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -155,7 +264,17 @@ class PreNormDecoderLayer(nn.Module):
         cache: LayerCache,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, cache, plan)
+        attn = self.self_attn(self.input_layernorm(x), cos_sin, cache, plan)
+        if use_triton(x):
+            from worker.kernels.rmsnorm import add_rms_norm_triton
+
+            post = self.post_attention_layernorm
+            x, h = add_rms_norm_triton(
+                attn, x, None, post.weight, None, post.eps, post.style.offset, post.round_first
+            )
+            assert h is not None
+            return x + self.mlp(h)
+        x = x + attn
         mlp: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
         return x + mlp
 
@@ -197,9 +316,28 @@ class SandwichDecoderLayer(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos_sin, cache, plan)
+        if use_triton(x) and self.post_attention_layernorm.weight is not None:
+            return self._tail_fused(x, attn)
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))
         x = x + self.post_feedforward_layernorm(mlp)
         if self.layer_scalar is not None:
             x = x * self.layer_scalar
+        return x
+
+    def _tail_fused(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Everything after attention in two norm kernels (+ the MLP)."""
+        from worker.kernels.rmsnorm import add_rms_norm_triton
+
+        post_attn, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        post_ff = self.post_feedforward_layernorm
+        eps, offset, first = post_attn.eps, post_attn.style.offset, post_attn.round_first
+        # x + post_attn(attn), and pre_ff of that sum
+        x, h = add_rms_norm_triton(attn, x, post_attn.weight, pre_ff.weight, None, eps, offset,
+                                   first)  # fmt: skip
+        assert h is not None
+        mlp = self.mlp(h)
+        # (x + post_ff(mlp)) * layer_scalar
+        x, _ = add_rms_norm_triton(mlp, x, post_ff.weight, None, self.layer_scalar, eps, offset,
+                                   first)  # fmt: skip
         return x

@@ -1,0 +1,255 @@
+"""Fused RMSNorm kernels (Triton): one launch where the torch path takes five to ten.
+
+Three kernels, each one program per row (the row fits in one block):
+
+- `rms_norm_triton(x, w, eps, offset, round_first)`: y = norm(x) * (offset + w);
+- `add_rms_norm_triton(y, r, w1, w2, scale, ...)`: h = (r + norm_w1(y)) * scale, and
+  n = norm_w2(h): the sandwich layer's "residual add + next norm" in one pass;
+- `rms_norm_rope_triton(x, w, cos, sin, ...)`: per (token, head) row, the q/k norm followed
+  by the rotate-half rotary embedding.
+
+Numerics: the sum of squares and the scaling run in float32; every value the torch path
+stores in the input dtype (the norm's output, the residual sum, the scaled sum) is rounded to
+that dtype here too, so the result equals the torch path up to float32 summation order.
+Styles (see `worker.models.layers.NormStyle`): `round_first=False`: (normed * (offset + w))
+rounded once (gemma); `round_first=True`: normed rounded, then times (offset + w) (llama).
+No weight (`w is None`): normed rounded (gemma4's V norm).
+
+The torch references are in `worker.kernels.reference`-style helpers of
+`worker.models.layers`; this module imports Triton: import it only after
+`worker.kernels.triton_available()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _normed(x, w_ptr, offs, mask, n, eps, offset, HAS_W: tl.constexpr,
+            ROUND_FIRST: tl.constexpr, OUT_DTYPE: tl.constexpr):  # fmt: skip
+    """x [BLOCK] float32 -> the norm's output [BLOCK] float32, rounded to OUT_DTYPE."""
+    ms = tl.sum(x * x, axis=0) / n
+    normed = x * (1.0 / tl.sqrt(ms + eps))
+    if HAS_W:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        if ROUND_FIRST:
+            normed = normed.to(OUT_DTYPE).to(tl.float32)
+            scale = (w + offset).to(OUT_DTYPE).to(tl.float32)
+            out = normed * scale
+        else:
+            out = normed * (w.to(tl.float32) + offset)
+    else:
+        out = normed
+    return out.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, y_ptr, stride_x0, stride_x1, stride_y0, stride_y1, n, eps, offset,
+    HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r0, r1 = tl.program_id(0), tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + r0 * stride_x0 + r1 * stride_x1 + offs, mask=mask, other=0.0)
+    out_dtype = y_ptr.dtype.element_ty
+    y = _normed(x.to(tl.float32), w_ptr, offs, mask, n, eps, offset, HAS_W, ROUND_FIRST,
+                out_dtype)  # fmt: skip
+    tl.store(y_ptr + r0 * stride_y0 + r1 * stride_y1 + offs, y.to(out_dtype), mask=mask)
+
+
+def _rows3(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
+    """x [..., N] with a unit last stride -> (x, rows0, rows1, stride0, stride1) over a
+    2-D grid of rows (the last dim contiguous; the leading ones any stride)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 2:
+        return x, x.shape[0], 1, x.stride(0), 0
+    if x.dim() == 3:
+        return x, x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+    x = x.reshape(-1, x.shape[-1]) if x.dim() != 1 else x[None]
+    return x, x.shape[0], 1, x.stride(0), 0
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, round_first: bool
+) -> torch.Tensor:
+    """x [..., N] (2-D or 3-D, last dim contiguous) -> y, contiguous, same shape and dtype."""
+    shape = x.shape
+    x, rows0, rows1, s0, s1 = _rows3(x)
+    n = x.shape[-1]
+    y = torch.empty((rows0, rows1, n), dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(rows0, rows1)](
+        x, weight if weight is not None else x, y, s0, s1, y.stride(0), y.stride(1), n,
+        float(eps), float(offset),
+        HAS_W=weight is not None, ROUND_FIRST=round_first, BLOCK=triton.next_power_of_2(n),
+    )  # fmt: skip
+    return y.view(shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    y_ptr, r_ptr, w1_ptr, w2_ptr, scale_ptr, h_ptr, out_ptr,
+    stride_y, stride_r, stride_h, stride_o, n, eps, offset,
+    NORM1: tl.constexpr, NORM2: tl.constexpr, HAS_SCALE: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    dt = h_ptr.dtype.element_ty
+    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM1:
+        y = _normed(y, w1_ptr, offs, mask, n, eps, offset, True, ROUND_FIRST, dt)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (r + y).to(dt).to(tl.float32)
+    if HAS_SCALE:
+        s = tl.load(scale_ptr).to(tl.float32)
+        h = (h * s).to(dt).to(tl.float32)
+    tl.store(h_ptr + row * stride_h + offs, h.to(dt), mask=mask)
+    if NORM2:
+        o = _normed(h, w2_ptr, offs, mask, n, eps, offset, True, ROUND_FIRST, dt)
+        tl.store(out_ptr + row * stride_o + offs, o.to(dt), mask=mask)
+
+
+def add_rms_norm_triton(
+    y: torch.Tensor,
+    residual: torch.Tensor,
+    w1: torch.Tensor | None,
+    w2: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    round_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y, residual [T, N] -> (h, norm_w2(h)) with h = (residual + norm_w1(y)) * scale.
+
+    w1 None: no norm on y; w2 None: the second output is None; scale: a [1] tensor or None.
+    """
+    if y.stride(-1) != 1:
+        y = y.contiguous()
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    rows, n = residual.shape
+    h = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    out = torch.empty_like(h) if w2 is not None else h
+    _add_rms_norm_kernel[(rows,)](
+        y, residual, w1 if w1 is not None else y, w2 if w2 is not None else y,
+        scale if scale is not None else y, h, out,
+        y.stride(0), residual.stride(0), h.stride(0), out.stride(0), n, float(eps), float(offset),
+        NORM1=w1 is not None, NORM2=w2 is not None, HAS_SCALE=scale is not None,
+        ROUND_FIRST=round_first, BLOCK=triton.next_power_of_2(n),
+    )  # fmt: skip
+    return h, (out if w2 is not None else None)
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
+    stride_x0, stride_x1, stride_y0, stride_y1, stride_c, half, eps, offset,
+    NORM: tl.constexpr, HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    t, hd = tl.program_id(0), tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < half
+    dt = y_ptr.dtype.element_ty
+    base = x_ptr + t * stride_x0 + hd * stride_x1
+    x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        n = 2 * half
+        ms = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / n
+        inv = 1.0 / tl.sqrt(ms + eps)
+        x1, x2 = x1 * inv, x2 * inv
+        if HAS_W:
+            w1 = tl.load(w_ptr + offs, mask=mask, other=0.0)
+            w2 = tl.load(w_ptr + half + offs, mask=mask, other=0.0)
+            if ROUND_FIRST:
+                x1 = x1.to(dt).to(tl.float32) * (w1 + offset).to(dt).to(tl.float32)
+                x2 = x2.to(dt).to(tl.float32) * (w2 + offset).to(dt).to(tl.float32)
+            else:
+                x1 = x1 * (w1.to(tl.float32) + offset)
+                x2 = x2 * (w2.to(tl.float32) + offset)
+        x1, x2 = x1.to(dt).to(tl.float32), x2.to(dt).to(tl.float32)
+    c1 = tl.load(cos_ptr + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_c + half + offs, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_c + half + offs, mask=mask, other=0.0).to(tl.float32)
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+    out = y_ptr + t * stride_y0 + hd * stride_y1
+    tl.store(out + offs, y1.to(dt), mask=mask)
+    tl.store(out + half + offs, y2.to(dt), mask=mask)
+
+
+def rms_norm_rope_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    offset: float,
+    round_first: bool,
+    norm: bool = True,
+) -> torch.Tensor:
+    """x [T, H, D] (any strides, last dim contiguous); cos, sin [T, D] -> [T, H, D] contiguous:
+    rotary(norm(x)) (or rotary(x) when ``norm`` is false)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    t, heads, dim = x.shape
+    y = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
+    half = dim // 2
+    _rms_norm_rope_kernel[(t, heads)](
+        x, weight if weight is not None else x, cos, sin, y,
+        x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), half,
+        float(eps), float(offset),
+        NORM=norm, HAS_W=weight is not None, ROUND_FIRST=round_first,
+        BLOCK_HALF=triton.next_power_of_2(half),
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _gated_act_kernel(
+    g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, n,
+    GELU_TANH: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row, blk = tl.program_id(0), tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dt = y_ptr.dtype.element_ty
+    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    if GELU_TANH:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        a = 0.5 * g * (1.0 + tanh)
+    else:  # silu
+        a = g * tl.sigmoid(g)
+    y = a.to(dt).to(tl.float32) * u
+    tl.store(y_ptr + row * stride_y + offs, y.to(dt), mask=mask)
+
+
+GATED_ACTIVATIONS = {"gelu_pytorch_tanh": True, "gelu_new": True, "silu": False, "swish": False}
+
+
+def gated_act_triton(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """gate, up [T, I] (rows may be strided, e.g. halves of one gate_up output) ->
+    act(gate) * up, [T, I] contiguous. act: a key of GATED_ACTIVATIONS."""
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    if up.stride(-1) != 1:
+        up = up.contiguous()
+    rows, n = gate.shape
+    y = torch.empty((rows, n), dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _gated_act_kernel[(rows, triton.cdiv(n, block))](
+        gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n,
+        GELU_TANH=GATED_ACTIVATIONS[act], BLOCK=block,
+    )  # fmt: skip
+    return y
