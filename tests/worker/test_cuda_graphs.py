@@ -304,7 +304,7 @@ def test_fused_kernels_and_merged_projections_match_the_torch_path(
         got = graphed(step, kv_fast)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     token, pos = int(want.argmax()), len(prompt)
-    for _ in range(12):  # decode through the runner (fused decode plan), past the ring
+    for _ in range(12 if family == "gemma4" else 3):  # decode through the runner, past the ring
         step = StepInput.single([token], 1, pos)
         monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "0")
         want = ref(step, kv_ref)

@@ -86,8 +86,14 @@ def rms_norm_triton(
         x, weight if weight is not None else x, y, s0, s1, y.stride(0), y.stride(1), n,
         float(eps), float(offset),
         HAS_W=weight is not None, ROUND_FIRST=round_first, BLOCK=triton.next_power_of_2(n),
+        num_warps=_warps(n),
     )  # fmt: skip
     return y.view(shape)
+
+
+def _warps(n: int) -> int:
+    """Warps of a one-row program: about 16 elements per thread, 1 to 16 warps."""
+    return max(1, min(16, triton.next_power_of_2(n) // 512))
 
 
 @triton.jit
@@ -141,7 +147,7 @@ def add_rms_norm_triton(
         scale if scale is not None else y, h, out,
         y.stride(0), residual.stride(0), h.stride(0), out.stride(0), n, float(eps), float(offset),
         NORM1=w1 is not None, NORM2=w2 is not None, HAS_SCALE=scale is not None,
-        ROUND_FIRST=round_first, BLOCK=triton.next_power_of_2(n),
+        ROUND_FIRST=round_first, BLOCK=triton.next_power_of_2(n), num_warps=_warps(n),
     )  # fmt: skip
     return h, (out if w2 is not None else None)
 
@@ -209,7 +215,7 @@ def rms_norm_rope_triton(
         x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), half,
         float(eps), float(offset),
         NORM=norm, HAS_W=weight is not None, ROUND_FIRST=round_first,
-        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HALF=triton.next_power_of_2(half), num_warps=_warps(dim),
     )  # fmt: skip
     return y
 
@@ -250,6 +256,6 @@ def gated_act_triton(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Te
     block = 1024
     _gated_act_kernel[(rows, triton.cdiv(n, block))](
         gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n,
-        GELU_TANH=GATED_ACTIVATIONS[act], BLOCK=block,
+        GELU_TANH=GATED_ACTIVATIONS[act], BLOCK=block, num_warps=4,
     )  # fmt: skip
     return y
