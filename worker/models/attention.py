@@ -256,8 +256,6 @@ def _sdpa(
     """
     batch, heads, q_len, dim = q.shape
     groups = heads // k.shape[1]
-    if not q.is_cuda and q_len * groups <= _CPU_MATH_MAX_ROWS and not is_causal:
-        return _cpu_math_attention(q, k, v, mask, scale)
     if groups > 1 and q_len == 1:
         folded = q.view(batch, k.shape[1], groups, dim)  # [B, KVH, G, D]: G rows share a mask row
         o = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
@@ -269,28 +267,3 @@ def _sdpa(
         q, k, v, attn_mask=mask, is_causal=is_causal and q_len > 1, scale=scale
     )
 
-
-# PyTorch's fused CPU attention kernel costs ~100 ms for one decode query against a few hundred
-# keys at head_dim 256 (measured on torch 2.13, 2 cores); plain matmul + softmax costs ~1 ms.
-# Short query blocks on the CPU therefore take the math path below.
-_CPU_MATH_MAX_ROWS = 64
-
-
-def _cpu_math_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float
-) -> torch.Tensor:
-    """q [B, H, Lq, D], k/v [B, KVH, Lk, D], bool mask broadcastable to [B, 1, Lq, Lk]."""
-    batch, heads, q_len, dim = q.shape
-    kv_heads = k.shape[1]
-    groups = heads // kv_heads
-    # [B, KVH, G*Lq, D]: each KV head's query rows side by side (no KV copy for GQA)
-    folded = q.reshape(batch, kv_heads, groups * q_len, dim)
-    scores = torch.matmul(folded, k.transpose(-1, -2)) * scale  # [B, KVH, G*Lq, Lk]
-    if mask is not None:
-        m = mask.expand(batch, 1, q_len, k.shape[2])  # [B, 1, Lq, Lk]
-        m = m[:, :, None].expand(batch, 1, groups, q_len, k.shape[2])
-        m = m.reshape(batch, 1, groups * q_len, k.shape[2])
-        scores = scores.masked_fill(~m, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)  # [B, KVH, G*Lq, D]
-    return out.reshape(batch, heads, q_len, dim)
