@@ -157,10 +157,13 @@ def build_engine(
     default_context = min(model_context, 4096 if on_cpu else 32768)
     if max_context is None:
         default_context = _memory_capped_context(loaded.model, max_sessions, default_context)
-    if torch_device.type == "cuda" and cuda_graphs:
-        from worker.cuda_graphs import GraphedCausalLM
+    if torch_device.type == "cuda":
+        from worker.cuda_setup import prepare_model_for_device
 
-        loaded.model = GraphedCausalLM(loaded.model)  # decode steps replayed from CUDA graphs
+        # merged projections, fused kernels, decode steps replayed from CUDA graphs
+        loaded.model = prepare_model_for_device(
+            loaded, torch_device, random_weights, seed, cuda_graphs=cuda_graphs
+        )
     config = EngineConfig(
         max_sessions=max_sessions,
         max_context=min(max_context or default_context, model_context),
