@@ -102,7 +102,18 @@ def run_worker(argv: list[str]) -> None:
     install_cuda_hooks()
     from worker.main import command
 
-    command.main(args=argv, prog_name="tokenpipe worker", standalone_mode=True)
+    profile_path = os.environ.get("TOKENPIPE_PROFILE_WORKER")
+    if not profile_path:
+        command.main(args=argv, prog_name="tokenpipe worker", standalone_mode=True)
+        return
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(command.main, args=argv, prog_name="tokenpipe worker",
+                         standalone_mode=False)  # fmt: skip
+    finally:
+        profiler.dump_stats(profile_path)
 
 
 # ------------------------------------------------------------------ model dir + tokenizer
@@ -405,6 +416,8 @@ def ttft(worker: WorkerProcess, resident: int, extra: int, vocab: int,
         first = next((ln.t for ln in req_lines if ln.msg.get("event") == "token"), None)
         out[f"{name}_s"] = (first or req_lines[-1].t) - t0
         out[f"{name}_prefilled"] = float(req_lines[-1].msg.get("prefilled_prompt_tokens", -1))
+        for key in ("prefill_ms", "total_ms"):  # the worker's own accounting of the request
+            out[f"{name}_{key}"] = float(req_lines[-1].msg.get(key, -1))
         worker.ask({"op": "close", "session_id": sid})
     return out
 

@@ -266,9 +266,18 @@ async def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     result = RunResult()
     t0 = time.monotonic()
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(30)
+            print(f"load_test: {len(result.done)}/{sessions * requests} requests answered after "
+                  f"{time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+
+    reporter = asyncio.ensure_future(progress())
     await asyncio.gather(*(_conversation(sup, result, i, requests, args.max_new,
                                          args.cancel_rate, random.Random(rng.random()))
                            for i in range(sessions)))
+    reporter.cancel()
     load_s = time.monotonic() - t0
     events = [e for e in sup.events if str(e.get("id", "")).startswith(("load-", "open-load",
                                                                          "close-load"))]

@@ -343,6 +343,10 @@ class Engine:
                         [rows[i][0].generator for i in sampling_rows],
                     )
                     sampled = ids.tolist()  # the one host sync of the step
+                elif logits.is_cuda:
+                    # nothing to sample (prefill-only chunks): still wait for the KV writes, so
+                    # `done` means the session is ready and prefill_ms is the real time
+                    torch.cuda.synchronize(logits.device)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not us
             code = ErrorCode.OUT_OF_MEMORY if _is_oom(exc) else ErrorCode.INTERNAL_ERROR
             for a, _ in rows:

@@ -1,0 +1,62 @@
+"""Profile a short prefill on top of a long resident context (the warm TTFT case) on CUDA.
+
+python tools/profile_gpu_prefill.py [--config examples/gemma4_31b/config.json] [--resident 4096]
+Prints wall time per prefill and the top CUDA kernels / CPU ops of one warm prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from types import SimpleNamespace
+
+import torch
+
+from worker.cuda_setup import prepare_model_for_device
+from worker.kernels.random_weights import init_random_weights_on_device
+from worker.models.config import ModelConfig
+from worker.models.registry import build_model
+from worker.models.step import StepInput
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="examples/gemma4_31b/config.json")
+    parser.add_argument("--resident", type=int, default=4096)
+    parser.add_argument("--extra", type=int, default=64)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    cfg = ModelConfig.from_hf(json.load(open(args.config)))
+    model = build_model(cfg, dev, torch.bfloat16)
+    init_random_weights_on_device(model, 0)
+    model = prepare_model_for_device(SimpleNamespace(model=model), dev, True, 0)
+    kv = model.make_kv_cache(2, args.resident + args.extra + 16)
+    vocab = cfg.vocab_size if hasattr(cfg, "vocab_size") else 1000
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randint(0, vocab, (args.resident,), generator=gen)
+    extra = torch.randint(0, vocab, (args.extra,), generator=gen)
+
+    def step(ids: torch.Tensor, cached: int) -> None:
+        model(StepInput.single(ids.tolist(), 0, cached, dev), kv)
+
+    for start in range(0, args.resident, 2048):
+        step(base[start : start + 2048], start)
+    torch.cuda.synchronize()
+    for _ in range(5):
+        t = time.perf_counter()
+        step(extra, args.resident)
+        torch.cuda.synchronize()
+        print(f"warm prefill of {args.extra} on {args.resident}: "
+              f"{(time.perf_counter() - t) * 1000:.1f} ms", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(extra, args.resident)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
