@@ -443,6 +443,33 @@ async def http_mode(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- main
 
 
+def write_row(summary: dict[str, Any]) -> None:
+    """Record a run or http summary (as printed) in RELIABILITY.md."""
+    ok = not summary["problems"]
+    if summary["mode"] == "run":
+        growth = ", ".join(f"{g:+.1%}" for g in summary["rss_growth"])
+        tried = (f"{summary['sessions']} sessions x {summary['requests_per_session']} "
+                 f"requests = {summary['requests']} through `tokenpipe run` "
+                 f"({summary['model']}, 512 context), {summary['cancels_sent']} cancels sent "
+                 f"({summary['load_seconds']:.0f} s)")
+        held = (f"one terminal line each ({summary['finish_reasons']}, errors "
+                f"{summary['errors'] or 0}); {summary['verified']} greedy outputs equal the "
+                f"same request run alone ({summary['mismatches']} mismatches); no active "
+                f"request, no leaked slot; worker RSS {growth} vs after warm-up")
+    else:
+        tried = (f"{summary['clients']} concurrent streaming clients on `tokenpipe serve` "
+                 f"({summary['model']}), {summary['dropped']} disconnected mid-stream "
+                 f"({summary['load_seconds']:.0f} s)")
+        held = (f"{summary['completed']} complete streams, each one final chunk + [DONE]; "
+                f"nothing active or queued after; server + worker RSS "
+                f"{summary['rss_growth']:+.1%} vs after warm-up")
+    if not ok:
+        held += "; PROBLEMS: " + "; ".join(summary["problems"][:3])
+    update_row(f"load ({summary['mode']})", f"tools/load_test.py {summary['mode']}", tried,
+               held, ok)
+
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -470,21 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=2))
     ok = not summary["problems"]
     if args.write:
-        if args.mode == "run":
-            tried = (f"{summary['sessions']} sessions x {summary['requests_per_session']} "
-                     f"requests = {summary['requests']} through `tokenpipe run` "
-                     f"({summary['model']}), {summary['cancels_sent']} cancels")
-            held = (f"one terminal line each; {summary['verified']} greedy outputs equal run "
-                    f"alone ({summary['mismatches']} mismatches); no active request or leaked "
-                    f"slot; worker RSS change {summary['rss_growth']}")
-        else:
-            tried = (f"{summary['clients']} streaming HTTP clients ({summary['model']}), "
-                     f"{summary['dropped']} disconnected mid-stream")
-            held = (f"{summary['completed']} complete streams with one final chunk + [DONE]; "
-                    f"nothing in flight after; server RSS change {summary['rss_growth']:+.1%}")
-        if not ok:
-            held += "; PROBLEMS: " + "; ".join(summary["problems"][:3])
-        update_row(f"load ({args.mode})", f"tools/load_test.py {args.mode}", tried, held, ok)
+        write_row(summary)
     return 0 if ok else 1
 
 
