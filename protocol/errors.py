@@ -58,7 +58,7 @@ ERROR_CODES: Final[dict[str, str]] = {
         "The session operation is not supported here (e.g. naming the scratch session)."
     ),
     ErrorCode.UNKNOWN_SESSION: "No open session has this `session_id` (close or reset).",
-    ErrorCode.SESSION_BUSY: "The session is already serving another request; one at a time.",
+    ErrorCode.SESSION_BUSY: "Reserved: current workers queue a busy session's requests instead.",
     ErrorCode.SESSION_POISONED: (
         "An earlier failure left the session's cache unusable; send `reset` first."
     ),

@@ -5,6 +5,9 @@
 Sends the fixed corpus of tests/reliability/corpus.py `--rounds` times plus `--lines` lines
 drawn from its hypothesis generator, each followed by an id-less `ping` (so every answer is
 attributed to its line), while greedy probe generations run back to back on a named session.
+A worker answers a line between two forward steps, so with a probe generating each line
+costs about one step: budget ~0.2-1 s per line on a loaded CPU.
+
 Checks: each line gets exactly one `error` with the expected code and id (blank lines get
 none), the process keeps serving, every probe's tokens and ids equal a baseline run made
 before the garbage, no request is left active, and the process exits 0 on EOF.
@@ -181,6 +184,9 @@ def fuzz(kind: str, args: argparse.Namespace) -> dict[str, Any]:
 
     def run_case(case: Case) -> None:
         codes[case.code] += 1
+        if sum(codes.values()) % 100 == 0:
+            print(f"fuzz_lines {kind}: {sum(codes.values())} lines, {len(problems)} problems, "
+                  f"{target.probes_checked} probes", file=sys.stderr, flush=True)
         problem = check(case, target.answers_to(case))
         if problem is not None:
             problems.append(problem)
