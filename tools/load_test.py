@@ -379,8 +379,9 @@ async def http_mode(args: argparse.Namespace) -> dict[str, Any]:
              str(args.clients + 16), "--worker-arg", f"--threads={args.threads}"]
     if args.model:
         flags += ["--model", args.model]
-    process = await asyncio.create_subprocess_exec(*TOKENPIPE, "serve", *flags, cwd=REPO,
-                                                   env={**os.environ, **CHILD_ENV})
+    process = await asyncio.create_subprocess_exec(
+        *TOKENPIPE, "serve", *flags, cwd=REPO, env={**os.environ, **CHILD_ENV},
+        stdout=asyncio.subprocess.DEVNULL)  # uvicorn's access log: one line per request
     problems: list[str] = []
     started = time.monotonic()
     limits = httpx.Limits(max_connections=args.clients + 8)
