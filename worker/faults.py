@@ -14,9 +14,9 @@ The engine calls `maybe_inject("forward")` once before each forward pass, inside
 that turns a failed step into per-request errors. `OOM` is `torch.OutOfMemoryError` when
 torch is importable, else `MemoryError`; the engine must map it to `out_of_memory`.
 
-Until that call is wired into `worker/engine.py`, `python -m worker.faults WORKER-ARGS...`
-runs `tokenpipe worker` with `maybe_inject("forward")` wrapped around the loaded model's
-forward, which is the same point (the model call at the top of the engine's step `try`).
+`python -m worker.faults WORKER-ARGS...` runs `tokenpipe worker`; for an engine that does
+not call the hook, it wraps `maybe_inject("forward")` around the loaded model's forward, the
+same point (the model call at the top of the engine's step `try`).
 Without `TOKENPIPE_FAULT` every hook is a no-op costing one dict lookup.
 
 `TOKENPIPE_FAULT_FILE=PATH` arms faults at run time (one process serving several
