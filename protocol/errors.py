@@ -57,7 +57,9 @@ ERROR_CODES: Final[dict[str, str]] = {
     ErrorCode.UNSUPPORTED_SESSION: (
         "The session operation is not supported here (e.g. naming the scratch session)."
     ),
-    ErrorCode.UNKNOWN_SESSION: "No open session has this `session_id` (close or reset).",
+    ErrorCode.UNKNOWN_SESSION: (
+        "Reserved: `close` and `reset` of a session that is not open succeed (idempotent)."
+    ),
     ErrorCode.SESSION_BUSY: "Reserved: current workers queue a busy session's requests instead.",
     ErrorCode.SESSION_POISONED: (
         "An earlier failure left the session's cache unusable; send `reset` first."

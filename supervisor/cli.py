@@ -13,9 +13,9 @@ import click
 
 # name -> ("module:attribute", one-line help). The attribute is a click.Command.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("supervisor.run_cli:command", "Serve JSONL on stdin/stdout through one worker per GPU."),
+    "run": ("supervisor.run_cli:command", "Serve JSONL on stdin/stdout, one worker per GPU."),
     "worker": ("worker.main:command", "Run one worker process (JSONL on stdin/stdout)."),
-    "generate": ("supervisor.shell:generate_command", "Generate text for one prompt and stream it."),
+    "generate": ("supervisor.shell:generate_command", "Stream the text for one prompt."),
     "chat": ("supervisor.shell:chat_command", "Chat interactively with the model."),
     "serve": ("supervisor.openai.cli:command", "Serve the OpenAI-compatible HTTP API."),
     "info": ("worker.info:command", "Print the model's metadata as JSON."),

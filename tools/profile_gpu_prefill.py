@@ -54,8 +54,9 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(extra, args.resident)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    averages = prof.key_averages()
+    print(averages.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
 if __name__ == "__main__":

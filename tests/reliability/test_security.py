@@ -160,11 +160,6 @@ def _server_render(template: str) -> str:
 @pytest.mark.parametrize("template", HOSTILE_TEMPLATES)
 def test_hostile_template_fails_safely(render: Any, template: str,
                                        request: pytest.FixtureRequest) -> None:
-    if render is _server_render and "range(10**9)" in template:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=OverflowError, reason=(
-            "supervisor/openai/templates.py ChatTemplate.render_raw does not catch the "
-            "sandbox's OverflowError (range > MAX_RANGE), so it escapes as a non-"
-            "ChatTemplateError (a 500, not a 400 template error)")))
     marker = Path("/tmp/tokenpipe-pwned")
     marker.unlink(missing_ok=True)
     try:
