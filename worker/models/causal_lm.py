@@ -61,7 +61,13 @@ class DecoderStack(nn.Module):
         self, config: ModelConfig, make_layer: LayerFactory, norm: NormStyle, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        # _weight skips nn.Embedding's own init: its normal_ on the meta device imports
+        # torch._dynamo (~3 s of a cached load); build_model never initialises anyway
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+        )
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm, dtype=dtype)
 
