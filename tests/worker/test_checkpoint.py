@@ -243,7 +243,7 @@ MAKE_BIG_CHECKPOINT = textwrap.dedent(
     import torch
     from worker.gguf_convert import PlannedTensor, SafetensorsWriter
     sys.path.insert(0, sys.argv[2])
-    from conftest import byte_level_tokenizer_json, llama_tensor_shapes, tiny_config
+    from tiny_models import byte_level_tokenizer_json, llama_tensor_shapes, tiny_config
 
     directory = Path(sys.argv[1])
     config = tiny_config(

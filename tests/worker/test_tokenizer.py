@@ -180,7 +180,7 @@ def write(tmp_path: Path, name: str, value: dict[str, Any]) -> Path:
 
 
 def test_byte_level_tokenizer_contract(tmp_path: Path) -> None:
-    from conftest import byte_level_tokenizer_json
+    from tiny_models import byte_level_tokenizer_json
 
     path = write(tmp_path, "tokenizer.json", byte_level_tokenizer_json())
     tok = Tokenizer.from_file(
@@ -204,7 +204,7 @@ def test_byte_level_tokenizer_contract(tmp_path: Path) -> None:
 
 
 def test_add_bos_token_false_wins_over_post_processor(tmp_path: Path) -> None:
-    from conftest import byte_level_tokenizer_json
+    from tiny_models import byte_level_tokenizer_json
 
     path = write(tmp_path, "tokenizer.json", byte_level_tokenizer_json())
     tok = Tokenizer.from_file(path, tokenizer_config={"add_bos_token": False, "bos_token": "<bos>"})
@@ -231,7 +231,7 @@ def test_malformed_tokenizer_file(tmp_path: Path) -> None:
 def test_token_bytes_sidecar_is_used_only_for_its_tokenizer(tmp_path: Path) -> None:
     import os
 
-    from conftest import byte_level_tokenizer_json
+    from tiny_models import byte_level_tokenizer_json
 
     from worker.tokenizer import (
         TOKEN_BYTES_SIDECAR,
