@@ -138,7 +138,12 @@ class CausalLM(nn.Module):
 
         last = self.model.norm(x[plan.last_rows])  # [B, hidden]: never [T, vocab]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(last, weight).float()  # [B, vocab]
+        if last.is_cuda or last.shape[0] == 1:
+            logits = F.linear(last, weight).float()  # [B, vocab]
+        else:
+            # CPU, a few rows against a [vocab, hidden] matrix: W @ h^T streams W once; the
+            # h @ W^T form took 2.2x longer at 4 rows (MKL, 262k x 640, one thread)
+            logits = torch.matmul(weight, last.T).T.float().contiguous()  # [B, vocab]
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
