@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from protocol import DoneEvent, ErrorEvent, GenerateRequest, TokenEvent
 from supervisor.client import AsyncClient, Client, TokenpipeError
 from supervisor.core import SupervisorConfig
 from supervisor.pool import WorkerStartError
-from tests.supervisor.conftest import JsonlProcess, fake_config, terminal
+from tests.supervisor.conftest import JsonlProcess, fake_config, gone, terminal
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -254,6 +256,31 @@ def test_run_stdio_seed_order_and_errors_in_place() -> None:
         assert all("id" not in e for e in first + third)
         proc.close_stdin()
         assert proc.proc.wait(20) == 0
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill()
+
+
+def test_second_sigint_exits_at_once_without_orphans() -> None:
+    """The first SIGINT drains (a long generation keeps going); the second exits at once."""
+    proc = JsonlProcess.run("--workers", "1", "--drain-timeout", "60", "--worker-command",
+                            f"{sys.executable} tests/supervisor/fake_worker.py",
+                            "--fake-token-delay", "0.05")  # fmt: skip
+    try:
+        ready = proc.read()
+        assert ready is not None and ready["ready"] is True
+        children = [p.pid for p in proc.descendants()]
+        assert children
+        proc.send({"prompt": "x", "max_new_tokens": 100000, "id": "long"})
+        assert proc.read_until(lambda e: e.get("event") == "token")[-1]["id"] == "long"
+        proc.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.proc.poll() is None  # draining: the long request is still running
+        started = time.monotonic()
+        proc.proc.send_signal(signal.SIGINT)
+        proc.proc.wait(10)
+        assert time.monotonic() - started < 5
+        assert gone(children)
     finally:
         if proc.proc.poll() is None:
             proc.kill()
