@@ -295,16 +295,16 @@ def test_fused_kernels_and_merged_projections_match_the_torch_path(
     monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
     graphed = GraphedCausalLM(fast, use_graphs=False)
     kv_ref, kv_fast = ref.make_kv_cache(3, 64), graphed.make_kv_cache(3, 64)
-    prompt = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(7)).tolist()
-    for start in (0, 9):  # two prefill chunks: the second one over a cached prefix
-        step = StepInput.single(prompt[start : start + 9], 1, start)
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    for start in range(0, 40, 13):  # chunks over a cached prefix, then over a wrapped ring
+        step = StepInput.single(prompt[start : start + 13], 1, start)
         monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "0")
         want = ref(step, kv_ref)
         monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
         got = graphed(step, kv_fast)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     token, pos = int(want.argmax()), len(prompt)
-    for _ in range(12 if family == "gemma4" else 3):  # decode through the runner, past the ring
+    for _ in range(6 if family == "gemma4" else 3):  # decode through the runner, past the ring
         step = StepInput.single([token], 1, pos)
         monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "0")
         want = ref(step, kv_ref)

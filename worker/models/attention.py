@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from worker.kernels.attention import use_triton
 from worker.models.kv import LayerCache
 from worker.models.step import StepInput
 
@@ -205,6 +206,9 @@ def _prefill_one(
     out: torch.Tensor,
 ) -> None:
     c, n, s = seq.cached, seq.new, seq.slot
+    if use_triton(q):
+        _prefill_one_triton(q, k, v, cache, seq, scale, out)
+        return
     new_k = k[seq.start : seq.end].transpose(0, 1)  # [KVH, n, D]
     new_v = v[seq.start : seq.end].transpose(0, 1)
     mask = plan.prefill_mask(i, cache)  # see AttentionPlan._prefill_mask for the shapes
@@ -238,6 +242,47 @@ def _prefill_one(
         return
     o = _sdpa(query, keys[None], values[None], mask, mask is None, scale)
     out[seq.start : seq.end] = o[0].transpose(0, 1)  # [n, H, D]
+
+
+def _prefill_one_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerCache,
+    seq: SeqView,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """`_prefill_one` with the Triton flash kernel: no mask, no KV-head repeat, no concat.
+
+    The previous keys are read where they live (the slot's prefix, or its ring as it was
+    before this step); the new ones straight from the step's projections."""
+    from worker.kernels.prefill_attention import prefill_attention_triton
+
+    c, n, s = seq.cached, seq.new, seq.slot
+    rows = slice(seq.start, seq.end)
+    new_k, new_v = k[rows], v[rows]  # [n, KVH, D]
+    k_prev = v_prev = prev_pos = None
+    if cache.window is None:
+        if c + n > cache.capacity:
+            raise ValueError(f"slot {s}: {c + n} tokens exceed max_context {cache.capacity}")
+        cache.k[s, :, c : c + n] = new_k.transpose(0, 1)
+        cache.v[s, :, c : c + n] = new_v.transpose(0, 1)
+        if c:
+            k_prev, v_prev = cache.k[s, :, :c], cache.v[s, :, :c]  # [KVH, c, D]
+    elif c:
+        k_prev, v_prev = cache.k[s], cache.v[s]  # [KVH, R, D], read before the writes below
+        prev_pos = ring_positions(c, cache.capacity, q.device).to(torch.int32)
+    prefill_attention_triton(
+        q[rows], new_k, new_v, out[rows], cached=c, sm_scale=scale,
+        window=cache.window or 0, k_prev=k_prev, v_prev=v_prev, prev_pos=prev_pos,
+    )  # fmt: skip
+    if cache.window is not None:  # keep the last min(n, R) new positions in the ring
+        ring = cache.capacity
+        kept = min(n, ring)
+        index = torch.arange(c + n - kept, c + n, device=q.device) % ring  # [kept]
+        cache.k[s].index_copy_(1, index, new_k[n - kept :].transpose(0, 1))
+        cache.v[s].index_copy_(1, index, new_v[n - kept :].transpose(0, 1))
 
 
 def _sdpa(

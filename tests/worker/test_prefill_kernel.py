@@ -1,0 +1,100 @@
+"""The Triton prefill attention kernel (Triton's CPU interpreter here, CUDA on the GPU box)
+against plain attention over an explicit token history: full and sliding layers, a fresh
+sequence and one continuing over a cached prefix or a wrapped ring, GQA, and prompt lengths
+that are not multiples of the tile. Skips when triton is not importable."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from worker.kernels import triton_available
+from worker.models.attention import ring_positions
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+def _history_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, window: int, scale: float
+) -> torch.Tensor:
+    """q [n, Hq, D] at positions cached.., over keys/values [cached + n, Hkv, D] (position =
+    index) with a causal (and sliding) mask -> [n, Hq, D] float64."""
+    n, q_heads, _ = q.shape
+    group = q_heads // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,khd->hnk", q.double(), k) * scale  # [Hq, n, L]
+    q_pos = torch.arange(cached, cached + n)[:, None]
+    k_pos = torch.arange(keys.shape[0])[None, :]
+    allowed = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hnk,khd->nhd", torch.softmax(scores, dim=-1), v)
+
+
+CASES = [
+    # n, cached, window, ring capacity (sliding), Hq, Hkv, D
+    (37, 0, 0, 0, 4, 2, 16),  # fresh, full layer, n not a multiple of the tile
+    (70, 0, 9, 0, 4, 1, 16),  # fresh, sliding window inside the prompt
+    (21, 30, 0, 0, 2, 2, 32),  # full layer over a cached prefix
+    (19, 40, 8, 10, 4, 2, 16),  # sliding over a wrapped ring
+    (5, 3, 8, 10, 4, 4, 16),  # sliding, ring not yet full
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_prefill_kernel_matches_history(case: tuple[int, ...]) -> None:
+    from worker.kernels.prefill_attention import prefill_attention_triton
+
+    n, cached, window, ring, q_heads, kv_heads, dim = case
+    gen = torch.Generator().manual_seed(sum(case))
+    total = cached + n
+    keys = torch.randn(total, kv_heads, dim, generator=gen)
+    values = torch.randn(total, kv_heads, dim, generator=gen)
+    q = torch.randn(n, q_heads, dim, generator=gen)
+    scale = dim**-0.5
+    k_prev = v_prev = prev_pos = None
+    if cached and ring:  # the ring as it was: position p at entry p % ring, older ones gone
+        pos = ring_positions(cached, ring, torch.device("cpu"))
+        k_prev = torch.randn(kv_heads, ring, dim, generator=gen)  # garbage where empty
+        v_prev = torch.randn(kv_heads, ring, dim, generator=gen)
+        held = pos >= 0
+        k_prev[:, held] = keys[pos[held]].transpose(0, 1)
+        v_prev[:, held] = values[pos[held]].transpose(0, 1)
+        prev_pos = pos.to(torch.int32)
+    elif cached:  # a full layer's cached prefix, inside a larger slot (a strided view)
+        k_slot = torch.randn(kv_heads, cached + 50, dim, generator=gen)
+        v_slot = torch.randn(kv_heads, cached + 50, dim, generator=gen)
+        k_slot[:, :cached] = keys[:cached].transpose(0, 1)
+        v_slot[:, :cached] = values[:cached].transpose(0, 1)
+        k_prev, v_prev = k_slot[:, :cached], v_slot[:, :cached]
+    out = torch.full_like(q, float("nan"))
+    prefill_attention_triton(
+        q, keys[cached:], values[cached:], out, cached=cached, sm_scale=scale, window=window,
+        k_prev=k_prev, v_prev=v_prev, prev_pos=prev_pos, config=(16, 16, 4, 1),
+    )  # fmt: skip
+    expected = _history_attention(q, keys, values, cached, window, scale)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_kernel_reads_strided_rows_of_a_step() -> None:
+    """q, k, v as slices of a flattened step [T, H, D] (another sequence before this one)."""
+    from worker.kernels.prefill_attention import prefill_attention_triton
+
+    gen = torch.Generator().manual_seed(7)
+    q_all = torch.randn(30, 4, 16, generator=gen)
+    k_all = torch.randn(30, 2, 16, generator=gen)
+    v_all = torch.randn(30, 2, 16, generator=gen)
+    out_all = torch.zeros_like(q_all)
+    prefill_attention_triton(
+        q_all[10:], k_all[10:], v_all[10:], out_all[10:], cached=0, sm_scale=0.25,
+        config=(16, 16, 4, 1),
+    )  # fmt: skip
+    expected = _history_attention(q_all[10:], k_all[10:], v_all[10:], 0, 0, 0.25)
+    torch.testing.assert_close(out_all[10:].double(), expected, rtol=1e-4, atol=1e-4)
+    assert out_all[:10].eq(0).all()

@@ -1,0 +1,218 @@
+"""Triton prefill attention ("flash attention" forward) for one sequence's new tokens.
+
+The n new tokens of a sequence that already holds `cached` tokens attend to two key sources:
+
+- the previous keys, `k_prev` / `v_prev` [Hkv, P, D] (optional): for a full layer, the
+  slot's cached prefix (entry i holds position i); for a sliding layer, the ring as it was
+  before this step, with `prev_pos` [P] int32 giving the position each entry holds (< 0:
+  empty);
+- the new keys, `k_new` / `v_new` [n, Hkv, D], straight from the step's projections; new
+  key j holds position `cached + j`.
+
+Query i (position `cached + i`) may attend to key position p when p <= cached + i and, for a
+sliding layer with window W, p > cached + i - W. Nothing of size [n, n] is built: the mask is
+computed per tile, and tiles wholly outside the causal band are never visited. GQA: query head
+h reads KV head h // (Hq / Hkv), in place (no repeat of the KV heads).
+
+Grid: (cdiv(n, BLOCK_M), Hq). Shapes are run-time arguments, so one compile per head size
+serves every prompt length. This module imports Triton: import it only after
+`worker.kernels.triton_available()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PREV_NONE = 0  # no previous keys
+PREV_INDEX = 1  # previous entry i holds position i (a full layer's cached prefix)
+PREV_TABLE = 2  # previous entry i holds position prev_pos[i] (a ring)
+
+
+@triton.jit
+def _tile(
+    q, m_i, l_i, acc, q_pos, k_base, v_base, pos_ptr, start, limit, pos_offset,
+    stride_kn, stride_vn, qk_scale, window,
+    POS_FROM_TABLE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over key entries [start, start + BLOCK_N) ∩ [0, limit).
+
+    q: [BLOCK_M, D]; q_pos, m_i, l_i: [BLOCK_M]; acc: [BLOCK_M, D] float32 (base-2 logits)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_bounds = offs_n < limit
+    if POS_FROM_TABLE:
+        k_pos = tl.load(pos_ptr + offs_n, mask=in_bounds, other=-1)
+    else:
+        k_pos = pos_offset + offs_n
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_bounds[:, None],
+                other=0.0)  # fmt: skip
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=in_bounds[:, None],
+                other=0.0)  # fmt: skip
+    if INTERPRET:  # the CPU interpreter has no bf16 dot
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+    allowed = (
+        in_bounds[None, :]
+        & (k_pos[None, :] >= 0)
+        & (k_pos[None, :] <= q_pos[:, None])
+        & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
+    )
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_new_ptr, v_new_ptr, k_prev_ptr, v_prev_ptr, prev_pos_ptr, out_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_pkh, stride_pkn, stride_pvh, stride_pvn, stride_on, stride_oh,
+    n_new, n_prev, cached, qk_scale, window,
+    GROUP: tl.constexpr, PREV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    m0 = block * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_m = offs_m < n_new
+    q = tl.load(
+        q_ptr + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None],
+        other=0.0,
+    )  # [BLOCK_M, D]
+    q_pos = cached + offs_m
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # previous keys: all positions < cached; a sliding window reaches them only from the
+    # first `window` queries
+    if PREV != 0:
+        if (window <= 0) | (m0 < window):
+            k_base = k_prev_ptr + kv_head * stride_pkh
+            v_base = v_prev_ptr + kv_head * stride_pvh
+            if INTERPRET:  # the interpreter takes no tensor bounds in range()
+                start = 0
+                while start < n_prev:
+                    m_i, l_i, acc = _tile(
+                        q, m_i, l_i, acc, q_pos, k_base, v_base, prev_pos_ptr, start, n_prev,
+                        0, stride_pkn, stride_pvn, qk_scale, window,
+                        PREV == 2, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
+                    )  # fmt: skip
+                    start += BLOCK_N
+            else:
+                for start in range(0, n_prev, BLOCK_N):
+                    m_i, l_i, acc = _tile(
+                        q, m_i, l_i, acc, q_pos, k_base, v_base, prev_pos_ptr, start, n_prev,
+                        0, stride_pkn, stride_pvn, qk_scale, window,
+                        PREV == 2, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
+                    )  # fmt: skip
+
+    # new keys: from the start of the band of the block's first query to its last query
+    lo = tl.where(window > 0, tl.maximum(m0 - window + 1, 0), 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(m0 + BLOCK_M, n_new)
+    k_base = k_new_ptr + kv_head * stride_kh
+    v_base = v_new_ptr + kv_head * stride_vh
+    if INTERPRET:
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = _tile(
+                q, m_i, l_i, acc, q_pos, k_base, v_base, prev_pos_ptr, start, hi,
+                cached, stride_kn, stride_vn, qk_scale, window,
+                False, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _tile(
+                q, m_i, l_i, acc, q_pos, k_base, v_base, prev_pos_ptr, start, hi,
+                cached, stride_kn, stride_vn, qk_scale, window,
+                False, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
+            )  # fmt: skip
+
+    # every real query sees at least itself, so l_i > 0 on rows that are stored
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_on + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None],
+    )
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head size, measured on an H200
+# (tools/bench_gpu_kernels.py); the interpreter takes the same tiles.
+CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    64: (128, 64, 4, 3),
+    128: (128, 64, 8, 3),
+    256: (64, 64, 8, 2),
+    512: (64, 32, 8, 1),
+}
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    cached: int,
+    sm_scale: float,
+    window: int = 0,
+    k_prev: torch.Tensor | None = None,
+    v_prev: torch.Tensor | None = None,
+    prev_pos: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Attention of one sequence's new tokens; writes and returns `out` [n, Hq, D].
+
+    q: [n, Hq, D]; k_new, v_new: [n, Hkv, D]; k_prev, v_prev: [Hkv, P, D] or None; prev_pos:
+    [P] int32 positions of the previous entries, or None when entry i holds position i.
+    Every tensor needs a contiguous last dim; D a power of two >= 16.
+    """
+    n, q_heads, head_dim = q.shape
+    kv_heads = k_new.shape[1]
+    if q_heads % kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"unsupported shape: Hq={q_heads}, Hkv={kv_heads}, D={head_dim}")
+    tensors = [q, k_new, v_new, out] + [t for t in (k_prev, v_prev) if t is not None]
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError("q, k, v and out need a contiguous last dim")
+    if k_prev is None or v_prev is None or k_prev.shape[1] == 0:
+        mode, k_prev, v_prev, n_prev = PREV_NONE, k_new, v_new, 0
+        k_prev_strides = v_prev_strides = (0, 0)
+    else:
+        mode = PREV_INDEX if prev_pos is None else PREV_TABLE
+        n_prev = k_prev.shape[1]
+        k_prev_strides = (k_prev.stride(0), k_prev.stride(1))
+        v_prev_strides = (v_prev.stride(0), v_prev.stride(1))
+    if prev_pos is None:
+        prev_pos = k_new  # never read: PREV_TABLE is off
+    elif prev_pos.dtype != torch.int32 or prev_pos.numel() != n_prev:
+        raise ValueError("prev_pos must be int32 with one entry per previous key")
+    block_m, block_n, num_warps, num_stages = config or CONFIGS.get(head_dim, (64, 32, 8, 1))
+    interpret = bool(triton.knobs.runtime.interpret)
+    _prefill_kernel[(triton.cdiv(n, block_m), q_heads)](
+        q, k_new, v_new, k_prev, v_prev, prev_pos, out,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1), *k_prev_strides, *v_prev_strides,
+        out.stride(0), out.stride(1),
+        n, n_prev, cached, float(sm_scale) * 1.4426950408889634, window,
+        GROUP=q_heads // kv_heads, PREV=mode, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INTERPRET=interpret, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
