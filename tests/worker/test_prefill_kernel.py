@@ -21,7 +21,12 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not in
 
 
 def _history_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, window: int, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cached: int,
+    window: int,
+    scale: float,
 ) -> torch.Tensor:
     """q [n, Hq, D] at positions cached.., over keys/values [cached + n, Hkv, D] (position =
     index) with a causal (and sliding) mask -> [n, Hq, D] float64."""

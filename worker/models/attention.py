@@ -311,4 +311,3 @@ def _sdpa(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal and q_len > 1, scale=scale
     )
-
