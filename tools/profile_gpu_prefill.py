@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--config", default="examples/gemma4_31b/config.json")
     parser.add_argument("--resident", type=int, default=4096)
     parser.add_argument("--extra", type=int, default=64)
+    parser.add_argument("--decode", type=int, default=0, help="also time N batch-1 decode steps")
     args = parser.parse_args()
     dev = torch.device("cuda")
     cfg = ModelConfig.from_hf(json.load(open(args.config)))
@@ -47,8 +48,11 @@ def main() -> None:
         t = time.perf_counter()
         step(extra, args.resident)
         torch.cuda.synchronize()
-        print(f"warm prefill of {args.extra} on {args.resident}: "
-              f"{(time.perf_counter() - t) * 1000:.1f} ms", flush=True)
+        print(
+            f"warm prefill of {args.extra} on {args.resident}: "
+            f"{(time.perf_counter() - t) * 1000:.1f} ms",
+            flush=True,
+        )
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -57,6 +61,35 @@ def main() -> None:
     averages = prof.key_averages()
     print(averages.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    if args.decode:
+        profile_decode(model, kv, args.resident + args.extra, args.decode)
+
+
+def profile_decode(model: object, kv: object, cached: int, steps: int) -> None:
+    """Batch-1 decode: the graph replay alone (GPU time per step) against the model call the
+    engine makes (StepInput built on the host, inputs copied, replay, argmax, one sync)."""
+    runner = getattr(model, "runner", None)
+    if runner is None:
+        print("no graph runner: skipping the decode timing")
+        return
+    dev = runner.device
+    runner.logits(StepInput.single([5], 0, cached, dev))
+    graph = runner._graphs[(1, False)]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    torch.cuda.synchronize()
+    replay_ms = (time.perf_counter() - start) * 1000 / steps
+    start = time.perf_counter()
+    for i in range(steps):
+        logits = model(StepInput.single([5], 0, cached + i, dev), kv)  # type: ignore[operator]
+        torch.argmax(logits, dim=-1).tolist()
+    call_ms = (time.perf_counter() - start) * 1000 / steps
+    print(
+        f"decode batch 1: graph replay {replay_ms:.2f} ms/step ({1000 / replay_ms:.1f} tok/s); "
+        f"model call + argmax + sync {call_ms:.2f} ms/step ({1000 / call_ms:.1f} tok/s)"
+    )
 
 
 if __name__ == "__main__":
