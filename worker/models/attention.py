@@ -10,6 +10,7 @@ Mask convention: bool, True = may attend.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,7 +207,7 @@ def _prefill_one(
     out: torch.Tensor,
 ) -> None:
     c, n, s = seq.cached, seq.new, seq.slot
-    if use_triton(q):
+    if use_triton(q) and os.environ.get("TOKENPIPE_NO_TRITON_PREFILL") != "1":
         _prefill_one_triton(q, k, v, cache, seq, scale, out)
         return
     new_k = k[seq.start : seq.end].transpose(0, 1)  # [KVH, n, D]
