@@ -28,6 +28,7 @@ import msgspec
 import orjson
 
 from protocol import ProtocolError, decode_request
+from supervisor import eventloop
 from supervisor.core import Channel, Supervisor, SupervisorConfig
 from supervisor.pool import WorkerStartError, log
 
@@ -51,10 +52,8 @@ class LineWriter:
             self._loop.call_soon(self.flush)
 
     def emit_line(self, line: bytes) -> None:
+        """A relayed token line; the relay calls `flush()` after each batch (no loop turn)."""
         self._lines.append(line)
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self.flush)
 
     def flush(self) -> None:
         self._scheduled = False
@@ -259,4 +258,4 @@ def command(ctx: click.Context, model: str | None, gpus: str, workers: int | Non
             heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    sys.exit(asyncio.run(serve(config, listen)))
+    sys.exit(eventloop.run(serve(config, listen)))

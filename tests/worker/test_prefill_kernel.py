@@ -18,6 +18,7 @@ from worker.kernels import triton_available
 from worker.models.attention import ring_positions
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _history_attention(
@@ -78,13 +79,16 @@ def test_prefill_kernel_matches_history(case: tuple[int, ...]) -> None:
         k_slot[:, :cached] = keys[:cached].transpose(0, 1)
         v_slot[:, :cached] = values[:cached].transpose(0, 1)
         k_prev, v_prev = k_slot[:, :cached], v_slot[:, :cached]
+    expected = _history_attention(q, keys, values, cached, window, scale)
+    q, keys, values, k_prev, v_prev, prev_pos = (
+        None if t is None else t.to(DEVICE) for t in (q, keys, values, k_prev, v_prev, prev_pos)
+    )
     out = torch.full_like(q, float("nan"))
     prefill_attention_triton(
         q, keys[cached:], values[cached:], out, cached=cached, sm_scale=scale, window=window,
         k_prev=k_prev, v_prev=v_prev, prev_pos=prev_pos, config=(16, 16, 4, 1),
     )  # fmt: skip
-    expected = _history_attention(q, keys, values, cached, window, scale)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_prefill_kernel_reads_strided_rows_of_a_step() -> None:
@@ -95,11 +99,35 @@ def test_prefill_kernel_reads_strided_rows_of_a_step() -> None:
     q_all = torch.randn(30, 4, 16, generator=gen)
     k_all = torch.randn(30, 2, 16, generator=gen)
     v_all = torch.randn(30, 2, 16, generator=gen)
+    expected = _history_attention(q_all[10:], k_all[10:], v_all[10:], 0, 0, 0.25)
+    q_all, k_all, v_all = q_all.to(DEVICE), k_all.to(DEVICE), v_all.to(DEVICE)
     out_all = torch.zeros_like(q_all)
     prefill_attention_triton(
         q_all[10:], k_all[10:], v_all[10:], out_all[10:], cached=0, sm_scale=0.25,
         config=(16, 16, 4, 1),
     )  # fmt: skip
-    expected = _history_attention(q_all[10:], k_all[10:], v_all[10:], 0, 0, 0.25)
-    torch.testing.assert_close(out_all[10:].double(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out_all[10:].double().cpu(), expected, rtol=1e-4, atol=1e-4)
     assert out_all[:10].eq(0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dim,window", [(256, 1024), (512, 0)])
+def test_prefill_kernel_bf16_31b_shapes_match_sdpa(dim: int, window: int) -> None:
+    """The 31B layer shapes in bf16 with the default tiles: close to torch's SDPA."""
+    from worker.kernels.prefill_attention import prefill_attention_triton
+    from worker.models.attention import _sdpa
+
+    n, hq, hkv = 1500, 32, 16 if dim == 256 else 4
+    gen = torch.Generator(device="cuda").manual_seed(dim)
+    q, k, v = (
+        torch.randn(n, h, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for h in (hq, hkv, hkv)
+    )
+    pos = torch.arange(n, device="cuda")
+    mask = None
+    if window:
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    ref = _sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)), mask, mask is None, dim**-0.5)
+    out = torch.empty_like(q)
+    prefill_attention_triton(q, k, v, out, cached=0, sm_scale=dim**-0.5, window=window)
+    torch.testing.assert_close(out.float(), ref[0].transpose(0, 1).float(), rtol=2e-2, atol=2e-2)
