@@ -830,6 +830,7 @@ class Supervisor:
         stats = {**totals, "workers": workers, "supervisor": {
             "pid": os.getpid(), "rss_bytes": _rss(os.getpid()),
             "uptime_s": round(now - self.started_at, 3),
+            "event_loop": "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio",
             "sessions": len(self.placements) + len(
                 [s for s in self.needs_rebuild if s not in self.placements]),
         }}
