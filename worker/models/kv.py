@@ -81,6 +81,7 @@ class KVCache:
         self.num_slots = num_slots
         self.max_context = max_context
         self.ring_slack = ring_slack
+        self.lookahead = 0  # steps a decode path may write past a slot's tokens
         self.layers: list[LayerCache] = []
         for spec in layer_specs:
             sliding = spec.kind == "sliding"
@@ -107,5 +108,9 @@ class KVCache:
 
     def keepable_prefix(self, cached_len: int, common_len: int) -> int:
         """Tokens of a common prefix this cache can keep when a slot holding ``cached_len``
-        tokens is truncated and continued (pure; 0 means re-prefill from scratch)."""
-        return keepable_prefix_for(self.rings, cached_len, common_len)
+        tokens is truncated and continued (pure; 0 means re-prefill from scratch).
+
+        ``lookahead`` (set by a decode path that may write one step past a slot's tokens, see
+        worker/cuda_graphs.py) counts as that many more cached tokens."""
+        rings = [(size - self.lookahead, window) for size, window in self.rings]
+        return keepable_prefix_for(rings, cached_len, common_len)
