@@ -123,6 +123,9 @@ class Engine:
         self.meta: dict[str, Any] = dict(getattr(loaded, "meta", None) or {})
         self.config = config
         self.device = torch.device(device)
+        prepare = getattr(self.model, "prepare_for_cpu", None)
+        if self.device.type == "cpu" and callable(prepare):
+            prepare()  # decode-friendly weight layout (worker.models.cpu_gemv); else a no-op
         self.kv = self.model.make_kv_cache(config.max_sessions, config.max_context)
         self.pool = SessionPool(config.max_sessions)
         self.prefix_ids = list(

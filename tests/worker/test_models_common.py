@@ -6,6 +6,7 @@ loads it with ours and compares logits and greedy tokens in float32 on the CPU.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,22 @@ def check_truncate_and_resume(pair: Pair) -> None:
     ids = p[:keep] + other
     last = prefill(pair.ours, kv, other, start=keep, chunk=5)[-1]
     assert rel_err(last, hf_logits(pair, ids)[-1]) < REL_TOL
+
+
+def check_cpu_packed(pair: Pair) -> None:
+    """``prepare_for_cpu`` (merged projections, packed weights, packed tied/untied head)
+    changes nothing beyond fp32 rounding: the oracle checks pass on the packed copy too."""
+    from worker.models import cpu_gemv
+
+    if cpu_gemv.kernel() is None:
+        pytest.skip("no AVX2/FMA CPU kernel")
+    packed = copy.deepcopy(pair.ours)
+    assert packed.prepare_for_cpu() > 0
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    twin = Pair(hf=pair.hf, ours=packed, config=pair.config, prompt=pair.prompt)
+    check_prompt_logits(twin)
+    check_greedy(twin)
+    check_batched_step(twin)
 
 
 # -- config tests -------------------------------------------------------------------------------

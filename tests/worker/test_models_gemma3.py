@@ -7,6 +7,7 @@ from test_models_common import (
     Pair,
     check_batched_step,
     check_chunked_prefill,
+    check_cpu_packed,
     check_greedy,
     check_long_decode,
     check_prompt_logits,
@@ -77,3 +78,7 @@ def test_ring_buffer_decoding_far_past_the_window(pair: Pair) -> None:
 
 def test_truncate_within_ring_slack_then_resume(pair: Pair) -> None:
     check_truncate_and_resume(pair)
+
+
+def test_cpu_packed_weights_match_hf(pair: Pair) -> None:
+    check_cpu_packed(pair)

@@ -12,6 +12,7 @@ from test_models_common import (
     Pair,
     check_batched_step,
     check_chunked_prefill,
+    check_cpu_packed,
     check_greedy,
     check_long_decode,
     check_prompt_logits,
@@ -144,3 +145,7 @@ def test_31b_layout_from_global_keys() -> None:
 def test_unsupported_gemma4_features_are_rejected(key: str, value: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**_real_31b_like(), key: value})
+
+
+def test_cpu_packed_weights_match_hf(pair: Pair) -> None:
+    check_cpu_packed(pair)

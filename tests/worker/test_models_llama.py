@@ -10,6 +10,7 @@ from test_models_common import (
     Pair,
     check_batched_step,
     check_chunked_prefill,
+    check_cpu_packed,
     check_greedy,
     check_long_decode,
     check_prompt_logits,
@@ -121,3 +122,7 @@ def test_long_decode(pair: Pair) -> None:
         check_long_decode(pair, total=80)
     else:
         pytest.skip("only the sliding-window variant has a ring")
+
+
+def test_cpu_packed_weights_match_hf(pair: Pair) -> None:
+    check_cpu_packed(pair)

@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from worker.models.attention import AttentionPlan
 from worker.models.config import ModelConfig, RopeSpec
+from worker.models.cpu_gemv import PackedEmbedding, PackedLinear
 from worker.models.kv import DEFAULT_RING_SLACK, KVCache
 from worker.models.layers import NormStyle, RMSNorm
 from worker.models.rope import Rotary
@@ -101,7 +102,7 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device  # the embedding may be packed (prepare_for_cpu)
 
     def make_kv_cache(
         self, num_slots: int, max_context: int, ring_slack: int = DEFAULT_RING_SLACK
@@ -112,7 +113,7 @@ class CausalLM(nn.Module):
             num_slots,
             max_context,
             self.device,
-            self.model.embed_tokens.weight.dtype,
+            self.model.norm.weight.dtype,
             ring_slack=ring_slack,
         )
 
@@ -137,17 +138,52 @@ class CausalLM(nn.Module):
                 x = layer(x, tables[rope_key], cache, plan)
 
         last = self.model.norm(x[plan.last_rows])  # [B, hidden]: never [T, vocab]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if last.is_cuda or last.shape[0] == 1:
-            logits = F.linear(last, weight).float()  # [B, vocab]
-        else:
-            # CPU, a few rows against a [vocab, hidden] matrix: W @ h^T streams W once; the
-            # h @ W^T form took 2.2x longer at 4 rows (MKL, 262k x 640, one thread)
-            logits = torch.matmul(weight, last.T).T.float().contiguous()  # [B, vocab]
+        logits = self._lm_head(last)  # [B, vocab] float32
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def _lm_head(self, last: torch.Tensor) -> torch.Tensor:
+        """last [B, hidden] -> [B, vocab] float32 logits."""
+        if isinstance(self.lm_head, PackedLinear):
+            return self.lm_head(last).float()
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if last.is_cuda or last.shape[0] == 1:
+            return F.linear(last, weight).float()
+        # CPU, a few rows against a [vocab, hidden] matrix: W @ h^T streams W once; the
+        # h @ W^T form took 2.2x longer at 4 rows (MKL, 262k x 640, one thread)
+        return torch.matmul(weight, last.T).T.float().contiguous()
+
+    def prepare_for_cpu(self) -> int:
+        """The CPU post-load step (after ``load_weights``; the HF names are gone after it):
+        merge the projections (``fuse_projections``) and store every fp32 matmul weight, the
+        LM head and a tied embedding included, in the streaming layout of
+        ``worker.models.cpu_gemv`` (decode steps read each weight once at close to the memory
+        bandwidth). A no-op returning 0 where that kernel cannot run or the weights are not
+        fp32 on the CPU; else the number of weights packed."""
+        from worker.models import cpu_gemv
+
+        embed = self.model.embed_tokens
+        if cpu_gemv.kernel() is None or not isinstance(embed, nn.Embedding):
+            return 0
+        if not cpu_gemv.can_pack(embed.weight):
+            return 0
+        self.fuse_projections()
+        packed = 0
+        for module in list(self.model.layers.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and cpu_gemv.can_pack(child.weight):
+                    setattr(module, name, PackedLinear.from_linear(child))
+                    packed += 1
+        if self.lm_head is not None and cpu_gemv.can_pack(self.lm_head.weight):
+            self.lm_head = PackedLinear.from_linear(self.lm_head)
+            packed += 1
+        table = cpu_gemv.pack(embed.weight)  # [vocab / 4, hidden / 8, 4, 8]
+        self.model.embed_tokens = PackedEmbedding(table)
+        if self.lm_head is None:  # tied: one packed table for both
+            self.lm_head = PackedLinear(table)
+        return packed + 1
 
     def fuse_projections(self) -> int:
         """Merge each layer's q/k/v and gate/up weights into one matrix each (a post-load

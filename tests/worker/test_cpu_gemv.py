@@ -1,0 +1,54 @@
+"""The packed CPU matmul (worker/models/cpu_gemv.py) against plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.models import cpu_gemv
+
+needs_kernel = pytest.mark.skipif(cpu_gemv.kernel() is None, reason="no AVX2/FMA CPU kernel")
+
+
+def test_pack_layout_and_rows() -> None:
+    weight = torch.arange(12 * 16, dtype=torch.float32).view(12, 16)
+    packed = cpu_gemv.pack(weight)
+    assert packed.shape == (3, 2, 4, 8)
+    assert packed[1, 1, 2, 3] == weight[1 * 4 + 2, 1 * 8 + 3]
+    assert torch.equal(cpu_gemv.unpack(packed), weight)
+    ids = torch.tensor([0, 5, 11, 5])
+    assert torch.equal(cpu_gemv.packed_rows(packed, ids), weight[ids])
+
+
+def test_can_pack() -> None:
+    assert cpu_gemv.can_pack(torch.zeros(8, 16))
+    assert not cpu_gemv.can_pack(torch.zeros(6, 16))  # rows not a multiple of 4
+    assert not cpu_gemv.can_pack(torch.zeros(8, 12))  # columns not a multiple of 8
+    assert not cpu_gemv.can_pack(torch.zeros(8, 16, dtype=torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("shape", [(4, 8), (36, 24), (1028, 640), (640, 2048)])
+def test_packed_matmul_matches_linear(rows: int, shape: tuple[int, int]) -> None:
+    # 36 and 1028 rows: 9 and 257 blocks of 4, so the blocks after the far-apart streams run too
+    gen = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    weight = torch.randn(shape, generator=gen)
+    x = torch.randn(rows, shape[1], generator=gen)
+    out = cpu_gemv.packed_matmul(x, cpu_gemv.pack(weight))
+    ref = (x.double() @ weight.double().T).float()
+    assert out.shape == (rows, shape[0])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 4, cpu_gemv.MAX_ROWS + 1])
+def test_packed_linear_both_paths(tokens: int) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32, bias=True)
+    packed = cpu_gemv.PackedLinear.from_linear(linear)
+    x = torch.randn(tokens, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
