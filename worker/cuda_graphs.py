@@ -405,7 +405,20 @@ class GraphedCausalLM:
         if self._capture:
             for lane in self._lanes:
                 lane.capture(sample=False)
+            self._warm_up_prefill(kv)
         return kv
+
+    def _warm_up_prefill(self, kv: Any) -> None:
+        """Compile the prefill kernels now, not in the first request: two tokens from scratch
+        in slot 0, then two more over them (the cached-prefix and ring variants). The slot's
+        KV is garbage afterwards, as it may be for any free slot."""
+        if self.runner is None or self.runner.device.type != "cuda":
+            return
+        from worker.models.step import StepInput
+
+        for cached in (0, 2):
+            self.inner(StepInput.single([0, 0], 0, cached, device=self.runner.device), kv)
+        torch.cuda.synchronize(self.runner.device)
 
     def __call__(self, step: Any, kv: Any) -> torch.Tensor:
         """Decode rows through the graph; prefill rows (a chunk riding along with the

@@ -131,3 +131,12 @@ def test_prefill_kernel_bf16_31b_shapes_match_sdpa(dim: int, window: int) -> Non
     out = torch.empty_like(q)
     prefill_attention_triton(q, k, v, out, cached=0, sm_scale=dim**-0.5, window=window)
     torch.testing.assert_close(out.float(), ref[0].transpose(0, 1).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_fit_config_shrinks_tiles_for_fp32_only() -> None:
+    from worker.kernels.prefill_attention import CONFIGS, fit_config
+
+    assert fit_config(CONFIGS[256], 256, 2) == CONFIGS[256]  # bf16: as tuned
+    block_m, block_n, _, stages = fit_config(CONFIGS[256], 256, 4)
+    assert (block_m + 2 * block_n * stages) * 256 * 4 <= 200 << 10
+    assert fit_config((64, 64, 8, 2), 512, 4)[1] >= 16

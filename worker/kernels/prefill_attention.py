@@ -72,7 +72,9 @@ def _tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# lengths and offsets change with every prompt: not specialised (one compile per head size,
+# key mode and dtype, made at start-up by `warm_up` instead of during a request)
+@triton.jit(do_not_specialize=["n_new", "n_prev", "cached", "window"])
 def _prefill_kernel(
     q_ptr, k_new_ptr, v_new_ptr, k_prev_ptr, v_prev_ptr, prev_pos_ptr, out_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -164,6 +166,26 @@ CONFIGS: dict[int, tuple[int, int, int, int]] = {
 }
 
 
+def fit_config(
+    config: tuple[int, int, int, int], head_dim: int, element_size: int, budget: int = 200 << 10
+) -> tuple[int, int, int, int]:
+    """Shrink a tile config until its Q tile and pipelined K/V tiles fit `budget` bytes of
+    shared memory (fp32 needs twice the bf16 room): fewer stages, then narrower K/V tiles,
+    then fewer query rows (pure)."""
+    block_m, block_n, num_warps, num_stages = config
+
+    def need() -> int:
+        return (block_m + 2 * block_n * num_stages) * head_dim * element_size
+
+    while need() > budget and num_stages > 1:
+        num_stages -= 1
+    while need() > budget and block_n > 16:
+        block_n //= 2
+    while need() > budget and block_m > 16:
+        block_m //= 2
+    return block_m, block_n, num_warps, num_stages
+
+
 def prefill_attention_triton(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -203,7 +225,9 @@ def prefill_attention_triton(
         prev_pos = k_new  # never read: PREV_TABLE is off
     elif prev_pos.dtype != torch.int32 or prev_pos.numel() != n_prev:
         raise ValueError("prev_pos must be int32 with one entry per previous key")
-    block_m, block_n, num_warps, num_stages = config or CONFIGS.get(head_dim, (64, 32, 8, 1))
+    block_m, block_n, num_warps, num_stages = config or fit_config(
+        CONFIGS.get(head_dim, (64, 32, 8, 1)), head_dim, q.element_size()
+    )
     interpret = bool(triton.knobs.runtime.interpret)
     _prefill_kernel[(triton.cdiv(n, block_m), q_heads)](
         q, k_new, v_new, k_prev, v_prev, prev_pos, out,
