@@ -19,8 +19,7 @@ ENV_VAR = "TOKENPIPE_EVENT_LOOP"  # "asyncio" forces the standard loop
 
 
 def loop_name() -> str:
-    """ "uvloop" when it is importable and not turned off by TOKENPIPE_EVENT_LOOP, else
-    "asyncio"."""
+    """The loop `run` uses: uvloop when importable and not turned off, else asyncio."""
     if os.environ.get(ENV_VAR, "").strip().lower() == "asyncio":
         return "asyncio"
     try:

@@ -143,6 +143,8 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 LineHandler = Callable[[list[bytes]], None]
 
+_STDOUT_READ_SIZE = 64 * 1024  # per read of a worker's stdout under asyncio's own loop
+
 
 class _Protocol(asyncio.SubprocessProtocol):
     def __init__(self, owner: WorkerProcess) -> None:
@@ -225,6 +227,12 @@ class WorkerProcess:
             ) from exc
         self._transport = transport
         self._stdin = transport.get_pipe_transport(0)  # type: ignore[assignment]
+        stdout_pipe = transport.get_pipe_transport(1)
+        if hasattr(type(stdout_pipe), "max_size"):
+            # asyncio's pipe transport reads into a fresh bytes of max_size (256 KiB: above
+            # malloc's mmap threshold, so mmap + mremap + munmap on every read); uvloop reads
+            # into one reused buffer and has no such attribute.
+            stdout_pipe.max_size = _STDOUT_READ_SIZE  # type: ignore[attr-defined]
         self.pid = transport.get_pid()
         try:
             self.ready_info = await asyncio.wait_for(asyncio.shield(self._ready), ready_timeout)
