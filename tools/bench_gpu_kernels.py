@@ -87,10 +87,54 @@ def bench_shape(name: str, hq: int, hkv: int, dim: int, window: int, n: int) -> 
               f"{work / seconds / 1e12:.0f} | {diff:.3g} |", flush=True)  # fmt: skip
 
 
+def bench_warm(name: str, hq: int, hkv: int, dim: int, window: int, n: int, cached: int) -> None:
+    """A short prompt over a long resident prefix (the warm-resume case): the kernel as
+    shipped, a copy specialised on lengths, smaller query tiles, and the torch path."""
+    import triton
+
+    from worker.kernels import prefill_attention as pa
+    from worker.models.attention import ring_positions
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n + cached)
+    q = torch.randn(n, hq, dim, device=dev, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(n, hkv, dim, device=dev, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(n, hkv, dim, device=dev, dtype=torch.bfloat16, generator=gen)
+    prev = cached if not window else window + 16
+    kp = torch.randn(hkv, prev, dim, device=dev, dtype=torch.bfloat16, generator=gen)
+    vp = torch.randn(hkv, prev, dim, device=dev, dtype=torch.bfloat16, generator=gen)
+    pos = ring_positions(cached, prev, dev).to(torch.int32) if window else None
+    out = torch.empty_like(q)
+    base = pa.fit_config(pa.CONFIGS[dim], dim, 2)
+    kwargs = dict(cached=cached, sm_scale=dim**-0.5, window=window, k_prev=kp, v_prev=vp,
+                  prev_pos=pos)  # fmt: skip
+    rows = []
+    for block_m in (base[0], 32, 16):
+        config = (block_m, *base[1:])
+        seconds = timed(lambda c=config: pa.prefill_attention_triton(q, k, v, out, **kwargs,
+                                                                       config=c))  # fmt: skip
+        rows.append((f"triton M={block_m}", seconds))
+    shipped = pa._prefill_kernel
+    pa._prefill_kernel = triton.jit(shipped.fn)  # specialised on every integer argument
+    try:
+        seconds = timed(lambda: pa.prefill_attention_triton(q, k, v, out, **kwargs))
+        rows.append(("triton, length-specialised", seconds))
+    finally:
+        pa._prefill_kernel = shipped
+    for label, seconds in rows:
+        print(f"| {name}, {n} new over {cached} | {label} | {seconds * 1e6:.0f} us |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--warm-only", action="store_true")
     args = parser.parse_args()
+    print("| case | kernel | time |\n| --- | --- | --- |")
+    bench_warm("full", 32, 4, 512, 0, 64, 4096)
+    bench_warm("sliding", 32, 16, 256, 1024, 64, 4096)
+    if args.warm_only:
+        return
     print("| layer | tokens | kernel | config (M, N, warps, stages) | ms | TFLOP/s | max diff |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, hq, hkv, dim, window in SHAPES:
