@@ -45,7 +45,7 @@ class AttentionPlan:
     decode_pos: torch.Tensor | None = None  # [Bd] position of the new token (== cached)
     decode_slot_range: slice | None = None  # the decode slots when they are consecutive
     decode_max_pos: int = -1
-    _masks: dict[tuple[object, ...], torch.Tensor | None] = field(default_factory=dict)
+    _masks: dict[tuple[object, ...], Any] = field(default_factory=dict)
 
     @staticmethod
     def build(step: StepInput, device: torch.device) -> AttentionPlan:
@@ -110,6 +110,19 @@ class AttentionPlan:
         ring_pos = ring_positions(c, cache.capacity, dev)[None, :]  # [1, R]
         ring_part = (ring_pos >= 0) & (ring_pos > q_pos - window)  # [n, R]
         return torch.cat([ring_part, new_part], dim=1)  # [n, R + n]
+
+    def ring_tables(self, i: int, ring: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(positions the ring holds before this step as int32, or None when it is empty;
+        ring indices the last min(n, R) new tokens go to) of prefill sequence i (memoized)."""
+        key = ("ring", i, ring)
+        if key not in self._masks:
+            seq = self.prefill[i]
+            c, n = seq.cached, seq.new
+            held = ring_positions(c, ring, self.device).to(torch.int32) if c else None
+            kept = min(n, ring)
+            index = torch.arange(c + n - kept, c + n, device=self.device) % ring  # [kept]
+            self._masks[key] = (held, index)
+        return self._masks[key]  # type: ignore[no-any-return]
 
     def decode_mask(self, cache: LayerCache) -> torch.Tensor:
         """[Bd, 1, 1, L] mask of the decode group, after its new keys were written."""
@@ -208,7 +221,7 @@ def _prefill_one(
 ) -> None:
     c, n, s = seq.cached, seq.new, seq.slot
     if use_triton(q) and os.environ.get("TOKENPIPE_NO_TRITON_PREFILL") != "1":
-        _prefill_one_triton(q, k, v, cache, seq, scale, out)
+        _prefill_one_triton(q, k, v, cache, plan, i, seq, scale, out)
         return
     new_k = k[seq.start : seq.end].transpose(0, 1)  # [KVH, n, D]
     new_v = v[seq.start : seq.end].transpose(0, 1)
@@ -250,6 +263,8 @@ def _prefill_one_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     cache: LayerCache,
+    plan: AttentionPlan,
+    i: int,
     seq: SeqView,
     scale: float,
     out: torch.Tensor,
@@ -257,7 +272,8 @@ def _prefill_one_triton(
     """`_prefill_one` with the Triton flash kernel: no mask, no KV-head repeat, no concat.
 
     The previous keys are read where they live (the slot's prefix, or its ring as it was
-    before this step); the new ones straight from the step's projections."""
+    before this step); the new ones straight from the step's projections. The ring's
+    positions and write indices are built once per step and ring geometry."""
     from worker.kernels.prefill_attention import prefill_attention_triton
 
     c, n, s = seq.cached, seq.new, seq.slot
@@ -271,17 +287,16 @@ def _prefill_one_triton(
         cache.v[s, :, c : c + n] = new_v.transpose(0, 1)
         if c:
             k_prev, v_prev = cache.k[s, :, :c], cache.v[s, :, :c]  # [KVH, c, D]
-    elif c:
-        k_prev, v_prev = cache.k[s], cache.v[s]  # [KVH, R, D], read before the writes below
-        prev_pos = ring_positions(c, cache.capacity, q.device).to(torch.int32)
+    else:
+        prev_pos, index = plan.ring_tables(i, cache.capacity)
+        if c:
+            k_prev, v_prev = cache.k[s], cache.v[s]  # [KVH, R, D], read before the writes
     prefill_attention_triton(
         q[rows], new_k, new_v, out[rows], cached=c, sm_scale=scale,
         window=cache.window or 0, k_prev=k_prev, v_prev=v_prev, prev_pos=prev_pos,
     )  # fmt: skip
     if cache.window is not None:  # keep the last min(n, R) new positions in the ring
-        ring = cache.capacity
-        kept = min(n, ring)
-        index = torch.arange(c + n - kept, c + n, device=q.device) % ring  # [kept]
+        kept = index.shape[0]
         cache.k[s].index_copy_(1, index, new_k[n - kept :].transpose(0, 1))
         cache.v[s].index_copy_(1, index, new_v[n - kept :].transpose(0, 1))
 
