@@ -179,7 +179,7 @@ class CausalLM(nn.Module):
         if self.lm_head is not None and cpu_gemv.can_pack(self.lm_head.weight):
             self.lm_head = PackedLinear.from_linear(self.lm_head)
             packed += 1
-        table = cpu_gemv.pack(embed.weight)  # [vocab / 4, hidden / 8, 4, 8]
+        table = cpu_gemv.pack(embed.weight)  # [vocab / 8, hidden, 8]
         self.model.embed_tokens = PackedEmbedding(table)
         if self.lm_head is None:  # tied: one packed table for both
             self.lm_head = PackedLinear(table)

@@ -2,16 +2,18 @@
 
 A decode step multiplies a handful of rows (one per decoding session) by every weight matrix
 once, so it is bound by how fast the weights stream from memory. MKL's GEMV/small-M GEMM on a
-row-major [N, K] matrix runs well below the copy bandwidth on one core (the 262k x 640 LM head
-of Gemma 3 270M: ~80 ms for one row, ~105 ms for four, where 40-50 ms is possible), so
-``prepare_for_cpu`` (see ``CausalLM.prepare_for_cpu``) stores each weight as
+row-major [N, K] matrix runs well below that on one core (the 262k x 640 LM head of Gemma 3
+270M: ~80 ms for one row, ~105 ms for four), so ``CausalLM.prepare_for_cpu`` stores each
+weight as
 
-    packed [N / 4, K / 8, 4, 8]:  packed[n // 4, k // 8, n % 4, k % 8] == weight[n, k]
+    packed [N / 8, K, 8]:  packed[n // 8, k, n % 8] == weight[n, k]
 
-(four rows interleaved in 8-float groups: one sequential stream per 4 rows) and the kernel
-below reads four far-apart 4-row blocks at a time (more streams in flight), each weight
-element once per call, whatever the number of rows (up to ``MAX_ROWS``). Sums are fp32 FMAs
-in a different order than MKL's: results agree to fp32 rounding, not bit for bit.
+(eight rows interleaved: one AVX2 vector holds column k of eight rows, and a group of eight
+rows is one sequential stream). The kernel below keeps up to four input rows in flight against
+a few groups at once (outer products: a weight vector times a broadcast x[m, k]), so every
+weight element is read from memory once per call and used for all those rows: ~40 ms for one
+row and ~50 ms for four on that head (one Zen 3 core). Each output is one fp32 FMA chain over
+k in order: it agrees with MKL to fp32 rounding, not bit for bit.
 
 The kernel is C compiled once with the system compiler (``cc -O3 -mavx2 -mfma``) into
 ``$TOKENPIPE_CACHE/kernels`` (default ``~/.cache/tokenpipe/kernels``) and loaded with ctypes;
@@ -35,67 +37,57 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROW_BLOCK = 4  # weight rows interleaved together
-K_GROUP = 8  # floats per AVX2 vector
+ROW_BLOCK = 8  # weight rows interleaved together: one AVX2 vector holds one k of 8 rows
 MAX_ROWS = 16  # input rows up to which the kernel is used; longer inputs unpack the weight
 
 _SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
 
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
-
-/* S blocks of 4 weight rows (block s at w + s * stride) times MC input rows */
-static inline __attribute__((always_inline)) void blocks(
-        const int S, const int MC, const float *x, int64_t K, const float *w, int64_t stride,
-        float *out, int64_t out_stride, int64_t ldo) {
-    __m256 acc[4][4][2];
-    for (int s = 0; s < S; s++)
-        for (int r = 0; r < 4; r++)
-            for (int m = 0; m < MC; m++) acc[s][r][m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv[2];
-        for (int m = 0; m < MC; m++) xv[m] = _mm256_loadu_ps(x + m * K + k);
-        for (int s = 0; s < S; s++) {
-            const float *wk = w + s * stride + k * 4;
-            for (int r = 0; r < 4; r++) {
-                __m256 wv = _mm256_loadu_ps(wk + r * 8);
-                for (int m = 0; m < MC; m++)
-                    acc[s][r][m] = _mm256_fmadd_ps(wv, xv[m], acc[s][r][m]);
-            }
+/* G groups of 8 weight rows (group g: w + g * K * 8, [K][8]) times MC <= 4 input rows:
+   out[m * ldo + g * 8 + i] = sum_k x[m * K + k] * w[g * K * 8 + k * 8 + i] */
+static inline __attribute__((always_inline)) void groups(
+        const int G, const int MC, const float *x, int64_t K, const float *w, float *out,
+        int64_t ldo) {
+    __m256 acc[8][4];
+    for (int g = 0; g < G; g++)
+        for (int m = 0; m < MC; m++) acc[g][m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 wv[8];
+        for (int g = 0; g < G; g++) wv[g] = _mm256_loadu_ps(w + g * K * 8 + k * 8);
+        for (int m = 0; m < MC; m++) {
+            __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+            for (int g = 0; g < G; g++) acc[g][m] = _mm256_fmadd_ps(wv[g], xb, acc[g][m]);
         }
     }
-    for (int s = 0; s < S; s++)
-        for (int r = 0; r < 4; r++)
-            for (int m = 0; m < MC; m++) out[s * out_stride + m * ldo + r] = hsum(acc[s][r][m]);
+    for (int g = 0; g < G; g++)
+        for (int m = 0; m < MC; m++) _mm256_storeu_ps(out + m * ldo + g * 8, acc[g][m]);
 }
 
-/* all M input rows against S blocks; pairs of rows, then a last odd one */
-static inline __attribute__((always_inline)) void all_rows(
-        const int S, int64_t M, const float *x, int64_t K, const float *w, int64_t stride,
-        float *out, int64_t out_stride, int64_t N) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) blocks(S, 2, x + m * K, K, w, stride, out + m * N, out_stride, N);
-    if (m < M) blocks(S, 1, x + m * K, K, w, stride, out + m * N, out_stride, N);
-}
+/* rows [0, M) in chunks of up to 4 against the groups [g0, g1), G at a time (<= 16 registers:
+   G * MC accumulators + G weight vectors + 1 broadcast) */
+#define SWEEP(G, MC) do { \
+        for (; g + G <= g1; g += G) groups(G, MC, xm, K, w + g * K * 8, om + g * 8, N); \
+    } while (0)
 
-/* out[m * N + n] = sum_k x[m * K + k] * weight[n, k], w packed [N/4][K/8][4][8] */
 int tp_packed_gemm(int64_t M, const float *x, const float *w, float *out, int64_t K, int64_t N) {
-    if (K % 8 || N % 4 || M < 1) return 1;
-    const int64_t nblocks = N / 4, block = 4 * K;
-    /* S far-apart blocks at a time: S memory streams; 16 accumulators either way */
-    const int64_t per = M == 1 ? nblocks / 4 : nblocks / 2;
-    for (int64_t b = 0; b < per; b++) {
-        if (M == 1) blocks(4, 1, x, K, w + b * block, per * block, out + b * 4, per * 4, N);
-        else all_rows(2, M, x, K, w + b * block, per * block, out + b * 4, per * 4, N);
+    if (N % 8 || M < 1) return 1;
+    const int64_t g1 = N / 8;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mc = M - m0 < 4 ? M - m0 : 4;
+        const float *xm = x + m0 * K;
+        float *om = out + m0 * N;
+        int64_t g = 0;
+        switch (mc) {
+        case 1: SWEEP(8, 1); break;
+        case 2: SWEEP(4, 2); break;
+        case 3: SWEEP(3, 3); break;
+        default: SWEEP(3, 4); break;
+        }
+        for (; g < g1; g++)
+            for (int64_t m = 0; m < mc; m++)
+                groups(1, 1, xm + m * K, K, w + g * K * 8, om + m * N + g * 8, N);
     }
-    for (int64_t b = (M == 1 ? 4 : 2) * per; b < nblocks; b++)
-        all_rows(1, M, x, K, w + b * block, 0, out + b * 4, 0, N);
     return 0;
 }
 """
@@ -157,44 +149,38 @@ def kernel() -> ctypes.CDLL | None:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """A weight the kernel takes: fp32 [N, K] on the CPU with N % 4 == 0 and K % 8 == 0."""
+    """A weight the kernel takes: fp32 [N, K] on the CPU with N % 8 == 0."""
     return (
         weight.dim() == 2
         and weight.dtype == torch.float32
         and weight.device.type == "cpu"
         and weight.shape[0] % ROW_BLOCK == 0
-        and weight.shape[1] % K_GROUP == 0
     )
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N / 4, K / 8, 4, 8] (a copy)."""
+    """[N, K] -> [N / 8, K, 8] (a copy)."""
     n, k = weight.shape
-    return (
-        weight.detach().view(n // ROW_BLOCK, ROW_BLOCK, k // K_GROUP, K_GROUP)
-        .transpose(1, 2)
-        .contiguous()
-    )  # fmt: skip
+    return weight.detach().view(n // ROW_BLOCK, ROW_BLOCK, k).transpose(1, 2).contiguous()
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """[N / 4, K / 8, 4, 8] -> [N, K] (a copy)."""
-    nb, kg, rb, g = packed.shape
-    return packed.transpose(1, 2).reshape(nb * rb, kg * g)
+    """[N / 8, K, 8] -> [N, K] (a copy)."""
+    groups, k, rows = packed.shape
+    return packed.transpose(1, 2).reshape(groups * rows, k)
 
 
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """weight[ids] of a packed weight: ids [T] int64 -> [T, K]."""
-    rows = packed[ids // ROW_BLOCK, :, ids % ROW_BLOCK, :]  # [T, K / 8, 8]
-    return rows.reshape(ids.shape[0], -1)
+    return packed[ids // ROW_BLOCK, :, ids % ROW_BLOCK]
 
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 @ weight.T -> [M, N], weight stored packed. Needs ``kernel()``."""
     lib = kernel()
     assert lib is not None, "packed weights need the CPU kernel"
-    nb, kg, rb, g = packed.shape
-    n, k = nb * rb, kg * g
+    groups, k, rows = packed.shape
+    n = groups * rows
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     status = lib.tp_packed_gemm(x.shape[0], x.data_ptr(), packed.data_ptr(), out.data_ptr(), k, n)
@@ -209,7 +195,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.register_buffer("packed", packed)  # [out / 4, in / 8, 4, 8]
+        self.register_buffer("packed", packed)  # [out / 8, in, 8]
         self.bias = bias
 
     @staticmethod
@@ -229,7 +215,7 @@ class PackedEmbedding(nn.Module):
 
     def __init__(self, packed: torch.Tensor) -> None:
         super().__init__()
-        self.register_buffer("packed", packed)  # [vocab / 4, hidden / 8, 4, 8]
+        self.register_buffer("packed", packed)  # [vocab / 8, hidden, 8]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, hidden]
         return packed_rows(self.packed, ids)
