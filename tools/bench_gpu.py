@@ -605,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"prefill {n}: {results[f'prefill_{n}']}")
         for s in small:
             results[f"decode_{s}"] = decode_rate(w, s, 32, args.decode_tokens, vocab, args.timeout)
-            log(f"decode x{s}: {results[f'decode_{s}']}")
+            ahead = w.ask({"op": "stats"}).get("stats", {}).get("decode_ahead")
+            log(f"decode x{s}: {results[f'decode_{s}']}; decode ahead so far: {ahead}")
         results["ttft"] = ttft(w, args.resident, args.extra, vocab, args.timeout)
         log(f"ttft: {results['ttft']}")
     finally:

@@ -549,8 +549,14 @@ class Engine:
             if self.device.type == "cuda"
             else {}
         )
+        ahead = (
+            {"decode_ahead": {"hits": self.model.ahead_hits, "misses": self.model.ahead_misses}}
+            if hasattr(self.model, "ahead_hits")
+            else {}
+        )
         return {
             **device_memory,
+            **ahead,
             "active_requests": len(self._active),
             "queued_requests": len(self._queue),
             "sessions": len(self.pool.named),
