@@ -108,6 +108,26 @@ def test_greedy_continuations_equal_transformers(loaded: Any, hf_gguf_oracle) ->
         )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_greedy_continuations_equal_transformers_cpu_packed(hf_gguf_oracle) -> None:
+    """The worker's CPU layout (``prepare_for_cpu``: packed weights, the AVX2 kernel) too."""
+    from worker.loading import load_model
+    from worker.models import cpu_gemv
+
+    if cpu_gemv.kernel() is None:
+        pytest.skip("no AVX2/FMA CPU kernel")
+    torch.set_num_threads(1)
+    packed = load_model(None, "cpu", torch.float32, progress=False)
+    assert packed.model.prepare_for_cpu() > 0
+    oracle = hf_gguf_oracle.model()
+    for prompt in PROMPTS:
+        ids = packed.tokenizer.prefix_ids + packed.tokenizer.encode(prompt)
+        ours = greedy_ours(packed, ids, NEW_TOKENS)
+        theirs = greedy_transformers(oracle, ids, NEW_TOKENS)
+        assert ours == theirs, (prompt, packed.tokenizer.decode(ours))
+
+
 def test_info_command_on_default_model(default_model_dir: Path) -> None:
     from worker.info import command
 

@@ -64,30 +64,41 @@ static inline __attribute__((always_inline)) void groups(
         for (int m = 0; m < MC; m++) _mm256_storeu_ps(out + m * ldo + g * 8, acc[g][m]);
 }
 
-/* rows [0, M) in chunks of up to 4 against the groups [g0, g1), G at a time (<= 16 registers:
-   G * MC accumulators + G weight vectors + 1 broadcast) */
+/* 3 groups against input rows [0, M) in chunks of 4: the groups stay in cache between chunks */
+static void groups3_all_rows(int64_t M, const float *x, int64_t K, const float *w, float *out,
+                             int64_t N) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float *xm = x + m0 * K;
+        float *om = out + m0 * N;
+        switch (M - m0 < 4 ? M - m0 : 4) {
+        case 1: groups(3, 1, xm, K, w, om, N); break;
+        case 2: groups(3, 2, xm, K, w, om, N); break;
+        case 3: groups(3, 3, xm, K, w, om, N); break;
+        default: groups(3, 4, xm, K, w, om, N); break;
+        }
+    }
+}
+
+/* G groups at a time: G * MC accumulators + G weight vectors + 1 broadcast <= 16 registers */
 #define SWEEP(G, MC) do { \
-        for (; g + G <= g1; g += G) groups(G, MC, xm, K, w + g * K * 8, om + g * 8, N); \
+        for (; g + G <= ngroups; g += G) groups(G, MC, x, K, w + g * K * 8, out + g * 8, N); \
     } while (0)
 
 int tp_packed_gemm(int64_t M, const float *x, const float *w, float *out, int64_t K, int64_t N) {
     if (N % 8 || M < 1) return 1;
-    const int64_t g1 = N / 8;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int64_t mc = M - m0 < 4 ? M - m0 : 4;
-        const float *xm = x + m0 * K;
-        float *om = out + m0 * N;
-        int64_t g = 0;
-        switch (mc) {
-        case 1: SWEEP(8, 1); break;
-        case 2: SWEEP(4, 2); break;
-        case 3: SWEEP(3, 3); break;
-        default: SWEEP(3, 4); break;
-        }
-        for (; g < g1; g++)
-            for (int64_t m = 0; m < mc; m++)
-                groups(1, 1, xm + m * K, K, w + g * K * 8, om + m * N + g * 8, N);
+    const int64_t ngroups = N / 8;
+    int64_t g = 0;
+    switch (M) {
+    case 1: SWEEP(8, 1); break;
+    case 2: SWEEP(4, 2); break;
+    case 3: SWEEP(3, 3); break;
+    case 4: SWEEP(3, 4); break;
+    default:
+        for (; g + 3 <= ngroups; g += 3) groups3_all_rows(M, x, K, w + g * K * 8, out + g * 8, N);
     }
+    for (; g < ngroups; g++)
+        for (int64_t m = 0; m < M; m++)
+            groups(1, 1, x + m * K, K, w + g * K * 8, out + m * N + g * 8, N);
     return 0;
 }
 """

@@ -54,6 +54,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.style = style
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if with_scale else None
+        self._scale: torch.Tensor | None = None  # offset + weight (float32), for the CPU path
+        self._scale_key: tuple[int, int] | None = None
 
     @property
     def round_first(self) -> bool:
@@ -65,12 +67,23 @@ class RMSNorm(nn.Module):
             from worker.kernels.rmsnorm import rms_norm_triton
 
             return rms_norm_triton(x, self.weight, self.eps, self.style.offset, self.round_first)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x * rsqrt(mean(x²) + eps)
+        shape = (x.shape[-1],)
+        if self.weight is not None and self.style.scale_in_float:
+            # x * rsqrt(mean(x²) + eps) * (offset + w), all in float32, one op
+            return F.rms_norm(x.float(), shape, self._float_scale(), self.eps).to(x.dtype)
+        normed = F.rms_norm(x.float(), shape, eps=self.eps)  # x * rsqrt(mean(x²) + eps)
         if self.weight is None:
             return normed.to(x.dtype)
-        if self.style.scale_in_float:
-            return (normed * (self.style.offset + self.weight.float())).to(x.dtype)
         return (self.style.offset + self.weight) * normed.to(x.dtype)
+
+    def _float_scale(self) -> torch.Tensor:
+        """offset + weight in float32, recomputed only when the weight changes."""
+        assert self.weight is not None
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._scale_key != key:
+            self._scale = self.style.offset + self.weight.detach().float()
+            self._scale_key = key
+        return self._scale
 
 
 _ACTIVATIONS = {
