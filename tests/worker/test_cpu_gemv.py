@@ -29,7 +29,7 @@ def test_can_pack() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 70])
 @pytest.mark.parametrize("shape", [(8, 5), (40, 24), (1048, 640), (640, 2048)])
 def test_packed_matmul_matches_linear(rows: int, shape: tuple[int, int]) -> None:
     # 5, 131 groups of 8 rows: sweeps of 8, 4 and 3 groups leave a tail of single groups
@@ -37,14 +37,16 @@ def test_packed_matmul_matches_linear(rows: int, shape: tuple[int, int]) -> None
     weight = torch.randn(shape, generator=gen)
     x = torch.randn(rows, shape[1], generator=gen)
     out = cpu_gemv.packed_matmul(x, cpu_gemv.pack(weight))
-    ref = (x.double() @ weight.double().T).float()
+    ref = x.double() @ weight.double().T
     assert out.shape == (rows, shape[0])
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    # the error bound of a float32 sum of K products: K * eps * sum |x_k * w_k|
+    bound = shape[1] * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
+    assert bool(((out.double() - ref).abs() <= bound).all())
 
 
 @needs_kernel
-@pytest.mark.parametrize("tokens", [1, 4, cpu_gemv.MAX_ROWS + 1])
-def test_packed_linear_both_paths(tokens: int) -> None:
+@pytest.mark.parametrize("tokens", [1, 4, 37])
+def test_packed_linear(tokens: int) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(64, 32, bias=True)
     packed = cpu_gemv.PackedLinear.from_linear(linear)
