@@ -125,11 +125,68 @@ def bench_warm(name: str, hq: int, hkv: int, dim: int, window: int, n: int, cach
         print(f"| {name}, {n} new over {cached} | {label} | {seconds * 1e6:.0f} us |", flush=True)
 
 
+GEMV_SHAPES = [  # name, K, N (the 31B layer matrices, merged as on the GPU)
+    ("qkv sliding", 5376, 16384), ("qk full", 5376, 18432), ("o sliding", 8192, 5376),
+    ("o full", 16384, 5376), ("gate_up", 5376, 43008), ("down", 21504, 5376),
+    ("lm head", 5376, 262144),
+]  # fmt: skip
+GEMV_SWEEP = [(16, 256, 4, 4), (8, 512, 4, 4), (32, 128, 4, 4), (16, 512, 8, 3),
+              (4, 1024, 4, 3), (8, 256, 4, 6), (32, 256, 8, 3), (64, 128, 8, 3)]  # fmt: skip
+
+
+def graph_time(fn: Any, calls: int = 10, reps: int = 10) -> float:
+    """Seconds per call of `fn`, replayed from a CUDA graph of `calls` calls (no launch cost)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (reps * calls)
+
+
+def bench_gemv(rows: int) -> None:
+    from worker.kernels.gemv import gemv_triton
+
+    dev = torch.device("cuda")
+    print(f"| matrix (rows={rows}) | kernel | us | TB/s | max diff |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, k, n in GEMV_SHAPES:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, w)
+        seconds = graph_time(lambda w=w, x=x: torch.nn.functional.linear(x, w))
+        rate = w.numel() * 2 / seconds / 1e12
+        print(f"| {name} | F.linear | {seconds * 1e6:.1f} | {rate:.2f} | - |", flush=True)
+        for config in GEMV_SWEEP:
+            try:
+                seconds = graph_time(lambda w=w, x=x, c=config: gemv_triton(x, w, c))
+                diff = (gemv_triton(x, w, config).float() - ref.float()).abs().max().item()
+            except Exception as exc:  # noqa: BLE001
+                print(f"| {name} | {config} | failed: {type(exc).__name__} | | |", flush=True)
+                continue
+            print(f"| {name} | {config} | {seconds * 1e6:.1f} | "
+                  f"{w.numel() * 2 / seconds / 1e12:.2f} | {diff:.3g} |", flush=True)  # fmt: skip
+        del w, x, ref
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--warm-only", action="store_true")
+    parser.add_argument("--gemv", action="store_true", help="only the decode GEMV sweep")
     args = parser.parse_args()
+    if args.gemv:
+        bench_gemv(1)
+        bench_gemv(4)
+        return
     print("| case | kernel | time |\n| --- | --- | --- |")
     bench_warm("full", 32, 4, 512, 0, 64, 4096)
     bench_warm("sliding", 32, 16, 256, 1024, 64, 4096)

@@ -1,0 +1,80 @@
+"""Triton GEMV for decode-sized matmuls on CUDA: y = x @ W^T for a few rows of x.
+
+At batch 1 a decode step is one pass over the weights, so its speed is the bandwidth these
+matmuls reach. Each program owns BLOCK_N output features and streams their rows of W (row
+major [N, K], contiguous along K; K is a compile-time constant, one compile per matrix
+width) in BLOCK_K chunks, with every row of x (at most MAX_ROWS)
+held against each chunk: W is read once whatever the number of rows. Accumulation is fp32.
+
+This module imports Triton: import it only after `worker.kernels.triton_available()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr, N, stride_xm, stride_wn, stride_ym,
+    K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        w = w.to(tl.float32)
+        x0 = tl.load(x_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
+        acc0 += w * x0[None, :]
+        if ROWS > 1:
+            x1 = tl.load(x_ptr + stride_xm + ks, mask=mask_k, other=0.0).to(tl.float32)
+            acc1 += w * x1[None, :]
+        if ROWS > 2:
+            x2 = tl.load(x_ptr + 2 * stride_xm + ks, mask=mask_k, other=0.0).to(tl.float32)
+            acc2 += w * x2[None, :]
+        if ROWS > 3:
+            x3 = tl.load(x_ptr + 3 * stride_xm + ks, mask=mask_k, other=0.0).to(tl.float32)
+            acc3 += w * x3[None, :]
+    out_ty = y_ptr.dtype.element_ty
+    tl.store(y_ptr + offs_n, tl.sum(acc0, axis=1).to(out_ty), mask=mask_n)
+    if ROWS > 1:
+        tl.store(y_ptr + stride_ym + offs_n, tl.sum(acc1, axis=1).to(out_ty), mask=mask_n)
+    if ROWS > 2:
+        tl.store(y_ptr + 2 * stride_ym + offs_n, tl.sum(acc2, axis=1).to(out_ty), mask=mask_n)
+    if ROWS > 3:
+        tl.store(y_ptr + 3 * stride_ym + offs_n, tl.sum(acc3, axis=1).to(out_ty), mask=mask_n)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); see tools/bench_gpu_kernels.py --gemv
+DEFAULT_CONFIG = (16, 256, 4, 4)
+
+
+def gemv_triton(
+    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None
+) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS, contiguous last dim) @ weight[N, K]^T -> [M, N] in x's dtype."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if rows > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"unsupported gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    y = torch.empty((rows, n), device=x.device, dtype=x.dtype)
+    block_n, block_k, num_warps, num_stages = config or DEFAULT_CONFIG
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y, n, x.stride(0), weight.stride(0), y.stride(0),
+        K=k, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y
