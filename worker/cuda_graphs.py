@@ -104,7 +104,13 @@ def decode_logits(
         x = layer(x, tables[rope_key], cache, plan)
     last = model.model.norm(x)
     weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    logits = F.linear(last, weight).float()  # [B, vocab]
+    gemv = getattr(model, "_decode_lm_head_gemv", None)  # set by worker/cuda_setup.py
+    if gemv is not None:
+        from worker.kernels.gemv import linear_for_decode
+
+        logits = linear_for_decode(last, weight, gemv).float()  # [B, vocab]
+    else:
+        logits = F.linear(last, weight).float()  # [B, vocab]
     cap = model.config.final_logit_softcapping
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap

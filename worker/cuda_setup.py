@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -46,8 +47,32 @@ def prepare_model_for_device(
         merged = inner.fuse_projections()
         torch.cuda.empty_cache()
         print(f"cuda_setup: merged the projections of {merged} modules", file=sys.stderr)
+    if os.environ.get("TOKENPIPE_NO_GEMV") != "1":
+        _install_gemv(inner)
     if isinstance(model, GraphedCausalLM):
         return model
     if cuda_graphs and os.environ.get("TOKENPIPE_NO_GRAPHS") != "1":
         return GraphedCausalLM(model)
     return model
+
+
+def _install_gemv(inner: Any) -> None:
+    """Batch-1 matmuls through the Triton GEMV where it beats cuBLAS on this GPU (timed per
+    matrix shape at start-up, worker/kernels/gemv.py); the LM head too, which the decode step
+    calls with F.linear (``inner._decode_lm_head_gemv``). TOKENPIPE_NO_GEMV=1 skips it."""
+    from worker.kernels import triton_available
+
+    if not triton_available() or not hasattr(inner, "model"):
+        return
+    from worker.kernels.gemv import choose_config, install_decode_gemv
+
+    started = time.perf_counter()
+    chosen = install_decode_gemv(inner)
+    head = inner.model.embed_tokens.weight if inner.lm_head is None else inner.lm_head.weight
+    shape = (head.shape[0], head.shape[1])
+    inner._decode_lm_head_gemv = chosen[shape] if shape in chosen else choose_config(head)
+    faster = sum(c is not None for c in chosen.values()) + (
+        shape not in chosen and inner._decode_lm_head_gemv is not None
+    )
+    print(f"cuda_setup: Triton GEMV for {faster} of {len(chosen) + (shape not in chosen)} "
+          f"matrix shapes ({time.perf_counter() - started:.1f}s)", file=sys.stderr)  # fmt: skip

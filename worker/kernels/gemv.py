@@ -11,7 +11,12 @@ This module imports Triton: import it only after `worker.kernels.triton_availabl
 
 from __future__ import annotations
 
+import functools
+import time
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -78,3 +83,77 @@ def gemv_triton(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
+
+
+# -- choosing per matrix ----------------------------------------------------------------------
+
+# a few configs that were fastest on some 31B matrix on an H200 (tools/bench_gpu_kernels.py)
+CANDIDATES = [(16, 256, 4, 4), (8, 512, 4, 4), (8, 256, 4, 6), (16, 512, 8, 3)]
+
+
+def _graph_seconds(fn: Any, calls: int = 8, reps: int = 5) -> float:
+    """Seconds per call of `fn` replayed from a CUDA graph (the way decode runs it)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (calls * reps)
+
+
+def choose_config(
+    weight: torch.Tensor, candidates: list[tuple[int, int, int, int]] | None = None,
+    margin: float = 0.02,
+) -> tuple[int, int, int, int] | None:  # fmt: skip
+    """The candidate that beats `F.linear` on one row by more than `margin` on this GPU and
+    matrix, timed inside CUDA graphs; None when cuBLAS is as fast (CUDA only)."""
+    x = torch.randn(1, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    with torch.inference_mode():
+        base = _graph_seconds(lambda: F.linear(x, weight))
+        best: tuple[float, tuple[int, int, int, int]] | None = None
+        for config in candidates or CANDIDATES:
+            try:
+                seconds = _graph_seconds(lambda c=config: gemv_triton(x, weight, c))
+            except Exception:  # noqa: BLE001 - a config this GPU cannot run
+                continue
+            if seconds < base * (1 - margin) and (best is None or seconds < best[0]):
+                best = (seconds, config)
+    return None if best is None else best[1]
+
+
+def linear_for_decode(
+    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None
+) -> torch.Tensor:
+    """`F.linear(x, weight)`, through the GEMV kernel for a single contiguous row when a
+    config was chosen for this matrix."""
+    if config is not None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+        return gemv_triton(x, weight, config)
+    return F.linear(x, weight)
+
+
+def install_decode_gemv(
+    model: torch.nn.Module, choose: Any = choose_config
+) -> dict[tuple[int, int], tuple[int, int, int, int] | None]:
+    """Route every bias-free `nn.Linear` of `model` whose matrix the GEMV kernel serves
+    faster (per `choose`, once per shape) through it for one-row inputs (batch-1 decode
+    and one-token prefills). Returns the choice per (out, in) shape."""
+    chosen: dict[tuple[int, int], tuple[int, int, int, int] | None] = {}
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or module.bias is not None:
+            continue
+        shape = (module.weight.shape[0], module.weight.shape[1])
+        if shape not in chosen:
+            chosen[shape] = choose(module.weight)
+        config = chosen[shape]
+        if config is not None:
+            module.forward = functools.partial(  # type: ignore[method-assign]
+                linear_for_decode, weight=module.weight, config=config
+            )
+    return chosen

@@ -1,0 +1,62 @@
+"""The decode GEMV kernel (Triton's CPU interpreter here, CUDA on the GPU box) against
+F.linear, and its installation on a model's linears (one-row inputs go through it, longer
+ones through F.linear; logits unchanged). Skips when triton is not importable."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from worker.kernels import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_gemv_matches_linear(rows: int) -> None:
+    from worker.kernels.gemv import gemv_triton
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 300, generator=gen).to(DEVICE)
+    w = torch.randn(70, 300, generator=gen).to(DEVICE)  # N and K not multiples of the tiles
+    y = gemv_triton(x, w, config=(16, 64, 4, 1))
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError):
+        gemv_triton(torch.randn(5, 300).to(DEVICE), w)
+
+
+def test_installed_gemv_serves_one_row_and_leaves_logits_alone() -> None:
+    from test_cuda_graphs import tiny_model
+
+    from worker.kernels import gemv
+    from worker.models.step import StepInput
+
+    ref, fast = tiny_model(DEVICE), tiny_model(DEVICE)
+    shapes = []
+
+    def choose(weight: torch.Tensor) -> tuple[int, int, int, int]:
+        shapes.append(tuple(weight.shape))
+        return (16, 32, 4, 1)
+
+    chosen = gemv.install_decode_gemv(fast, choose=choose)
+    assert len(shapes) == len(set(shapes)) == len(chosen) > 0  # once per shape
+    calls = []
+    real = gemv.gemv_triton
+    gemv.gemv_triton = lambda *a, **k: calls.append(1) or real(*a, **k)  # type: ignore[assignment]
+    try:
+        kv_ref, kv_fast = ref.make_kv_cache(1, 32), fast.make_kv_cache(1, 32)
+        prompt = StepInput.single([5, 6, 7], 0, 0, device=DEVICE)
+        torch.testing.assert_close(fast(prompt, kv_fast), ref(prompt, kv_ref))
+        assert not calls  # three rows: F.linear
+        one = StepInput.single([9], 0, 3, device=DEVICE)
+        torch.testing.assert_close(fast(one, kv_fast), ref(one, kv_ref), rtol=1e-4, atol=1e-4)
+        assert calls  # one row: the kernel
+    finally:
+        gemv.gemv_triton = real  # type: ignore[assignment]
