@@ -53,3 +53,16 @@ def test_packed_linear(tokens: int) -> None:
     x = torch.randn(tokens, 64)
     with torch.no_grad():
         torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 640), (3, 4, 256), (2, 13)])
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_rms_norm_matches_torch(shape: tuple[int, ...], with_scale: bool) -> None:
+    gen = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(shape, generator=gen) * 3
+    scale = torch.randn(shape[-1], generator=gen) + 1 if with_scale else None
+    ref = F.rms_norm(x.double(), (shape[-1],), None if scale is None else scale.double(), 1e-6)
+    out = cpu_gemv.rms_norm(x, scale, 1e-6)
+    assert out.shape == x.shape
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

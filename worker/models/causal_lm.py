@@ -157,11 +157,12 @@ class CausalLM(nn.Module):
 
     def prepare_for_cpu(self) -> int:
         """The CPU post-load step (after ``load_weights``; the HF names are gone after it):
-        merge the projections (``fuse_projections``) and store every fp32 matmul weight, the
+        merge the projections (``fuse_projections``), store every fp32 matmul weight, the
         LM head and a tied embedding included, in the streaming layout of
         ``worker.models.cpu_gemv`` (decode steps read each weight once at close to the memory
-        bandwidth). A no-op returning 0 where that kernel cannot run or the weights are not
-        fp32 on the CPU; else the number of weights packed."""
+        bandwidth) and let the norms use its one-call RMS norm. A no-op returning 0 where that
+        kernel cannot run or the weights are not fp32 on the CPU; else the number of weights
+        packed."""
         from worker.models import cpu_gemv
 
         embed = self.model.embed_tokens
@@ -170,6 +171,9 @@ class CausalLM(nn.Module):
         if not cpu_gemv.can_pack(embed.weight):
             return 0
         self.fuse_projections()
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.cpu_kernel = True
         packed = 0
         for module in list(self.model.layers.modules()):
             for name, child in list(module.named_children()):

@@ -40,6 +40,7 @@ ROW_BLOCK = 8  # weight rows interleaved together: one AVX2 vector holds one k o
 
 _SOURCE = r"""
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 /* G groups of 8 weight rows (group g: w + g * K * 8, [K][8]) times MC <= 4 input rows:
@@ -99,6 +100,28 @@ int tp_packed_gemm(int64_t M, const float *x, const float *w, float *out, int64_
             groups(1, 1, x + m * K, K, w + g * K * 8, out + m * N + g * 8, N);
     return 0;
 }
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * scale (scale may be NULL), rows of dim floats */
+void tp_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
+                 float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+        lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+        float sum = _mm_cvtss_f32(lo);
+        for (; i < dim; i++) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (i = 0; i < dim; i++) o[i] = scale ? xr[i] * inv * scale[i] : xr[i] * inv;
+    }
+}
 """
 
 
@@ -128,7 +151,7 @@ def _build(target: Path) -> None:
         compiler = os.environ.get("CC", "cc")
         flags = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
         subprocess.run(
-            [compiler, *flags, "-o", str(built), str(source)],
+            [compiler, *flags, "-o", str(built), str(source), "-lm"],
             check=True,
             capture_output=True,
             timeout=120,
@@ -154,6 +177,10 @@ def kernel() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.argtypes += [ctypes.c_int64, ctypes.c_int64]
+    norm = lib.tp_rms_norm
+    norm.restype = None
+    norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    norm.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
     return lib
 
 
@@ -195,6 +222,21 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     status = lib.tp_packed_gemm(x.shape[0], x.data_ptr(), packed.data_ptr(), out.data_ptr(), k, n)
     if status != 0:
         raise ValueError(f"tp_packed_gemm failed ({status}) for x {tuple(x.shape)}, [{n}, {k}]")
+    return out
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x², -1) + eps) * scale for fp32 x [..., dim] (scale [dim] or None), in
+    one call: torch's rms_norm is ~6 ops (~40 µs) on a decode-sized row. Needs ``kernel()``."""
+    lib = kernel()
+    assert lib is not None, "rms_norm needs the CPU kernel"
+    x = x.contiguous()
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    if scale is not None:
+        scale = scale.contiguous()
+    scale_ptr = None if scale is None else scale.data_ptr()
+    lib.tp_rms_norm(x.data_ptr(), scale_ptr, out.data_ptr(), x.numel() // dim, dim, eps)
     return out
 
 

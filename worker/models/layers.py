@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.kernels.attention import use_triton
+from worker.models import cpu_gemv
 from worker.models.attention import AttentionPlan, attend
 from worker.models.config import ModelConfig
 from worker.models.kv import LayerCache
@@ -56,6 +57,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if with_scale else None
         self._scale: torch.Tensor | None = None  # offset + weight (float32), for the CPU path
         self._scale_key: tuple[int, int] | None = None
+        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.models.cpu_gemv)
 
     @property
     def round_first(self) -> bool:
@@ -67,6 +69,10 @@ class RMSNorm(nn.Module):
             from worker.kernels.rmsnorm import rms_norm_triton
 
             return rms_norm_triton(x, self.weight, self.eps, self.style.offset, self.round_first)
+        if self.cpu_kernel and x.dtype == torch.float32 and x.device.type == "cpu":
+            # in float32 every style is x_normed * (offset + w); one kernel call
+            scale = None if self.weight is None else self._float_scale()
+            return cpu_gemv.rms_norm(x, scale, self.eps)
         shape = (x.shape[-1],)
         if self.weight is not None and self.style.scale_in_float:
             # x * rsqrt(mean(x²) + eps) * (offset + w), all in float32, one op
