@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from worker.cuda_graphs import (
     bucket_for,
     is_decode_only,
 )
+from worker.cuda_setup import prepare_model_for_device
 from worker.kernels.batched_sampling import RowSampling
 from worker.models.config import ModelConfig
 from worker.models.random_init import init_random_weights
@@ -242,7 +244,9 @@ def test_default_architecture_fp32_gpu_greedy_equals_cpu() -> None:
     init_random_weights(cpu, seed=1)  # made on the CPU ...
     gpu = build_model(config, "cpu", torch.float32)
     gpu.load_state_dict(cpu.state_dict())
-    gpu = GraphedCausalLM(gpu.to("cuda"))  # ... and moved
+    # ... and moved, then the whole CUDA set-up of the worker (merged projections, fused
+    # kernels, the batch-1 GEMV where it wins, graphs, decode ahead)
+    gpu = prepare_model_for_device(SimpleNamespace(model=gpu.to("cuda")), "cuda")
     prompt = torch.randint(10, 262144, (24,), generator=torch.Generator().manual_seed(2)).tolist()
     kv_cpu, kv_gpu = cpu.make_kv_cache(1, 128), gpu.make_kv_cache(1, 128)
     want, got = [], []
