@@ -45,8 +45,11 @@ def test_packed_matmul_matches_linear(rows: int, shape: tuple[int, int]) -> None
 
 
 @needs_kernel
-@pytest.mark.parametrize("tokens", [1, 4, 37])
-def test_packed_linear(tokens: int) -> None:
+@pytest.mark.parametrize("tokens", [1, 4, 37, cpu_gemv.PREFILL_ROWS])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_linear(tokens: int, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # more threads: prefill-sized inputs take MKL on an unpacked copy (the count is faked)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     torch.manual_seed(0)
     linear = nn.Linear(64, 32, bias=True)
     packed = cpu_gemv.PackedLinear.from_linear(linear)

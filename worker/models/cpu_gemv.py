@@ -17,7 +17,8 @@ k in order: it agrees with MKL to fp32 rounding, not bit for bit.
 
 The kernel is C compiled once with the system compiler (``cc -O3 -mavx2 -mfma``) into
 ``$TOKENPIPE_CACHE/kernels`` (default ``~/.cache/tokenpipe/kernels``) and loaded with ctypes;
-it is single-threaded. ``kernel()`` is None (and the model keeps its plain weights) without
+it is single-threaded (with more torch threads, prefill-sized inputs go to MKL instead:
+``PackedLinear``). ``kernel()`` is None (and the model keeps its plain weights) without
 an x86-64 CPU with AVX2 and FMA, without a compiler, or with ``TOKENPIPE_CPU_GEMV=0``.
 """
 
@@ -34,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROW_BLOCK = 8  # weight rows interleaved together: one AVX2 vector holds one k of 8 rows
@@ -240,9 +242,14 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.T
     return out
 
 
+PREFILL_ROWS = 64  # with more torch threads, inputs this long go to MKL (the kernel is 1-thread)
+
+
 class PackedLinear(nn.Module):
-    """A bias-optional linear layer whose weight [out, in] is stored packed. The kernel serves
-    prefill-sized inputs too: at 64 or 512 rows it matched or beat MKL on the plain weight."""
+    """A bias-optional linear layer whose weight [out, in] is stored packed. With one torch
+    thread the kernel serves prefill-sized inputs too (at 64 and 512 rows it matched or beat
+    MKL on the plain weight); with more, inputs of ``PREFILL_ROWS`` rows or more are multiplied
+    by MKL's threaded GEMM on an unpacked copy of the weight."""
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -255,6 +262,8 @@ class PackedLinear(nn.Module):
         return PackedLinear(pack(linear.weight), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
+        if x.shape[0] >= PREFILL_ROWS and torch.get_num_threads() > 1:
+            return F.linear(x, unpack(self.packed), self.bias)
         out = packed_matmul(x, self.packed)
         return out if self.bias is None else out + self.bias
 
