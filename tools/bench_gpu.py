@@ -68,8 +68,8 @@ def install_cuda_hooks() -> None:
     random weights drawn on the GPU, and decode steps replayed from CUDA graphs."""
     import worker.loading as loading
     import worker.models.random_init as random_init
-    from worker.cuda_graphs import GraphedCausalLM
     from worker.cuda_setup import prepare_model_for_device
+    from worker.graphed_lm import GraphedCausalLM
     from worker.kernels.random_weights import init_random_weights_on_device
 
     cpu_init = random_init.init_random_weights

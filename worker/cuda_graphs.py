@@ -10,13 +10,10 @@ for `worker.models.attention.AttentionPlan` and calls the kernels of `worker.ker
 (store the new K/V at `position % capacity` of the slot, then split-KV decode attention read
 in place from the pool). `decode_logits` mirrors `CausalLM.forward` for that case.
 
-Two entry points:
-- `GraphedCausalLM(model)`: a drop-in for the model object. `make_kv_cache` also builds the
-  runner; `model(step, kv)` replays a graph for the sequences that decode one token and runs
-  the eager model for the rest (prefill chunks; every row when the decoders exceed the
-  largest bucket).
-- `DecodeGraphRunner.decode(...)`: the same step with sampling inside the graph
-  (`worker.kernels.batched_sampling`); only the sampled ids come back, one sync per step.
+`DecodeGraphRunner` holds the static buffers and graphs; `worker/graphed_lm.py`'s
+`GraphedCausalLM` is the model object the engine uses on CUDA, built on two runners.
+`DecodeGraphRunner.decode(...)` is the same step with sampling inside the graph
+(`worker.kernels.batched_sampling`); only the sampled ids come back, one sync per step.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -337,182 +333,3 @@ def sub_step(step: Any, rows: Sequence[int]) -> Any:
         cached_lens=[step.cached_lens[i] for i in rows],
         new_lens=[step.new_lens[i] for i in rows],
     )
-
-
-@dataclass
-class _Ahead:
-    """A decode step launched before the engine asked for it (see GraphedCausalLM)."""
-
-    lane: int  # the runner whose buffers hold its outputs
-    size: int  # its bucket
-    slots: tuple[int, ...]
-    positions: tuple[int, ...]  # the position each row feeds
-    inputs_from: int  # the lane whose `host_ids` hold the ids it fed
-    done: Any  # CUDA event after its outputs (None off CUDA)
-
-
-class GraphedCausalLM:
-    """The model object with decode steps served by a DecodeGraphRunner (see module doc).
-
-    Wiring (CUDA only): `loaded.model = GraphedCausalLM(loaded.model)` before the Engine is
-    built; everything else is delegated to the wrapped model.
-
-    Decode ahead (two runners, "lanes"): after a decode step, the step that would follow it
-    if every row took its argmax is launched at once on a side stream, fed on the device, so
-    the GPU works while the host samples, streams the token and builds the next step. When
-    the next call asks for exactly that step (same slots and positions, and the ids it fed
-    equal the ones the engine now feeds), its logits are already there. Otherwise it is
-    waited for and dropped: it wrote one position past each row's tokens, which the next
-    write there replaces (the KV cache's `lookahead` keeps resumes from relying on the ring
-    entry it overwrote). A miss on the ids (the rows sample) stops decode-ahead for that set
-    of slots. TOKENPIPE_NO_DECODE_AHEAD=1 turns it off.
-    """
-
-    def __init__(
-        self,
-        model: Any,
-        *,
-        use_graphs: bool | None = None,
-        capture: bool = True,
-        decode_ahead: bool | None = None,
-    ):
-        if isinstance(model, GraphedCausalLM):  # wrapping twice: one wrapper (one runner)
-            model = model.inner
-        self.inner = model
-        self.runner: DecodeGraphRunner | None = None
-        self._use_graphs = use_graphs
-        self._capture = capture
-        if decode_ahead is None:
-            decode_ahead = os.environ.get("TOKENPIPE_NO_DECODE_AHEAD") != "1"
-        self._decode_ahead = decode_ahead
-        self._lanes: list[DecodeGraphRunner] = []
-        self._ahead: _Ahead | None = None
-        self._no_ahead_for: tuple[int, ...] | None = None
-        self._side: Any = None  # the side stream (CUDA)
-        self.ahead_hits = 0
-        self.ahead_misses = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def make_kv_cache(self, num_slots: int, max_context: int, **kwargs: Any) -> Any:
-        kv = self.inner.make_kv_cache(num_slots, max_context, **kwargs)
-        lanes = 2 if self._decode_ahead else 1
-        self._lanes = [
-            DecodeGraphRunner(self.inner, kv, num_slots, use_graphs=self._use_graphs)
-            for _ in range(lanes)
-        ]
-        self.runner = self._lanes[0]
-        self._ahead, self._no_ahead_for = None, None
-        if self._decode_ahead:
-            kv.lookahead = 1
-            if self.runner.device.type == "cuda":
-                self._side = torch.cuda.Stream(self.runner.device)
-        if self._capture:
-            for lane in self._lanes:
-                lane.capture(sample=False)
-            self._warm_up_prefill(kv)
-        return kv
-
-    def _warm_up_prefill(self, kv: Any) -> None:
-        """Compile the prefill kernels now, not in the first request: two tokens from scratch
-        in slot 0, then two more over them (the cached-prefix and ring variants). The slot's
-        KV is garbage afterwards, as it may be for any free slot."""
-        if self.runner is None or self.runner.device.type != "cuda":
-            return
-        from worker.models.step import StepInput
-
-        for cached in (0, 2):
-            self.inner(StepInput.single([0, 0], 0, cached, device=self.runner.device), kv)
-        torch.cuda.synchronize(self.runner.device)
-
-    def __call__(self, step: Any, kv: Any) -> torch.Tensor:
-        """Decode rows through the graph; prefill rows (a chunk riding along with the
-        decoders) through the eager model, in a second forward of their own."""
-        runner = self.runner
-        if runner is None or kv is not runner.kv:
-            return self.inner(step, kv)
-        decode, other = split_decode_rows(step)
-        if not decode or bucket_for(len(decode), runner.buckets) is None:
-            self._drop_ahead()
-            return self.inner(step, kv)
-        if not other:
-            return self._decode(step)
-        decode_logits_ = self._decode(sub_step(step, decode))  # [len(decode), vocab]
-        prefill_logits = self.inner(sub_step(step, other), kv)  # [len(other), vocab]
-        out = torch.empty(
-            (len(step.slots), decode_logits_.shape[1]),
-            dtype=decode_logits_.dtype,
-            device=decode_logits_.device,
-        )
-        device = out.device
-        out[torch.tensor(decode, device=device)] = decode_logits_
-        out[torch.tensor(other, device=device)] = prefill_logits
-        return out
-
-    # -- decode ahead ----------------------------------------------------------------------
-
-    def _decode(self, step: Any) -> torch.Tensor:
-        """[B, vocab] logits of a decode-only step: the step launched ahead when it matches,
-        else a replay now; then the next step is launched ahead."""
-        batch = len(step.slots)
-        slots, positions = tuple(step.slots), tuple(step.cached_lens)
-        ahead, self._ahead = self._ahead, None
-        lane: int | None = None
-        if ahead is not None:
-            same_rows = ahead.slots == slots and ahead.positions == positions
-            fed = self._lanes[ahead.inputs_from].host_ids[:batch].tolist() if same_rows else None
-            hit = same_rows and fed == step.input_ids.tolist()
-            self._wait(ahead)
-            if hit:
-                self.ahead_hits += 1
-                lane, size = ahead.lane, ahead.size
-                logits = self._lanes[lane]._last[0]  # type: ignore[index]
-            else:
-                self.ahead_misses += 1
-                if same_rows:  # the rows do not take the argmax: they sample
-                    self._no_ahead_for = slots
-        if lane is None:
-            lane = ahead.inputs_from if ahead is not None else 0  # a lane not in flight
-            runner = self._lanes[lane]
-            size = runner._load(step.input_ids, step.cached_lens, step.slots, None)
-            logits, _ = runner._run(size, sample=False)
-            if len(self._lanes) > 1:
-                runner.copy_ids_to_host(size)
-        self._launch_ahead(lane, size, slots, positions)
-        return logits[:batch]
-
-    def _launch_ahead(
-        self, lane: int, size: int, slots: tuple[int, ...], positions: tuple[int, ...]
-    ) -> None:
-        if len(self._lanes) < 2 or slots == self._no_ahead_for:
-            return
-        if self._no_ahead_for is not None and slots != self._no_ahead_for:
-            self._no_ahead_for = None  # a new set of rows: try again
-        runner = self._lanes[lane]
-        if max(positions) + 1 >= runner.kv.max_context:
-            return  # the next position would not fit: never write past max_context
-        nxt = 1 - lane
-        done = None
-        if self._side is not None:
-            main = torch.cuda.current_stream(runner.device)
-            self._side.wait_stream(main)
-            with torch.cuda.stream(self._side):
-                self._lanes[nxt].step_after(runner, size)
-                self._lanes[nxt].copy_ids_to_host(size)
-                done = torch.cuda.Event()
-                done.record(self._side)
-        else:  # CPU (tests): the same work, eagerly
-            self._lanes[nxt].step_after(runner, size)
-            self._lanes[nxt].copy_ids_to_host(size)
-        self._ahead = _Ahead(nxt, size, slots, tuple(p + 1 for p in positions), lane, done)
-
-    def _wait(self, ahead: _Ahead) -> None:
-        if ahead.done is not None:
-            torch.cuda.current_stream(self._lanes[0].device).wait_event(ahead.done)
-
-    def _drop_ahead(self) -> None:
-        if self._ahead is not None:
-            self._wait(self._ahead)
-            self.ahead_misses += 1
-            self._ahead = None

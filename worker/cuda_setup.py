@@ -40,7 +40,7 @@ def prepare_model_for_device(
     model = loaded.model
     if torch.device(device).type != "cuda":
         return model
-    from worker.cuda_graphs import GraphedCausalLM
+    from worker.graphed_lm import GraphedCausalLM
 
     inner = model.inner if isinstance(model, GraphedCausalLM) else model
     if os.environ.get("TOKENPIPE_NO_FUSE") != "1" and hasattr(inner, "fuse_projections"):

@@ -12,13 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from worker.cuda_graphs import (
-    DecodeGraphRunner,
-    GraphedCausalLM,
-    bucket_for,
-    is_decode_only,
-)
+from worker.cuda_graphs import DecodeGraphRunner, bucket_for, is_decode_only
 from worker.cuda_setup import prepare_model_for_device
+from worker.graphed_lm import GraphedCausalLM
 from worker.kernels.batched_sampling import RowSampling
 from worker.models.config import ModelConfig
 from worker.models.random_init import init_random_weights

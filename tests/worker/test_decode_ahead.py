@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from test_cuda_graphs import tiny_model
 
-from worker.cuda_graphs import GraphedCausalLM
+from worker.graphed_lm import GraphedCausalLM
 from worker.models.step import StepInput
 
 torch.set_num_threads(2)
