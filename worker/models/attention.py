@@ -131,10 +131,14 @@ class AttentionPlan:
         if mask is None:
             assert self.decode_pos is not None
             q_pos = self.decode_pos[:, None]  # [Bd, 1]
-            if cache.window is None:
-                length = int(max(s.cached for s in self.decode)) + 1
+            length = self.decode_max_pos + 1
+            if cache.window is None or length <= cache.capacity:
+                # a full layer, or a ring not yet wrapped: index == position, and nothing
+                # past the furthest row's new token is read (not the whole ring)
                 k_pos = torch.arange(length, device=self.device)[None, :]  # [1, L]
                 mask = k_pos <= q_pos  # [Bd, L]
+                if cache.window is not None:
+                    mask = mask & (k_pos > q_pos - cache.window)
             else:
                 ring = cache.capacity
                 idx = torch.arange(ring, device=self.device)[None, :]  # [1, R]
