@@ -33,7 +33,8 @@ import msgspec
 import orjson
 
 from protocol import ErrorCode, ErrorEvent, Event, GenerateRequest, ReadyEvent
-from supervisor.core import Channel, Supervisor, SupervisorConfig
+from supervisor.core import Supervisor, SupervisorConfig
+from supervisor.dispatch import Channel
 
 T = TypeVar("T")
 Submit = Callable[[dict[str, Any]], None]

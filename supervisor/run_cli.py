@@ -29,7 +29,8 @@ import orjson
 
 from protocol import ProtocolError, decode_request
 from supervisor import eventloop
-from supervisor.core import Channel, Supervisor, SupervisorConfig
+from supervisor.core import Supervisor, SupervisorConfig
+from supervisor.dispatch import Channel
 from supervisor.pool import WorkerStartError, log
 
 
