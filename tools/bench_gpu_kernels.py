@@ -134,25 +134,9 @@ GEMV_SWEEP = [(16, 256, 4, 4), (8, 512, 4, 4), (32, 128, 4, 4), (16, 512, 8, 3),
               (4, 1024, 4, 3), (8, 256, 4, 6), (32, 256, 8, 3), (64, 128, 8, 3)]  # fmt: skip
 
 
-def graph_time(fn: Any, calls: int = 10, reps: int = 10) -> float:
-    """Seconds per call of `fn`, replayed from a CUDA graph of `calls` calls (no launch cost)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / (reps * calls)
-
-
 def bench_gemv(rows: int) -> None:
     from worker.kernels.gemv import gemv_triton
+    from worker.kernels.gemv import graph_seconds as graph_time
 
     dev = torch.device("cuda")
     print(f"| matrix (rows={rows}) | kernel | us | TB/s | max diff |")

@@ -91,7 +91,7 @@ def gemv_triton(
 CANDIDATES = [(16, 256, 4, 4), (8, 512, 4, 4), (8, 256, 4, 6), (16, 512, 8, 3)]
 
 
-def _graph_seconds(fn: Any, calls: int = 8, reps: int = 5) -> float:
+def graph_seconds(fn: Any, calls: int = 8, reps: int = 5) -> float:
     """Seconds per call of `fn` replayed from a CUDA graph (the way decode runs it)."""
     fn()
     torch.cuda.synchronize()
@@ -116,11 +116,11 @@ def choose_config(
     matrix, timed inside CUDA graphs; None when cuBLAS is as fast (CUDA only)."""
     x = torch.randn(1, weight.shape[1], device=weight.device, dtype=weight.dtype)
     with torch.inference_mode():
-        base = _graph_seconds(lambda: F.linear(x, weight))
+        base = graph_seconds(lambda: F.linear(x, weight))
         best: tuple[float, tuple[int, int, int, int]] | None = None
         for config in candidates or CANDIDATES:
             try:
-                seconds = _graph_seconds(lambda c=config: gemv_triton(x, weight, c))
+                seconds = graph_seconds(lambda c=config: gemv_triton(x, weight, c))
             except Exception:  # noqa: BLE001 - a config this GPU cannot run
                 continue
             if seconds < base * (1 - margin) and (best is None or seconds < best[0]):
