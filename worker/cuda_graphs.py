@@ -265,6 +265,12 @@ class DecodeGraphRunner:
         self._last = self._outputs[key]
         return self._last
 
+    @property
+    def last_logits(self) -> torch.Tensor:
+        """[bucket, vocab] logits of the last step (a static buffer: valid until the next)."""
+        assert self._last is not None
+        return self._last[0]
+
     def copy_ids_to_host(self, size: int) -> None:
         """Queue the copy of the last step's argmax ids into `host_ids` (no sync)."""
         assert self._last is not None

@@ -70,9 +70,9 @@ def _install_gemv(inner: Any) -> None:
     chosen = install_decode_gemv(inner)
     head = inner.model.embed_tokens.weight if inner.lm_head is None else inner.lm_head.weight
     shape = (head.shape[0], head.shape[1])
-    inner._decode_lm_head_gemv = chosen[shape] if shape in chosen else choose_config(head)
-    faster = sum(c is not None for c in chosen.values()) + (
-        shape not in chosen and inner._decode_lm_head_gemv is not None
-    )
-    print(f"cuda_setup: Triton GEMV for {faster} of {len(chosen) + (shape not in chosen)} "
-          f"matrix shapes ({time.perf_counter() - started:.1f}s)", file=sys.stderr)  # fmt: skip
+    if shape not in chosen:  # a tied embedding is no nn.Linear
+        chosen[shape] = choose_config(head)
+    inner._decode_lm_head_gemv = chosen[shape]
+    faster = sum(c is not None for c in chosen.values())
+    print(f"cuda_setup: Triton GEMV for {faster} of {len(chosen)} matrix shapes "
+          f"({time.perf_counter() - started:.1f}s)", file=sys.stderr)  # fmt: skip

@@ -144,29 +144,28 @@ class GraphedCausalLM:
             self._wait(ahead)
             if hit:
                 self.ahead_hits += 1
-                lane, size = ahead.lane, ahead.size
-                logits = self._lanes[lane]._last[0]  # type: ignore[index]
+                lane = ahead.lane
+                logits = self._lanes[lane].last_logits[:batch]
             else:
                 self.ahead_misses += 1
                 if same_rows:  # the rows do not take the argmax: they sample
                     self._no_ahead_for = slots
+        size = bucket_for(batch, self._lanes[0].buckets)
+        assert size is not None  # __call__ sends bigger batches to the eager model
         if lane is None:
             lane = ahead.inputs_from if ahead is not None else 0  # a lane not in flight
-            runner = self._lanes[lane]
-            size = runner._load(step.input_ids, step.cached_lens, step.slots, None)
-            logits, _ = runner._run(size, sample=False)
+            logits = self._lanes[lane].logits(step)
             if len(self._lanes) > 1:
-                runner.copy_ids_to_host(size)
+                self._lanes[lane].copy_ids_to_host(size)
         self._launch_ahead(lane, size, slots, positions)
-        return logits[:batch]
+        return logits
 
     def _launch_ahead(
         self, lane: int, size: int, slots: tuple[int, ...], positions: tuple[int, ...]
     ) -> None:
         if len(self._lanes) < 2 or slots == self._no_ahead_for:
             return
-        if self._no_ahead_for is not None and slots != self._no_ahead_for:
-            self._no_ahead_for = None  # a new set of rows: try again
+        self._no_ahead_for = None  # a new set of rows: try again
         runner = self._lanes[lane]
         if max(positions) + 1 >= runner.kv.max_context:
             return  # the next position would not fit: never write past max_context

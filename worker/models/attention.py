@@ -231,10 +231,7 @@ def _prefill_one(
     new_v = v[seq.start : seq.end].transpose(0, 1)
     mask = plan.prefill_mask(i, cache)  # see AttentionPlan._prefill_mask for the shapes
     if cache.window is None:
-        if c + n > cache.capacity:
-            raise ValueError(f"slot {s}: {c + n} tokens exceed max_context {cache.capacity}")
-        cache.k[s, :, c : c + n] = new_k
-        cache.v[s, :, c : c + n] = new_v
+        _store_full(cache, seq, new_k, new_v)
         keys, values = cache.k[s, :, : c + n], cache.v[s, :, : c + n]  # [KVH, c + n, D]
     else:
         if c == 0:
@@ -243,12 +240,7 @@ def _prefill_one(
             # the ring as it was before this step, then the new keys: [KVH, R + n, D]
             keys = torch.cat([cache.k[s], new_k], dim=1)
             values = torch.cat([cache.v[s], new_v], dim=1)
-        # keep the last min(n, R) new positions; earlier ones are past every later window
-        ring = cache.capacity
-        kept = min(n, ring)
-        index = torch.arange(c + n - kept, c + n, device=plan.device) % ring  # [kept]
-        cache.k[s].index_copy_(1, index, new_k[:, n - kept :])
-        cache.v[s].index_copy_(1, index, new_v[:, n - kept :])
+        _store_ring(cache, plan, i, seq, new_k, new_v)
     query = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, H, n, D]
     if mask is not None and cache.window is None and q.is_cuda:
         # full layer over a cached prefix: the mask is causal aligned to the bottom right;
@@ -280,29 +272,49 @@ def _prefill_one_triton(
     positions and write indices are built once per step and ring geometry."""
     from worker.kernels.prefill_attention import prefill_attention_triton
 
-    c, n, s = seq.cached, seq.new, seq.slot
+    c, s = seq.cached, seq.slot
     rows = slice(seq.start, seq.end)
     new_k, new_v = k[rows], v[rows]  # [n, KVH, D]
     k_prev = v_prev = prev_pos = None
     if cache.window is None:
-        if c + n > cache.capacity:
-            raise ValueError(f"slot {s}: {c + n} tokens exceed max_context {cache.capacity}")
-        cache.k[s, :, c : c + n] = new_k.transpose(0, 1)
-        cache.v[s, :, c : c + n] = new_v.transpose(0, 1)
+        _store_full(cache, seq, new_k.transpose(0, 1), new_v.transpose(0, 1))
         if c:
             k_prev, v_prev = cache.k[s, :, :c], cache.v[s, :, :c]  # [KVH, c, D]
     else:
-        prev_pos, index = plan.ring_tables(i, cache.capacity)
+        prev_pos, _ = plan.ring_tables(i, cache.capacity)
         if c:
             k_prev, v_prev = cache.k[s], cache.v[s]  # [KVH, R, D], read before the writes
     prefill_attention_triton(
         q[rows], new_k, new_v, out[rows], cached=c, sm_scale=scale,
         window=cache.window or 0, k_prev=k_prev, v_prev=v_prev, prev_pos=prev_pos,
     )  # fmt: skip
-    if cache.window is not None:  # keep the last min(n, R) new positions in the ring
-        kept = index.shape[0]
-        cache.k[s].index_copy_(1, index, new_k[n - kept :].transpose(0, 1))
-        cache.v[s].index_copy_(1, index, new_v[n - kept :].transpose(0, 1))
+    if cache.window is not None:
+        _store_ring(cache, plan, i, seq, new_k.transpose(0, 1), new_v.transpose(0, 1))
+
+
+def _store_full(cache: LayerCache, seq: SeqView, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+    """Write a prefill's new keys/values [KVH, n, D] at their positions of a full layer."""
+    c, n, s = seq.cached, seq.new, seq.slot
+    if c + n > cache.capacity:
+        raise ValueError(f"slot {s}: {c + n} tokens exceed max_context {cache.capacity}")
+    cache.k[s, :, c : c + n] = new_k
+    cache.v[s, :, c : c + n] = new_v
+
+
+def _store_ring(
+    cache: LayerCache,
+    plan: AttentionPlan,
+    i: int,
+    seq: SeqView,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+) -> None:
+    """Keep the last min(n, R) of a prefill's new keys/values [KVH, n, D] in a ring (earlier
+    ones are past every later window), at the indices `plan.ring_tables` built."""
+    _, index = plan.ring_tables(i, cache.capacity)
+    kept = index.shape[0]
+    cache.k[seq.slot].index_copy_(1, index, new_k[:, seq.new - kept :])
+    cache.v[seq.slot].index_copy_(1, index, new_v[:, seq.new - kept :])
 
 
 def _sdpa(
