@@ -390,35 +390,43 @@ def prefill_rate(worker: WorkerProcess, n: int, vocab: int, timeout: float) -> d
     return {"wall_tok_s": n / wall, "engine_prefill_tok_s": float(done.msg["prefill_tok_s"])}
 
 
-def ttft(worker: WorkerProcess, resident: int, extra: int, vocab: int,
-         timeout: float) -> dict[str, float]:  # fmt: skip
+def ttft(worker: WorkerProcess, resident: int, extra: int, vocab: int, timeout: float,
+         repeat: int = 3) -> dict[str, float]:  # fmt: skip
     """Time to the first new token for `extra` new prompt tokens on a resident session
-    (warm) and the same prompt on a fresh session (cold); max_new_tokens 1, so the
-    `done` line ends the first token."""
+    (warm) and the same prompt on a fresh session (cold), the median of `repeat` runs each;
+    max_new_tokens 1, so the `done` line ends the first token."""
     base = random_ids(resident, vocab, 7)
     more = random_ids(extra, vocab, 8)
     out: dict[str, float] = {}
     for name in ("warm", "cold"):
-        sid = f"ttft-{name}"
-        worker.ask({"op": "open", "session_id": sid})
-        if name == "warm":
-            worker.generate([{"session_id": sid, "prompt_segments": [{"ids": base}],
-                              "max_new_tokens": 0}], timeout)  # fmt: skip
-            # a first warm turn of the same shape, so one-time costs stay out of the figure
-            worker.generate([{"session_id": sid, "max_new_tokens": 0,
-                              "prompt_segments": [{"ids": base + random_ids(extra, vocab, 9)}]}],
-                            timeout)  # fmt: skip
-            worker.generate([{"session_id": sid, "prompt_segments": [{"ids": base}],
-                              "max_new_tokens": 0}], timeout)  # fmt: skip
-        req = {"session_id": sid, "prompt_segments": [{"ids": base + more}], "max_new_tokens": 1}
-        t0, lines = worker.generate([req], timeout)
-        req_lines = next(iter(lines.values()))
-        first = next((ln.t for ln in req_lines if ln.msg.get("event") == "token"), None)
-        out[f"{name}_s"] = (first or req_lines[-1].t) - t0
-        out[f"{name}_prefilled"] = float(req_lines[-1].msg.get("prefilled_prompt_tokens", -1))
-        for key in ("prefill_ms", "total_ms"):  # the worker's own accounting of the request
-            out[f"{name}_{key}"] = float(req_lines[-1].msg.get(key, -1))
-        worker.ask({"op": "close", "session_id": sid})
+        runs: list[dict[str, float]] = []
+        for i in range(repeat):
+            sid = f"ttft-{name}-{i}"
+            worker.ask({"op": "open", "session_id": sid})
+            if name == "warm":
+                worker.generate([{"session_id": sid, "prompt_segments": [{"ids": base}],
+                                  "max_new_tokens": 0}], timeout)  # fmt: skip
+                # a first warm turn of the same shape, so one-time costs stay out of it
+                worker.generate([{"session_id": sid, "max_new_tokens": 0, "prompt_segments":
+                                  [{"ids": base + random_ids(extra, vocab, 9)}]}],
+                                timeout)  # fmt: skip
+                worker.generate([{"session_id": sid, "prompt_segments": [{"ids": base}],
+                                  "max_new_tokens": 0}], timeout)  # fmt: skip
+            req = {"session_id": sid, "prompt_segments": [{"ids": base + more}],
+                   "max_new_tokens": 1}  # fmt: skip
+            t0, lines = worker.generate([req], timeout)
+            req_lines = next(iter(lines.values()))
+            first = next((ln.t for ln in req_lines if ln.msg.get("event") == "token"), None)
+            run = {"s": (first or req_lines[-1].t) - t0,
+                   "prefilled": float(req_lines[-1].msg.get("prefilled_prompt_tokens", -1))}
+            for key in ("prefill_ms", "total_ms"):  # the worker's own accounting
+                run[key] = float(req_lines[-1].msg.get(key, -1))
+            runs.append(run)
+            worker.ask({"op": "close", "session_id": sid})
+        runs.sort(key=lambda r: r["s"])
+        for key, value in runs[len(runs) // 2].items():
+            out[f"{name}_{key}"] = value
+        out[f"{name}_runs_s"] = [round(r["s"], 4) for r in runs]  # type: ignore[assignment]
     return out
 
 
@@ -532,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", default="2048,8192")
     p.add_argument("--resident", type=int, default=4096)
     p.add_argument("--extra", type=int, default=64)
+    p.add_argument("--ttft-repeat", type=int, default=3, help="runs per TTFT figure (median)")
     p.add_argument("--context", type=int, default=8192, help="--max-context of the main worker")
     p.add_argument("--big-batch-context", type=int, default=1024,
                    help="--max-context of the worker for batches above 32")  # fmt: skip
@@ -607,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             results[f"decode_{s}"] = decode_rate(w, s, 32, args.decode_tokens, vocab, args.timeout)
             ahead = w.ask({"op": "stats"}).get("stats", {}).get("decode_ahead")
             log(f"decode x{s}: {results[f'decode_{s}']}; decode ahead so far: {ahead}")
-        results["ttft"] = ttft(w, args.resident, args.extra, vocab, args.timeout)
+        results["ttft"] = ttft(w, args.resident, args.extra, vocab, args.timeout, args.ttft_repeat)
         log(f"ttft: {results['ttft']}")
     finally:
         w.close()
@@ -660,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
             None,
             None,
             "ms",
-            f"prefilled {t['warm_prefilled']:.0f} tokens; warm/cold = {fmt(ratio, 3)}",
+            f"prefilled {t['warm_prefilled']:.0f} tokens; warm/cold = {fmt(ratio, 3)}; "
+            f"median of {len(t['warm_runs_s'])}: {t['warm_runs_s']} s",
         )
         res.add(f"TTFT cold, {args.resident}+{args.extra}", t["cold_s"] * 1000, None, None, "ms",
                 f"prefilled {t['cold_prefilled']:.0f} tokens")  # fmt: skip

@@ -91,22 +91,36 @@ def decode_logits(
 
     input_ids, positions, slots: [B] int64 on the model's device -> [B, vocab] float32.
     """
-    plan = FusedDecodePlan(slots, positions)
-    x = model.model.embed_tokens(input_ids)  # [B, hidden]
+    return rows_logits(model, kv, input_ids, positions, FusedDecodePlan(slots, positions))
+
+
+def rows_logits(
+    model: Any,
+    kv: Any,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    plan: Any,
+    last: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`CausalLM.forward` with a tensor-only attention plan (capturable): the logits of every
+    row [T, vocab], or of the rows `last` [B] int64 picks (float32)."""
+    x = model.model.embed_tokens(input_ids)  # [T, hidden]
     if model.embed_scale is not None:
         x = x * torch.tensor(model.embed_scale, dtype=x.dtype)
     tables = {key: rot.cos_sin(positions, x.dtype) for key, rot in model._rotaries.items()}
     for layer, rope_key, cache in zip(model.model.layers, model._rope_keys, kv.layers, strict=True):
         x = layer(x, tables[rope_key], cache, plan)
-    last = model.model.norm(x)
+    if last is not None:
+        x = x.index_select(0, last)
+    last_hidden = model.model.norm(x)
     weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     gemv = getattr(model, "_decode_lm_head_gemv", None)  # set by worker/cuda_setup.py
     if gemv is not None:
         from worker.kernels.gemv import linear_for_decode
 
-        logits = linear_for_decode(last, weight, gemv).float()  # [B, vocab]
+        logits = linear_for_decode(last_hidden, weight, gemv).float()  # [B, vocab]
     else:
-        logits = F.linear(last, weight).float()  # [B, vocab]
+        logits = F.linear(last_hidden, weight).float()  # [B, vocab]
     cap = model.config.final_logit_softcapping
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap

@@ -1,9 +1,11 @@
 """The model object the engine uses on CUDA: decode steps from CUDA graphs, decode ahead.
 
 `GraphedCausalLM(model)` is a drop-in for the model object. `make_kv_cache` also builds the
-graph runners (worker/cuda_graphs.py); `model(step, kv)` replays a graph for the sequences
-that decode one token and runs the eager model for the rest (prefill chunks; every row when
-the decoders exceed the largest bucket). See the class for decode ahead.
+graph runners (worker/cuda_graphs.py, worker/prefill_graphs.py); `model(step, kv)` replays a
+graph for the sequences that decode one token and for a short prefill of one sequence (a warm
+resume's new turn, a short prompt), and runs the eager model for the rest (long prefill
+chunks; every row when the decoders exceed the largest bucket). See the class for decode
+ahead.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from worker.cuda_graphs import DecodeGraphRunner, bucket_for, split_decode_rows, sub_step
+from worker.prefill_graphs import PrefillGraphRunner
 
 
 @dataclass
@@ -53,6 +56,7 @@ class GraphedCausalLM:
         use_graphs: bool | None = None,
         capture: bool = True,
         decode_ahead: bool | None = None,
+        prefill_graphs: bool | None = None,
     ):
         if isinstance(model, GraphedCausalLM):  # wrapping twice: one wrapper (one runner)
             model = model.inner
@@ -63,6 +67,10 @@ class GraphedCausalLM:
         if decode_ahead is None:
             decode_ahead = os.environ.get("TOKENPIPE_NO_DECODE_AHEAD") != "1"
         self._decode_ahead = decode_ahead
+        if prefill_graphs is None:
+            prefill_graphs = os.environ.get("TOKENPIPE_NO_PREFILL_GRAPHS") != "1"
+        self._prefill_graphs = prefill_graphs
+        self.prefill: PrefillGraphRunner | None = None
         self._lanes: list[DecodeGraphRunner] = []
         self._ahead: _Ahead | None = None
         self._no_ahead_for: tuple[int, ...] | None = None
@@ -81,6 +89,9 @@ class GraphedCausalLM:
             for _ in range(lanes)
         ]
         self.runner = self._lanes[0]
+        self.prefill = None
+        if self._prefill_graphs:
+            self.prefill = PrefillGraphRunner(self.inner, kv, use_graphs=self._use_graphs)
         self._ahead, self._no_ahead_for = None, None
         if self._decode_ahead:
             kv.lookahead = 1
@@ -89,6 +100,8 @@ class GraphedCausalLM:
         if self._capture:
             for lane in self._lanes:
                 lane.capture(sample=False)
+            if self.prefill is not None:
+                self.prefill.capture()
             self._warm_up_prefill(kv)
         return kv
 
@@ -106,18 +119,19 @@ class GraphedCausalLM:
 
     def __call__(self, step: Any, kv: Any) -> torch.Tensor:
         """Decode rows through the graph; prefill rows (a chunk riding along with the
-        decoders) through the eager model, in a second forward of their own."""
+        decoders) in a second forward of their own: a prefill graph when it fits, else the
+        eager model."""
         runner = self.runner
         if runner is None or kv is not runner.kv:
             return self.inner(step, kv)
         decode, other = split_decode_rows(step)
         if not decode or bucket_for(len(decode), runner.buckets) is None:
             self._drop_ahead()
-            return self.inner(step, kv)
+            return self._prefill(step, kv)
         if not other:
             return self._decode(step)
         decode_logits_ = self._decode(sub_step(step, decode))  # [len(decode), vocab]
-        prefill_logits = self.inner(sub_step(step, other), kv)  # [len(other), vocab]
+        prefill_logits = self._prefill(sub_step(step, other), kv)  # [len(other), vocab]
         out = torch.empty(
             (len(step.slots), decode_logits_.shape[1]),
             dtype=decode_logits_.dtype,
@@ -127,6 +141,11 @@ class GraphedCausalLM:
         out[torch.tensor(decode, device=device)] = decode_logits_
         out[torch.tensor(other, device=device)] = prefill_logits
         return out
+
+    def _prefill(self, step: Any, kv: Any) -> torch.Tensor:
+        if self.prefill is not None and self.prefill.fits(step):
+            return self.prefill.logits(step)
+        return self.inner(step, kv)
 
     # -- decode ahead ----------------------------------------------------------------------
 

@@ -91,6 +91,54 @@ def test_prefill_kernel_matches_history(case: tuple[int, ...]) -> None:
     torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
+SLOT_CASES = [
+    # n, padding rows, cached, window, pool entries (ring size when window > 0), Hq, Hkv, D
+    (7, 9, 0, 0, 40, 4, 2, 16),  # fresh, full layer
+    (21, 11, 30, 0, 64, 2, 2, 32),  # full layer over a cached prefix
+    (19, 13, 40, 8, 10, 4, 2, 16),  # sliding over a wrapped ring
+    (5, 3, 3, 8, 10, 4, 4, 16),  # sliding, ring not yet full
+    (12, 4, 9, 8, 10, 4, 1, 16),  # sliding, ring wraps within the new tokens
+]
+
+
+@pytest.mark.parametrize("case", SLOT_CASES, ids=[str(c) for c in SLOT_CASES])
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_slot_variant_matches_history(case: tuple[int, ...], impl: str) -> None:
+    """The capturable variant (slot and lengths from a device tensor, rows padded, the pool
+    read in place): real rows equal attention over the explicit history."""
+    from worker.kernels.prefill_attention import prefill_attention_slot
+    from worker.kernels.reference import prefill_attention_slot_reference
+
+    n, pad, cached, window, entries, q_heads, kv_heads, dim = case
+    gen = torch.Generator().manual_seed(sum(case))
+    keys = torch.randn(cached + n, kv_heads, dim, generator=gen)
+    values = torch.randn(cached + n, kv_heads, dim, generator=gen)
+    q = torch.randn(n + pad, q_heads, dim, generator=gen)  # padding rows: garbage
+    k_new = torch.cat([keys[cached:], torch.randn(pad, kv_heads, dim, generator=gen)])
+    v_new = torch.cat([values[cached:], torch.randn(pad, kv_heads, dim, generator=gen)])
+    k_pool = torch.randn(3, kv_heads, entries, dim, generator=gen)  # garbage where unused
+    v_pool = torch.randn(3, kv_heads, entries, dim, generator=gen)
+    slot = 1
+    for p in range(max(0, cached - entries), cached):  # what the slot holds before the step
+        k_pool[slot, :, p % entries] = keys[p]
+        v_pool[slot, :, p % entries] = values[p]
+    expected = _history_attention(q[:n], keys, values, cached, window, dim**-0.5)
+    meta = torch.tensor([slot, cached, n], dtype=torch.int64, device=DEVICE)
+    q, k_new, v_new, k_pool, v_pool = (t.to(DEVICE) for t in (q, k_new, v_new, k_pool, v_pool))
+    if impl == "triton":
+        out = torch.full_like(q, float("nan"))
+        prefill_attention_slot(
+            q, k_new, v_new, out, k_pool, v_pool, meta, sm_scale=dim**-0.5, window=window,
+            config=(16, 16, 4, 1),
+        )  # fmt: skip
+    else:
+        out = prefill_attention_slot_reference(
+            q, k_new, v_new, k_pool, v_pool, meta, sm_scale=dim**-0.5, window=window
+        )
+    torch.testing.assert_close(out[:n].double().cpu(), expected, rtol=1e-4, atol=1e-4)
+    assert out[n:].isfinite().all()  # padding rows: ignored, but never NaN
+
+
 def test_prefill_kernel_reads_strided_rows_of_a_step() -> None:
     """q, k, v as slices of a flattened step [T, H, D] (another sequence before this one)."""
     from worker.kernels.prefill_attention import prefill_attention_triton

@@ -18,7 +18,11 @@ import os
 import torch
 
 from worker.kernels import triton_available
-from worker.kernels.reference import decode_attention_reference, store_kv_reference
+from worker.kernels.reference import (
+    decode_attention_reference,
+    prefill_attention_slot_reference,
+    store_kv_reference,
+)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -68,6 +72,31 @@ def store_kv(
         store_kv_triton(k_cache, v_cache, k, v, slots, positions)
         return
     store_kv_reference(k_cache, v_cache, k, v, slots, positions)
+
+
+def prefill_attention_slot(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: torch.Tensor,
+    *,
+    sm_scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """One sequence's (padded) prefill over its slot, slot and lengths in `meta` on the
+    device (see `worker.kernels.prefill_attention.prefill_attention_slot`) -> [N, Hq, D]."""
+    if use_triton(q):
+        from worker.kernels.prefill_attention import prefill_attention_slot as triton_slot
+
+        out = torch.empty_like(q)
+        return triton_slot(
+            q, k_new, v_new, out, k_cache, v_cache, meta, sm_scale=sm_scale, window=window
+        )
+    return prefill_attention_slot_reference(
+        q, k_new, v_new, k_cache, v_cache, meta, sm_scale=sm_scale, window=window
+    )
 
 
 # The same two functions as torch custom ops, so `torch.compile` keeps them as opaque calls

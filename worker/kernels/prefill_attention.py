@@ -15,7 +15,14 @@ computed per tile, and tiles wholly outside the causal band are never visited. G
 h reads KV head h // (Hq / Hkv), in place (no repeat of the KV heads).
 
 Grid: (cdiv(n, BLOCK_M), Hq). Shapes are run-time arguments, so one compile per head size
-serves every prompt length. This module imports Triton: import it only after
+serves every prompt length.
+
+`prefill_attention_slot` is the same kernel for a step replayed from a CUDA graph
+(worker/prefill_graphs.py): the slot, the cached length and the number of real rows come from
+a device tensor, the previous keys are read from the layer's whole pool, and the ring's
+positions are computed from the cached length instead of a table. The query rows are padded to
+the graph's size; rows past the real ones are computed over the previous keys only and their
+outputs ignored. This module imports Triton: import it only after
 `worker.kernels.triton_available()`.
 """
 
@@ -28,23 +35,29 @@ import triton.language as tl
 PREV_NONE = 0  # no previous keys
 PREV_INDEX = 1  # previous entry i holds position i (a full layer's cached prefix)
 PREV_TABLE = 2  # previous entry i holds position prev_pos[i] (a ring)
+PREV_RING = 3  # a ring of `n_prev` entries after `cached` tokens: entry i holds the latest
+# position p < cached with p % n_prev == i (only the slot variant uses it)
 
 
 @triton.jit
 def _tile(
-    q, m_i, l_i, acc, q_pos, k_base, v_base, pos_ptr, start, limit, pos_offset,
+    q, m_i, l_i, acc, q_pos, k_base, v_base, pos_ptr, start, limit, pos_offset, ring,
     stride_kn, stride_vn, qk_scale, window,
-    POS_FROM_TABLE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    POS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over key entries [start, start + BLOCK_N) ∩ [0, limit).
 
-    q: [BLOCK_M, D]; q_pos, m_i, l_i: [BLOCK_M]; acc: [BLOCK_M, D] float32 (base-2 logits)."""
+    q: [BLOCK_M, D]; q_pos, m_i, l_i: [BLOCK_M]; acc: [BLOCK_M, D] float32 (base-2 logits).
+    Entry i holds position: POS 0, pos_offset + i; 1, pos_ptr[i]; 2, the latest p < pos_offset
+    with p % ring == i (i < limit <= pos_offset, so the modulus is of a non-negative)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     in_bounds = offs_n < limit
-    if POS_FROM_TABLE:
+    if POS == 1:
         k_pos = tl.load(pos_ptr + offs_n, mask=in_bounds, other=-1)
+    elif POS == 2:
+        k_pos = pos_offset - 1 - (pos_offset - 1 - offs_n) % ring
     else:
         k_pos = pos_offset + offs_n
     k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_bounds[:, None],
@@ -74,23 +87,34 @@ def _tile(
 
 # lengths and offsets change with every prompt: not specialised (one compile per head size,
 # key mode and dtype, made at start-up by `warm_up` instead of during a request)
-@triton.jit(do_not_specialize=["n_new", "n_prev", "cached", "window"])
+@triton.jit(do_not_specialize=["n_new", "n_prev", "cached", "window", "n_rows"])
 def _prefill_kernel(
-    q_ptr, k_new_ptr, v_new_ptr, k_prev_ptr, v_prev_ptr, prev_pos_ptr, out_ptr,
+    q_ptr, k_new_ptr, v_new_ptr, k_prev_ptr, v_prev_ptr, prev_pos_ptr, out_ptr, meta_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_pkh, stride_pkn, stride_pvh, stride_pvn, stride_on, stride_oh,
-    n_new, n_prev, cached, qk_scale, window,
-    GROUP: tl.constexpr, PREV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    stride_pks, stride_pkh, stride_pkn, stride_pvs, stride_pvh, stride_pvn,
+    stride_on, stride_oh,
+    n_new, n_prev, cached, qk_scale, window, n_rows,
+    GROUP: tl.constexpr, PREV: tl.constexpr, META: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
+    k_prev_base = k_prev_ptr + kv_head * stride_pkh
+    v_prev_base = v_prev_ptr + kv_head * stride_pvh
+    ring = n_prev
+    if META:  # the slot variant: (slot, cached, n_new) from the device; n_prev: pool entries
+        slot = tl.load(meta_ptr).to(tl.int64)
+        cached = tl.load(meta_ptr + 1)
+        n_new = tl.load(meta_ptr + 2)
+        k_prev_base += slot * stride_pks
+        v_prev_base += slot * stride_pvs
+        n_prev = tl.minimum(cached, n_prev)  # a full layer's prefix, or a ring's filled part
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_m = offs_m < n_new
+    mask_m = offs_m < n_rows
     q = tl.load(
         q_ptr + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
         mask=mask_m[:, None],
@@ -105,23 +129,24 @@ def _prefill_kernel(
     # first `window` queries
     if PREV != 0:
         if (window <= 0) | (m0 < window):
-            k_base = k_prev_ptr + kv_head * stride_pkh
-            v_base = v_prev_ptr + kv_head * stride_pvh
+            prev_offset = cached  # PREV_RING's entries hold positions below it
+            if PREV != 3:
+                prev_offset = 0
             if INTERPRET:  # the interpreter takes no tensor bounds in range()
                 start = 0
                 while start < n_prev:
                     m_i, l_i, acc = _tile(
-                        q, m_i, l_i, acc, q_pos, k_base, v_base, prev_pos_ptr, start, n_prev,
-                        0, stride_pkn, stride_pvn, qk_scale, window,
-                        PREV == 2, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
+                        q, m_i, l_i, acc, q_pos, k_prev_base, v_prev_base, prev_pos_ptr, start,
+                        n_prev, prev_offset, ring, stride_pkn, stride_pvn,
+                        qk_scale, window, PREV - 1, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
                     )  # fmt: skip
                     start += BLOCK_N
             else:
                 for start in range(0, n_prev, BLOCK_N):
                     m_i, l_i, acc = _tile(
-                        q, m_i, l_i, acc, q_pos, k_base, v_base, prev_pos_ptr, start, n_prev,
-                        0, stride_pkn, stride_pvn, qk_scale, window,
-                        PREV == 2, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
+                        q, m_i, l_i, acc, q_pos, k_prev_base, v_prev_base, prev_pos_ptr, start,
+                        n_prev, prev_offset, ring, stride_pkn, stride_pvn,
+                        qk_scale, window, PREV - 1, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
                     )  # fmt: skip
 
     # new keys: from the start of the band of the block's first query to its last query
@@ -134,19 +159,20 @@ def _prefill_kernel(
         while start < hi:
             m_i, l_i, acc = _tile(
                 q, m_i, l_i, acc, q_pos, k_base, v_base, prev_pos_ptr, start, hi,
-                cached, stride_kn, stride_vn, qk_scale, window,
-                False, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
+                cached, ring, stride_kn, stride_vn, qk_scale, window,
+                0, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
             )  # fmt: skip
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _tile(
                 q, m_i, l_i, acc, q_pos, k_base, v_base, prev_pos_ptr, start, hi,
-                cached, stride_kn, stride_vn, qk_scale, window,
-                False, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
+                cached, ring, stride_kn, stride_vn, qk_scale, window,
+                0, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
             )  # fmt: skip
 
-    # every real query sees at least itself, so l_i > 0 on rows that are stored
+    # every real query sees at least itself, so l_i > 0 on its row; a padding row (slot
+    # variant) may see nothing and is stored as zeros
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + offs_m[:, None] * stride_on + head * stride_oh + offs_d[None, :],
@@ -206,38 +232,109 @@ def prefill_attention_triton(
     [P] int32 positions of the previous entries, or None when entry i holds position i.
     Every tensor needs a contiguous last dim; D a power of two >= 16.
     """
-    n, q_heads, head_dim = q.shape
+    _check_shapes(q, k_new, v_new, out, k_prev, v_prev)
+    if k_prev is None or v_prev is None or k_prev.shape[1] == 0:
+        mode, k_prev, v_prev, n_prev = PREV_NONE, k_new, v_new, 0
+        k_prev_strides = v_prev_strides = (0, 0, 0)
+    else:
+        mode = PREV_INDEX if prev_pos is None else PREV_TABLE
+        n_prev = k_prev.shape[1]
+        k_prev_strides = (0, k_prev.stride(0), k_prev.stride(1))
+        v_prev_strides = (0, v_prev.stride(0), v_prev.stride(1))
+    if prev_pos is None:
+        prev_pos = k_new  # never read: PREV_TABLE is off
+    elif prev_pos.dtype != torch.int32 or prev_pos.numel() != n_prev:
+        raise ValueError("prev_pos must be int32 with one entry per previous key")
+    n = q.shape[0]
+    _launch(
+        q, k_new, v_new, k_prev, v_prev, prev_pos, out, prev_pos, k_prev_strides,
+        v_prev_strides, n, n_prev, cached, sm_scale, window, mode, False, config,
+    )  # fmt: skip
+    return out
+
+
+def prefill_attention_slot(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: torch.Tensor,
+    *,
+    sm_scale: float,
+    window: int = 0,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """The slot variant (see the module doc): capturable, no host value read.
+
+    q, out: [N, Hq, D]; k_new, v_new: [N, Hkv, D], rows >= n padding; k_cache, v_cache: the
+    layer's pool [S, Hkv, R, D], as it was before this step (a full layer: entry i holds
+    position i; a sliding one (`window` > 0): a ring); meta: int64 [3] (slot, cached, n) on
+    the device. Writes every row of `out` (padding rows: values to ignore) and returns it.
+    """
+    _check_shapes(q, k_new, v_new, out, k_cache[0], v_cache[0])
+    if meta.dtype != torch.int64 or meta.numel() != 3:
+        raise ValueError("meta must be int64 (slot, cached, n)")
+    mode = PREV_RING if window > 0 else PREV_INDEX
+    n = q.shape[0]
+    _launch(
+        q, k_new, v_new, k_cache, v_cache, meta, out, meta, k_cache.stride()[:3],
+        v_cache.stride()[:3], n, k_cache.shape[2], 0, sm_scale, window, mode, True, config,
+    )  # fmt: skip
+    return out
+
+
+def _check_shapes(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    out: torch.Tensor,
+    k_prev: torch.Tensor | None,
+    v_prev: torch.Tensor | None,
+) -> None:
+    _, q_heads, head_dim = q.shape
     kv_heads = k_new.shape[1]
     if q_heads % kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"unsupported shape: Hq={q_heads}, Hkv={kv_heads}, D={head_dim}")
     tensors = [q, k_new, v_new, out] + [t for t in (k_prev, v_prev) if t is not None]
     if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError("q, k, v and out need a contiguous last dim")
-    if k_prev is None or v_prev is None or k_prev.shape[1] == 0:
-        mode, k_prev, v_prev, n_prev = PREV_NONE, k_new, v_new, 0
-        k_prev_strides = v_prev_strides = (0, 0)
-    else:
-        mode = PREV_INDEX if prev_pos is None else PREV_TABLE
-        n_prev = k_prev.shape[1]
-        k_prev_strides = (k_prev.stride(0), k_prev.stride(1))
-        v_prev_strides = (v_prev.stride(0), v_prev.stride(1))
-    if prev_pos is None:
-        prev_pos = k_new  # never read: PREV_TABLE is off
-    elif prev_pos.dtype != torch.int32 or prev_pos.numel() != n_prev:
-        raise ValueError("prev_pos must be int32 with one entry per previous key")
+
+
+def _launch(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_prev: torch.Tensor,
+    v_prev: torch.Tensor,
+    prev_pos: torch.Tensor,
+    out: torch.Tensor,
+    meta: torch.Tensor,
+    k_prev_strides: tuple[int, ...],
+    v_prev_strides: tuple[int, ...],
+    n: int,
+    n_prev: int,
+    cached: int,
+    sm_scale: float,
+    window: int,
+    mode: int,
+    slot_meta: bool,
+    config: tuple[int, int, int, int] | None,
+) -> None:
+    q_heads, head_dim = q.shape[1], q.shape[2]
     block_m, block_n, num_warps, num_stages = config or fit_config(
         CONFIGS.get(head_dim, (64, 32, 8, 1)), head_dim, q.element_size()
     )
     interpret = bool(triton.knobs.runtime.interpret)
     _prefill_kernel[(triton.cdiv(n, block_m), q_heads)](
-        q, k_new, v_new, k_prev, v_prev, prev_pos, out,
+        q, k_new, v_new, k_prev, v_prev, prev_pos, out, meta,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), *k_prev_strides, *v_prev_strides,
         out.stride(0), out.stride(1),
-        n, n_prev, cached, float(sm_scale) * 1.4426950408889634, window,
-        GROUP=q_heads // kv_heads, PREV=mode, HEAD_DIM=head_dim,
+        n, n_prev, cached, float(sm_scale) * 1.4426950408889634, window, n,
+        GROUP=q_heads // k_new.shape[1], PREV=mode, META=slot_meta, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=interpret, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return out

@@ -87,3 +87,39 @@ def store_kv_reference(
     entry = torch.remainder(positions[keep], k_cache.shape[2])
     k_cache[slot, :, entry] = k[keep].to(k_cache.dtype)
     v_cache[slot, :, entry] = v[keep].to(v_cache.dtype)
+
+
+def prefill_attention_slot_reference(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: torch.Tensor,
+    *,
+    sm_scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """`worker.kernels.prefill_attention.prefill_attention_slot` in torch (reads `meta` on
+    the host: not capturable). q [N, Hq, D]; k_new, v_new [N, Hkv, D] with rows >= n padding;
+    the pool [S, Hkv, R, D] as it was before the step; meta (slot, cached, n) -> [N, Hq, D],
+    padding rows zero."""
+    slot, cached, n = (int(x) for x in meta.tolist())
+    capacity = k_cache.shape[2]
+    prev_len = min(cached, capacity)
+    held = entry_positions(torch.tensor([cached], device=q.device), capacity)[0, :prev_len]
+    k_pos = torch.cat([held, torch.arange(cached, cached + n, device=q.device)])  # [P + n]
+    keys = torch.cat([k_cache[slot, :, :prev_len].transpose(0, 1), k_new[:n]]).float()
+    values = torch.cat([v_cache[slot, :, :prev_len].transpose(0, 1), v_new[:n]]).float()
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)  # [P + n, Hq, D]
+    values = values.repeat_interleave(group, dim=1)
+    q_pos = torch.arange(cached, cached + n, device=q.device)[:, None]  # [n, 1]
+    allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos)
+    if window > 0:
+        allowed &= k_pos[None, :] > q_pos - window
+    scores = torch.einsum("nhd,khd->hnk", q[:n].float(), keys) * sm_scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.zeros_like(q)
+    out[:n] = torch.einsum("hnk,khd->nhd", torch.softmax(scores, dim=-1), values).to(q.dtype)
+    return out
