@@ -15,11 +15,15 @@ weight element is read from memory once per call and used for all those rows: ~4
 row and ~50 ms for four on that head (one Zen 3 core). Each output is one fp32 FMA chain over
 k in order: it agrees with MKL to fp32 rounding, not bit for bit.
 
-The kernel is C compiled once with the system compiler (``cc -O3 -mavx2 -mfma``) into
-``$TOKENPIPE_CACHE/kernels`` (default ``~/.cache/tokenpipe/kernels``) and loaded with ctypes;
-it is single-threaded (with more torch threads, prefill-sized inputs go to MKL instead:
-``PackedLinear``). ``kernel()`` is None (and the model keeps its plain weights) without
-an x86-64 CPU with AVX2 and FMA, without a compiler, or with ``TOKENPIPE_CPU_GEMV=0``.
+The kernel is C compiled once with the system compiler (``cc -O3 -mavx2 -mfma -fopenmp``) into
+``$TOKENPIPE_CACHE/kernels`` (default ``~/.cache/tokenpipe/kernels``) and loaded with ctypes.
+With more than one torch thread it splits the weight groups of a matmul between them (one
+contiguous share each, so each thread streams its own part of the weight): the OpenMP build
+binds to the libgomp.so.1 torch already loaded (same soname), so it runs on torch's own thread
+pool, never a second one. Where torch does not use libgomp or the compiler has no OpenMP, the
+one-thread build is used instead (and prefill-sized inputs with more torch threads go to MKL:
+``PackedLinear``). ``kernel()`` is None (and the model keeps its plain weights) without an
+x86-64 CPU with AVX2 and FMA, without a compiler, or with ``TOKENPIPE_CPU_GEMV=0``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* G groups of 8 weight rows (group g: w + g * K * 8, [K][8]) times MC <= 4 input rows:
    out[m * ldo + g * 8 + i] = sum_k x[m * K + k] * w[g * K * 8 + k * 8 + i] */
@@ -81,25 +88,61 @@ static void groups3_all_rows(int64_t M, const float *x, int64_t K, const float *
 }
 
 /* G groups at a time: G * MC accumulators + G weight vectors + 1 broadcast <= 16 registers */
+/* G groups at a time over groups [g, gend): G * MC accumulators + G weight vectors + 1 broadcast
+   <= 16 registers */
 #define SWEEP(G, MC) do { \
-        for (; g + G <= ngroups; g += G) groups(G, MC, x, K, w + g * K * 8, out + g * 8, N); \
+        for (; g + G <= gend; g += G) groups(G, MC, x, K, w + g * K * 8, out + g * 8, N); \
     } while (0)
 
-int tp_packed_gemm(int64_t M, const float *x, const float *w, float *out, int64_t K, int64_t N) {
-    if (N % 8 || M < 1) return 1;
-    const int64_t ngroups = N / 8;
-    int64_t g = 0;
+/* out[:, g0 * 8 : gend * 8] of the product: weight groups [g0, gend) */
+static void gemm_part(int64_t M, const float *x, const float *w, float *out, int64_t K, int64_t N,
+                      int64_t g0, int64_t gend) {
+    int64_t g = g0;
     switch (M) {
     case 1: SWEEP(8, 1); break;
     case 2: SWEEP(4, 2); break;
     case 3: SWEEP(3, 3); break;
     case 4: SWEEP(3, 4); break;
     default:
-        for (; g + 3 <= ngroups; g += 3) groups3_all_rows(M, x, K, w + g * K * 8, out + g * 8, N);
+        for (; g + 3 <= gend; g += 3) groups3_all_rows(M, x, K, w + g * K * 8, out + g * 8, N);
     }
-    for (; g < ngroups; g++)
+    for (; g < gend; g++)
         for (int64_t m = 0; m < M; m++)
             groups(1, 1, x + m * K, K, w + g * K * 8, out + m * N + g * 8, N);
+}
+
+#define SPLIT_ALIGN 24    /* thread shares are whole sweeps of 8, 4 and 3 groups */
+#define MIN_SPLIT_BYTES (64 * 1024)  /* smaller weights are not worth waking a thread */
+
+/* 1 when built with OpenMP (the groups are split between torch's OpenMP threads) */
+int tp_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int tp_packed_gemm(int64_t M, const float *x, const float *w, float *out, int64_t K, int64_t N,
+                   int threads) {
+    if (N % 8 || M < 1 || threads < 1) return 1;
+    const int64_t ngroups = N / 8;
+#ifdef _OPENMP
+    if (threads > 1 && ngroups >= 2 * SPLIT_ALIGN && N * K * 4 >= MIN_SPLIT_BYTES) {
+        /* torch's own OpenMP runtime (the same libgomp.so.1): its pool, not a second one */
+        #pragma omp parallel num_threads(threads)
+        {
+            const int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
+            const int64_t share =
+                (ngroups + parts - 1) / parts + SPLIT_ALIGN - 1;
+            const int64_t per = share / SPLIT_ALIGN * SPLIT_ALIGN;
+            const int64_t g0 = t * per, g1 = g0 + per < ngroups ? g0 + per : ngroups;
+            if (g0 < g1) gemm_part(M, x, w, out, K, N, g0, g1);
+        }
+        return 0;
+    }
+#endif
+    gemm_part(M, x, w, out, K, N, 0, ngroups);
     return 0;
 }
 
@@ -144,14 +187,25 @@ def _cpu_supported() -> bool:
     return {"avx2", "fma"} <= set(line.split())
 
 
-def _build(target: Path) -> None:
+def _torch_uses_libgomp() -> bool:
+    """torch's parallel backend is OpenMP and a libgomp.so.1 is loaded: a kernel built with
+    -fopenmp then binds to that same runtime (same soname) and shares torch's thread pool."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        return "libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def _compile(target: Path, openmp: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         source = Path(tmp) / "gemv.c"
         source.write_text(_SOURCE)
         built = Path(tmp) / target.name
         compiler = os.environ.get("CC", "cc")
-        flags = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
+        flags = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"] + (["-fopenmp"] if openmp else [])
         subprocess.run(
             [compiler, *flags, "-o", str(built), str(source), "-lm"],
             check=True,
@@ -161,29 +215,47 @@ def _build(target: Path) -> None:
         os.replace(built, target)  # atomic: concurrent workers never load a partial file
 
 
-@functools.cache
-def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None where it cannot run (see the module docstring)."""
-    if os.environ.get("TOKENPIPE_CPU_GEMV", "1") == "0" or not _cpu_supported():
-        return None
+def load_library(openmp: bool) -> ctypes.CDLL:
+    """The kernel library (compiled on first use), OpenMP build or one-thread build."""
     digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"gemv-{digest}.so"
-    try:
-        if not target.exists():
-            _build(target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        print(f"cpu_gemv: kernel unavailable, plain matmuls ({exc!r})", file=sys.stderr)
-        return None
+    target = _cache_dir() / f"gemv-{digest}{'-omp' if openmp else ''}.so"
+    if not target.exists():
+        _compile(target, openmp)
+    lib = ctypes.CDLL(str(target))
     fn = lib.tp_packed_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.argtypes += [ctypes.c_int64, ctypes.c_int64]
+    fn.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.tp_threaded.restype = ctypes.c_int
+    lib.tp_threaded.argtypes = []
     norm = lib.tp_rms_norm
     norm.restype = None
     norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     norm.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
     return lib
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None where it cannot run (see the module docstring)."""
+    if os.environ.get("TOKENPIPE_CPU_GEMV", "1") == "0" or not _cpu_supported():
+        return None
+    if _torch_uses_libgomp():
+        try:
+            return load_library(openmp=True)
+        except (OSError, subprocess.SubprocessError):
+            pass  # a compiler without OpenMP: the one-thread build
+    try:
+        return load_library(openmp=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"cpu_gemv: kernel unavailable, plain matmuls ({exc!r})", file=sys.stderr)
+        return None
+
+
+def threaded() -> bool:
+    """Whether the kernel splits a matmul between torch's threads (an OpenMP build)."""
+    lib = kernel()
+    return lib is not None and bool(lib.tp_threaded())
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -221,7 +293,10 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     n = groups * rows
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    status = lib.tp_packed_gemm(x.shape[0], x.data_ptr(), packed.data_ptr(), out.data_ptr(), k, n)
+    threads = torch.get_num_threads()
+    status = lib.tp_packed_gemm(
+        x.shape[0], x.data_ptr(), packed.data_ptr(), out.data_ptr(), k, n, threads
+    )
     if status != 0:
         raise ValueError(f"tp_packed_gemm failed ({status}) for x {tuple(x.shape)}, [{n}, {k}]")
     return out
@@ -242,14 +317,14 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.T
     return out
 
 
-PREFILL_ROWS = 64  # with more torch threads, inputs this long go to MKL (the kernel is 1-thread)
+PREFILL_ROWS = 64  # with the one-thread build and more torch threads, inputs this long go to MKL
 
 
 class PackedLinear(nn.Module):
-    """A bias-optional linear layer whose weight [out, in] is stored packed. With one torch
-    thread the kernel serves prefill-sized inputs too (at 64 and 512 rows it matched or beat
-    MKL on the plain weight); with more, inputs of ``PREFILL_ROWS`` rows or more are multiplied
-    by MKL's threaded GEMM on an unpacked copy of the weight."""
+    """A bias-optional linear layer whose weight [out, in] is stored packed. The kernel serves
+    prefill-sized inputs too (at 64 and 512 rows it matched or beat MKL on the plain weight,
+    with one thread and with two). Only a one-thread build with more torch threads sends inputs
+    of ``PREFILL_ROWS`` rows or more to MKL's threaded GEMM, on an unpacked copy of the weight."""
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -262,7 +337,7 @@ class PackedLinear(nn.Module):
         return PackedLinear(pack(linear.weight), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
-        if x.shape[0] >= PREFILL_ROWS and torch.get_num_threads() > 1:
+        if x.shape[0] >= PREFILL_ROWS and torch.get_num_threads() > 1 and not threaded():
             return F.linear(x, unpack(self.packed), self.bias)
         out = packed_matmul(x, self.packed)
         return out if self.bias is None else out + self.bias
