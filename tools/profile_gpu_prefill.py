@@ -63,6 +63,27 @@ def main() -> None:
     print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     if args.decode:
         profile_decode(model, kv, args.resident + args.extra, args.decode)
+    time_prefill_graphs(model, args.resident)
+
+
+def time_prefill_graphs(model: object, cached: int, steps: int = 10) -> None:
+    """GPU time of each captured prefill graph: one call of each size sets its inputs (slot
+    0, `cached` tokens resident), then replays alone."""
+    runner = getattr(model, "prefill", None)
+    if runner is None:
+        print("no prefill graphs")
+        return
+    for size, graph in sorted(runner._graphs.items()):
+        if cached + size > runner.kv.max_context:
+            continue
+        runner.logits(StepInput.single([5] * size, 0, cached, runner.device))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) * 1000 / steps
+        print(f"prefill graph {size} over {cached}: {ms:.2f} ms per replay")
 
 
 def profile_decode(model: object, kv: object, cached: int, steps: int) -> None:

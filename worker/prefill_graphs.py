@@ -98,7 +98,7 @@ class PrefillGraphRunner:
     def _body(self, size: int) -> torch.Tensor:
         ids, positions, row_slots, meta = self._views(size)
         plan = FusedPrefillPlan(row_slots, positions, meta)
-        last = (meta[2:3] - 1).clamp(min=0)  # [1]: the last real row
+        last = (meta[2:3] - 1).clamp(0, size - 1)  # [1]: the last real row
         return rows_logits(self.model, self.kv, ids, positions, plan, last)
 
     # -- capture ---------------------------------------------------------------------------

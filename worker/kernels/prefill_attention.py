@@ -105,11 +105,13 @@ def _prefill_kernel(
     v_prev_base = v_prev_ptr + kv_head * stride_pvh
     ring = n_prev
     if META:  # the slot variant: (slot, cached, n_new) from the device; n_prev: pool entries
+        # int32 lengths, as the int arguments are; the slot offset keeps the pool's
+        # alignment (the strides are multiples of 16), so K/V loads stay vectorised
         slot = tl.load(meta_ptr).to(tl.int64)
-        cached = tl.load(meta_ptr + 1)
-        n_new = tl.load(meta_ptr + 2)
-        k_prev_base += slot * stride_pks
-        v_prev_base += slot * stride_pvs
+        cached = tl.load(meta_ptr + 1).to(tl.int32)
+        n_new = tl.load(meta_ptr + 2).to(tl.int32)
+        k_prev_base += tl.multiple_of(slot * stride_pks, 16)
+        v_prev_base += tl.multiple_of(slot * stride_pvs, 16)
         n_prev = tl.minimum(cached, n_prev)  # a full layer's prefix, or a ring's filled part
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
