@@ -93,3 +93,33 @@ def test_off_switch_keeps_the_eager_prefill(monkeypatch: pytest.MonkeyPatch) -> 
     graphed = GraphedCausalLM(tiny_model(), use_graphs=False)
     graphed.make_kv_cache(2, 32)
     assert graphed.prefill is None
+
+
+def test_a_prefill_graph_waits_for_the_decode_launched_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decoders plus a short prefill: the prefill graph is replayed only after the decode
+    step launched ahead is done (two graphs at once shared one cuBLAS workspace and hung an
+    H200), and the guess stays usable."""
+    model = tiny_model()
+    graphed = GraphedCausalLM(model, use_graphs=False)
+    kv = graphed.make_kv_cache(4, 64)
+    graphed(StepInput.single([3, 4, 5, 6], 0, 0), kv)
+    graphed(StepInput.single([7], 0, 4), kv)  # a decode: launches the next one ahead
+    assert graphed._ahead is not None
+    waited: list[object] = []
+    real_wait = graphed._wait
+    monkeypatch.setattr(graphed, "_wait", lambda ahead: (waited.append(ahead), real_wait(ahead)))
+    runner = graphed.prefill
+    assert runner is not None
+    replays = runner.replays
+    token = int(graphed._lanes[graphed._ahead.inputs_from].host_ids[0])
+    step = StepInput(
+        input_ids=torch.tensor([token, 9, 10, 11]),
+        positions=torch.tensor([5, 0, 1, 2]),
+        slots=[0, 1], cached_lens=[5, 0], new_lens=[1, 3],
+    )  # fmt: skip
+    graphed(step, kv)
+    assert runner.replays == replays + 1
+    assert len(waited) == 2  # the hit's own wait, then the one before the prefill graph
+    assert graphed.ahead_hits == 1
