@@ -138,3 +138,109 @@ def test_opt_out_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
         assert cpu_gemv.kernel() is None
     finally:
         cpu_gemv.kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("with_scale", [True, False])
+def test_norm_rope_matches_torch(tokens: int, norm: bool, with_scale: bool) -> None:
+    from worker.models.rope import apply_rotary
+
+    gen = torch.Generator().manual_seed(tokens)
+    heads, dim = 3, 20
+    # q of a fused projection: a strided view [T, H, D] of [T, (H + 2) * D]
+    fused = torch.randn(tokens, (heads + 2) * dim, generator=gen) * 2
+    x = fused[:, : heads * dim].view(tokens, heads, dim)
+    scale = torch.randn(dim, generator=gen) + 1 if with_scale else None
+    angles = torch.randn(tokens, dim // 2, generator=gen).repeat(1, 2) * 5
+    cos, sin = angles.cos(), angles.sin()
+    normed = cpu_gemv.rms_norm(x, scale, 1e-6) if norm else x
+    ref = apply_rotary(normed, cos, sin)
+    out = cpu_gemv.norm_rope(x, scale, 1e-6, cos, sin, norm=norm)
+    assert out.shape == (tokens, heads, dim) and out.is_contiguous()
+    assert torch.equal(out, ref)  # the same roundings as the two-step path
+    full = F.rms_norm(x.double(), (dim,), None if scale is None else scale.double(), 1e-6)
+    ref64 = apply_rotary(full if norm else x.double(), cos.double(), sin.double())
+    torch.testing.assert_close(out.double(), ref64, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("norm_y", [True, False])
+@pytest.mark.parametrize("with_h", [True, False])
+def test_add_rms_norm_matches_two_steps(rows: int, norm_y: bool, with_h: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    dim = 644
+    resid = torch.randn(rows, dim, generator=gen)
+    y = torch.randn(rows, dim, generator=gen) * 4
+    wy, wh = torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)
+    out, h = cpu_gemv.add_rms_norm(
+        resid, y, wy if norm_y else None, 1e-6 if norm_y else None, wh, 1e-5 if with_h else None
+    )
+    expected = resid + (cpu_gemv.rms_norm(y, wy, 1e-6) if norm_y else y)
+    assert torch.equal(out, expected)
+    if with_h:
+        assert h is not None and torch.equal(h, cpu_gemv.rms_norm(expected, wh, 1e-5))
+    else:
+        assert h is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("length", [1, 7, 300])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 1, 256), (4, 2, 72), (3, 3, 8)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_attention_matches_sdpa(
+    length: int, heads: int, kv_heads: int, dim: int, masked: bool
+) -> None:
+    gen = torch.Generator().manual_seed(length + dim)
+    # a cache of 3 slots [3, KVH, R, D]; slot 1 is read from index 3 and written at index 5
+    ring = length + 5
+    cache_k = torch.randn(3, kv_heads, ring, dim, generator=gen)
+    cache_v = torch.randn(3, kv_heads, ring, dim, generator=gen)
+    before_k, before_v = cache_k.clone(), cache_v.clone()
+    # the new key and value: views of a fused projection [2, (H + 2 KVH) D], as the model has
+    fused = torch.randn(2, (heads + 2 * kv_heads) * dim, generator=gen)
+    q = fused[1, : heads * dim].view(heads, dim)
+    k_new = fused[1, heads * dim : (heads + kv_heads) * dim].view(kv_heads, dim)
+    v_new = fused[1, (heads + kv_heads) * dim :].view(kv_heads, dim)
+    mask = None
+    if masked:  # some entries hidden, never all of them
+        allowed = torch.rand(length, generator=gen) < 0.6
+        allowed[length // 2] = True
+        mask = torch.zeros(length).masked_fill_(~allowed, float("-inf"))
+    out = torch.empty(heads, dim)
+    assert cpu_gemv.can_decode_attention(q, k_new, v_new, cache_k, cache_v, out)
+    cpu_gemv.decode_attention(
+        q, k_new, v_new, cache_k, cache_v, 1, 5, 3, 3 + length, mask, 0.3, out
+    )
+    before_k[1, :, 5], before_v[1, :, 5] = k_new, v_new
+    assert torch.equal(cache_k, before_k) and torch.equal(cache_v, before_v)
+    keys, values = before_k[1, :, 3 : 3 + length], before_v[1, :, 3 : 3 + length]
+    group = heads // kv_heads
+    ref = F.scaled_dot_product_attention(
+        q.double()[:, None, :],  # [H, 1, D]
+        keys.double().repeat_interleave(group, 0),
+        values.double().repeat_interleave(group, 0),
+        attn_mask=None if mask is None else mask.double()[None, :],
+        scale=0.3,
+    )[:, 0, :]
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_can_decode_attention_refuses_what_it_cannot_take() -> None:
+    q, kv, cache, out = (
+        torch.zeros(4, 16),
+        torch.zeros(2, 16),
+        torch.zeros(1, 2, 8, 16),
+        torch.zeros(4, 16),
+    )
+    if cpu_gemv.kernel() is None:
+        assert not cpu_gemv.can_decode_attention(q, kv, kv, cache, cache, out)
+        return
+    assert cpu_gemv.can_decode_attention(q, kv, kv, cache, cache, out)
+    assert not cpu_gemv.can_decode_attention(q[:, :12], kv[:, :12], kv[:, :12], cache, cache, out)
+    assert not cpu_gemv.can_decode_attention(q.double(), kv, kv, cache, cache, out)
+    assert not cpu_gemv.can_decode_attention(q, kv, kv, cache.transpose(1, 2), cache, out)
+    assert not cpu_gemv.can_decode_attention(q[:3], kv, kv, cache, cache, out[:3])  # 3 of 2 groups
+    assert not cpu_gemv.can_decode_attention(q, kv, kv, cache, cache, out.t().contiguous().t())

@@ -211,8 +211,9 @@ def check_truncate_and_resume(pair: Pair) -> None:
 
 
 def check_cpu_packed(pair: Pair) -> None:
-    """``prepare_for_cpu`` (merged projections, packed weights, packed tied/untied head)
-    changes nothing beyond fp32 rounding: the oracle checks pass on the packed copy too."""
+    """``prepare_for_cpu`` (merged projections, packed weights, packed tied/untied head, the
+    kernel's norm, rotary and residual helpers) changes nothing beyond fp32 rounding: the
+    oracle checks pass on the packed copy too."""
     from worker.models import cpu_gemv
 
     if cpu_gemv.kernel() is None:
@@ -224,6 +225,7 @@ def check_cpu_packed(pair: Pair) -> None:
     check_prompt_logits(twin)
     check_greedy(twin)
     check_batched_step(twin)
+    check_long_decode(twin, total=90)  # batch-1 decode through wrapped rings (slices and masks)
 
 
 # -- config tests -------------------------------------------------------------------------------

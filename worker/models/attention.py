@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kernels.attention import use_triton
+from worker.models import cpu_gemv
 from worker.models.kv import LayerCache
 from worker.models.step import StepInput
 
@@ -197,12 +198,18 @@ def _decode_group(
     assert rows is not None and slots is not None and pos is not None
     if cache.window is None and plan.decode_max_pos >= cache.capacity:
         raise ValueError(f"a sequence reached max_context {cache.capacity}")
+    on_cpu = q.device.type == "cpu"
+    if on_cpu and len(plan.decode) == 1:
+        _decode_one_cpu(q, k, v, cache, plan, scale, out)
+        return
     # write first: on a ring the overwritten index held position pos - R <= pos - W, unseen
     index = pos if cache.window is None else pos % cache.capacity  # [Bd]
     cache.k[slots, :, index] = k[rows]  # [Bd, KVH, D]
     cache.v[slots, :, index] = v[rows]
     mask = plan.decode_mask(cache)  # [Bd, 1, 1, L]
     length = mask.shape[-1]
+    if on_cpu:
+        mask = _additive_decode_mask(plan, cache)  # SDPA on the CPU converts a bool one per call
     # consecutive slots are a view; others a gather (a copy of the keys the group reads)
     by = plan.decode_slot_range if plan.decode_slot_range is not None else slots
     keys = cache.k[by, :, :length]  # [Bd, KVH, L, D]
@@ -210,6 +217,67 @@ def _decode_group(
     query = q[rows][:, :, None, :]  # [Bd, H, 1, D]
     o = _sdpa(query, keys, values, mask, False, scale)  # [Bd, H, 1, D]
     out[rows] = o[:, :, 0, :]
+
+
+def _decode_one_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerCache,
+    plan: AttentionPlan,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """`_decode_group` for a single decoding sequence on the CPU: plain slices, no index
+    tensors, and no mask unless the keys it may see wrap around the end of a ring."""
+    seq = plan.decode[0]
+    row, slot, pos = seq.start, seq.slot, seq.cached
+    ring = cache.capacity
+    mask = None
+    if cache.window is None:
+        index, first, end = pos, 0, pos + 1  # every position up to the new token
+    else:
+        index = pos % ring
+        if pos < ring:  # not wrapped: index == position
+            first, end = max(0, pos + 1 - cache.window), pos + 1
+        else:  # positions (pos - W, pos] sit at W consecutive indices modulo R
+            first = (pos + 1 - cache.window) % ring
+            end = first + cache.window
+            if end > ring:  # split in two by the end of the ring: the whole ring, masked
+                first, end = 0, ring
+                mask = _additive_decode_mask(plan, cache)  # [1, 1, 1, R]
+    # write first: on a ring the overwritten index held position pos - R <= pos - W, unseen
+    q_row, k_row, v_row, out_row = q[row], k[row], v[row], out[row]  # [H or KVH, D]
+    if cpu_gemv.can_decode_attention(q_row, k_row, v_row, cache.k, cache.v, out_row):
+        cpu_gemv.decode_attention(
+            q_row, k_row, v_row, cache.k, cache.v, slot, index, first, end, _mask_row(mask),
+            scale, out_row,
+        )  # fmt: skip
+        return
+    cache.k[slot, :, index] = k_row  # [KVH, D]
+    cache.v[slot, :, index] = v_row
+    keys = cache.k[slot : slot + 1, :, first:end]  # [1, KVH, L, D]
+    values = cache.v[slot : slot + 1, :, first:end]
+    query = q[row : row + 1, :, None, :]  # [1, H, 1, D]
+    o = _sdpa(query, keys, values, mask, False, scale)  # [1, H, 1, D]
+    out[row] = o[0, :, 0, :]
+
+
+def _mask_row(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """[1, 1, 1, L] -> [L] (a view)."""
+    return None if mask is None else mask[0, 0, 0]
+
+
+def _additive_decode_mask(plan: AttentionPlan, cache: LayerCache) -> torch.Tensor:
+    """`plan.decode_mask` as 0 / -inf in the cache's dtype (memoized per geometry)."""
+    key = ("decode_additive", cache.capacity, cache.window)
+    mask = plan._masks.get(key)
+    if mask is None:
+        allowed = plan.decode_mask(cache)
+        mask = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, float("-inf"))
+        plan._masks[key] = mask
+    return mask
 
 
 def _prefill_one(

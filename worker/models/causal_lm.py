@@ -160,9 +160,9 @@ class CausalLM(nn.Module):
         merge the projections (``fuse_projections``), store every fp32 matmul weight, the
         LM head and a tied embedding included, in the streaming layout of
         ``worker.models.cpu_gemv`` (decode steps read each weight once at close to the memory
-        bandwidth) and let the norms use its one-call RMS norm. A no-op returning 0 where that
-        kernel cannot run or the weights are not fp32 on the CPU; else the number of weights
-        packed."""
+        bandwidth) and let the norms, rotary and residual adds use its one-call helpers. A
+        no-op returning 0 where that kernel cannot run or the weights are not fp32 on the CPU;
+        else the number of weights packed."""
         from worker.models import cpu_gemv
 
         embed = self.model.embed_tokens
@@ -173,6 +173,8 @@ class CausalLM(nn.Module):
         self.fuse_projections()
         for module in self.modules():
             if isinstance(module, RMSNorm):
+                module.enable_cpu_kernel()
+            elif hasattr(module, "cpu_kernel"):  # attention (norm + rotary), MLP, layer tails
                 module.cpu_kernel = True
         packed = 0
         for module in list(self.model.layers.modules()):

@@ -48,6 +48,7 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -146,25 +147,143 @@ int tp_packed_gemm(int64_t M, const float *x, const float *w, float *out, int64_
     return 0;
 }
 
+/* 1 / sqrt(mean(x^2) + eps) of one row of dim floats */
+static inline float inv_rms(const float *x, int64_t dim, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    float sum = _mm_cvtss_f32(lo);
+    for (; i < dim; i++) sum += x[i] * x[i];
+    return 1.0f / sqrtf(sum / (float)dim + eps);
+}
+
+/* o = x * inv * scale (scale may be NULL) */
+static inline void scale_row(const float *x, float inv, const float *scale, float *o,
+                             int64_t dim) {
+    if (scale)
+        for (int64_t i = 0; i < dim; i++) o[i] = x[i] * inv * scale[i];
+    else
+        for (int64_t i = 0; i < dim; i++) o[i] = x[i] * inv;
+}
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * scale (scale may be NULL), rows of dim floats */
 void tp_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
                  float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * dim;
-        float *o = out + r * dim;
-        __m256 acc = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= dim; i += 8) {
-            __m256 v = _mm256_loadu_ps(xr + i);
-            acc = _mm256_fmadd_ps(v, v, acc);
+    for (int64_t r = 0; r < rows; r++)
+        scale_row(x + r * dim, inv_rms(x + r * dim, dim, eps), scale, out + r * dim, dim);
+}
+
+/* Head h of token t is x[t * ldx + h * D, +D). out [T, H, D] = rotary(norm(x) * scale) with the
+   rotate-half layout (dim i pairs with i + D/2) and cos, sin [T, D]: the torch path's
+   rms_norm then x * cos + cat(-x2, x1) * sin, in one pass. norm == 0: rotary only. */
+void tp_norm_rope(const float *x, int64_t ldx, int64_t T, int64_t H, int64_t D,
+                  const float *scale, float eps, int norm, const float *cos, const float *sin,
+                  float *out) {
+    float normed[D];
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *xr = x + t * ldx + h * D;
+            float *o = out + (t * H + h) * D;
+            if (norm) {
+                scale_row(xr, inv_rms(xr, D, eps), scale, normed, D);
+                xr = normed;
+            }
+            for (int64_t i = 0; i < half; i++) o[i] = xr[i] * c[i] + (-xr[i + half]) * s[i];
+            for (int64_t i = half; i < D; i++) o[i] = xr[i] * c[i] + xr[i - half] * s[i];
         }
-        __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-        lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-        float sum = _mm_cvtss_f32(lo);
-        for (; i < dim; i++) sum += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (i = 0; i < dim; i++) o[i] = scale ? xr[i] * inv * scale[i] : xr[i] * inv;
+    }
+}
+
+/* A residual step over rows of dim floats: resid_out = resid + (norm_y ? norm(y) * wy : y),
+   then, if h_out, h_out = norm(resid_out) * wh (wy, wh may be NULL: no weight). */
+void tp_add_rms_norm(const float *resid, const float *y, int norm_y, const float *wy, float eps_y,
+                     const float *wh, float eps_h, float *resid_out, float *h_out, int64_t rows,
+                     int64_t dim) {
+    float normed[dim];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = resid + r * dim, *yr = y + r * dim;
+        float *ro = resid_out + r * dim;
+        if (norm_y) {
+            scale_row(yr, inv_rms(yr, dim, eps_y), wy, normed, dim);
+            yr = normed;
+        }
+        for (int64_t i = 0; i < dim; i++) ro[i] = xr[i] + yr[i];
+        if (h_out) scale_row(ro, inv_rms(ro, dim, eps_h), wh, h_out + r * dim, dim);
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* A decode step's attention for one sequence: the new key and value go into the cache slot
+   (k_new, v_new [KVH, D] at index write_index; none when it is < 0), then each query head
+   attends over L cached entries from index first: softmax(q k^T * scale + mask) v.
+   Slot layout: entry l of KV head g at k_slot + g * head_stride + l * D (v_slot alike);
+   query head h reads KV head h / (H / KVH). q [H, D]; mask [L] additive (0 / -inf) or NULL;
+   out [H, D]; scores: L floats of scratch. D % 8 == 0. */
+void tp_decode_attention(const float *q, float *k_slot, float *v_slot, int64_t head_stride,
+                         int64_t write_index, const float *k_new, const float *v_new,
+                         int64_t first, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                         const float *mask, float scale, float *out, float *scores) {
+    if (write_index >= 0)
+        for (int64_t g = 0; g < KVH; g++) {
+            memcpy(k_slot + g * head_stride + write_index * D, k_new + g * D, D * sizeof(float));
+            memcpy(v_slot + g * head_stride + write_index * D, v_new + g * D, D * sizeof(float));
+        }
+    const int64_t group = H / KVH;
+    for (int64_t h = 0; h < H; h++) {
+        const float *qh = q + h * D;
+        const float *kh = k_slot + (h / group) * head_stride + first * D;
+        const float *vh = v_slot + (h / group) * head_stride + first * D;
+        float top = -INFINITY;
+        for (int64_t l = 0; l < L; l++) {
+            const float *kl = kh + l * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 16 <= D; i += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kl + i), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), _mm256_loadu_ps(kl + i + 8), a1);
+            }
+            for (; i < D; i += 8)
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kl + i), a0);
+            float sc = hsum(_mm256_add_ps(a0, a1)) * scale;
+            if (mask) sc += mask[l];
+            scores[l] = sc;
+            if (sc > top) top = sc;
+        }
+        float total = 0.0f;
+        for (int64_t l = 0; l < L; l++) {
+            const float p = expf(scores[l] - top);
+            scores[l] = p;
+            total += p;
+        }
+        float *oh = out + h * D;
+        const __m256 inv_total = _mm256_set1_ps(1.0f / total);
+        for (int64_t i0 = 0; i0 < D; i0 += 64) { /* 64 output floats in 8 registers */
+            const int n = D - i0 < 64 ? (int)(D - i0) / 8 : 8;
+            __m256 acc[8];
+            for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t l = 0; l < L; l++) {
+                const __m256 p = _mm256_set1_ps(scores[l]);
+                const float *vl = vh + l * D + i0;
+                for (int j = 0; j < n; j++)
+                    acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + 8 * j), acc[j]);
+            }
+            for (int j = 0; j < n; j++)
+                _mm256_storeu_ps(oh + i0 + 8 * j, _mm256_mul_ps(acc[j], inv_total));
+        }
     }
 }
 """
@@ -198,6 +317,13 @@ def _torch_uses_libgomp() -> bool:
         return False
 
 
+def _flags(openmp: bool) -> list[str]:
+    # no FMA contraction outside the intrinsics: the norm and rotary helpers round like the
+    # torch ops they replace
+    flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC"]
+    return flags + (["-fopenmp"] if openmp else [])
+
+
 def _compile(target: Path, openmp: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -205,9 +331,8 @@ def _compile(target: Path, openmp: bool) -> None:
         source.write_text(_SOURCE)
         built = Path(tmp) / target.name
         compiler = os.environ.get("CC", "cc")
-        flags = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"] + (["-fopenmp"] if openmp else [])
         subprocess.run(
-            [compiler, *flags, "-o", str(built), str(source), "-lm"],
+            [compiler, *_flags(openmp), "-o", str(built), str(source), "-lm"],
             check=True,
             capture_output=True,
             timeout=120,
@@ -217,8 +342,8 @@ def _compile(target: Path, openmp: bool) -> None:
 
 def load_library(openmp: bool) -> ctypes.CDLL:
     """The kernel library (compiled on first use), OpenMP build or one-thread build."""
-    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"gemv-{digest}{'-omp' if openmp else ''}.so"
+    digest = hashlib.sha256((_SOURCE + " ".join(_flags(openmp))).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"gemv-{digest}.so"
     if not target.exists():
         _compile(target, openmp)
     lib = ctypes.CDLL(str(target))
@@ -232,6 +357,22 @@ def load_library(openmp: bool) -> ctypes.CDLL:
     norm.restype = None
     norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     norm.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    rope = lib.tp_norm_rope
+    rope.restype = None
+    rope.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    rope.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
+    rope.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    add = lib.tp_add_rms_norm
+    add.restype = None
+    add.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    add.argtypes += [ctypes.c_float, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+    add.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    attn = lib.tp_decode_attention
+    attn.restype = None
+    attn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    attn.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    attn.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    attn.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -315,6 +456,127 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.T
     scale_ptr = None if scale is None else scale.data_ptr()
     lib.tp_rms_norm(x.data_ptr(), scale_ptr, out.data_ptr(), x.numel() // dim, dim, eps)
     return out
+
+
+def norm_rope(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm: bool = True,
+) -> torch.Tensor:
+    """rotary(rms_norm(x) * scale) in one call (``norm=False``: rotary only), rotate-half
+    layout. x [T, H, D] fp32 whose heads are D contiguous floats (a view into a fused q/k/v
+    projection is fine); cos, sin [T, D]. -> a new [T, H, D]. Needs ``kernel()``."""
+    lib = kernel()
+    assert lib is not None, "norm_rope needs the CPU kernel"
+    t, h, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or d % 2:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    scale_ptr = None if scale is None else scale.contiguous().data_ptr()
+    lib.tp_norm_rope(
+        x.data_ptr(), x.stride(0), t, h, d, scale_ptr, eps, int(norm),
+        cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def add_rms_norm(
+    resid: torch.Tensor,
+    y: torch.Tensor,
+    y_scale: torch.Tensor | None,
+    y_eps: float | None,
+    h_scale: torch.Tensor | None,
+    h_eps: float | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A residual step in one call, fp32 [T, dim] rows: ``resid + rms_norm(y) * y_scale``
+    (``y_eps`` None: ``resid + y``, no norm), and, when ``h_eps`` is given, the rms norm of that
+    sum times ``h_scale`` (scales may be None: no weight). -> (sum, normed sum or None)."""
+    lib = kernel()
+    assert lib is not None, "add_rms_norm needs the CPU kernel"
+    resid, y = resid.contiguous(), y.contiguous()
+    rows, dim = resid.shape
+    out = torch.empty_like(resid)
+    h = None if h_eps is None else torch.empty_like(resid)
+
+    def ptr(tensor: torch.Tensor | None) -> int | None:
+        return None if tensor is None else tensor.data_ptr()
+
+    lib.tp_add_rms_norm(
+        resid.data_ptr(), y.data_ptr(), int(y_eps is not None), ptr(y_scale), y_eps or 0.0,
+        ptr(h_scale), h_eps or 0.0, out.data_ptr(), ptr(h), rows, dim,
+    )  # fmt: skip
+    return out, h
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    slot: int,
+    write_index: int | None,
+    first: int,
+    end: int,
+    mask: torch.Tensor | None,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One decoding sequence's attention step in one call. Writes its new key and value
+    (k_new, v_new [KVH, D]) at ``write_index`` of cache slot ``slot`` (cache_k, cache_v
+    [slots, KVH, R, D]; no write when None), then writes softmax(q k^T * scale + mask) v over
+    the slot's entries [first, end) into ``out`` [H, D]; q [H, D]; mask None or additive [L]
+    (0 / -inf); query head h reads KV head h // (H / KVH). Check ``can_decode_attention``
+    first. Needs ``kernel()``."""
+    lib = kernel()
+    assert lib is not None, "decode_attention needs the CPU kernel"
+    heads, dim = q.shape
+    kv_heads = cache_k.shape[1]
+    length = end - first
+    scores = torch.empty(length, dtype=torch.float32)
+    slot_offset = slot * cache_k.stride(0) * cache_k.element_size()
+    mask_ptr = None if mask is None else mask.contiguous().data_ptr()
+    lib.tp_decode_attention(
+        q.data_ptr(), cache_k.data_ptr() + slot_offset, cache_v.data_ptr() + slot_offset,
+        cache_k.stride(1), -1 if write_index is None else write_index, k_new.data_ptr(),
+        v_new.data_ptr(), first, length, heads, kv_heads, dim, mask_ptr, scale, out.data_ptr(),
+        scores.data_ptr(),
+    )  # fmt: skip
+
+
+def can_decode_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    out: torch.Tensor,
+) -> bool:
+    """``decode_attention`` takes these: the kernel is there; fp32 on the CPU; q, k_new, v_new
+    rows of D % 8 == 0 contiguous floats; whole head groups; contiguous caches of one shape."""
+    heads, dim = q.shape
+
+    def rows(t: torch.Tensor) -> bool:
+        return t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == dim
+
+    return (
+        kernel() is not None
+        and q.device.type == "cpu"
+        and dim % 8 == 0
+        and rows(q)
+        and rows(k_new)
+        and rows(v_new)
+        and out.is_contiguous()
+        and cache_k.dtype == torch.float32
+        and cache_k.shape == cache_v.shape
+        and cache_k.is_contiguous()
+        and cache_v.is_contiguous()
+        and heads % cache_k.shape[1] == 0
+    )
 
 
 PREFILL_ROWS = 64  # with the one-thread build and more torch threads, inputs this long go to MKL

@@ -5,9 +5,12 @@ the flattened step layout: hidden states are [T, hidden] (no batch dimension).
 
 On CUDA (``worker.kernels.attention.use_triton``) the norms, the residual adds, the q/k norm +
 rotary and the gated activation run as fused Triton kernels (``worker.kernels.rmsnorm``), with
-the torch path's roundings; elsewhere (the CPU) the torch code below runs unchanged.
-After ``fuse_projections()`` (a post-load step, CUDA only: ``worker.cuda_setup``) q/k/v and
-gate/up are one matmul each, split with views; the HF parameter names are gone then.
+the torch path's roundings. On the CPU in fp32, after ``CausalLM.prepare_for_cpu`` (the
+``cpu_kernel`` flags), the norms, the q/k norm + rotary and the residual add + norm pairs are one
+call each into the C helpers of ``worker.models.cpu_gemv``, with the same roundings; otherwise the
+torch code below runs unchanged. After ``fuse_projections()`` (a post-load step: CUDA and the CPU
+kernel path) q/k/v and gate/up are one matmul each, split with views; the HF parameter names are
+gone then.
 """
 
 from __future__ import annotations
@@ -57,32 +60,38 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if with_scale else None
         self._scale: torch.Tensor | None = None  # offset + weight (float32), for the CPU path
         self._scale_key: tuple[int, int] | None = None
-        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.models.cpu_gemv)
+        self.cpu_kernel = False  # set by enable_cpu_kernel (worker.models.cpu_gemv)
+        self.cpu_scale: torch.Tensor | None = None  # float_scale(), frozen by enable_cpu_kernel
 
     @property
     def round_first(self) -> bool:
         """The llama style: the normed value is rounded before the weight multiplies it."""
         return not self.style.scale_in_float
 
+    def enable_cpu_kernel(self) -> None:
+        """Use the CPU kernel's one-call norm for fp32 CPU inputs (``CausalLM.prepare_for_cpu``,
+        after loading: the float32 scale is computed once here)."""
+        self.cpu_kernel = True
+        self.cpu_scale = None if self.weight is None else self.float_scale()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel and _on_cpu_kernel(x):
+            # in float32 every style is x_normed * (offset + w); one kernel call
+            return cpu_gemv.rms_norm(x, self.cpu_scale, self.eps)
         if x.dim() in (2, 3) and use_triton(x):
             from worker.kernels.rmsnorm import rms_norm_triton
 
             return rms_norm_triton(x, self.weight, self.eps, self.style.offset, self.round_first)
-        if self.cpu_kernel and x.dtype == torch.float32 and x.device.type == "cpu":
-            # in float32 every style is x_normed * (offset + w); one kernel call
-            scale = None if self.weight is None else self._float_scale()
-            return cpu_gemv.rms_norm(x, scale, self.eps)
         shape = (x.shape[-1],)
         if self.weight is not None and self.style.scale_in_float:
             # x * rsqrt(mean(x²) + eps) * (offset + w), all in float32, one op
-            return F.rms_norm(x.float(), shape, self._float_scale(), self.eps).to(x.dtype)
+            return F.rms_norm(x.float(), shape, self.float_scale(), self.eps).to(x.dtype)
         normed = F.rms_norm(x.float(), shape, eps=self.eps)  # x * rsqrt(mean(x²) + eps)
         if self.weight is None:
             return normed.to(x.dtype)
         return (self.style.offset + self.weight) * normed.to(x.dtype)
 
-    def _float_scale(self) -> torch.Tensor:
+    def float_scale(self) -> torch.Tensor:
         """offset + weight in float32, recomputed only when the weight changes."""
         assert self.weight is not None
         key = (self.weight.data_ptr(), self.weight._version)
@@ -90,6 +99,11 @@ class RMSNorm(nn.Module):
             self._scale = self.style.offset + self.weight.detach().float()
             self._scale_key = key
         return self._scale
+
+
+def _on_cpu_kernel(x: torch.Tensor) -> bool:
+    """x is one the CPU kernel helpers take (their ``cpu_kernel`` flag aside)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 _ACTIVATIONS = {
@@ -120,6 +134,7 @@ class GatedMLP(nn.Module):
         self.act_name = config.hidden_act
         self.inner = inner
         self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections
+        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu: no Triton check
 
     def fuse_projections(self) -> None:
         """Replace gate_proj and up_proj by one gate_up_proj ([2 * inner, hidden])."""
@@ -134,7 +149,7 @@ class GatedMLP(nn.Module):
         else:
             gate_up = self.gate_up_proj(x)  # [T, 2 * inner]
             gate, up = gate_up[:, : self.inner], gate_up[:, self.inner :]
-        if x.dim() == 2 and use_triton(x):
+        if not self.cpu_kernel and x.dim() == 2 and use_triton(x):
             from worker.kernels.rmsnorm import GATED_ACTIVATIONS, gated_act_triton
 
             if self.act_name in GATED_ACTIVATIONS:
@@ -189,6 +204,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, norm, **factory) if config.qk_norm else None
         self.v_norm = RMSNorm(self.head_dim, eps, norm, with_scale=False) if v_norm else None
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections
+        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.models.cpu_gemv)
 
     def fuse_projections(self) -> None:
         """Replace q_proj, k_proj (and v_proj) by one qkv_proj: rows q, then k, then v."""
@@ -228,19 +244,40 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = self._project(x)
         cos, sin = cos_sin
-        if use_triton(x):
+        if self.cpu_kernel and _on_cpu_kernel(x):
+            q, k, v = self._norm_rope_cpu(q, k, v, cos, sin)
+        elif use_triton(x):
             q, k, v = self._norm_rope_fused(q, k, v, cos, sin)
             o = attend(q, k, v, cache, plan, self.scale)  # [T, H, D]
             fused: torch.Tensor = self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
             return fused
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.v_norm is not None:
-            v = self.v_norm(v)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.v_norm is not None:
+                v = self.v_norm(v)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attend(q, k, v, cache, plan, self.scale)  # [T, H, D]
         out: torch.Tensor = self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
         return out
+
+    def _norm_rope_cpu(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The torch path's norms and rotary, one kernel call per tensor (the same roundings)."""
+
+        def norm_rope(x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+            if norm is None:
+                return cpu_gemv.norm_rope(x, None, 0.0, cos, sin, norm=False)
+            return cpu_gemv.norm_rope(x, norm.cpu_scale, norm.eps, cos, sin)
+
+        has_qk_norm = self.q_norm is not None and self.k_norm is not None
+        if self.v_norm is not None:
+            v = cpu_gemv.rms_norm(v, None, self.v_norm.eps)
+        q = norm_rope(q, self.q_norm if has_qk_norm else None)
+        k = norm_rope(k, self.k_norm if has_qk_norm else None)
+        return q, k, v
 
     def _norm_rope_fused(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -275,6 +312,7 @@ class PreNormDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config, **factory)
         self.input_layernorm = RMSNorm(hidden, eps, LLAMA_NORM, **factory)
         self.post_attention_layernorm = RMSNorm(hidden, eps, LLAMA_NORM, **factory)
+        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.models.cpu_gemv)
 
     def forward(
         self,
@@ -284,10 +322,14 @@ class PreNormDecoderLayer(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos_sin, cache, plan)
+        post = self.post_attention_layernorm
+        if self.cpu_kernel and _on_cpu_kernel(x):
+            x, h = cpu_gemv.add_rms_norm(x, attn, None, None, post.cpu_scale, post.eps)
+            assert h is not None
+            return x + self.mlp(h)
         if use_triton(x):
             from worker.kernels.rmsnorm import add_rms_norm_triton
 
-            post = self.post_attention_layernorm
             x, h = add_rms_norm_triton(
                 attn, x, None, post.weight, None, post.eps, post.style.offset, post.round_first
             )
@@ -321,6 +363,7 @@ class SandwichDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, norm, **factory)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, norm, **factory)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, norm, **factory)
+        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.models.cpu_gemv)
         self.layer_scalar: torch.Tensor | None
         if layer_scalar:
             self.register_buffer("layer_scalar", torch.empty(1, **factory))  # [1], persistent
@@ -335,11 +378,28 @@ class SandwichDecoderLayer(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos_sin, cache, plan)
+        if self.cpu_kernel and _on_cpu_kernel(x):
+            return self._tail_cpu(x, attn)
         if use_triton(x) and self.post_attention_layernorm.weight is not None:
             return self._tail_fused(x, attn)
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))
         x = x + self.post_feedforward_layernorm(mlp)
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar
+        return x
+
+    def _tail_cpu(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Everything after attention in two kernel calls (+ the MLP), the same roundings."""
+        post_attn, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        post_ff = self.post_feedforward_layernorm
+        # x + post_attn(attn), and pre_ff of that sum
+        x, h = cpu_gemv.add_rms_norm(
+            x, attn, post_attn.cpu_scale, post_attn.eps, pre_ff.cpu_scale, pre_ff.eps
+        )
+        assert h is not None
+        mlp = self.mlp(h)
+        x, _ = cpu_gemv.add_rms_norm(x, mlp, post_ff.cpu_scale, post_ff.eps, None, None)
         if self.layer_scalar is not None:
             x = x * self.layer_scalar
         return x
