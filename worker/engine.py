@@ -549,14 +549,10 @@ class Engine:
             if self.device.type == "cuda"
             else {}
         )
-        ahead = (
-            {"decode_ahead": {"hits": self.model.ahead_hits, "misses": self.model.ahead_misses}}
-            if hasattr(self.model, "ahead_hits")
-            else {}
-        )
+        graph_stats = getattr(self.model, "graph_stats", None)  # GraphedCausalLM (CUDA)
         return {
             **device_memory,
-            **ahead,
+            **(graph_stats() if graph_stats is not None else {}),
             "active_requests": len(self._active),
             "queued_requests": len(self._queue),
             "sessions": len(self.pool.named),

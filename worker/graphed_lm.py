@@ -148,6 +148,16 @@ class GraphedCausalLM:
         out[torch.tensor(other, device=device)] = prefill_logits
         return out
 
+    def graph_stats(self) -> dict[str, Any]:
+        """The worker's `stats` fields of this path: decode steps launched ahead and used or
+        dropped, and short prefills replayed from a graph."""
+        out: dict[str, Any] = {
+            "decode_ahead": {"hits": self.ahead_hits, "misses": self.ahead_misses}
+        }
+        if self.prefill is not None:
+            out["prefill_graph_replays"] = self.prefill.replays
+        return out
+
     def _prefill(self, step: Any, kv: Any) -> torch.Tensor:
         if self.prefill is not None and self.prefill.fits(step):
             return self.prefill.logits(step)

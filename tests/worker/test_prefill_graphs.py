@@ -123,3 +123,5 @@ def test_a_prefill_graph_waits_for_the_decode_launched_ahead(
     assert runner.replays == replays + 1
     assert len(waited) == 2  # the hit's own wait, then the one before the prefill graph
     assert graphed.ahead_hits == 1
+    stats = graphed.graph_stats()  # the worker's `stats` fields of this path
+    assert stats["decode_ahead"]["hits"] == 1 and stats["prefill_graph_replays"] == runner.replays
