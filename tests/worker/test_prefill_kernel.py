@@ -102,7 +102,7 @@ SLOT_CASES = [
 
 
 @pytest.mark.parametrize("case", SLOT_CASES, ids=[str(c) for c in SLOT_CASES])
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("impl", ["triton", "triton-3-splits", "reference"])
 def test_slot_variant_matches_history(case: tuple[int, ...], impl: str) -> None:
     """The capturable variant (slot and lengths from a device tensor, rows padded, the pool
     read in place): real rows equal attention over the explicit history."""
@@ -125,11 +125,12 @@ def test_slot_variant_matches_history(case: tuple[int, ...], impl: str) -> None:
     expected = _history_attention(q[:n], keys, values, cached, window, dim**-0.5)
     meta = torch.tensor([slot, cached, n], dtype=torch.int64, device=DEVICE)
     q, k_new, v_new, k_pool, v_pool = (t.to(DEVICE) for t in (q, k_new, v_new, k_pool, v_pool))
-    if impl == "triton":
+    if impl.startswith("triton"):
+        # 3 splits: some take nothing (short prefixes), or only keys out of the window
         out = torch.full_like(q, float("nan"))
         prefill_attention_slot(
             q, k_new, v_new, out, k_pool, v_pool, meta, sm_scale=dim**-0.5, window=window,
-            config=(16, 16, 4, 1),
+            config=(16, 16, 4, 1), splits=3 if impl.endswith("splits") else 1,
         )  # fmt: skip
     else:
         out = prefill_attention_slot_reference(

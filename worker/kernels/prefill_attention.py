@@ -28,6 +28,8 @@ outputs ignored. This module imports Triton: import it only after
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -90,16 +92,18 @@ def _tile(
 @triton.jit(do_not_specialize=["n_new", "n_prev", "cached", "window", "n_rows"])
 def _prefill_kernel(
     q_ptr, k_new_ptr, v_new_ptr, k_prev_ptr, v_prev_ptr, prev_pos_ptr, out_ptr, meta_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_pks, stride_pkh, stride_pkn, stride_pvs, stride_pvh, stride_pvn,
     stride_on, stride_oh,
     n_new, n_prev, cached, qk_scale, window, n_rows,
     GROUP: tl.constexpr, PREV: tl.constexpr, META: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     head = tl.program_id(1)
+    split = tl.program_id(2)
     kv_head = head // GROUP
     k_prev_base = k_prev_ptr + kv_head * stride_pkh
     v_prev_base = v_prev_ptr + kv_head * stride_pvh
@@ -128,32 +132,41 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # previous keys: all positions < cached; a sliding window reaches them only from the
-    # first `window` queries
+    # first `window` queries. With SPLITS > 1, split s takes the s-th of SPLITS equal runs
+    # of them (whole tiles), and the last split also takes the new keys.
+    p_lo = 0
+    p_hi = n_prev
+    if SPLITS > 1:
+        chunk = (n_prev + SPLITS * BLOCK_N - 1) // (SPLITS * BLOCK_N) * BLOCK_N
+        p_lo = split * chunk
+        p_hi = tl.minimum(p_lo + chunk, n_prev)
     if PREV != 0:
         if (window <= 0) | (m0 < window):
             prev_offset = cached  # PREV_RING's entries hold positions below it
             if PREV != 3:
                 prev_offset = 0
             if INTERPRET:  # the interpreter takes no tensor bounds in range()
-                start = 0
-                while start < n_prev:
+                start = p_lo
+                while start < p_hi:
                     m_i, l_i, acc = _tile(
                         q, m_i, l_i, acc, q_pos, k_prev_base, v_prev_base, prev_pos_ptr, start,
-                        n_prev, prev_offset, ring, stride_pkn, stride_pvn,
+                        p_hi, prev_offset, ring, stride_pkn, stride_pvn,
                         qk_scale, window, PREV - 1, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
                     )  # fmt: skip
                     start += BLOCK_N
             else:
-                for start in range(0, n_prev, BLOCK_N):
+                for start in range(p_lo, p_hi, BLOCK_N):
                     m_i, l_i, acc = _tile(
                         q, m_i, l_i, acc, q_pos, k_prev_base, v_prev_base, prev_pos_ptr, start,
-                        n_prev, prev_offset, ring, stride_pkn, stride_pvn,
+                        p_hi, prev_offset, ring, stride_pkn, stride_pvn,
                         qk_scale, window, PREV - 1, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
                     )  # fmt: skip
 
     # new keys: from the start of the band of the block's first query to its last query
     lo = tl.where(window > 0, tl.maximum(m0 - window + 1, 0), 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(m0 + BLOCK_M, n_new)
+    if SPLITS > 1:
+        hi = tl.where(split == SPLITS - 1, hi, lo)
     k_base = k_new_ptr + kv_head * stride_kh
     v_base = v_new_ptr + kv_head * stride_vh
     if INTERPRET:
@@ -173,14 +186,47 @@ def _prefill_kernel(
                 0, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
             )  # fmt: skip
 
-    # every real query sees at least itself, so l_i > 0 on its row; a padding row (slot
-    # variant) may see nothing and is stored as zeros
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_on + head * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask_m[:, None],
-    )
+    if SPLITS > 1:  # partial state, merged by _combine_kernel: [SPLITS, rows, heads(, D)]
+        part = (split * n_rows + offs_m) * tl.num_programs(1) + head
+        tl.store(part_m_ptr + part, m_i, mask=mask_m)
+        tl.store(part_l_ptr + part, l_i, mask=mask_m)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=mask_m[:, None])  # fmt: skip
+    else:
+        # every real query sees at least itself, so l_i > 0 on its row; a padding row (slot
+        # variant) may see nothing and is stored as zeros
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_on + head * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_m[:, None],
+        )
+
+
+@triton.jit
+def _combine_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_on, stride_oh, n_rows,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Merge the SPLITS partial softmax states of one (row, head) into its output."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    heads = tl.num_programs(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.load(part_m_ptr + row * heads + head)
+    for s in tl.static_range(1, SPLITS):
+        m = tl.maximum(m, tl.load(part_m_ptr + (s * n_rows + row) * heads + head))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l_sum = 0.0
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = (s * n_rows + row) * heads + head
+        weight = tl.math.exp2(tl.load(part_m_ptr + part) - m_safe)  # 0 for an empty split
+        l_sum += tl.load(part_l_ptr + part) * weight
+        acc += tl.load(part_acc_ptr + part * HEAD_DIM + offs_d) * weight
+    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)
+    out_row = out_ptr + row * stride_on + head * stride_oh
+    tl.store(out_row + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head size. 256 and 512: the fastest of a sweep
@@ -267,6 +313,7 @@ def prefill_attention_slot(
     sm_scale: float,
     window: int = 0,
     config: tuple[int, int, int, int] | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """The slot variant (see the module doc): capturable, no host value read.
 
@@ -274,6 +321,11 @@ def prefill_attention_slot(
     layer's pool [S, Hkv, R, D], as it was before this step (a full layer: entry i holds
     position i; a sliding one (`window` > 0): a ring); meta: int64 [3] (slot, cached, n) on
     the device. Writes every row of `out` (padding rows: values to ignore) and returns it.
+
+    A few query rows give few programs (one per query tile and head), each streaming the
+    whole prefix. `splits` > 1 cuts the previous keys into that many runs, one program each,
+    and merges their softmax states in a second kernel. Default: enough splits to give every
+    SM a program (`default_splits`).
     """
     _check_shapes(q, k_new, v_new, out, k_cache[0], v_cache[0])
     if meta.dtype != torch.int64 or meta.numel() != 3:
@@ -283,8 +335,22 @@ def prefill_attention_slot(
     _launch(
         q, k_new, v_new, k_cache, v_cache, meta, out, meta, k_cache.stride()[:3],
         v_cache.stride()[:3], n, k_cache.shape[2], 0, sm_scale, window, mode, True, config,
+        splits,
     )  # fmt: skip
     return out
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's interpreter (tests): some splitting
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def default_splits(programs: int, device: torch.device, most: int = 8) -> int:
+    """Splits of the previous keys that bring `programs` (query tiles x heads) up to about
+    one per SM, at most `most` (pure but for the device query)."""
+    return max(1, min(most, _sm_count(device) // max(programs, 1)))
 
 
 def _check_shapes(
@@ -323,20 +389,36 @@ def _launch(
     mode: int,
     slot_meta: bool,
     config: tuple[int, int, int, int] | None,
+    splits: int | None = 1,
 ) -> None:
     q_heads, head_dim = q.shape[1], q.shape[2]
     block_m, block_n, num_warps, num_stages = config or fit_config(
         CONFIGS.get(head_dim, (64, 32, 8, 1)), head_dim, q.element_size()
     )
+    blocks = triton.cdiv(n, block_m)
+    if splits is None:
+        splits = default_splits(blocks * q_heads, q.device)
+    part_m = part_l = part_acc = out  # never touched with one split
+    if splits > 1:
+        # contiguous [splits, n, Hq(, D)] float32: the running max, sum and output of each
+        part_acc = torch.empty((splits, n, q_heads, head_dim), dtype=torch.float32,
+                               device=q.device)  # fmt: skip
+        part_m, part_l = torch.empty((2, splits, n, q_heads), dtype=torch.float32,
+                                     device=q.device)  # fmt: skip
     interpret = bool(triton.knobs.runtime.interpret)
-    _prefill_kernel[(triton.cdiv(n, block_m), q_heads)](
-        q, k_new, v_new, k_prev, v_prev, prev_pos, out, meta,
+    _prefill_kernel[(blocks, q_heads, splits)](
+        q, k_new, v_new, k_prev, v_prev, prev_pos, out, meta, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), *k_prev_strides, *v_prev_strides,
         out.stride(0), out.stride(1),
         n, n_prev, cached, float(sm_scale) * 1.4426950408889634, window, n,
         GROUP=q_heads // k_new.shape[1], PREV=mode, META=slot_meta, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=interpret, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if splits > 1:
+        _combine_kernel[(n, q_heads)](
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), n,
+            SPLITS=splits, HEAD_DIM=head_dim, num_warps=4,
+        )  # fmt: skip
