@@ -15,15 +15,15 @@ weight element is read from memory once per call and used for all those rows: ~4
 row and ~50 ms for four on that head (one Zen 3 core). Each output is one fp32 FMA chain over
 k in order: it agrees with MKL to fp32 rounding, not bit for bit.
 
-The kernel is C compiled once with the system compiler (``cc -O3 -mavx2 -mfma -fopenmp``) into
+The kernel is C compiled once with the system compiler (``cc -O3 -mavx2 -mfma``) into
 ``$TOKENPIPE_CACHE/kernels`` (default ``~/.cache/tokenpipe/kernels``) and loaded with ctypes.
-With more than one torch thread it splits the weight groups of a matmul between them (one
-contiguous share each, so each thread streams its own part of the weight): the OpenMP build
-binds to the libgomp.so.1 torch already loaded (same soname), so it runs on torch's own thread
-pool, never a second one. Where torch does not use libgomp or the compiler has no OpenMP, the
-one-thread build is used instead (and prefill-sized inputs with more torch threads go to MKL:
-``PackedLinear``). ``kernel()`` is None (and the model keeps its plain weights) without an
-x86-64 CPU with AVX2 and FMA, without a compiler, or with ``TOKENPIPE_CPU_GEMV=0``.
+With ``torch.get_num_threads()`` > 1 a matmul is split between the calling thread and helper
+threads of the kernel's own pool: the weight groups are cut into chunks that any thread
+claims, so the caller never waits for a helper the OS has not run yet (OpenMP's static split
+made a 2-thread step ~10x slower while another process held a core). Without pthreads it is
+one thread (and prefill-sized inputs with more torch threads go to MKL: ``PackedLinear``).
+``kernel()`` is None (and the model keeps its plain weights) without an x86-64 Linux CPU with
+AVX2 and FMA, without a compiler, or with ``TOKENPIPE_CPU_GEMV=0``.
 """
 
 from __future__ import annotations
@@ -49,9 +49,6 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 /* G groups of 8 weight rows (group g: w + g * K * 8, [K][8]) times MC <= 4 input rows:
    out[m * ldo + g * 8 + i] = sum_k x[m * K + k] * w[g * K * 8 + k * 8 + i] */
@@ -112,12 +109,145 @@ static void gemm_part(int64_t M, const float *x, const float *w, float *out, int
             groups(1, 1, x + m * K, K, w + g * K * 8, out + m * N + g * 8, N);
 }
 
-#define SPLIT_ALIGN 24    /* thread shares are whole sweeps of 8, 4 and 3 groups */
-#define MIN_SPLIT_BYTES (64 * 1024)  /* smaller weights are not worth waking a thread */
+#define SPLIT_ALIGN 24    /* chunks are whole sweeps of 8, 4 and 3 groups */
+#define MIN_SPLIT_BYTES (64 * 1024)  /* smaller weights are not worth a second thread */
 
-/* 1 when built with OpenMP (the groups are split between torch's OpenMP threads) */
+#ifdef TP_POOL
+/* A matmul split between the calling thread and helper threads, robust to a busy machine:
+   the weight groups are cut into chunks that any thread claims (a compare-and-swap on one
+   word), so the caller never waits for a helper that has not started; it runs every chunk
+   left itself and waits only for chunks a helper already claimed. Helpers spin briefly for
+   the next call (decode calls come every few tens of microseconds), then sleep on a futex.
+   Each output element is computed by exactly one thread, as in the one-thread loop: the
+   results are the same bits whatever the thread count. */
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_HELPERS 31
+#define CHUNKS_PER_THREAD 16
+#define HELPER_SPIN_NS 300000 /* a helper's wait for the next call before it sleeps */
+#define FIELD 20              /* claim word: seq << 40 | chunks << 20 | next chunk */
+#define FIELD_MASK ((UINT64_C(1) << FIELD) - 1)
+
+static struct {
+    int64_t M, K, N, ngroups, chunk_groups;
+    const float *x, *w;
+    float *out;
+} job;
+static _Atomic uint64_t claims;
+static _Atomic int64_t done_chunks;
+static _Atomic uint32_t wake_word; /* bumped for every job; sleeping helpers wait on it */
+static _Atomic int sleepers;
+static _Atomic int wanted_helpers; /* helpers with a smaller index take part */
+static int started_helpers;
+static uint64_t job_seq;
+static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* 1 and *chunk: a chunk of the current job, now owned by this thread; 0: none left */
+static int claim(uint64_t *chunk) {
+    uint64_t word = atomic_load_explicit(&claims, memory_order_acquire);
+    for (;;) {
+        const uint64_t next = word & FIELD_MASK, total = (word >> FIELD) & FIELD_MASK;
+        if (next >= total) return 0;
+        if (atomic_compare_exchange_weak_explicit(&claims, &word, word + 1,
+                                                  memory_order_acq_rel, memory_order_acquire)) {
+            *chunk = next;
+            return 1;
+        }
+    }
+}
+
+static void run_chunks(void) {
+    uint64_t c;
+    while (claim(&c)) {
+        const int64_t g0 = (int64_t)c * job.chunk_groups;
+        const int64_t g1 = g0 + job.chunk_groups < job.ngroups ? g0 + job.chunk_groups
+                                                               : job.ngroups;
+        gemm_part(job.M, job.x, job.w, job.out, job.K, job.N, g0, g1);
+        atomic_fetch_add_explicit(&done_chunks, 1, memory_order_release);
+    }
+}
+
+static void *helper_main(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    uint32_t seen = atomic_load_explicit(&wake_word, memory_order_acquire);
+    for (;;) {
+        int64_t spin_start = now_ns();
+        for (int spins = 0; atomic_load_explicit(&wake_word, memory_order_acquire) == seen;
+             spins++) {
+            _mm_pause();
+            if ((spins & 63) || now_ns() - spin_start < HELPER_SPIN_NS) continue;
+            atomic_fetch_add(&sleepers, 1);
+            if (atomic_load(&wake_word) == seen)
+                syscall(SYS_futex, &wake_word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_fetch_sub(&sleepers, 1);
+            spin_start = now_ns();
+        }
+        seen = atomic_load_explicit(&wake_word, memory_order_acquire);
+        if (index < atomic_load_explicit(&wanted_helpers, memory_order_relaxed)) run_chunks();
+    }
+    return NULL;
+}
+
+/* the matmul split between the caller and threads - 1 helpers; 0 where it cannot be */
+static int pooled_gemm(int64_t M, const float *x, const float *w, float *out, int64_t K,
+                       int64_t N, int threads) {
+    if (pthread_mutex_trylock(&job_lock) != 0) return 0; /* another caller: run alone */
+    int helpers = threads - 1 < MAX_HELPERS ? threads - 1 : MAX_HELPERS;
+    while (started_helpers < helpers) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, helper_main, (void *)(intptr_t)started_helpers)) break;
+        pthread_detach(thread);
+        started_helpers++;
+    }
+    if (started_helpers < helpers) helpers = started_helpers;
+    if (helpers < 1) {
+        pthread_mutex_unlock(&job_lock);
+        return 0;
+    }
+    const int64_t ngroups = N / 8;
+    int64_t chunks = (int64_t)(helpers + 1) * CHUNKS_PER_THREAD;
+    if (chunks > ngroups / SPLIT_ALIGN) chunks = ngroups / SPLIT_ALIGN;
+    int64_t chunk_groups = (ngroups + chunks - 1) / chunks;
+    chunk_groups = (chunk_groups + SPLIT_ALIGN - 1) / SPLIT_ALIGN * SPLIT_ALIGN;
+    chunks = (ngroups + chunk_groups - 1) / chunk_groups;
+    job.M = M, job.K = K, job.N = N, job.ngroups = ngroups, job.chunk_groups = chunk_groups;
+    job.x = x, job.w = w, job.out = out;
+    atomic_store_explicit(&done_chunks, 0, memory_order_relaxed);
+    atomic_store_explicit(&wanted_helpers, helpers, memory_order_relaxed);
+    job_seq = (job_seq + 1) & 0xffffff;
+    atomic_store_explicit(&claims, job_seq << (2 * FIELD) | (uint64_t)chunks << FIELD,
+                          memory_order_release);
+    atomic_fetch_add_explicit(&wake_word, 1, memory_order_release);
+    if (atomic_load(&sleepers) > 0)
+        syscall(SYS_futex, &wake_word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    run_chunks();
+    /* only chunks a helper claimed are left: wait for them, yielding if one is slow */
+    for (int spins = 0; atomic_load_explicit(&done_chunks, memory_order_acquire) < chunks;
+         spins++) {
+        if (spins < 4096) _mm_pause();
+        else sched_yield();
+    }
+    pthread_mutex_unlock(&job_lock);
+    return 1;
+}
+#endif
+
+/* 1 when built with the thread pool (TP_POOL) */
 int tp_threaded(void) {
-#ifdef _OPENMP
+#ifdef TP_POOL
     return 1;
 #else
     return 0;
@@ -127,23 +257,12 @@ int tp_threaded(void) {
 int tp_packed_gemm(int64_t M, const float *x, const float *w, float *out, int64_t K, int64_t N,
                    int threads) {
     if (N % 8 || M < 1 || threads < 1) return 1;
-    const int64_t ngroups = N / 8;
-#ifdef _OPENMP
-    if (threads > 1 && ngroups >= 2 * SPLIT_ALIGN && N * K * 4 >= MIN_SPLIT_BYTES) {
-        /* torch's own OpenMP runtime (the same libgomp.so.1): its pool, not a second one */
-        #pragma omp parallel num_threads(threads)
-        {
-            const int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
-            const int64_t share =
-                (ngroups + parts - 1) / parts + SPLIT_ALIGN - 1;
-            const int64_t per = share / SPLIT_ALIGN * SPLIT_ALIGN;
-            const int64_t g0 = t * per, g1 = g0 + per < ngroups ? g0 + per : ngroups;
-            if (g0 < g1) gemm_part(M, x, w, out, K, N, g0, g1);
-        }
+#ifdef TP_POOL
+    if (threads > 1 && N / 8 >= 2 * SPLIT_ALIGN && N * K * 4 >= MIN_SPLIT_BYTES &&
+        pooled_gemm(M, x, w, out, K, N, threads))
         return 0;
-    }
 #endif
-    gemm_part(M, x, w, out, K, N, 0, ngroups);
+    gemm_part(M, x, w, out, K, N, 0, N / 8);
     return 0;
 }
 
@@ -306,25 +425,14 @@ def _cpu_supported() -> bool:
     return {"avx2", "fma"} <= set(line.split())
 
 
-def _torch_uses_libgomp() -> bool:
-    """torch's parallel backend is OpenMP and a libgomp.so.1 is loaded: a kernel built with
-    -fopenmp then binds to that same runtime (same soname) and shares torch's thread pool."""
-    if "OpenMP" not in torch.__config__.parallel_info():
-        return False
-    try:
-        return "libgomp" in Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
-
-
-def _flags(openmp: bool) -> list[str]:
+def _flags(threaded: bool) -> list[str]:
     # no FMA contraction outside the intrinsics: the norm and rotary helpers round like the
     # torch ops they replace
     flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC"]
-    return flags + (["-fopenmp"] if openmp else [])
+    return flags + (["-pthread", "-DTP_POOL"] if threaded else [])
 
 
-def _compile(target: Path, openmp: bool) -> None:
+def _compile(target: Path, threaded: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         source = Path(tmp) / "gemv.c"
@@ -332,7 +440,7 @@ def _compile(target: Path, openmp: bool) -> None:
         built = Path(tmp) / target.name
         compiler = os.environ.get("CC", "cc")
         subprocess.run(
-            [compiler, *_flags(openmp), "-o", str(built), str(source), "-lm"],
+            [compiler, *_flags(threaded), "-o", str(built), str(source), "-lm"],
             check=True,
             capture_output=True,
             timeout=120,
@@ -340,12 +448,12 @@ def _compile(target: Path, openmp: bool) -> None:
         os.replace(built, target)  # atomic: concurrent workers never load a partial file
 
 
-def load_library(openmp: bool) -> ctypes.CDLL:
-    """The kernel library (compiled on first use), OpenMP build or one-thread build."""
-    digest = hashlib.sha256((_SOURCE + " ".join(_flags(openmp))).encode()).hexdigest()[:16]
+def load_library(threaded: bool) -> ctypes.CDLL:
+    """The kernel library (compiled on first use): with its thread pool, or one-thread."""
+    digest = hashlib.sha256((_SOURCE + " ".join(_flags(threaded))).encode()).hexdigest()[:16]
     target = _cache_dir() / f"gemv-{digest}.so"
     if not target.exists():
-        _compile(target, openmp)
+        _compile(target, threaded)
     lib = ctypes.CDLL(str(target))
     fn = lib.tp_packed_gemm
     fn.restype = ctypes.c_int
@@ -381,20 +489,20 @@ def kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None where it cannot run (see the module docstring)."""
     if os.environ.get("TOKENPIPE_CPU_GEMV", "1") == "0" or not _cpu_supported():
         return None
-    if _torch_uses_libgomp():
-        try:
-            return load_library(openmp=True)
-        except (OSError, subprocess.SubprocessError):
-            pass  # a compiler without OpenMP: the one-thread build
     try:
-        return load_library(openmp=False)
+        return load_library(threaded=True)
+    except (OSError, subprocess.SubprocessError):
+        pass  # e.g. no pthreads or futex headers: the one-thread build
+    try:
+        return load_library(threaded=False)
     except (OSError, subprocess.SubprocessError) as exc:
         print(f"cpu_gemv: kernel unavailable, plain matmuls ({exc!r})", file=sys.stderr)
         return None
 
 
 def threaded() -> bool:
-    """Whether the kernel splits a matmul between torch's threads (an OpenMP build)."""
+    """Whether the kernel splits a matmul between threads (``torch.get_num_threads()`` of
+    them: the caller and helpers of the kernel's own pool)."""
     lib = kernel()
     return lib is not None and bool(lib.tp_threaded())
 
