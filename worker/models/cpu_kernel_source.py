@@ -1,0 +1,367 @@
+"""The C source of the CPU kernel library: the packed matmul (with its thread pool), the RMS
+norm, norm + rotary, residual add + norm, and one-token attention helpers.
+``worker.models.cpu_gemv`` compiles it once (the cache key is a hash of this text and the
+compiler flags) and wraps each function; read its docstring for the layout and the rules.
+"""
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* G groups of 8 weight rows (group g: w + g * K * 8, [K][8]) times MC <= 4 input rows:
+   out[m * ldo + g * 8 + i] = sum_k x[m * K + k] * w[g * K * 8 + k * 8 + i] */
+static inline __attribute__((always_inline)) void groups(
+        const int G, const int MC, const float *x, int64_t K, const float *w, float *out,
+        int64_t ldo) {
+    __m256 acc[8][4];
+    for (int g = 0; g < G; g++)
+        for (int m = 0; m < MC; m++) acc[g][m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 wv[8];
+        for (int g = 0; g < G; g++) wv[g] = _mm256_loadu_ps(w + g * K * 8 + k * 8);
+        for (int m = 0; m < MC; m++) {
+            __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+            for (int g = 0; g < G; g++) acc[g][m] = _mm256_fmadd_ps(wv[g], xb, acc[g][m]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int m = 0; m < MC; m++) _mm256_storeu_ps(out + m * ldo + g * 8, acc[g][m]);
+}
+
+/* 3 groups against input rows [0, M) in chunks of 4: the groups stay in cache between chunks */
+static void groups3_all_rows(int64_t M, const float *x, int64_t K, const float *w, float *out,
+                             int64_t N) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float *xm = x + m0 * K;
+        float *om = out + m0 * N;
+        switch (M - m0 < 4 ? M - m0 : 4) {
+        case 1: groups(3, 1, xm, K, w, om, N); break;
+        case 2: groups(3, 2, xm, K, w, om, N); break;
+        case 3: groups(3, 3, xm, K, w, om, N); break;
+        default: groups(3, 4, xm, K, w, om, N); break;
+        }
+    }
+}
+
+/* G groups at a time over groups [g, gend): G * MC accumulators + G weight vectors + 1 broadcast
+   <= 16 registers */
+#define SWEEP(G, MC) do { \
+        for (; g + G <= gend; g += G) groups(G, MC, x, K, w + g * K * 8, out + g * 8, N); \
+    } while (0)
+
+/* out[:, g0 * 8 : gend * 8] of the product: weight groups [g0, gend) */
+static void gemm_part(int64_t M, const float *x, const float *w, float *out, int64_t K, int64_t N,
+                      int64_t g0, int64_t gend) {
+    int64_t g = g0;
+    switch (M) {
+    case 1: SWEEP(8, 1); break;
+    case 2: SWEEP(4, 2); break;
+    case 3: SWEEP(3, 3); break;
+    case 4: SWEEP(3, 4); break;
+    default:
+        for (; g + 3 <= gend; g += 3) groups3_all_rows(M, x, K, w + g * K * 8, out + g * 8, N);
+    }
+    for (; g < gend; g++)
+        for (int64_t m = 0; m < M; m++)
+            groups(1, 1, x + m * K, K, w + g * K * 8, out + m * N + g * 8, N);
+}
+
+#define SPLIT_ALIGN 24    /* chunks are whole sweeps of 8, 4 and 3 groups */
+#define MIN_SPLIT_BYTES (64 * 1024)  /* smaller weights are not worth a second thread */
+
+#ifdef TP_POOL
+/* A matmul split between the calling thread and helper threads, robust to a busy machine:
+   the weight groups are cut into chunks that any thread claims (a compare-and-swap on one
+   word), so the caller never waits for a helper that has not started; it runs every chunk
+   left itself and waits only for chunks a helper already claimed. Helpers spin briefly for
+   the next call (decode calls come every few tens of microseconds), then sleep on a futex.
+   Each output element is computed by exactly one thread, as in the one-thread loop: the
+   results are the same bits whatever the thread count. */
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_HELPERS 31
+#define CHUNKS_PER_THREAD 16
+#define HELPER_SPIN_NS 300000 /* a helper's wait for the next call before it sleeps */
+#define FIELD 20              /* claim word: seq << 40 | chunks << 20 | next chunk */
+#define FIELD_MASK ((UINT64_C(1) << FIELD) - 1)
+
+static struct {
+    int64_t M, K, N, ngroups, chunk_groups;
+    const float *x, *w;
+    float *out;
+} job;
+static _Atomic uint64_t claims;
+static _Atomic int64_t done_chunks;
+static _Atomic uint32_t wake_word; /* bumped for every job; sleeping helpers wait on it */
+static _Atomic int sleepers;
+static _Atomic int wanted_helpers; /* helpers with a smaller index take part */
+static int started_helpers;
+static uint64_t job_seq;
+static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* 1 and *chunk: a chunk of the current job, now owned by this thread; 0: none left */
+static int claim(uint64_t *chunk) {
+    uint64_t word = atomic_load_explicit(&claims, memory_order_acquire);
+    for (;;) {
+        const uint64_t next = word & FIELD_MASK, total = (word >> FIELD) & FIELD_MASK;
+        if (next >= total) return 0;
+        if (atomic_compare_exchange_weak_explicit(&claims, &word, word + 1,
+                                                  memory_order_acq_rel, memory_order_acquire)) {
+            *chunk = next;
+            return 1;
+        }
+    }
+}
+
+static void run_chunks(void) {
+    uint64_t c;
+    while (claim(&c)) {
+        const int64_t g0 = (int64_t)c * job.chunk_groups;
+        const int64_t g1 = g0 + job.chunk_groups < job.ngroups ? g0 + job.chunk_groups
+                                                               : job.ngroups;
+        gemm_part(job.M, job.x, job.w, job.out, job.K, job.N, g0, g1);
+        atomic_fetch_add_explicit(&done_chunks, 1, memory_order_release);
+    }
+}
+
+static void *helper_main(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    uint32_t seen = atomic_load_explicit(&wake_word, memory_order_acquire);
+    for (;;) {
+        int64_t spin_start = now_ns();
+        for (int spins = 0; atomic_load_explicit(&wake_word, memory_order_acquire) == seen;
+             spins++) {
+            _mm_pause();
+            if ((spins & 63) || now_ns() - spin_start < HELPER_SPIN_NS) continue;
+            atomic_fetch_add(&sleepers, 1);
+            if (atomic_load(&wake_word) == seen)
+                syscall(SYS_futex, &wake_word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_fetch_sub(&sleepers, 1);
+            spin_start = now_ns();
+        }
+        seen = atomic_load_explicit(&wake_word, memory_order_acquire);
+        if (index < atomic_load_explicit(&wanted_helpers, memory_order_relaxed)) run_chunks();
+    }
+    return NULL;
+}
+
+/* the matmul split between the caller and threads - 1 helpers; 0 where it cannot be */
+static int pooled_gemm(int64_t M, const float *x, const float *w, float *out, int64_t K,
+                       int64_t N, int threads) {
+    if (pthread_mutex_trylock(&job_lock) != 0) return 0; /* another caller: run alone */
+    int helpers = threads - 1 < MAX_HELPERS ? threads - 1 : MAX_HELPERS;
+    while (started_helpers < helpers) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, helper_main, (void *)(intptr_t)started_helpers)) break;
+        pthread_detach(thread);
+        started_helpers++;
+    }
+    if (started_helpers < helpers) helpers = started_helpers;
+    if (helpers < 1) {
+        pthread_mutex_unlock(&job_lock);
+        return 0;
+    }
+    const int64_t ngroups = N / 8;
+    int64_t chunks = (int64_t)(helpers + 1) * CHUNKS_PER_THREAD;
+    if (chunks > ngroups / SPLIT_ALIGN) chunks = ngroups / SPLIT_ALIGN;
+    int64_t chunk_groups = (ngroups + chunks - 1) / chunks;
+    chunk_groups = (chunk_groups + SPLIT_ALIGN - 1) / SPLIT_ALIGN * SPLIT_ALIGN;
+    chunks = (ngroups + chunk_groups - 1) / chunk_groups;
+    job.M = M, job.K = K, job.N = N, job.ngroups = ngroups, job.chunk_groups = chunk_groups;
+    job.x = x, job.w = w, job.out = out;
+    atomic_store_explicit(&done_chunks, 0, memory_order_relaxed);
+    atomic_store_explicit(&wanted_helpers, helpers, memory_order_relaxed);
+    job_seq = (job_seq + 1) & 0xffffff;
+    atomic_store_explicit(&claims, job_seq << (2 * FIELD) | (uint64_t)chunks << FIELD,
+                          memory_order_release);
+    atomic_fetch_add_explicit(&wake_word, 1, memory_order_release);
+    if (atomic_load(&sleepers) > 0)
+        syscall(SYS_futex, &wake_word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    run_chunks();
+    /* only chunks a helper claimed are left: wait for them, yielding if one is slow */
+    for (int spins = 0; atomic_load_explicit(&done_chunks, memory_order_acquire) < chunks;
+         spins++) {
+        if (spins < 4096) _mm_pause();
+        else sched_yield();
+    }
+    pthread_mutex_unlock(&job_lock);
+    return 1;
+}
+#endif
+
+/* 1 when built with the thread pool (TP_POOL) */
+int tp_threaded(void) {
+#ifdef TP_POOL
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int tp_packed_gemm(int64_t M, const float *x, const float *w, float *out, int64_t K, int64_t N,
+                   int threads) {
+    if (N % 8 || M < 1 || threads < 1) return 1;
+#ifdef TP_POOL
+    if (threads > 1 && N / 8 >= 2 * SPLIT_ALIGN && N * K * 4 >= MIN_SPLIT_BYTES &&
+        pooled_gemm(M, x, w, out, K, N, threads))
+        return 0;
+#endif
+    gemm_part(M, x, w, out, K, N, 0, N / 8);
+    return 0;
+}
+
+/* 1 / sqrt(mean(x^2) + eps) of one row of dim floats */
+static inline float inv_rms(const float *x, int64_t dim, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    float sum = _mm_cvtss_f32(lo);
+    for (; i < dim; i++) sum += x[i] * x[i];
+    return 1.0f / sqrtf(sum / (float)dim + eps);
+}
+
+/* o = x * inv * scale (scale may be NULL) */
+static inline void scale_row(const float *x, float inv, const float *scale, float *o,
+                             int64_t dim) {
+    if (scale)
+        for (int64_t i = 0; i < dim; i++) o[i] = x[i] * inv * scale[i];
+    else
+        for (int64_t i = 0; i < dim; i++) o[i] = x[i] * inv;
+}
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * scale (scale may be NULL), rows of dim floats */
+void tp_rms_norm(const float *x, const float *scale, float *out, int64_t rows, int64_t dim,
+                 float eps) {
+    for (int64_t r = 0; r < rows; r++)
+        scale_row(x + r * dim, inv_rms(x + r * dim, dim, eps), scale, out + r * dim, dim);
+}
+
+/* Head h of token t is x[t * ldx + h * D, +D). out [T, H, D] = rotary(norm(x) * scale) with the
+   rotate-half layout (dim i pairs with i + D/2) and cos, sin [T, D]: the torch path's
+   rms_norm then x * cos + cat(-x2, x1) * sin, in one pass. norm == 0: rotary only. */
+void tp_norm_rope(const float *x, int64_t ldx, int64_t T, int64_t H, int64_t D,
+                  const float *scale, float eps, int norm, const float *cos, const float *sin,
+                  float *out) {
+    float normed[D];
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < H; h++) {
+            const float *xr = x + t * ldx + h * D;
+            float *o = out + (t * H + h) * D;
+            if (norm) {
+                scale_row(xr, inv_rms(xr, D, eps), scale, normed, D);
+                xr = normed;
+            }
+            for (int64_t i = 0; i < half; i++) o[i] = xr[i] * c[i] + (-xr[i + half]) * s[i];
+            for (int64_t i = half; i < D; i++) o[i] = xr[i] * c[i] + xr[i - half] * s[i];
+        }
+    }
+}
+
+/* A residual step over rows of dim floats: resid_out = resid + (norm_y ? norm(y) * wy : y),
+   then, if h_out, h_out = norm(resid_out) * wh (wy, wh may be NULL: no weight). */
+void tp_add_rms_norm(const float *resid, const float *y, int norm_y, const float *wy, float eps_y,
+                     const float *wh, float eps_h, float *resid_out, float *h_out, int64_t rows,
+                     int64_t dim) {
+    float normed[dim];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = resid + r * dim, *yr = y + r * dim;
+        float *ro = resid_out + r * dim;
+        if (norm_y) {
+            scale_row(yr, inv_rms(yr, dim, eps_y), wy, normed, dim);
+            yr = normed;
+        }
+        for (int64_t i = 0; i < dim; i++) ro[i] = xr[i] + yr[i];
+        if (h_out) scale_row(ro, inv_rms(ro, dim, eps_h), wh, h_out + r * dim, dim);
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* A decode step's attention for one sequence: the new key and value go into the cache slot
+   (k_new, v_new [KVH, D] at index write_index; none when it is < 0), then each query head
+   attends over L cached entries from index first: softmax(q k^T * scale + mask) v.
+   Slot layout: entry l of KV head g at k_slot + g * head_stride + l * D (v_slot alike);
+   query head h reads KV head h / (H / KVH). q [H, D]; mask [L] additive (0 / -inf) or NULL;
+   out [H, D]; scores: L floats of scratch. D % 8 == 0. */
+void tp_decode_attention(const float *q, float *k_slot, float *v_slot, int64_t head_stride,
+                         int64_t write_index, const float *k_new, const float *v_new,
+                         int64_t first, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                         const float *mask, float scale, float *out, float *scores) {
+    if (write_index >= 0)
+        for (int64_t g = 0; g < KVH; g++) {
+            memcpy(k_slot + g * head_stride + write_index * D, k_new + g * D, D * sizeof(float));
+            memcpy(v_slot + g * head_stride + write_index * D, v_new + g * D, D * sizeof(float));
+        }
+    const int64_t group = H / KVH;
+    for (int64_t h = 0; h < H; h++) {
+        const float *qh = q + h * D;
+        const float *kh = k_slot + (h / group) * head_stride + first * D;
+        const float *vh = v_slot + (h / group) * head_stride + first * D;
+        float top = -INFINITY;
+        for (int64_t l = 0; l < L; l++) {
+            const float *kl = kh + l * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 16 <= D; i += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kl + i), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), _mm256_loadu_ps(kl + i + 8), a1);
+            }
+            for (; i < D; i += 8)
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kl + i), a0);
+            float sc = hsum(_mm256_add_ps(a0, a1)) * scale;
+            if (mask) sc += mask[l];
+            scores[l] = sc;
+            if (sc > top) top = sc;
+        }
+        float total = 0.0f;
+        for (int64_t l = 0; l < L; l++) {
+            const float p = expf(scores[l] - top);
+            scores[l] = p;
+            total += p;
+        }
+        float *oh = out + h * D;
+        const __m256 inv_total = _mm256_set1_ps(1.0f / total);
+        for (int64_t i0 = 0; i0 < D; i0 += 64) { /* 64 output floats in 8 registers */
+            const int n = D - i0 < 64 ? (int)(D - i0) / 8 : 8;
+            __m256 acc[8];
+            for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t l = 0; l < L; l++) {
+                const __m256 p = _mm256_set1_ps(scores[l]);
+                const float *vl = vh + l * D + i0;
+                for (int j = 0; j < n; j++)
+                    acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + 8 * j), acc[j]);
+            }
+            for (int j = 0; j < n; j++)
+                _mm256_storeu_ps(oh + i0 + 8 * j, _mm256_mul_ps(acc[j], inv_total));
+        }
+    }
+}
+"""
