@@ -84,8 +84,9 @@ class AsyncClient:
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    async def in_process(cls, config: SupervisorConfig,
-                         stderr_sink: Callable[[bytes], None] | None = None) -> AsyncClient:
+    async def in_process(
+        cls, config: SupervisorConfig, stderr_sink: Callable[[bytes], None] | None = None
+    ) -> AsyncClient:
         """Start a supervisor (and its workers) inside this event loop."""
         self = cls()
         supervisor = Supervisor(config, stderr_sink=stderr_sink)
@@ -102,15 +103,27 @@ class AsyncClient:
         return self
 
     @classmethod
-    async def spawn(cls, args: Sequence[str] = (), *, command: Sequence[str] | None = None,
-                    env: dict[str, str] | None = None, stderr: Any = None,
-                    ready_timeout: float = 600.0) -> AsyncClient:
+    async def spawn(
+        cls,
+        args: Sequence[str] = (),
+        *,
+        command: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
+        stderr: Any = None,
+        ready_timeout: float = 600.0,
+    ) -> AsyncClient:
         """Start `tokenpipe run ARGS...` as a child process and talk JSONL over its pipes."""
         self = cls()
         argv = list(command) if command is not None else [*run_command(), "run"]
         process = await asyncio.create_subprocess_exec(
-            *argv, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=stderr, env={**os.environ, **(env or {})}, limit=1 << 24)
+            *argv,
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+            env={**os.environ, **(env or {})},
+            limit=1 << 24,
+        )
         assert process.stdin is not None and process.stdout is not None
         self.process = process
         try:
@@ -118,12 +131,14 @@ class AsyncClient:
         except asyncio.TimeoutError:
             process.kill()
             await process.wait()
-            raise TokenpipeError(ErrorCode.INTERNAL_ERROR,
-                                 "no ready line from tokenpipe run") from None
+            raise TokenpipeError(
+                ErrorCode.INTERNAL_ERROR, "no ready line from tokenpipe run"
+            ) from None
         if not line:
             status = await process.wait()
-            raise TokenpipeError(ErrorCode.INTERNAL_ERROR,
-                                 f"tokenpipe run exited with status {status} before ready")
+            raise TokenpipeError(
+                ErrorCode.INTERNAL_ERROR, f"tokenpipe run exited with status {status} before ready"
+            )
         self._set_ready(orjson.loads(line))
         stdin = process.stdin
         self._submit = lambda req: stdin.write(orjson.dumps(req) + b"\n")
@@ -179,8 +194,14 @@ class AsyncClient:
                     self._on_event(orjson.loads(line))
         finally:
             for rid, queue in list(self._queues.items()):
-                queue.put_nowait({"event": "error", "id": rid, "code": ErrorCode.INTERNAL_ERROR,
-                                  "error": "the supervisor connection closed"})
+                queue.put_nowait(
+                    {
+                        "event": "error",
+                        "id": rid,
+                        "code": ErrorCode.INTERNAL_ERROR,
+                        "error": "the supervisor connection closed",
+                    }
+                )
 
     def _on_event(self, event: dict[str, Any]) -> None:
         queue = self._queues.get(event.get("id"))
@@ -201,8 +222,9 @@ class AsyncClient:
             req["id"] = self._new_id()
         rid = req["id"]
         if rid in self._queues:
-            yield ErrorEvent(error=f"id {rid!r} is already in flight", code=ErrorCode.DUPLICATE_ID,
-                             id=rid)
+            yield ErrorEvent(
+                error=f"id {rid!r} is already in flight", code=ErrorCode.DUPLICATE_ID, id=rid
+            )
             return
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._queues[rid] = queue
@@ -237,8 +259,9 @@ class AsyncClient:
         finally:
             self._queues.pop(rid, None)
         if answer.get("event") == "error":
-            raise TokenpipeError(answer.get("code", ErrorCode.INTERNAL_ERROR),
-                                 answer.get("error", ""))
+            raise TokenpipeError(
+                answer.get("code", ErrorCode.INTERNAL_ERROR), answer.get("error", "")
+            )
         return answer
 
     async def cancel(self, request_id: str | int) -> None:
@@ -289,7 +312,6 @@ def _closed_submit(request: dict[str, Any]) -> None:
     raise TokenpipeError(ErrorCode.SHUTTING_DOWN, "the client is not connected")
 
 
-
 class Client:
     """The blocking twin of `AsyncClient`: same methods, run on a private event loop thread.
 
@@ -299,13 +321,19 @@ class Client:
     running `tokenpipe run --listen PATH`.
     """
 
-    def __init__(self, spawn_args: Sequence[str] | None = None, *,
-                 config: SupervisorConfig | None = None, connect: str | None = None,
-                 stderr_sink: Callable[[bytes], None] | None = None,
-                 **spawn_kwargs: Any) -> None:
+    def __init__(
+        self,
+        spawn_args: Sequence[str] | None = None,
+        *,
+        config: SupervisorConfig | None = None,
+        connect: str | None = None,
+        stderr_sink: Callable[[bytes], None] | None = None,
+        **spawn_kwargs: Any,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tokenpipe-client",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="tokenpipe-client", daemon=True
+        )
         self._thread.start()
         try:
             if connect is not None:

@@ -103,8 +103,9 @@ def plan_specs(config: SupervisorConfig) -> list[WorkerSpec]:
     command = config.worker_command or default_worker_command()
     specs = worker_specs(command, build_worker_args(config), devices)
     if config.env:
-        specs = [WorkerSpec(s.index, s.argv, {**s.env, **dict(config.env)}, s.device)
-                 for s in specs]
+        specs = [
+            WorkerSpec(s.index, s.argv, {**s.env, **dict(config.env)}, s.device) for s in specs
+        ]
     return specs
 
 
@@ -192,14 +193,18 @@ class Supervisor:
         per_worker = []
         for slot in self.slots:
             info = slot.ready_info
-            per_worker.append({
-                "index": slot.index, "device": slot.spec.device,
-                "max_sessions": int(info.get("max_sessions", 1)),
-                "max_named_sessions": int(info.get("max_named_sessions", 0)),
-            })
+            per_worker.append(
+                {
+                    "index": slot.index,
+                    "device": slot.spec.device,
+                    "max_sessions": int(info.get("max_sessions", 1)),
+                    "max_named_sessions": int(info.get("max_named_sessions", 0)),
+                }
+            )
         first = self.slots[0].ready_info
         ready: dict[str, Any] = {
-            "event": "ready", "ready": True,
+            "event": "ready",
+            "ready": True,
             "max_sessions": sum(w["max_sessions"] for w in per_worker),
             "max_named_sessions": sum(w["max_named_sessions"] for w in per_worker),
             "workers": len(per_worker),
@@ -211,8 +216,12 @@ class Supervisor:
         ready["device"] = ",".join(sorted({w["device"] for w in per_worker}))
         return ready
 
-    def open_channel(self, emit: Emit, emit_line: Callable[[bytes], None] | None = None,
-                     flush: Callable[[], None] | None = None) -> Channel:
+    def open_channel(
+        self,
+        emit: Emit,
+        emit_line: Callable[[bytes], None] | None = None,
+        flush: Callable[[], None] | None = None,
+    ) -> Channel:
         channel = Channel(self, emit, emit_line, flush)
         self.channels.append(channel)
         return channel
@@ -225,9 +234,7 @@ class Supervisor:
 
     @property
     def busy(self) -> bool:
-        return any(slot.inflight for slot in self.slots) or not all(
-            c.idle for c in self.channels
-        )
+        return any(slot.inflight for slot in self.slots) or not all(c.idle for c in self.channels)
 
     def _maybe_idle(self) -> None:
         if not self.busy:
@@ -283,7 +290,8 @@ class Supervisor:
     def _loads(self) -> list[WorkerLoad]:
         return [
             WorkerLoad(
-                index=s.index, state=s.state,
+                index=s.index,
+                state=s.state,
                 queued=len(s.inflight) - (s.ping_sent_at is not None),  # a heartbeat is no load
                 named_sessions=len(s.named),
                 max_named_sessions=int(s.ready_info.get("max_named_sessions", 0)),
@@ -332,8 +340,13 @@ class Supervisor:
         assert slot.process is not None
         slot.process.send(line)
 
-    def _internal(self, slot: WorkerSlot, request: dict[str, Any], session_id: str,
-                  then: Callable[[dict[str, Any]], None]) -> Inflight:
+    def _internal(
+        self,
+        slot: WorkerSlot,
+        request: dict[str, Any],
+        session_id: str,
+        then: Callable[[dict[str, Any]], None],
+    ) -> Inflight:
         flight = Inflight(None, NO_ID, request.get("op", "generate"), session_id)
         flight.then = then
         self._register(slot, flight)

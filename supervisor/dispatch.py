@@ -36,8 +36,20 @@ TOKEN_ID_LEN = len(TOKEN_ID)
 class Inflight:
     """One request between its arrival and its terminal answer."""
 
-    __slots__ = ("iid", "channel", "client_id", "op", "session_id", "worker", "strip_resident",
-                 "then", "sent", "cancelled", "new_placement", "token_prefix")
+    __slots__ = (
+        "iid",
+        "channel",
+        "client_id",
+        "op",
+        "session_id",
+        "worker",
+        "strip_resident",
+        "then",
+        "sent",
+        "cancelled",
+        "new_placement",
+        "token_prefix",
+    )
 
     def __init__(self, channel: Channel | None, client_id: Any, op: str, session_id: str) -> None:
         self.iid = 0
@@ -67,9 +79,13 @@ class Channel:
     `flush()` is called after each batch of worker output.
     """
 
-    def __init__(self, supervisor: Supervisor, emit: Emit,
-                 emit_line: Callable[[bytes], None] | None = None,
-                 flush: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        emit: Emit,
+        emit_line: Callable[[bytes], None] | None = None,
+        flush: Callable[[], None] | None = None,
+    ) -> None:
         self.supervisor = supervisor
         self.emit = emit
         self.emit_line = emit_line
@@ -83,8 +99,11 @@ class Channel:
     def submit(self, request: dict[str, Any]) -> None:
         """Accept one request (a plain dict as on the wire; `op` absent means generate)."""
         if self.supervisor.closing and request.get("op") not in ("cancel", "shutdown"):
-            event = {"event": "error", "error": "the supervisor is shutting down",
-                     "code": ErrorCode.SHUTTING_DOWN}
+            event = {
+                "event": "error",
+                "error": "the supervisor is shutting down",
+                "code": ErrorCode.SHUTTING_DOWN,
+            }
             if request.get("id") is not None:
                 event["id"] = request["id"]
             self.emit(event)
@@ -94,8 +113,13 @@ class Channel:
             return
         request.pop("id", None)
         if len(self.anonymous) >= self.supervisor.config.max_queue:
-            self.emit({"event": "error", "error": "too many queued requests without an id",
-                       "code": ErrorCode.OVERLOADED})
+            self.emit(
+                {
+                    "event": "error",
+                    "error": "too many queued requests without an id",
+                    "code": ErrorCode.OVERLOADED,
+                }
+            )
             return
         self.anonymous.append(request)
         self._pump()
@@ -152,8 +176,15 @@ def dispatch(sup: Supervisor, channel: Channel, request: dict[str, Any]) -> None
         return
     if client_id is not NO_ID:
         if client_id in channel.by_client_id:
-            channel.emit({"event": "error", "error": f"id {client_id!r} is already in flight",
-                          "code": ErrorCode.DUPLICATE_ID, "id": client_id, "op": op})
+            channel.emit(
+                {
+                    "event": "error",
+                    "error": f"id {client_id!r} is already in flight",
+                    "code": ErrorCode.DUPLICATE_ID,
+                    "id": client_id,
+                    "op": op,
+                }
+            )
             return
         channel.by_client_id[client_id] = flight
     if op == "_error":  # a rejected line, answered in its turn
@@ -170,24 +201,33 @@ def dispatch(sup: Supervisor, channel: Channel, request: dict[str, Any]) -> None
         # The worker that held it died: the session exists only in the mirror.
         if op == "close":
             forget_session(sup, session_id)
-            sup._answer(channel, flight,
-                        {"event": "closed", "closed": True, "session_id": session_id})
+            sup._answer(
+                channel, flight, {"event": "closed", "closed": True, "session_id": session_id}
+            )
         else:
             sup.mirror.clear(session_id)
             sup.needs_rebuild.discard(session_id)
-            sup._answer(channel, flight,
-                        {"event": "reset", "reset": True, "session_id": session_id})
+            sup._answer(
+                channel, flight, {"event": "reset", "reset": True, "session_id": session_id}
+            )
     else:
         route_and_send(sup, channel, flight, request)
 
 
-def route_and_send(sup: Supervisor, channel: Channel, flight: Inflight,
-                   request: dict[str, Any]) -> None:
+def route_and_send(
+    sup: Supervisor, channel: Channel, flight: Inflight, request: dict[str, Any]
+) -> None:
     op, session_id = flight.op, flight.session_id
     route = route_request(op, session_id, sup.placements, sup._loads())
     if route.worker is None:
-        local_error(sup, channel, flight, route.error_code or ErrorCode.INTERNAL_ERROR,
-                    route.error or "no worker", op=op)
+        local_error(
+            sup,
+            channel,
+            flight,
+            route.error_code or ErrorCode.INTERNAL_ERROR,
+            route.error or "no worker",
+            op=op,
+        )
         return
     slot = sup.slots[route.worker]
     if route.new_placement:
@@ -210,17 +250,24 @@ def route_and_send(sup: Supervisor, channel: Channel, flight: Inflight,
     sup._send(slot, flight, request)
 
 
-def local_error(sup: Supervisor, channel: Channel, flight: Inflight, code: str, message: str,
-                **extra: Any) -> None:
+def local_error(
+    sup: Supervisor, channel: Channel, flight: Inflight, code: str, message: str, **extra: Any
+) -> None:
     sup._answer(channel, flight, {"event": "error", "error": message, "code": code, **extra})
 
 
 def client_cancel(sup: Supervisor, channel: Channel, client_id: Any) -> None:
     flight = channel.by_client_id.get(client_id) if client_id is not NO_ID else None
     if flight is None:
-        channel.emit({"event": "error", "error": f"no request with id {client_id!r} in "
-                      "flight", "code": ErrorCode.UNKNOWN_ID, "op": "cancel",
-                      **({} if client_id is NO_ID else {"id": client_id})})
+        channel.emit(
+            {
+                "event": "error",
+                "error": f"no request with id {client_id!r} in flight",
+                "code": ErrorCode.UNKNOWN_ID,
+                "op": "cancel",
+                **({} if client_id is NO_ID else {"id": client_id}),
+            }
+        )
         return
     cancel_flight(sup, flight)
 
@@ -243,7 +290,18 @@ def cancel_flight(sup: Supervisor, flight: Inflight) -> None:
 
 
 def cancelled_done() -> dict[str, Any]:
-    return {"event": "done", "done": True, "prompt_tokens": 0, "completion_tokens": 0,
-            "finish_reason": "cancelled", "reused_prompt_tokens": 0, "prefilled_prompt_tokens": 0,
-            "session_reset_reason": "new", "prefill_ms": 0.0, "decode_ms": 0.0, "total_ms": 0.0,
-            "prefill_tok_s": 0.0, "decode_tok_s": 0.0}
+    return {
+        "event": "done",
+        "done": True,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "finish_reason": "cancelled",
+        "reused_prompt_tokens": 0,
+        "prefilled_prompt_tokens": 0,
+        "session_reset_reason": "new",
+        "prefill_ms": 0.0,
+        "decode_ms": 0.0,
+        "total_ms": 0.0,
+        "prefill_tok_s": 0.0,
+        "decode_tok_s": 0.0,
+    }

@@ -25,8 +25,11 @@ def on_worker_death(sup: Supervisor, slot: WorkerSlot, process: WorkerProcess) -
     if process is not slot.process:
         return
     status = process.returncode
-    how = f"was killed by signal {-status}" if status is not None and status < 0 \
+    how = (
+        f"was killed by signal {-status}"
+        if status is not None and status < 0
         else f"exited with status {status}"
+    )
     # Its sessions now live only in the mirror.
     for session_id in slot.named:
         sup.needs_rebuild.add(session_id)
@@ -47,18 +50,32 @@ def on_worker_death(sup: Supervisor, slot: WorkerSlot, process: WorkerProcess) -
     for iid in sent:
         flight = slot.inflight.pop(iid, None)
         if flight is not None:
-            sup._answer(flight.channel, flight, {
-                "event": "error", "code": ErrorCode.WORKER_LOST, "op": flight.op,
-                "error": f"worker {slot.index} {how} while serving this request"})
+            sup._answer(
+                flight.channel,
+                flight,
+                {
+                    "event": "error",
+                    "code": ErrorCode.WORKER_LOST,
+                    "op": flight.op,
+                    "error": f"worker {slot.index} {how} while serving this request",
+                },
+            )
     # Requests held or waiting for a rebuild were never sent: they wait for the restart,
     # but a rebuild must start over, so they are answered too.
     for session_id in list(sup.rebuilding):
         if sup.placements.get(session_id) == slot.index:
             for flight, _ in sup.rebuilding.pop(session_id):
                 if slot.inflight.pop(flight.iid, None) is not None:
-                    sup._answer(flight.channel, flight, {
-                        "event": "error", "code": ErrorCode.WORKER_LOST, "op": flight.op,
-                        "error": f"worker {slot.index} {how} while serving this request"})
+                    sup._answer(
+                        flight.channel,
+                        flight,
+                        {
+                            "event": "error",
+                            "code": ErrorCode.WORKER_LOST,
+                            "op": flight.op,
+                            "error": f"worker {slot.index} {how} while serving this request",
+                        },
+                    )
     sup._maybe_idle()
     slot.restart_task = asyncio.ensure_future(restart(sup, slot))
 
@@ -70,17 +87,22 @@ def fail_all(sup: Supervisor, slot: WorkerSlot, code: str, message: str) -> None
         flight = slot.inflight.pop(iid, None)
         if flight is None:
             continue
-        sup._answer(flight.channel, flight, {"event": "error", "error": message,
-                                             "code": code, "op": flight.op})
+        sup._answer(
+            flight.channel,
+            flight,
+            {"event": "error", "error": message, "code": code, "op": flight.op},
+        )
     sup._maybe_idle()
 
 
 async def restart(sup: Supervisor, slot: WorkerSlot) -> None:
     while not sup.closing:
         if should_give_up(slot.fast_failures, sup.config.max_fast_failures):
-            log(f"GIVING UP on worker {slot.index}: it failed {slot.fast_failures} times in "
+            log(
+                f"GIVING UP on worker {slot.index}: it failed {slot.fast_failures} times in "
                 f"a row within {sup.config.fast_failure_s:g}s of starting; its sessions "
-                "move to the other workers")
+                "move to the other workers"
+            )
             slot.state = WorkerState.FAILED
             for session_id in list(slot.named):
                 sup.needs_rebuild.add(session_id)
@@ -115,16 +137,19 @@ async def heartbeat(sup: Supervisor) -> None:
                 continue
             silent = now - slot.last_heard
             if slot.ping_sent_at is not None and silent > sup.config.heartbeat_timeout:
-                log(f"worker {slot.index} (pid {process.pid}) wrote nothing for "
+                log(
+                    f"worker {slot.index} (pid {process.pid}) wrote nothing for "
                     f"{silent:.1f}s with a ping out (heartbeat timeout "
-                    f"{sup.config.heartbeat_timeout:g}s): killing it")
+                    f"{sup.config.heartbeat_timeout:g}s): killing it"
+                )
                 slot.ping_sent_at = None
                 process.kill()  # SIGKILL: works on a stopped process too
             elif slot.ping_sent_at is None:
                 slot.ping_sent_at = now
 
-                def pong(event: dict[str, Any], slot: WorkerSlot = slot,
-                         process: WorkerProcess = process) -> None:
+                def pong(
+                    event: dict[str, Any], slot: WorkerSlot = slot, process: WorkerProcess = process
+                ) -> None:
                     if slot.process is process:
                         slot.ping_sent_at = None
 
@@ -147,14 +172,22 @@ def start_rebuild(sup: Supervisor, slot: WorkerSlot, session_id: str) -> None:
             return
         code = event.get("code", ErrorCode.INTERNAL_ERROR)
         if code != ErrorCode.WORKER_LOST:
-            log(f"rebuilding session {session_id!r} on worker {slot.index} failed: "
-                f"{event.get('error')}")
+            log(
+                f"rebuilding session {session_id!r} on worker {slot.index} failed: "
+                f"{event.get('error')}"
+            )
         for flight, _request in waiting:
             if slot.inflight.pop(flight.iid, None) is not None:
-                sup._answer(flight.channel, flight, {
-                    "event": "error", "code": code,
-                    "error": f"session {session_id!r} could not be restored after a "
-                             f"worker restart: {event.get('error')}"})
+                sup._answer(
+                    flight.channel,
+                    flight,
+                    {
+                        "event": "error",
+                        "code": code,
+                        "error": f"session {session_id!r} could not be restored after a "
+                        f"worker restart: {event.get('error')}",
+                    },
+                )
 
     flight = sup._internal(slot, rebuild_request(session_id, resident), session_id, rebuilt)
     sup._send(slot, flight, rebuild_request(session_id, resident))

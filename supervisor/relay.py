@@ -51,8 +51,7 @@ def on_worker_lines(sup: Supervisor, slot: WorkerSlot, lines: list[bytes]) -> No
             flight = inflight.get(event.get("id"))
         except (orjson.JSONDecodeError, AttributeError):
             if line.strip():
-                log(f"worker {slot.index} wrote a line that is not a JSON object: "
-                    f"{line[:200]!r}")
+                log(f"worker {slot.index} wrote a line that is not a JSON object: {line[:200]!r}")
             continue
         if flight is None:
             continue  # e.g. the unknown_id answer to a cancel that raced a done
@@ -83,15 +82,16 @@ def finish(sup: Supervisor, slot: WorkerSlot, flight: Inflight, event: dict[str,
     session_id = flight.session_id
     if flight.op == "generate" and session_id:
         if kind == "done" and "resident_keep" in event:
-            sup.mirror.apply(session_id, event["resident_keep"],
-                             event.get("resident_append") or [])
+            sup.mirror.apply(session_id, event["resident_keep"], event.get("resident_append") or [])
         if flight.strip_resident:
             event.pop("resident_keep", None)
             event.pop("resident_append", None)
     if kind == "error" and flight.new_placement and event.get("code") in PLACEMENT_FAILED:
-        if not sup.mirror.resident(session_id) and sup.placements.get(session_id) == \
-                slot.index and not any(f.session_id == session_id
-                                       for f in slot.inflight.values()):
+        if (
+            not sup.mirror.resident(session_id)
+            and sup.placements.get(session_id) == slot.index
+            and not any(f.session_id == session_id for f in slot.inflight.values())
+        ):
             forget_session(sup, session_id)
     elif kind == "closed":
         forget_session(sup, session_id)

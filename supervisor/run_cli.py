@@ -213,38 +213,104 @@ async def _listen(supervisor: Supervisor, path: str, ready: dict[str, Any]) -> a
     return await asyncio.start_unix_server(connection, path=path, limit=1 << 21)
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
-                                 "help_option_names": ["-h", "--help"]})
-@click.option("--model", "--model_path", "model", default=None,
-              help="HF checkpoint dir or .gguf file (default: the packaged Gemma 3 270M).")
-@click.option("--gpus", default="all", show_default=True,
-              help="GPUs to run one worker each on: all, none, or a list like 0,2.")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Run N CPU workers instead (wins over --gpus).")
-@click.option("--max-sessions", type=click.IntRange(min=1), default=None,
-              help="Sessions per worker, the scratch session included.")
-@click.option("--max-context", type=click.IntRange(min=1), default=None,
-              help="Context length per session.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests per worker in flight or waiting; beyond it: `overloaded`.")
-@click.option("--ready-timeout", type=float, default=600.0, show_default=True,
-              help="Seconds to wait for each worker's ready line.")
-@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
-              help="On SIGTERM/SIGINT, seconds to finish in-flight work before cancelling.")
-@click.option("--heartbeat-timeout", type=click.FloatRange(min=0), default=120.0,
-              show_default=True,
-              help="Kill and restart a worker silent this long with a ping out (0: off).")
-@click.option("--heartbeat-interval", type=click.FloatRange(min=0.01), default=5.0,
-              show_default=True, help="Seconds between heartbeat pings to each worker.")
-@click.option("--listen", default=None, metavar="SOCKET",
-              help="Serve on this unix socket instead of stdin (for `generate --connect`).")
-@click.option("--worker-command", default=None, hidden=True,
-              help="Command line of a worker (tests, benchmarks).")
+@click.command(
+    context_settings={
+        "ignore_unknown_options": True,
+        "allow_extra_args": True,
+        "help_option_names": ["-h", "--help"],
+    }
+)
+@click.option(
+    "--model",
+    "--model_path",
+    "model",
+    default=None,
+    help="HF checkpoint dir or .gguf file (default: the packaged Gemma 3 270M).",
+)
+@click.option(
+    "--gpus",
+    default="all",
+    show_default=True,
+    help="GPUs to run one worker each on: all, none, or a list like 0,2.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run N CPU workers instead (wins over --gpus).",
+)
+@click.option(
+    "--max-sessions",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Sessions per worker, the scratch session included.",
+)
+@click.option(
+    "--max-context", type=click.IntRange(min=1), default=None, help="Context length per session."
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Requests per worker in flight or waiting; beyond it: `overloaded`.",
+)
+@click.option(
+    "--ready-timeout",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds to wait for each worker's ready line.",
+)
+@click.option(
+    "--drain-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM/SIGINT, seconds to finish in-flight work before cancelling.",
+)
+@click.option(
+    "--heartbeat-timeout",
+    type=click.FloatRange(min=0),
+    default=120.0,
+    show_default=True,
+    help="Kill and restart a worker silent this long with a ping out (0: off).",
+)
+@click.option(
+    "--heartbeat-interval",
+    type=click.FloatRange(min=0.01),
+    default=5.0,
+    show_default=True,
+    help="Seconds between heartbeat pings to each worker.",
+)
+@click.option(
+    "--listen",
+    default=None,
+    metavar="SOCKET",
+    help="Serve on this unix socket instead of stdin (for `generate --connect`).",
+)
+@click.option(
+    "--worker-command",
+    default=None,
+    hidden=True,
+    help="Command line of a worker (tests, benchmarks).",
+)
 @click.pass_context
-def command(ctx: click.Context, model: str | None, gpus: str, workers: int | None,
-            max_sessions: int | None, max_context: int | None, max_queue: int,
-            ready_timeout: float, drain_timeout: float, heartbeat_timeout: float,
-            heartbeat_interval: float, listen: str | None, worker_command: str | None) -> None:
+def command(
+    ctx: click.Context,
+    model: str | None,
+    gpus: str,
+    workers: int | None,
+    max_sessions: int | None,
+    max_context: int | None,
+    max_queue: int,
+    ready_timeout: float,
+    drain_timeout: float,
+    heartbeat_timeout: float,
+    heartbeat_interval: float,
+    listen: str | None,
+    worker_command: str | None,
+) -> None:
     """Serve JSONL on stdin/stdout through one worker per GPU (one CPU worker without GPUs).
 
     Other options (--dtype, --prefill-chunk, --prefix-ids, --no-warm-resume, --threads, ...)
@@ -252,11 +318,19 @@ def command(ctx: click.Context, model: str | None, gpus: str, workers: int | Non
     """
     try:
         config = SupervisorConfig(
-            model=model, gpus=gpus, workers=workers, max_sessions=max_sessions,
-            max_context=max_context, max_queue=max_queue, worker_args=tuple(ctx.args),
+            model=model,
+            gpus=gpus,
+            workers=workers,
+            max_sessions=max_sessions,
+            max_context=max_context,
+            max_queue=max_queue,
+            worker_args=tuple(ctx.args),
             worker_command=tuple(shlex.split(worker_command)) if worker_command else None,
-            ready_timeout=ready_timeout, drain_timeout=drain_timeout,
-            heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval)
+            ready_timeout=ready_timeout,
+            drain_timeout=drain_timeout,
+            heartbeat_timeout=heartbeat_timeout,
+            heartbeat_interval=heartbeat_interval,
+        )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     sys.exit(eventloop.run(serve(config, listen)))

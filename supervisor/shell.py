@@ -27,20 +27,39 @@ from supervisor.pool import detect_gpus
 
 def _sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
     options = [
-        click.option("--max-new-tokens", type=click.IntRange(min=-1), default=256,
-                     show_default=True, help="-1 fills the context."),
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.0,
-                     show_default=True, help="0 is greedy."),
+        click.option(
+            "--max-new-tokens",
+            type=click.IntRange(min=-1),
+            default=256,
+            show_default=True,
+            help="-1 fills the context.",
+        ),
+        click.option(
+            "--temperature",
+            type=click.FloatRange(min=0),
+            default=0.0,
+            show_default=True,
+            help="0 is greedy.",
+        ),
         click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0),
         click.option("--top-k", type=click.IntRange(min=0), default=0, help="0 is off."),
         click.option("--min-p", type=click.FloatRange(0, 1), default=0.0),
         click.option("--seed", type=click.IntRange(min=0), default=0, help="0 is unset."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option("--model", "--model_path", "model", default=None,
-                     help="HF checkpoint dir or .gguf file (default: Gemma 3 270M)."),
+        click.option(
+            "--model",
+            "--model_path",
+            "model",
+            default=None,
+            help="HF checkpoint dir or .gguf file (default: Gemma 3 270M).",
+        ),
         click.option("--max-context", type=click.IntRange(min=1), default=None),
-        click.option("--connect", default=None, metavar="SOCKET",
-                     help="Use a running `tokenpipe run --listen SOCKET`."),
+        click.option(
+            "--connect",
+            default=None,
+            metavar="SOCKET",
+            help="Use a running `tokenpipe run --listen SOCKET`.",
+        ),
         click.option("-q", "--quiet", is_flag=True, help="Hide the worker's log lines."),
     ]
     for option in reversed(options):
@@ -50,9 +69,13 @@ def _sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _sampling(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {
-        "max_new_tokens": kwargs["max_new_tokens"], "temperature": kwargs["temperature"],
-        "top_p": kwargs["top_p"], "top_k": kwargs["top_k"], "min_p": kwargs["min_p"],
-        "seed": kwargs["seed"], "stop": list(kwargs["stop"]),
+        "max_new_tokens": kwargs["max_new_tokens"],
+        "temperature": kwargs["temperature"],
+        "top_p": kwargs["top_p"],
+        "top_k": kwargs["top_k"],
+        "min_p": kwargs["min_p"],
+        "seed": kwargs["seed"],
+        "stop": list(kwargs["stop"]),
     }
 
 
@@ -61,8 +84,10 @@ def open_client(kwargs: dict[str, Any], worker_args: Sequence[str]) -> Client:
     if kwargs.get("connect"):
         return Client(connect=kwargs["connect"])
     config = SupervisorConfig(
-        model=kwargs.get("model"), gpus="0" if detect_gpus() else "none",
-        max_context=kwargs.get("max_context"), worker_args=tuple(worker_args),
+        model=kwargs.get("model"),
+        gpus="0" if detect_gpus() else "none",
+        max_context=kwargs.get("max_context"),
+        worker_args=tuple(worker_args),
     )
     return Client(config=config, stderr_sink=_discard if kwargs.get("quiet") else None)
 
@@ -92,28 +117,34 @@ def stream_reply(client: Client, request: GenerateRequest, as_json: bool = False
     raise TokenpipeError("internal_error", "the stream ended without a done line")
 
 
-_CONTEXT = {"ignore_unknown_options": True, "allow_extra_args": True,
-            "help_option_names": ["-h", "--help"]}
+_CONTEXT = {
+    "ignore_unknown_options": True,
+    "allow_extra_args": True,
+    "help_option_names": ["-h", "--help"],
+}
 
 
 @click.command(context_settings=_CONTEXT)
 @click.argument("prompt")
 @click.option("--json", "as_json", is_flag=True, help="Print the event lines (JSONL) instead.")
-@click.option("--session", default=None,
-              help="Named session (kept across invocations only with --connect).")
+@click.option(
+    "--session", default=None, help="Named session (kept across invocations only with --connect)."
+)
 @click.option("--raw", is_flag=True, help="Do not add the model's prompt prefix (BOS).")
 @_sampling_options
 @click.pass_context
-def generate_command(ctx: click.Context, prompt: str, as_json: bool, session: str | None,
-                     raw: bool, **kwargs: Any) -> None:
+def generate_command(
+    ctx: click.Context, prompt: str, as_json: bool, session: str | None, raw: bool, **kwargs: Any
+) -> None:
     """Generate text for PROMPT (`-` reads it from stdin) and stream it to stdout.
 
     Other options (--dtype, --threads, ...) are passed to the worker.
     """
     if prompt == "-":
         prompt = sys.stdin.read()
-    request = GenerateRequest(prompt=prompt, session_id=session, add_prefix=not raw,
-                              **_sampling(kwargs))
+    request = GenerateRequest(
+        prompt=prompt, session_id=session, add_prefix=not raw, **_sampling(kwargs)
+    )
     try:
         client = open_client(kwargs, ctx.args)
     except Exception as exc:  # start-up failures: a clear message, non-zero status

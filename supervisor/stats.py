@@ -27,8 +27,11 @@ async def answer_stats(sup: Supervisor, channel: Channel, flight: Inflight) -> N
         futures.append(future)
         if slot.state is WorkerState.READY and slot.process is not None:
             internal = sup._internal(
-                slot, {"op": "stats"}, "",
-                lambda ev, f=future: f.done() or f.set_result(ev.get("stats") or {}))
+                slot,
+                {"op": "stats"},
+                "",
+                lambda ev, f=future: f.done() or f.set_result(ev.get("stats") or {}),
+            )
             sup._send(slot, internal, {"op": "stats"})
         else:
             future.set_result({})
@@ -36,22 +39,36 @@ async def answer_stats(sup: Supervisor, channel: Channel, flight: Inflight) -> N
         answers = await asyncio.wait_for(asyncio.gather(*futures), 10.0)
     except asyncio.TimeoutError:
         answers = [f.result() if f.done() else {} for f in futures]
-    gpu = await loop.run_in_executor(None, gpu_memory_by_pid) if any(
-        s.spec.device != "cpu" for s in sup.slots) else {}
+    gpu = (
+        await loop.run_in_executor(None, gpu_memory_by_pid)
+        if any(s.spec.device != "cpu" for s in sup.slots)
+        else {}
+    )
     now = time.monotonic()
     workers = []
-    totals = {"active_requests": 0, "queued_requests": 0, "sessions": 0, "free_slots": 0,
-              "rss_bytes": 0}
+    totals = {
+        "active_requests": 0,
+        "queued_requests": 0,
+        "sessions": 0,
+        "free_slots": 0,
+        "rss_bytes": 0,
+    }
     for slot, worker_stats in zip(sup.slots, answers, strict=True):
         pid = slot.process.pid if slot.process is not None and slot.process.alive else None
         rss = process_rss(pid)
         entry: dict[str, Any] = {
-            "index": slot.index, "state": slot.state.value, "pid": pid,
-            "device": slot.spec.device, "queue_depth": len(slot.inflight),
-            "named_sessions": sorted(slot.named), "restarts": slot.restarts,
+            "index": slot.index,
+            "state": slot.state.value,
+            "pid": pid,
+            "device": slot.spec.device,
+            "queue_depth": len(slot.inflight),
+            "named_sessions": sorted(slot.named),
+            "restarts": slot.restarts,
             "uptime_s": round(now - slot.process.started_at, 3)
-            if pid is not None and slot.process is not None else 0.0,
-            "rss_bytes": rss, "worker": worker_stats,
+            if pid is not None and slot.process is not None
+            else 0.0,
+            "rss_bytes": rss,
+            "worker": worker_stats,
         }
         if pid is not None and pid in gpu:
             entry["gpu_memory_bytes"] = gpu[pid]
@@ -61,13 +78,18 @@ async def answer_stats(sup: Supervisor, channel: Channel, flight: Inflight) -> N
             if isinstance(value, int):
                 totals[key] += value
         totals["rss_bytes"] += rss
-    stats = {**totals, "workers": workers, "supervisor": {
-        "pid": os.getpid(), "rss_bytes": process_rss(os.getpid()),
-        "uptime_s": round(now - sup.started_at, 3),
-        "event_loop": "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio",
-        "sessions": len(sup.placements) + len(
-            [s for s in sup.needs_rebuild if s not in sup.placements]),
-    }}
+    stats = {
+        **totals,
+        "workers": workers,
+        "supervisor": {
+            "pid": os.getpid(),
+            "rss_bytes": process_rss(os.getpid()),
+            "uptime_s": round(now - sup.started_at, 3),
+            "event_loop": "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio",
+            "sessions": len(sup.placements)
+            + len([s for s in sup.needs_rebuild if s not in sup.placements]),
+        },
+    }
     if flight.worker < 0:
         sup._answer(channel, flight, {"event": "stats", "stats": stats})
 
@@ -88,7 +110,10 @@ def gpu_memory_by_pid() -> dict[int, int]:
     try:
         out = subprocess.run(
             [smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10).stdout
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     usage: dict[int, int] = {}

@@ -89,5 +89,3 @@ def llama_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             }
         )
     return shapes
-
-

@@ -417,8 +417,10 @@ def ttft(worker: WorkerProcess, resident: int, extra: int, vocab: int, timeout: 
             t0, lines = worker.generate([req], timeout)
             req_lines = next(iter(lines.values()))
             first = next((ln.t for ln in req_lines if ln.msg.get("event") == "token"), None)
-            run = {"s": (first or req_lines[-1].t) - t0,
-                   "prefilled": float(req_lines[-1].msg.get("prefilled_prompt_tokens", -1))}
+            run = {
+                "s": (first or req_lines[-1].t) - t0,
+                "prefilled": float(req_lines[-1].msg.get("prefilled_prompt_tokens", -1)),
+            }
             for key in ("prefill_ms", "total_ms"):  # the worker's own accounting
                 run[key] = float(req_lines[-1].msg.get(key, -1))
             runs.append(run)

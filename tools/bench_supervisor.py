@@ -26,13 +26,23 @@ import orjson
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE = [sys.executable, str(REPO / "tests" / "supervisor" / "fake_worker.py")]
-RUN = [sys.executable, "-c",
-       "import sys; sys.argv[0]='tokenpipe'; from supervisor.cli import main; main()", "run"]
+RUN = [
+    sys.executable,
+    "-c",
+    "import sys; sys.argv[0]='tokenpipe'; from supervisor.cli import main; main()",
+    "run",
+]
 
 
 def start(argv: list[str]) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, cwd=REPO, bufsize=0)
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        bufsize=0,
+    )
     assert proc.stdout is not None
     ready = orjson.loads(proc.stdout.readline())
     assert ready.get("ready"), ready

@@ -53,16 +53,30 @@ class Target:
     """A worker or supervisor process, read by a thread; probes restarted as they end."""
 
     def __init__(self, kind: str, args: list[str], probe_tokens: int) -> None:
-        flags = ["--threads", str(args.threads), "--max-context", str(args.max_context),
-                 "--max-sessions", "4"]
+        flags = [
+            "--threads",
+            str(args.threads),
+            "--max-context",
+            str(args.max_context),
+            "--max-sessions",
+            "4",
+        ]
         if args.model:
             flags += ["--model", args.model]
-        argv = [*TOKENPIPE, "worker", "--device", "cpu", *flags] if kind == "worker" else \
-            [*TOKENPIPE, "run", "--workers", "1", *flags]
+        argv = (
+            [*TOKENPIPE, "worker", "--device", "cpu", *flags]
+            if kind == "worker"
+            else [*TOKENPIPE, "run", "--workers", "1", *flags]
+        )
         self.kind = kind
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, cwd=REPO,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.bad_stdout = 0
         threading.Thread(target=self._read, daemon=True).start()
@@ -114,9 +128,17 @@ class Target:
     def start_probe(self) -> None:
         self.probe_n += 1
         self.probe_lines = []
-        self.send_raw(orjson.dumps({"id": f"probe-{self.probe_n}", "prompt": PROBE_PROMPT,
-                                    "max_new_tokens": self.probe_tokens,
-                                    "session_id": "probe"}) + b"\n")
+        self.send_raw(
+            orjson.dumps(
+                {
+                    "id": f"probe-{self.probe_n}",
+                    "prompt": PROBE_PROMPT,
+                    "max_new_tokens": self.probe_tokens,
+                    "session_id": "probe",
+                }
+            )
+            + b"\n"
+        )
 
     def _on_probe(self, event: dict[str, Any]) -> None:
         if event.get("id") != f"probe-{self.probe_n}":
@@ -143,8 +165,7 @@ class Target:
             if event["event"] == "pong" and "id" not in event:
                 pong = True
                 continue
-            if case.rid is not None and event.get("id") == case.rid and \
-                    event["event"] in TERMINAL:
+            if case.rid is not None and event.get("id") == case.rid and event["event"] in TERMINAL:
                 got_rid = True
             answers.append(event)
         return answers
@@ -174,10 +195,18 @@ def fuzz(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     assert ready["event"] == "ready", ready
     vocab = target.ask({"op": "info", "id": "info"})[-1]["info"]["vocab_size"]
     target.ask({"op": "open", "session_id": "probe", "id": "open"})
-    base = target.ask({"id": "base", "prompt": PROBE_PROMPT,
-                       "max_new_tokens": args.probe_tokens, "session_id": "probe"})
-    target.baseline = ([e["token"] for e in base if e["event"] == "token"],
-                       base[-1]["generated_token_ids"])
+    base = target.ask(
+        {
+            "id": "base",
+            "prompt": PROBE_PROMPT,
+            "max_new_tokens": args.probe_tokens,
+            "session_id": "probe",
+        }
+    )
+    target.baseline = (
+        [e["token"] for e in base if e["event"] == "token"],
+        base[-1]["generated_token_ids"],
+    )
     target.start_probe()
     codes: Counter[str] = Counter()
     problems: list[str] = []
@@ -185,8 +214,12 @@ def fuzz(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     def run_case(case: Case) -> None:
         codes[case.code] += 1
         if sum(codes.values()) % 100 == 0:
-            print(f"fuzz_lines {kind}: {sum(codes.values())} lines, {len(problems)} problems, "
-                  f"{target.probes_checked} probes", file=sys.stderr, flush=True)
+            print(
+                f"fuzz_lines {kind}: {sum(codes.values())} lines, {len(problems)} problems, "
+                f"{target.probes_checked} probes",
+                file=sys.stderr,
+                flush=True,
+            )
         problem = check(case, target.answers_to(case))
         if problem is not None:
             problems.append(problem)
@@ -199,8 +232,13 @@ def fuzz(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                 run_case(case)
     generated = 0
 
-    @settings(max_examples=args.lines, deadline=None, database=None, derandomize=False,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=args.lines,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(line=malformed_lines)
     def one(line: bytes) -> None:
         nonlocal generated
@@ -234,11 +272,18 @@ def fuzz(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         problems.append(f"{target.bad_stdout} stdout lines were not protocol events")
     if code != 0:
         problems.append(f"exit status {code}")
-    return {"target": kind, "lines": sum(codes.values()), "generated": generated,
-            "static_rounds": args.rounds, "codes": dict(codes),
-            "probes_compared": target.probes_checked, "problems": problems[:20],
-            "seconds": round(time.monotonic() - started, 1),
-            "model": args.model or "default (Gemma 3 270M)", "ready": ready.get("model")}
+    return {
+        "target": kind,
+        "lines": sum(codes.values()),
+        "generated": generated,
+        "static_rounds": args.rounds,
+        "codes": dict(codes),
+        "probes_compared": target.probes_checked,
+        "problems": problems[:20],
+        "seconds": round(time.monotonic() - started, 1),
+        "model": args.model or "default (Gemma 3 270M)",
+        "ready": ready.get("model"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,13 +305,17 @@ def main(argv: list[str] | None = None) -> int:
         held = not summary["problems"]
         ok = ok and held
         if args.write:
-            tried = (f"{summary['lines']} bad lines ({summary['static_rounds']} x the fixed "
-                     f"corpus + {summary['generated']} hypothesis-generated) into "
-                     f"`tokenpipe {kind}` ({summary['model']}, 512 context); codes "
-                     + ", ".join(f"{c} {n}" for c, n in sorted(summary["codes"].items())))
-            outcome = (f"one error each with the right code and id; "
-                       f"{summary['probes_compared']} greedy probes alongside byte-identical "
-                       "to the baseline; still serving; exit 0")
+            tried = (
+                f"{summary['lines']} bad lines ({summary['static_rounds']} x the fixed "
+                f"corpus + {summary['generated']} hypothesis-generated) into "
+                f"`tokenpipe {kind}` ({summary['model']}, 512 context); codes "
+                + ", ".join(f"{c} {n}" for c, n in sorted(summary["codes"].items()))
+            )
+            outcome = (
+                f"one error each with the right code and id; "
+                f"{summary['probes_compared']} greedy probes alongside byte-identical "
+                "to the baseline; still serving; exit 0"
+            )
             if not held:
                 outcome = "PROBLEMS: " + "; ".join(summary["problems"][:3])
             update_row(f"bad input ({kind})", "tools/fuzz_lines.py", tried, outcome, held)

@@ -40,14 +40,20 @@ import orjson
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENPIPE = [sys.executable, "-c",
-             "import sys; sys.argv[0] = 'tokenpipe'; from supervisor.cli import main; main()"]
-TERMINAL = frozenset({"done", "error", "opened", "closed", "reset", "pong", "info", "stats",
-                      "tokens", "text"})
+TOKENPIPE = [
+    sys.executable,
+    "-c",
+    "import sys; sys.argv[0] = 'tokenpipe'; from supervisor.cli import main; main()",
+]
+TERMINAL = frozenset(
+    {"done", "error", "opened", "closed", "reset", "pong", "info", "stats", "tokens", "text"}
+)
 RELIABILITY = REPO / "RELIABILITY.md"
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-WORDS = ("river stone light garden window morning quiet paper bridge candle winter forest "
-         "letter music ocean silver").split()
+WORDS = (
+    "river stone light garden window morning quiet paper bridge candle winter forest "
+    "letter music ocean silver"
+).split()
 
 
 # --------------------------------------------------------------------------- RELIABILITY.md
@@ -63,8 +69,9 @@ checks in `tests/reliability/`.
 """
 
 
-def update_row(key: str, script: str, tried: str, held: str, ok: bool,
-               path: Path = RELIABILITY) -> None:
+def update_row(
+    key: str, script: str, tried: str, held: str, ok: bool, path: Path = RELIABILITY
+) -> None:
     """Insert or replace the table row whose first cell is `key`."""
     text = path.read_text() if path.exists() else _HEADER
     if "| check |" not in text:
@@ -98,9 +105,16 @@ class Supervisor:
     @classmethod
     async def start(cls, args: list[str]) -> tuple[Supervisor, dict[str, Any]]:
         process = await asyncio.create_subprocess_exec(
-            *TOKENPIPE, "run", *args, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=None, cwd=REPO, limit=1 << 24,
-            env={**os.environ, **CHILD_ENV})
+            *TOKENPIPE,
+            "run",
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=None,
+            cwd=REPO,
+            limit=1 << 24,
+            env={**os.environ, **CHILD_ENV},
+        )
         assert process.stdout is not None
         line = await asyncio.wait_for(process.stdout.readline(), 900)
         if not line:
@@ -199,8 +213,15 @@ def _prompt(session: int, turn: int) -> str:
     return f"Note {session}: " + " ".join(words)
 
 
-async def _conversation(sup: Supervisor, result: RunResult, index: int, requests: int,
-                        max_new: int, cancel_rate: float, rng: random.Random) -> None:
+async def _conversation(
+    sup: Supervisor,
+    result: RunResult,
+    index: int,
+    requests: int,
+    max_new: int,
+    cancel_rate: float,
+    rng: random.Random,
+) -> None:
     named = index % 4 != 3
     sid = f"load-{index}"
     if named:
@@ -211,8 +232,11 @@ async def _conversation(sup: Supervisor, result: RunResult, index: int, requests
             named = False  # no slot: fall back to the scratch session
     for turn in range(requests):
         rid = f"{sid}-r{turn}"
-        request: dict[str, Any] = {"id": rid, "prompt": _prompt(index, turn),
-                                   "max_new_tokens": max_new}
+        request: dict[str, Any] = {
+            "id": rid,
+            "prompt": _prompt(index, turn),
+            "max_new_tokens": max_new,
+        }
         if named:
             request["session_id"] = sid
         result.sent.append(rid)
@@ -248,9 +272,18 @@ def _worker_rss(stats: dict[str, Any]) -> list[int]:
 
 async def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     sessions, requests = args.sessions, args.requests
-    flags = ["--workers", str(args.workers), "--max-sessions", str(sessions + 1),
-             "--max-context", str(args.max_context), "--max-queue", str(4 * sessions + 16),
-             "--threads", str(args.threads)]
+    flags = [
+        "--workers",
+        str(args.workers),
+        "--max-sessions",
+        str(sessions + 1),
+        "--max-context",
+        str(args.max_context),
+        "--max-queue",
+        str(4 * sessions + 16),
+        "--threads",
+        str(args.threads),
+    ]
     if args.model:
         flags += ["--model", args.model]
     started = time.monotonic()
@@ -258,8 +291,10 @@ async def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     problems: list[str] = []
     # Warm-up: a few requests at the concurrency of the test, so the allocator's high-water
     # mark is reached before the baseline RSS is taken.
-    warm = [sup.stream({"id": f"warm-{i}", "prompt": _prompt(i, 2), "max_new_tokens": 4})
-            for i in range(min(sessions, 16))]
+    warm = [
+        sup.stream({"id": f"warm-{i}", "prompt": _prompt(i, 2), "max_new_tokens": 4})
+        for i in range(min(sessions, 16))
+    ]
     await asyncio.gather(*warm)
     baseline = await sup.stats("baseline")
     rss_start = _worker_rss(baseline)
@@ -270,40 +305,66 @@ async def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     async def progress() -> None:
         while True:
             await asyncio.sleep(30)
-            print(f"load_test: {len(result.done)}/{sessions * requests} requests answered after "
-                  f"{time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+            print(
+                f"load_test: {len(result.done)}/{sessions * requests} requests answered after "
+                f"{time.monotonic() - t0:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     reporter = asyncio.ensure_future(progress())
-    await asyncio.gather(*(_conversation(sup, result, i, requests, args.max_new,
-                                         args.cancel_rate, random.Random(rng.random()))
-                           for i in range(sessions)))
+    await asyncio.gather(
+        *(
+            _conversation(
+                sup,
+                result,
+                i,
+                requests,
+                args.max_new,
+                args.cancel_rate,
+                random.Random(rng.random()),
+            )
+            for i in range(sessions)
+        )
+    )
     reporter.cancel()
     load_s = time.monotonic() - t0
-    events = [e for e in sup.events if str(e.get("id", "")).startswith(("load-", "open-load",
-                                                                         "close-load"))]
+    events = [
+        e
+        for e in sup.events
+        if str(e.get("id", "")).startswith(("load-", "open-load", "close-load"))
+    ]
     problems += check_exactly_once(result.sent, events)
     errors = Counter(e.get("code") for e in result.done.values() if e["event"] == "error")
     if errors:
         problems.append(f"error answers: {dict(errors)}")
-    finish = Counter(e.get("finish_reason") for e in result.done.values()
-                     if e["event"] == "done")
+    finish = Counter(e.get("finish_reason") for e in result.done.values() if e["event"] == "done")
     after = await sup.stats("after")
     if after["active_requests"] or after["queued_requests"]:
-        problems.append(f"requests left: active {after['active_requests']}, queued "
-                        f"{after['queued_requests']}")
+        problems.append(
+            f"requests left: active {after['active_requests']}, queued {after['queued_requests']}"
+        )
     max_slots = int(ready["max_sessions"])
     if after["sessions"] or after["free_slots"] != max_slots:
-        problems.append(f"KV slots leaked: sessions {after['sessions']}, free "
-                        f"{after['free_slots']} of {max_slots}")
+        problems.append(
+            f"KV slots leaked: sessions {after['sessions']}, free "
+            f"{after['free_slots']} of {max_slots}"
+        )
     rss_end = _worker_rss(after)
     growth = [(end - start) / start for start, end in zip(rss_start, rss_end, strict=True)]
     if any(g > 0.05 for g in growth):
         problems.append(f"worker RSS grew by {[f'{g:+.1%}' for g in growth]}")
     # Greedy outputs against the same requests one at a time, on the scratch session.
-    completed = [rid for rid, e in result.done.items()
-                 if e["event"] == "done" and e["finish_reason"] != "cancelled"]
-    sample = completed if args.verify <= 0 else random.Random(args.seed).sample(
-        completed, min(args.verify, len(completed)))
+    completed = [
+        rid
+        for rid, e in result.done.items()
+        if e["event"] == "done" and e["finish_reason"] != "cancelled"
+    ]
+    sample = (
+        completed
+        if args.verify <= 0
+        else random.Random(args.seed).sample(completed, min(args.verify, len(completed)))
+    )
     mismatches = 0
     for rid in sample:
         request = {k: v for k, v in result.prompts[rid].items() if k != "session_id"}
@@ -312,8 +373,10 @@ async def run_mode(args: argparse.Namespace) -> dict[str, Any]:
         if alone.get("generated_token_ids") != result.done[rid].get("generated_token_ids"):
             mismatches += 1
             if mismatches <= 5:
-                problems.append(f"{rid}: concurrent {result.done[rid].get('generated_token_ids')}"
-                                f" != alone {alone.get('generated_token_ids')}")
+                problems.append(
+                    f"{rid}: concurrent {result.done[rid].get('generated_token_ids')}"
+                    f" != alone {alone.get('generated_token_ids')}"
+                )
     if mismatches > 5:
         problems.append(f"... {mismatches} greedy mismatches in all")
     code = await sup.close()
@@ -322,12 +385,21 @@ async def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     if sup.bad_lines:
         problems.append(f"{sup.bad_lines} stdout lines were not protocol events")
     return {
-        "mode": "run", "sessions": sessions, "requests_per_session": requests,
-        "requests": len(result.prompts), "cancels_sent": result.cancels,
-        "finish_reasons": dict(finish), "errors": dict(errors), "verified": len(sample),
-        "mismatches": mismatches, "rss_start": rss_start, "rss_end": rss_end,
-        "rss_growth": [round(g, 4) for g in growth], "load_seconds": round(load_s, 1),
-        "total_seconds": round(time.monotonic() - started, 1), "problems": problems,
+        "mode": "run",
+        "sessions": sessions,
+        "requests_per_session": requests,
+        "requests": len(result.prompts),
+        "cancels_sent": result.cancels,
+        "finish_reasons": dict(finish),
+        "errors": dict(errors),
+        "verified": len(sample),
+        "mismatches": mismatches,
+        "rss_start": rss_start,
+        "rss_end": rss_end,
+        "rss_growth": [round(g, 4) for g in growth],
+        "load_seconds": round(load_s, 1),
+        "total_seconds": round(time.monotonic() - started, 1),
+        "problems": problems,
         "model": args.model or "default (Gemma 3 270M)",
     }
 
@@ -341,15 +413,27 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def _http_client(http: Any, base: str, index: int, max_new: int, disconnect_rate: float,
-                       rng: random.Random, headers: dict[str, str]) -> dict[str, Any]:
-    body = {"prompt": _prompt(index, index % 3), "max_tokens": max_new,
-            "temperature": 0, "stream": True}
+async def _http_client(
+    http: Any,
+    base: str,
+    index: int,
+    max_new: int,
+    disconnect_rate: float,
+    rng: random.Random,
+    headers: dict[str, str],
+) -> dict[str, Any]:
+    body = {
+        "prompt": _prompt(index, index % 3),
+        "max_tokens": max_new,
+        "temperature": 0,
+        "stream": True,
+    }
     drop_after = rng.randrange(1, max_new + 1) if rng.random() < disconnect_rate else None
     chunks = finals = 0
     saw_done = False
-    async with http.stream("POST", f"{base}/v1/completions", json=body,
-                           headers=headers) as response:
+    async with http.stream(
+        "POST", f"{base}/v1/completions", json=body, headers=headers
+    ) as response:
         if response.status_code != 200:
             return {"status": response.status_code, "dropped": False, "ok": False}
         async for line in response.aiter_lines():
@@ -365,8 +449,13 @@ async def _http_client(http: Any, base: str, index: int, max_new: int, disconnec
                 finals += 1
             if drop_after is not None and chunks >= drop_after:
                 return {"status": 200, "dropped": True, "ok": True}
-    return {"status": 200, "dropped": False, "ok": saw_done and finals == 1, "finals": finals,
-            "done": saw_done}
+    return {
+        "status": 200,
+        "dropped": False,
+        "ok": saw_done and finals == 1,
+        "finals": finals,
+        "done": saw_done,
+    }
 
 
 async def http_mode(args: argparse.Namespace) -> dict[str, Any]:
@@ -374,14 +463,30 @@ async def http_mode(args: argparse.Namespace) -> dict[str, Any]:
 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    flags = ["--port", str(port), "--workers", str(args.workers), "--max-sessions",
-             str(args.max_sessions), "--max-context", str(args.max_context), "--max-queue",
-             str(args.clients + 16), "--worker-arg", f"--threads={args.threads}"]
+    flags = [
+        "--port",
+        str(port),
+        "--workers",
+        str(args.workers),
+        "--max-sessions",
+        str(args.max_sessions),
+        "--max-context",
+        str(args.max_context),
+        "--max-queue",
+        str(args.clients + 16),
+        "--worker-arg",
+        f"--threads={args.threads}",
+    ]
     if args.model:
         flags += ["--model", args.model]
     process = await asyncio.create_subprocess_exec(
-        *TOKENPIPE, "serve", *flags, cwd=REPO, env={**os.environ, **CHILD_ENV},
-        stdout=asyncio.subprocess.DEVNULL)  # uvicorn's access log: one line per request
+        *TOKENPIPE,
+        "serve",
+        *flags,
+        cwd=REPO,
+        env={**os.environ, **CHILD_ENV},
+        stdout=asyncio.subprocess.DEVNULL,
+    )  # uvicorn's access log: one line per request
     problems: list[str] = []
     started = time.monotonic()
     limits = httpx.Limits(max_connections=args.clients + 8)
@@ -401,15 +506,30 @@ async def http_mode(args: argparse.Namespace) -> dict[str, Any]:
             procs = [server, *server.children(recursive=True)]
             return sum(p.memory_info().rss for p in procs if p.is_running())
 
-        await asyncio.gather(*(_http_client(http, base, i, args.max_new, 0.0, random.Random(i),
-                                            {}) for i in range(min(args.clients, 16))))
+        await asyncio.gather(
+            *(
+                _http_client(http, base, i, args.max_new, 0.0, random.Random(i), {})
+                for i in range(min(args.clients, 16))
+            )
+        )
         rss_start = tree_rss()
         rng = random.Random(args.seed)
         t0 = time.monotonic()
         results = await asyncio.gather(
-            *(_http_client(http, base, i, args.max_new, args.disconnect_rate,
-                           random.Random(rng.random()), {}) for i in range(args.clients)),
-            return_exceptions=True)
+            *(
+                _http_client(
+                    http,
+                    base,
+                    i,
+                    args.max_new,
+                    args.disconnect_rate,
+                    random.Random(rng.random()),
+                    {},
+                )
+                for i in range(args.clients)
+            ),
+            return_exceptions=True,
+        )
         load_s = time.monotonic() - t0
         failures = [r for r in results if isinstance(r, BaseException)]
         answered = [r for r in results if isinstance(r, dict)]
@@ -422,8 +542,7 @@ async def http_mode(args: argparse.Namespace) -> dict[str, Any]:
     growth = (rss_end - rss_start) / rss_start
     if growth > 0.05:
         problems.append(f"server RSS grew by {growth:+.1%}")
-    gauges = ("tokenpipe_active_requests ", "tokenpipe_queued_requests ",
-              "tokenpipe_queue_depth ")
+    gauges = ("tokenpipe_active_requests ", "tokenpipe_queued_requests ", "tokenpipe_queue_depth ")
     inflight = [line for line in metrics.splitlines() if line.startswith(gauges)]
     if len(inflight) != len(gauges) or any(float(line.split()[-1]) != 0 for line in inflight):
         problems.append(f"requests still in flight: {inflight}")
@@ -432,11 +551,15 @@ async def http_mode(args: argparse.Namespace) -> dict[str, Any]:
     if code not in (0, -15):  # uvicorn re-raises SIGTERM after a graceful shutdown
         problems.append(f"tokenpipe serve exited with status {code}")
     return {
-        "mode": "http", "clients": args.clients,
+        "mode": "http",
+        "clients": args.clients,
         "dropped": sum(1 for r in answered if r["dropped"]),
         "completed": sum(1 for r in answered if not r["dropped"] and r["ok"]),
-        "rss_start": rss_start, "rss_end": rss_end, "rss_growth": round(growth, 4),
-        "load_seconds": round(load_s, 1), "problems": problems,
+        "rss_start": rss_start,
+        "rss_end": rss_end,
+        "rss_growth": round(growth, 4),
+        "load_seconds": round(load_s, 1),
+        "problems": problems,
         "model": args.model or "default (Gemma 3 270M)",
     }
 
@@ -449,26 +572,34 @@ def write_row(summary: dict[str, Any]) -> None:
     ok = not summary["problems"]
     if summary["mode"] == "run":
         growth = ", ".join(f"{g:+.1%}" for g in summary["rss_growth"])
-        tried = (f"{summary['sessions']} sessions x {summary['requests_per_session']} "
-                 f"requests = {summary['requests']} through `tokenpipe run` "
-                 f"({summary['model']}, 512 context), {summary['cancels_sent']} cancels sent "
-                 f"({summary['load_seconds']:.0f} s)")
-        held = (f"one terminal line each ({summary['finish_reasons']}, errors "
-                f"{summary['errors'] or 0}); {summary['verified']} greedy outputs equal the "
-                f"same request run alone ({summary['mismatches']} mismatches); no active "
-                f"request, no leaked slot; worker RSS {growth} vs after warm-up")
+        tried = (
+            f"{summary['sessions']} sessions x {summary['requests_per_session']} "
+            f"requests = {summary['requests']} through `tokenpipe run` "
+            f"({summary['model']}, 512 context), {summary['cancels_sent']} cancels sent "
+            f"({summary['load_seconds']:.0f} s)"
+        )
+        held = (
+            f"one terminal line each ({summary['finish_reasons']}, errors "
+            f"{summary['errors'] or 0}); {summary['verified']} greedy outputs equal the "
+            f"same request run alone ({summary['mismatches']} mismatches); no active "
+            f"request, no leaked slot; worker RSS {growth} vs after warm-up"
+        )
     else:
-        tried = (f"{summary['clients']} concurrent streaming clients on `tokenpipe serve` "
-                 f"({summary['model']}), {summary['dropped']} disconnected mid-stream "
-                 f"({summary['load_seconds']:.0f} s)")
-        held = (f"{summary['completed']} complete streams, each one final chunk + [DONE]; "
-                f"nothing active or queued after; server + worker RSS "
-                f"{summary['rss_growth']:+.1%} vs after warm-up")
+        tried = (
+            f"{summary['clients']} concurrent streaming clients on `tokenpipe serve` "
+            f"({summary['model']}), {summary['dropped']} disconnected mid-stream "
+            f"({summary['load_seconds']:.0f} s)"
+        )
+        held = (
+            f"{summary['completed']} complete streams, each one final chunk + [DONE]; "
+            f"nothing active or queued after; server + worker RSS "
+            f"{summary['rss_growth']:+.1%} vs after warm-up"
+        )
     if not ok:
         held += "; PROBLEMS: " + "; ".join(summary["problems"][:3])
-    update_row(f"load ({summary['mode']})", f"tools/load_test.py {summary['mode']}", tried,
-               held, ok)
-
+    update_row(
+        f"load ({summary['mode']})", f"tools/load_test.py {summary['mode']}", tried, held, ok
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -487,8 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--sessions", type=int, default=64)
     run.add_argument("--requests", type=int, default=20)
     run.add_argument("--cancel-rate", type=float, default=0.15)
-    run.add_argument("--verify", type=int, default=64,
-                     help="completed requests to rerun alone (0: all)")
+    run.add_argument(
+        "--verify", type=int, default=64, help="completed requests to rerun alone (0: all)"
+    )
     http = sub.choices["http"]
     http.add_argument("--clients", type=int, default=200)
     http.add_argument("--max-sessions", type=int, default=16)

@@ -70,10 +70,11 @@ class Traffic:
         text = f"A diary, {name}:"
         while time.monotonic() < deadline:
             text += " " + self._words(self.rng.randint(3, 12))
-            done = await self.ask("turn", {"prompt": text, "session_id": name,
-                                           "max_new_tokens": self.rng.randint(1, 12)})
-            if done.get("event") == "done" and done.get("prompt_tokens", 0) > \
-                    self.max_context // 2:
+            done = await self.ask(
+                "turn",
+                {"prompt": text, "session_id": name, "max_new_tokens": self.rng.randint(1, 12)},
+            )
+            if done.get("event") == "done" and done.get("prompt_tokens", 0) > self.max_context // 2:
                 await self.ask("reset", {"op": "reset", "session_id": name})
                 text = f"A diary, {name}:"
         await self.ask("close", {"op": "close", "session_id": name})
@@ -84,27 +85,40 @@ class Traffic:
             if roll < 0.35:
                 await self.ask("greedy", {"prompt": self._words(8), "max_new_tokens": 8})
             elif roll < 0.55:
-                await self.ask("sampled", {"prompt": self._words(6), "max_new_tokens": 8,
-                                           "temperature": 0.8, "top_p": 0.9,
-                                           "seed": self.rng.randint(1, 1 << 30)})
+                await self.ask(
+                    "sampled",
+                    {
+                        "prompt": self._words(6),
+                        "max_new_tokens": 8,
+                        "temperature": 0.8,
+                        "top_p": 0.9,
+                        "seed": self.rng.randint(1, 1 << 30),
+                    },
+                )
             elif roll < 0.7:
                 await self._cancelled()
             elif roll < 0.8:
                 name = f"churn-{self.rng.randint(0, 3)}"
                 await self.ask("open", {"op": "open", "session_id": name})
-                await self.ask("turn", {"prompt": self._words(5), "session_id": name,
-                                        "max_new_tokens": 2})
+                await self.ask(
+                    "turn", {"prompt": self._words(5), "session_id": name, "max_new_tokens": 2}
+                )
                 await self.ask("close", {"op": "close", "session_id": name})
             elif roll < 0.9:
                 tokens = await self.ask("tokenize", {"op": "tokenize", "text": self._words(20)})
-                await self.ask("detokenize", {"op": "detokenize",
-                                              "ids": tokens.get("tokens", [])})
+                await self.ask("detokenize", {"op": "detokenize", "ids": tokens.get("tokens", [])})
             elif roll < 0.97:
                 rid = self._id("bad")
                 self.sup.send_raw_line(
-                    self.rng.choice([b'{"id": "%s", "prompt": 5}', b'{"id": "%s", "op": "x"}',
-                                     b'{"id": "%s", "prompt": "x", "top_p": 3}'])
-                    % rid.encode())
+                    self.rng.choice(
+                        [
+                            b'{"id": "%s", "prompt": 5}',
+                            b'{"id": "%s", "op": "x"}',
+                            b'{"id": "%s", "prompt": "x", "top_p": 3}',
+                        ]
+                    )
+                    % rid.encode()
+                )
                 queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
                 self.sup.waiters[rid] = queue
                 await asyncio.wait_for(queue.get(), 600)
@@ -132,8 +146,18 @@ class Traffic:
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
-    flags = ["--workers", "1", "--max-sessions", str(args.clients + 5), "--max-context",
-             str(args.max_context), "--threads", str(args.threads), "--max-queue", "256"]
+    flags = [
+        "--workers",
+        "1",
+        "--max-sessions",
+        str(args.clients + 5),
+        "--max-context",
+        str(args.max_context),
+        "--threads",
+        str(args.threads),
+        "--max-queue",
+        "256",
+    ]
     if args.model:
         flags += ["--model", args.model]
     sup, _ready = await Supervisor.start(flags)
@@ -145,12 +169,16 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     async def sampler() -> None:
         while True:
             stats = await sup.stats("sample")
-            samples.append({
-                "t_min": round((time.monotonic() - started) / 60, 2),
-                "worker_rss_mb": round(sum(w["rss_bytes"] for w in stats["workers"]) / 2**20, 1),
-                "supervisor_rss_mb": round(stats["supervisor"]["rss_bytes"] / 2**20, 1),
-                "active": stats["active_requests"],
-            })
+            samples.append(
+                {
+                    "t_min": round((time.monotonic() - started) / 60, 2),
+                    "worker_rss_mb": round(
+                        sum(w["rss_bytes"] for w in stats["workers"]) / 2**20, 1
+                    ),
+                    "supervisor_rss_mb": round(stats["supervisor"]["rss_bytes"] / 2**20, 1),
+                    "active": stats["active_requests"],
+                }
+            )
             print(json.dumps(samples[-1]), flush=True)
             if time.monotonic() >= deadline:
                 return
@@ -160,11 +188,14 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     loops += [traffic.mixed(deadline) for _ in range(args.clients - args.clients // 2)]
     await asyncio.gather(sampler(), *loops)
     final = await sup.stats("final")
-    problems = check_exactly_once(traffic.sent, [e for e in sup.events
-                                                 if str(e.get("id", "")).startswith("soak-")])
+    problems = check_exactly_once(
+        traffic.sent, [e for e in sup.events if str(e.get("id", "")).startswith("soak-")]
+    )
     if final["active_requests"] or final["queued_requests"] or final["sessions"]:
-        problems.append(f"left held at the end: {final['active_requests']} active, "
-                        f"{final['queued_requests']} queued, {final['sessions']} sessions")
+        problems.append(
+            f"left held at the end: {final['active_requests']} active, "
+            f"{final['queued_requests']} queued, {final['sessions']} sessions"
+        )
     code = await sup.close()
     if code != 0:
         problems.append(f"tokenpipe run exited with status {code}")
@@ -178,11 +209,17 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     elif growth > args.max_growth:
         problems.append(f"worker RSS trend {slope:+.1f} MB/h = {growth:+.1%} over the run")
     sup_points = [(s["t_min"] / 60, s["supervisor_rss_mb"]) for s in samples[1:]]
-    return {"minutes": args.minutes, "requests": traffic.counts, "total": sum(
-        traffic.counts.values()), "samples": samples, "worker_slope_mb_per_h": round(slope, 2),
+    return {
+        "minutes": args.minutes,
+        "requests": traffic.counts,
+        "total": sum(traffic.counts.values()),
+        "samples": samples,
+        "worker_slope_mb_per_h": round(slope, 2),
         "supervisor_slope_mb_per_h": round(fit_slope(sup_points), 2),
-        "fitted_growth": round(growth, 4), "problems": problems,
-        "model": args.model or "default (Gemma 3 270M)"}
+        "fitted_growth": round(growth, 4),
+        "problems": problems,
+        "model": args.model or "default (Gemma 3 270M)",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,15 +240,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         first, last = summary["samples"][0], summary["samples"][-1]
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(summary["requests"].items()))
-        tried = (f"{args.minutes:g} min of mixed traffic through `tokenpipe run` "
-                 f"({summary['model']}, {args.clients} concurrent loops): {summary['total']} "
-                 f"requests ({kinds}); RSS sampled every {args.sample_seconds:g} s "
-                 f"({len(summary['samples'])} samples)")
-        held = (f"worker RSS {first['worker_rss_mb']} -> {last['worker_rss_mb']} MB, fitted "
-                f"slope {summary['worker_slope_mb_per_h']:+.1f} MB/h "
-                f"({summary['fitted_growth']:+.2%} over the run); supervisor "
-                f"{summary['supervisor_slope_mb_per_h']:+.1f} MB/h; every request ended once; "
-                "nothing held at the end")
+        tried = (
+            f"{args.minutes:g} min of mixed traffic through `tokenpipe run` "
+            f"({summary['model']}, {args.clients} concurrent loops): {summary['total']} "
+            f"requests ({kinds}); RSS sampled every {args.sample_seconds:g} s "
+            f"({len(summary['samples'])} samples)"
+        )
+        held = (
+            f"worker RSS {first['worker_rss_mb']} -> {last['worker_rss_mb']} MB, fitted "
+            f"slope {summary['worker_slope_mb_per_h']:+.1f} MB/h "
+            f"({summary['fitted_growth']:+.2%} over the run); supervisor "
+            f"{summary['supervisor_slope_mb_per_h']:+.1f} MB/h; every request ended once; "
+            "nothing held at the end"
+        )
         if not ok:
             held += "; PROBLEMS: " + "; ".join(summary["problems"][:3])
         update_row("soak", "tools/soak.py", tried, held, ok)

@@ -115,8 +115,7 @@ class FaultInjector:
         for rule in self.rules:
             if rule.point != point or not rule.matches(hit):
                 continue
-            print(f"[tokenpipe faults] {rule.kind} at {point} #{hit}", file=sys.stderr,
-                  flush=True)
+            print(f"[tokenpipe faults] {rule.kind} at {point} #{hit}", file=sys.stderr, flush=True)
             if rule.kind == "sleep":
                 time.sleep(rule.arg)
             elif rule.kind == "oom":

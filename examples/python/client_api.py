@@ -25,11 +25,17 @@ def main() -> None:
         client.open_session("notes")
         first = "Shopping list: apples,"
         reply = "".join(
-            e.token for e in client.generate(
-                GenerateRequest(prompt=first, session_id="notes", max_new_tokens=6))
-            if isinstance(e, TokenEvent))
-        events = list(client.generate(
-            GenerateRequest(prompt=first + reply + " and", session_id="notes", max_new_tokens=6)))
+            e.token
+            for e in client.generate(
+                GenerateRequest(prompt=first, session_id="notes", max_new_tokens=6)
+            )
+            if isinstance(e, TokenEvent)
+        )
+        events = list(
+            client.generate(
+                GenerateRequest(prompt=first + reply + " and", session_id="notes", max_new_tokens=6)
+            )
+        )
         done = events[-1]
         assert isinstance(done, DoneEvent)
         print(f"second turn reused {done.reused_prompt_tokens} cached prompt tokens")
@@ -38,8 +44,9 @@ def main() -> None:
         print(f"tokenize: {client.tokenize('Hello world')}")
         stats = client.stats()
         for worker in stats["workers"]:
-            print(f"worker {worker['index']}: {worker['state']}, "
-                  f"RSS {worker['rss_bytes'] >> 20} MiB")
+            print(
+                f"worker {worker['index']}: {worker['state']}, RSS {worker['rss_bytes'] >> 20} MiB"
+            )
 
 
 if __name__ == "__main__":

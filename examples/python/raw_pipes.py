@@ -15,8 +15,12 @@ import subprocess
 def main() -> None:
     proc = subprocess.Popen(
         ["tokenpipe", "run", "--max-context", "512"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        bufsize=1)
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        bufsize=1,
+    )
     assert proc.stdin is not None and proc.stdout is not None
     ready = json.loads(proc.stdout.readline())
     print(f"ready: max_sessions={ready['max_sessions']}")

@@ -158,7 +158,12 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from exc
         except (
-            TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError
+            TypeError,
+            ValueError,
+            KeyError,
+            IndexError,
+            AttributeError,
+            OverflowError,
         ) as exc:  # OverflowError: the sandbox refuses huge ranges
             raise ChatTemplateError(f"chat template failed on these messages: {exc}") from exc
 

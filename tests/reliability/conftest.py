@@ -15,29 +15,47 @@ REPO = Path(__file__).resolve().parents[2]
 
 # module -> (row key, what the module tries)
 ROWS = {
-    "test_bad_input.py": ("bad input (CI)", "the fixed corpus (~100 lines: invalid JSON/UTF-8, "
-                          "wrong types, NaN/Infinity, huge ints, bad token ids, 1 and 10 MB "
-                          "lines, unknown ops/fields, path fields, duplicate ids) + 120 "
-                          "hypothesis lines + 300-request open/close storm + 50 cancels of "
-                          "finished/unknown ids, into `tokenpipe worker` and `tokenpipe run` "
-                          "(default model, 512 context), a greedy probe alongside"),
-    "test_faults.py": ("faults (CI)", "kill -9 mid-prefill, kill -9 mid-decode, SIGSTOP "
-                       "(heartbeat 3 s), worker stdout closed, injected OOM in a forward; each "
-                       "with a named and an anonymous request in flight (tiny checkpoint)"),
-    "test_corrupt_models.py": ("corrupt models (CI)", "18 corruptions (safetensors truncated / "
-                               "header flipped / empty, config vs weights mismatches, wrong "
-                               "tokenizer size, bad JSON, GGUF truncated to 1 MB / magic / "
-                               "tensor count flipped / empty) in process, 4 as `tokenpipe "
-                               "worker` processes"),
-    "test_security.py": ("security (CI)", "session id validation (4 ops x ~45 ids), request "
-                         "structs with no path field, pickle/torch.load/yaml/trust_remote_code "
-                         "scan of every .py file, 20 hostile chat templates x worker and server "
-                         "renderers"),
-    "test_http.py": ("HTTP (CI)", "`tokenpipe serve --api-key`: 7 routes x 7 bad credentials, "
-                     "body limit (declared, chunked, lying Content-Length), 1 MB header and "
-                     "20,000 headers, loopback bind, 20 streaming clients with 7 disconnects"),
-    "test_load.py": ("load (CI)", "8 sessions x 3 requests through `tokenpipe run` (tiny "
-                     "checkpoint), 30% cancelled; greedy outputs vs run alone"),
+    "test_bad_input.py": (
+        "bad input (CI)",
+        "the fixed corpus (~100 lines: invalid JSON/UTF-8, "
+        "wrong types, NaN/Infinity, huge ints, bad token ids, 1 and 10 MB "
+        "lines, unknown ops/fields, path fields, duplicate ids) + 120 "
+        "hypothesis lines + 300-request open/close storm + 50 cancels of "
+        "finished/unknown ids, into `tokenpipe worker` and `tokenpipe run` "
+        "(default model, 512 context), a greedy probe alongside",
+    ),
+    "test_faults.py": (
+        "faults (CI)",
+        "kill -9 mid-prefill, kill -9 mid-decode, SIGSTOP "
+        "(heartbeat 3 s), worker stdout closed, injected OOM in a forward; each "
+        "with a named and an anonymous request in flight (tiny checkpoint)",
+    ),
+    "test_corrupt_models.py": (
+        "corrupt models (CI)",
+        "18 corruptions (safetensors truncated / "
+        "header flipped / empty, config vs weights mismatches, wrong "
+        "tokenizer size, bad JSON, GGUF truncated to 1 MB / magic / "
+        "tensor count flipped / empty) in process, 4 as `tokenpipe "
+        "worker` processes",
+    ),
+    "test_security.py": (
+        "security (CI)",
+        "session id validation (4 ops x ~45 ids), request "
+        "structs with no path field, pickle/torch.load/yaml/trust_remote_code "
+        "scan of every .py file, 20 hostile chat templates x worker and server "
+        "renderers",
+    ),
+    "test_http.py": (
+        "HTTP (CI)",
+        "`tokenpipe serve --api-key`: 7 routes x 7 bad credentials, "
+        "body limit (declared, chunked, lying Content-Length), 1 MB header and "
+        "20,000 headers, loopback bind, 20 streaming clients with 7 disconnects",
+    ),
+    "test_load.py": (
+        "load (CI)",
+        "8 sessions x 3 requests through `tokenpipe run` (tiny "
+        "checkpoint), 30% cancelled; greedy outputs vs run alone",
+    ),
 }
 
 _outcomes: dict[str, Counter[str]] = {}

@@ -68,7 +68,7 @@ def static_corpus(vocab_size: int, max_context: int, busy_id: str) -> list[Case]
         ("invalid utf8 bare", b"\xc3\x28"),
         ("utf8 surrogate", b'{"prompt": "\xed\xa0\x80"}'),
         ("overlong utf8", b'{"prompt": "\xc0\xaf"}'),
-        ("latin-1 line", "{\"prompt\": \"caf\xe9\"}".encode("latin-1")),
+        ("latin-1 line", '{"prompt": "caf\xe9"}'.encode("latin-1")),
         # valid JSON, not an object
         ("array", b"[]"),
         ("number", b"42"),
@@ -130,8 +130,10 @@ def static_corpus(vocab_size: int, max_context: int, busy_id: str) -> list[Case]
         ("tokenizer_path field", _json({"id": "f5", "prompt": "x", "tokenizer_path": "/x"})),
         ("no prompt", _json({"id": "f6"})),
         ("empty object", b"{}"),
-        ("two prompt forms", _json({"id": "f7", "prompt": "x",
-                                    "prompt_segments": [{"text": "x"}]})),
+        (
+            "two prompt forms",
+            _json({"id": "f7", "prompt": "x", "prompt_segments": [{"text": "x"}]}),
+        ),
         ("open no session", _json({"id": "f8", "op": "open"})),
         ("cancel no id", _json({"op": "cancel"})),
         # session ids
@@ -156,51 +158,130 @@ def static_corpus(vocab_size: int, max_context: int, busy_id: str) -> list[Case]
         cases.append(case)
     over = max_context  # with room for one generated token this is one token too many
     cases += [
-        Case("token id = vocab", _json({"id": "v1", "prompt_segments": [{"ids": [vocab_size]}]}),
-             "invalid_token_id", "v1"),
-        Case("token id 2^31-1", _json({"id": "v2", "prompt_segments": [{"ids": [2**31 - 1]}]}),
-             "invalid_token_id", "v2"),
-        Case("detokenize past vocab", _json({"id": "v3", "op": "detokenize",
-                                             "ids": [vocab_size + 7]}), "invalid_token_id", "v3"),
-        Case("prompt one over context",
-             _json({"id": "c1", "prompt_segments": [{"ids": [1] * over}], "add_prefix": False}),
-             "context_length_exceeded", "c1"),
-        Case("prefill one over context",
-             _json({"id": "c2", "prompt_segments": [{"ids": [1] * (over + 1)}],
-                    "add_prefix": False, "max_new_tokens": 0}),
-             "context_length_exceeded", "c2"),
-        Case("empty prompt", _json({"id": "e1", "prompt": "", "add_prefix": False}),
-             "empty_prompt", "e1"),
-        Case("empty segments", _json({"id": "e2", "prompt_segments": [], "add_prefix": False}),
-             "empty_prompt", "e2"),
+        Case(
+            "token id = vocab",
+            _json({"id": "v1", "prompt_segments": [{"ids": [vocab_size]}]}),
+            "invalid_token_id",
+            "v1",
+        ),
+        Case(
+            "token id 2^31-1",
+            _json({"id": "v2", "prompt_segments": [{"ids": [2**31 - 1]}]}),
+            "invalid_token_id",
+            "v2",
+        ),
+        Case(
+            "detokenize past vocab",
+            _json({"id": "v3", "op": "detokenize", "ids": [vocab_size + 7]}),
+            "invalid_token_id",
+            "v3",
+        ),
+        Case(
+            "prompt one over context",
+            _json({"id": "c1", "prompt_segments": [{"ids": [1] * over}], "add_prefix": False}),
+            "context_length_exceeded",
+            "c1",
+        ),
+        Case(
+            "prefill one over context",
+            _json(
+                {
+                    "id": "c2",
+                    "prompt_segments": [{"ids": [1] * (over + 1)}],
+                    "add_prefix": False,
+                    "max_new_tokens": 0,
+                }
+            ),
+            "context_length_exceeded",
+            "c2",
+        ),
+        Case(
+            "empty prompt",
+            _json({"id": "e1", "prompt": "", "add_prefix": False}),
+            "empty_prompt",
+            "e1",
+        ),
+        Case(
+            "empty segments",
+            _json({"id": "e2", "prompt_segments": [], "add_prefix": False}),
+            "empty_prompt",
+            "e2",
+        ),
         Case("duplicate id", _json({"id": busy_id, "op": "ping"}), "duplicate_id", busy_id),
-        Case("duplicate id generate", _json({"id": busy_id, "prompt": "x", "max_new_tokens": 1}),
-             "duplicate_id", busy_id),
+        Case(
+            "duplicate id generate",
+            _json({"id": busy_id, "prompt": "x", "max_new_tokens": 1}),
+            "duplicate_id",
+            busy_id,
+        ),
         Case("cancel unknown str", _json({"op": "cancel", "id": "nope"}), "unknown_id", "nope"),
-        Case("cancel unknown int", _json({"op": "cancel", "id": 123456789}), "unknown_id",
-             123456789),
-        Case("cancel unknown negative", _json({"op": "cancel", "id": -(2**63)}), "unknown_id",
-             -(2**63)),
+        Case(
+            "cancel unknown int", _json({"op": "cancel", "id": 123456789}), "unknown_id", 123456789
+        ),
+        Case(
+            "cancel unknown negative",
+            _json({"op": "cancel", "id": -(2**63)}),
+            "unknown_id",
+            -(2**63),
+        ),
     ]
     return cases
 
 
 # --------------------------------------------------------------------------- hypothesis
 
-_FIELDS = ["prompt", "prompt_segments", "messages", "max_new_tokens", "temperature", "top_p",
-           "top_k", "min_p", "seed", "stop", "stop_token_ids", "session_id", "add_prefix",
-           "return_token_ids", "op", "text", "ids", "id", "model", "path"]
-_OPS = ["generate", "open", "close", "reset", "cancel", "ping", "info", "stats", "tokenize",
-        "detokenize", "shutdown", "fly", "", "Generate", "load_model"]
+_FIELDS = [
+    "prompt",
+    "prompt_segments",
+    "messages",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "session_id",
+    "add_prefix",
+    "return_token_ids",
+    "op",
+    "text",
+    "ids",
+    "id",
+    "model",
+    "path",
+]
+_OPS = [
+    "generate",
+    "open",
+    "close",
+    "reset",
+    "cancel",
+    "ping",
+    "info",
+    "stats",
+    "tokenize",
+    "detokenize",
+    "shutdown",
+    "fly",
+    "",
+    "Generate",
+    "load_model",
+]
 
 _json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=20),
 )
 _json_values = st.recursive(
     _json_scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4),
-                            st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -214,8 +295,9 @@ def _mutated_request(draw: st.DrawFn) -> bytes:
     for name in draw(st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=4, unique=True)):
         obj[name] = draw(_json_values)
     if draw(st.booleans()):
-        obj["id"] = draw(st.one_of(st.integers(-(2**70), 2**70), st.text(max_size=12),
-                                   _json_values))
+        obj["id"] = draw(
+            st.one_of(st.integers(-(2**70), 2**70), st.text(max_size=12), _json_values)
+        )
     data = _json(obj)
     # splice in a non-JSON number now and then
     if draw(st.integers(0, 5)) == 0 and data.endswith(b"}") and len(data) > 2:
@@ -227,12 +309,16 @@ def _mutated_request(draw: st.DrawFn) -> bytes:
 @st.composite
 def _corrupted_bytes(draw: st.DrawFn) -> bytes:
     """A valid request with bytes flipped, cut or inserted."""
-    base = draw(st.sampled_from([
-        b'{"id": 7, "prompt": "Hello", "max_new_tokens": 1}',
-        b'{"op": "open", "session_id": "abc", "id": "o"}',
-        b'{"op": "tokenize", "text": "caf\xc3\xa9", "id": 3}',
-        b'{"prompt_segments": [{"ids": [2, 3]}, {"text": "x"}], "id": "seg"}',
-    ]))
+    base = draw(
+        st.sampled_from(
+            [
+                b'{"id": 7, "prompt": "Hello", "max_new_tokens": 1}',
+                b'{"op": "open", "session_id": "abc", "id": "o"}',
+                b'{"op": "tokenize", "text": "caf\xc3\xa9", "id": 3}',
+                b'{"prompt_segments": [{"ids": [2, 3]}, {"text": "x"}], "id": "seg"}',
+            ]
+        )
+    )
     data = bytearray(base)
     for _ in range(draw(st.integers(1, 4))):
         action = draw(st.integers(0, 2))
@@ -240,7 +326,7 @@ def _corrupted_bytes(draw: st.DrawFn) -> bytes:
         if action == 0 and pos < len(data):
             data[pos] = draw(st.integers(0, 255))
         elif action == 1:
-            data[pos:pos + draw(st.integers(1, 8))] = b""
+            data[pos : pos + draw(st.integers(1, 8))] = b""
         else:
             data[pos:pos] = draw(st.binary(min_size=1, max_size=4))
     return bytes(data).replace(b"\n", b" ").replace(b"\r", b" ")
@@ -259,4 +345,3 @@ to be a valid request is skipped: it would run, not fail)."""
 def is_cheap_valid(line: bytes) -> bool:
     """A generated line the codec accepts: harmless to skip."""
     return not isinstance(decode_request(line), ProtocolError)
-

@@ -18,11 +18,15 @@ from typing import Any
 import orjson
 
 REPO = Path(__file__).resolve().parents[2]
-TOKENPIPE = (sys.executable, "-c",
-             "import sys; sys.argv[0] = 'tokenpipe'; from supervisor.cli import main; main()")
+TOKENPIPE = (
+    sys.executable,
+    "-c",
+    "import sys; sys.argv[0] = 'tokenpipe'; from supervisor.cli import main; main()",
+)
 FAULTY_WORKER = (sys.executable, "-m", "worker.faults")  # `tokenpipe worker` + TOKENPIPE_FAULT
-TERMINAL = frozenset({"done", "error", "opened", "closed", "reset", "pong", "info", "stats",
-                      "tokens", "text"})
+TERMINAL = frozenset(
+    {"done", "error", "opened", "closed", "reset", "pong", "info", "stats", "tokens", "text"}
+)
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -33,14 +37,21 @@ class LineProcess:
     def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
         self.argv = list(argv)
         self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, **CHILD_ENV, **(env or {})}, cwd=REPO)
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **CHILD_ENV, **(env or {})},
+            cwd=REPO,
+        )
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.all_events: list[dict[str, Any]] = []  # every event line, in order
         self.bad_lines: list[bytes] = []
         self.stderr: list[bytes] = []
-        self._threads = [threading.Thread(target=self._read, daemon=True),
-                         threading.Thread(target=self._read_err, daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._read, daemon=True),
+            threading.Thread(target=self._read_err, daemon=True),
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -78,16 +89,18 @@ class LineProcess:
     def read(self, timeout: float = 120.0) -> dict[str, Any] | None:
         return self.events.get(timeout=timeout)
 
-    def read_until(self, done: Callable[[dict[str, Any]], bool],
-                   timeout: float = 120.0) -> list[dict[str, Any]]:
+    def read_until(
+        self, done: Callable[[dict[str, Any]], bool], timeout: float = 120.0
+    ) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
         while True:
             try:
                 event = self.read(max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"timed out; got {out[-20:]}; stderr: "
-                                     f"{self.stderr_text()}") from None
+                raise AssertionError(
+                    f"timed out; got {out[-20:]}; stderr: {self.stderr_text()}"
+                ) from None
             assert event is not None, f"EOF; got {out[-20:]}; stderr: {self.stderr_text()}"
             out.append(event)
             if done(event):
@@ -98,8 +111,7 @@ class LineProcess:
         into `self.stray`)."""
         rid = request["id"]
         self.send(request)
-        lines = self.read_until(lambda e: e.get("id") == rid and e["event"] in TERMINAL,
-                                timeout)
+        lines = self.read_until(lambda e: e.get("id") == rid and e["event"] in TERMINAL, timeout)
         return [e for e in lines if e.get("id") == rid]
 
     def wait_ready(self, timeout: float = 400.0) -> dict[str, Any]:
@@ -150,8 +162,9 @@ def run_argv(*args: str) -> list[str]:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def write_tiny_checkpoint(directory: Path, vocab_size: int = 263, seed: int = 0,
-                          **config_overrides: Any) -> Path:
+def write_tiny_checkpoint(
+    directory: Path, vocab_size: int = 263, seed: int = 0, **config_overrides: Any
+) -> Path:
     """A tiny random llama checkpoint (byte-level tokenizer, 2 layers): loads in a blink."""
     import torch
     from safetensors.torch import save_file
@@ -163,8 +176,10 @@ def write_tiny_checkpoint(directory: Path, vocab_size: int = 263, seed: int = 0,
     (directory / "config.json").write_text(json.dumps(config))
     (directory / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
     generator = torch.Generator().manual_seed(seed)
-    tensors = {name: torch.randn(shape, generator=generator) * 0.5
-               for name, shape in llama_tensor_shapes(config).items()}
+    tensors = {
+        name: torch.randn(shape, generator=generator) * 0.5
+        for name, shape in llama_tensor_shapes(config).items()
+    }
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 

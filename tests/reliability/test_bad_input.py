@@ -66,13 +66,17 @@ def _stats(proc: LineProcess, tag: str) -> dict[str, Any]:
 
 
 def _probe(rid: str, session: str) -> dict[str, Any]:
-    return {"id": rid, "prompt": PROBE_PROMPT, "max_new_tokens": PROBE_TOKENS,
-            "session_id": session}
+    return {
+        "id": rid,
+        "prompt": PROBE_PROMPT,
+        "max_new_tokens": PROBE_TOKENS,
+        "session_id": session,
+    }
 
 
-def _answers_between_pongs(proc: LineProcess, busy: str | None,
-                           probe_events: list[dict[str, Any]],
-                           rid: Any = None) -> list[dict[str, Any]]:
+def _answers_between_pongs(
+    proc: LineProcess, busy: str | None, probe_events: list[dict[str, Any]], rid: Any = None
+) -> list[dict[str, Any]]:
     """Lines up to the next id-less pong (and, when `rid` is given, up to the terminal line of
     `rid` too: the supervisor answers its `ping` itself, before a worker's error can come
     back), the probe's own lines set aside."""
@@ -138,8 +142,9 @@ def test_corpus_one_error_each_and_probe_unchanged(target: LineProcess) -> None:
         if case.rid == "probe":
             assert not any(e["event"] == "done" for e in probe_events), "probe ended too soon"
     if not probe_events or probe_events[-1]["event"] != "done":
-        probe_events += proc.read_until(lambda e: e.get("id") == "probe" and e["event"] == "done",
-                                        timeout=600)
+        probe_events += proc.read_until(
+            lambda e: e.get("id") == "probe" and e["event"] == "done", timeout=600
+        )
     probe_events = [e for e in probe_events if e.get("id") == "probe"]
     assert [e["token"] for e in probe_events[:-1]] == [e["token"] for e in baseline[:-1]]
     done, base_done = probe_events[-1], baseline[-1]
@@ -154,9 +159,16 @@ def test_corpus_one_error_each_and_probe_unchanged(target: LineProcess) -> None:
     assert stats["sessions"] == 0 and stats["free_slots"] == 4, stats
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                 HealthCheck.filter_too_much])
+@settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+    ],
+)
 @given(line=malformed_lines)
 def test_generated_lines_one_error_each(target: LineProcess, line: bytes) -> None:
     if is_cheap_valid(line):
@@ -187,8 +199,7 @@ def test_open_close_storm(target: LineProcess) -> None:
         return not waiting
 
     events = proc.read_until(all_answered, timeout=300)
-    events = [e for e in events if str(e.get("id", "")).split("-")[0] in ("open", "reset",
-                                                                            "close")]
+    events = [e for e in events if str(e.get("id", "")).split("-")[0] in ("open", "reset", "close")]
     check_exactly_once(sent, events)
     by_id = {e["id"]: e for e in events}
     for i in range(100):  # sequential per session: each open/reset/close of one id succeeds

@@ -59,28 +59,41 @@ def _st(directory: Path) -> Path:
 CHECKPOINT_CASES: dict[str, tuple[Corruptor, str]] = {
     # name: (corrupt the tiny checkpoint, a word the error message must contain)
     "safetensors truncated in the data": (
-        lambda d: (_truncate(_st(d), 0.5), d)[1], "model.safetensors"),
+        lambda d: (_truncate(_st(d), 0.5), d)[1],
+        "model.safetensors",
+    ),
     "safetensors truncated in the header": (
-        lambda d: (_truncate(_st(d), 100), d)[1], "model.safetensors"),
+        lambda d: (_truncate(_st(d), 100), d)[1],
+        "model.safetensors",
+    ),
     "safetensors empty": (lambda d: (_truncate(_st(d), 0), d)[1], "model.safetensors"),
-    "safetensors header length flipped": (
-        lambda d: (_flip(_st(d), 5), d)[1], "model.safetensors"),
+    "safetensors header length flipped": (lambda d: (_flip(_st(d), 5), d)[1], "model.safetensors"),
     "safetensors header json flipped": (
-        lambda d: (_flip(_st(d), 9, 0x40), d)[1], "model.safetensors"),
+        lambda d: (_flip(_st(d), 9, 0x40), d)[1],
+        "model.safetensors",
+    ),
     "config hidden_size does not match": (
-        lambda d: (_edit_config(d, hidden_size=128), d)[1], "shape"),
+        lambda d: (_edit_config(d, hidden_size=128), d)[1],
+        "shape",
+    ),
     "config has more layers than the weights": (
-        lambda d: (_edit_config(d, num_hidden_layers=3), d)[1], "layers.2"),
+        lambda d: (_edit_config(d, num_hidden_layers=3), d)[1],
+        "layers.2",
+    ),
     "config vocab larger than the weights": (
-        lambda d: (_edit_config(d, vocab_size=300), d)[1], "does not match"),
-    "config is not JSON": (
-        lambda d: ((d / "config.json").write_text("{not json"), d)[1], "config"),
+        lambda d: (_edit_config(d, vocab_size=300), d)[1],
+        "does not match",
+    ),
+    "config is not JSON": (lambda d: ((d / "config.json").write_text("{not json"), d)[1], "config"),
     "config unknown architecture": (
         lambda d: (_edit_config(d, architectures=["EvilForCausalLM"], model_type="evil"), d)[1],
-        "Evil"),
+        "Evil",
+    ),
     "tokenizer larger than the embedding": (lambda d: (_wrong_tokenizer(d), d)[1], "vocab"),
     "tokenizer.json is not JSON": (
-        lambda d: ((d / "tokenizer.json").write_text("]["), d)[1], "tokenizer"),
+        lambda d: ((d / "tokenizer.json").write_text("]["), d)[1],
+        "tokenizer",
+    ),
     "no weights": (lambda d: (_st(d).unlink(), d)[1], "safetensors"),
     "path does not exist": (lambda d: d / "nope", "does not exist"),
 }
@@ -155,8 +168,12 @@ def test_corrupt_model_raises_model_load_error(
     assert word.lower() in str(info.value).lower(), str(info.value)
 
 
-PROCESS_CASES = ["safetensors truncated in the data", "config hidden_size does not match",
-                 "tokenizer larger than the embedding", "gguf truncated to 1 MB"]
+PROCESS_CASES = [
+    "safetensors truncated in the data",
+    "config hidden_size does not match",
+    "tokenizer larger than the embedding",
+    "gguf truncated to 1 MB",
+]
 
 
 @pytest.mark.slow
@@ -167,8 +184,14 @@ def test_worker_process_fails_cleanly(name: str, pristine: Path, tmp_path: Path)
     env = {**CHILD_ENV, "TOKENPIPE_CACHE": str(tmp_path / "cache")}
     import os
 
-    result = subprocess.run(worker_argv("--model", str(model)), input=b"", capture_output=True,
-                            timeout=180, cwd=REPO, env={**os.environ, **env})
+    result = subprocess.run(
+        worker_argv("--model", str(model)),
+        input=b"",
+        capture_output=True,
+        timeout=180,
+        cwd=REPO,
+        env={**os.environ, **env},
+    )
     assert result.returncode != 0
     lines = [orjson.loads(line) for line in result.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, result.stdout

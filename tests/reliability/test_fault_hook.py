@@ -15,7 +15,9 @@ def test_parse_faults() -> None:
     assert parse_faults("") == ()
     assert parse_faults("oom:3") == (FaultRule("oom", "forward", 3, 3),)
     assert parse_faults("sleep@forward:*:0.25, exit@forward:2-4") == (
-        FaultRule("sleep", "forward", 0, 0, 0.25), FaultRule("exit", "forward", 2, 4))
+        FaultRule("sleep", "forward", 0, 0, 0.25),
+        FaultRule("exit", "forward", 2, 4),
+    )
     for bad in ("oom", "boom:1", "oom:0", "oom:x", "oom:3-1", "sleep:1:fast", "oom:1:2:3"):
         with pytest.raises(FaultSpecError):
             parse_faults(bad)

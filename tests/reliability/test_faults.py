@@ -49,10 +49,22 @@ def arm_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def sup(tiny: Path, arm_file: Path) -> Iterator[LineProcess]:
     proc = LineProcess(
-        run_argv("--model", str(tiny), "--max-sessions", "4", "--prefill-chunk", "4",
-                 "--heartbeat-timeout", "3", "--heartbeat-interval", "0.5",
-                 "--worker-command", f"{sys.executable} -m worker.faults"),
-        env={"TOKENPIPE_FAULT": "sleep@forward:*:0.05", "TOKENPIPE_FAULT_FILE": str(arm_file)})
+        run_argv(
+            "--model",
+            str(tiny),
+            "--max-sessions",
+            "4",
+            "--prefill-chunk",
+            "4",
+            "--heartbeat-timeout",
+            "3",
+            "--heartbeat-interval",
+            "0.5",
+            "--worker-command",
+            f"{sys.executable} -m worker.faults",
+        ),
+        env={"TOKENPIPE_FAULT": "sleep@forward:*:0.05", "TOKENPIPE_FAULT_FILE": str(arm_file)},
+    )
     proc.wait_ready(timeout=300)
     proc.sent_ids: list[Any] = []  # type: ignore[misc]
     yield proc
@@ -95,20 +107,27 @@ def turn(sid: str, rid: str, prompt: Any, n: int = 6) -> dict[str, Any]:
     """A generate on `sid`: `prompt` is text (turn 1) or token ids (turn 2, no prefix)."""
     if isinstance(prompt, str):
         return {"id": rid, "prompt": prompt, "max_new_tokens": n, "session_id": sid}
-    return {"id": rid, "prompt_segments": [{"ids": prompt}, {"text": " world"}],
-            "add_prefix": False, "max_new_tokens": n, "session_id": sid}
+    return {
+        "id": rid,
+        "prompt_segments": [{"ids": prompt}, {"text": " world"}],
+        "add_prefix": False,
+        "max_new_tokens": n,
+        "session_id": sid,
+    }
 
 
-def run_turns(proc: LineProcess, sid: str,
-              crash: Any = None) -> tuple[list[int], dict[str, Any], str]:
+def run_turns(
+    proc: LineProcess, sid: str, crash: Any = None
+) -> tuple[list[int], dict[str, Any], str]:
     """Turn 1 on `sid`, then `crash(proc, sid)` if given, then turn 2 continuing turn 1
     exactly (its prompt ids + generated ids + more text). Returns turn 1's generated ids and
     turn 2's done line and text."""
     assert ask(proc, {"op": "open", "session_id": sid, "id": f"open-{sid}"})[-1]["opened"]
     first = ask(proc, turn(sid, f"{sid}-t1", "hello"))
     assert first[-1]["event"] == "done", first[-1]
-    prompt1 = ask(proc, {"op": "tokenize", "text": "hello", "add_prefix": True,
-                         "id": f"tok-{sid}"})[-1]["tokens"]
+    prompt1 = ask(
+        proc, {"op": "tokenize", "text": "hello", "add_prefix": True, "id": f"tok-{sid}"}
+    )[-1]["tokens"]
     generated1 = first[-1]["generated_token_ids"]
     if crash is not None:
         crash(proc, sid)
@@ -137,8 +156,7 @@ def _lost_pair(proc: LineProcess, sid: str, tag: str, kill: Any, wait_token: boo
     pid = worker_pid(proc, f"{tag}-before")
     named, anon = f"{tag}-named", f"{tag}-anon"
     prompt = LONG_PROMPT if not wait_token else "hello"
-    send(proc, {"id": named, "prompt": "hello" + prompt, "max_new_tokens": 200,
-                "session_id": sid})
+    send(proc, {"id": named, "prompt": "hello" + prompt, "max_new_tokens": 200, "session_id": sid})
     send(proc, {"id": anon, "prompt": prompt, "max_new_tokens": 200})
     if wait_token:
         proc.read_until(lambda e: e.get("id") == named and e["event"] == "token", timeout=120)
@@ -147,8 +165,15 @@ def _lost_pair(proc: LineProcess, sid: str, tag: str, kill: Any, wait_token: boo
         assert not any(e.get("id") in (named, anon) for e in proc.all_events), "not mid-prefill"
     kill(pid)
     ended: dict[Any, dict[str, Any]] = {}
-    proc.read_until(lambda e: e.get("id") in (named, anon) and e["event"] in TERMINAL
-                    and ended.setdefault(e["id"], e) is e and len(ended) == 2, timeout=120)
+    proc.read_until(
+        lambda e: (
+            e.get("id") in (named, anon)
+            and e["event"] in TERMINAL
+            and ended.setdefault(e["id"], e) is e
+            and len(ended) == 2
+        ),
+        timeout=120,
+    )
     for rid in (named, anon):
         assert ended[rid]["event"] == "error" and ended[rid]["code"] == "worker_lost", ended
     wait_restarted(proc, pid, tag)
@@ -179,8 +204,10 @@ def test_sigstop_caught_by_heartbeat(sup: LineProcess) -> None:
         started = time.monotonic()
         _lost_pair(proc, sid, "sigstop", stop, True)
         assert time.monotonic() - started < 120
-        assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == \
-            psutil.STATUS_ZOMBIE, "the stopped worker was not killed"
+        assert (
+            not psutil.pid_exists(stopped[0])
+            or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE
+        ), "the stopped worker was not killed"
 
     crash_then_continue(sup, "sigstop", crash)
     assert any(b"heartbeat timeout" in line for line in sup.stderr), sup.stderr_text()

@@ -25,8 +25,9 @@ async def _collect(client: AsyncClient, **fields: Any) -> list[Any]:
 
 def test_stopped_worker_is_killed_and_restarted() -> None:
     async def main() -> None:
-        config = fake_config(1, "--fake-token-delay", "0.05", heartbeat_timeout=1.0,
-                             heartbeat_interval=0.2)
+        config = fake_config(
+            1, "--fake-token-delay", "0.05", heartbeat_timeout=1.0, heartbeat_interval=0.2
+        )
         client = await AsyncClient.in_process(config, stderr_sink=lambda _: None)
         sup = client.supervisor
         assert sup is not None

@@ -42,10 +42,28 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = _free_port()
     log = open(tmp_path_factory.mktemp("log") / "serve.err", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [*TOKENPIPE, "serve", "--port", str(port), "--model", str(model), "--workers", "1",
-         "--max-sessions", "6", "--api-key", KEY, "--max-body-bytes", str(MAX_BODY),
-         "--worker-arg=--threads=1"],  # no --host: the default bind is under test
-        stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env={**os.environ, **CHILD_ENV})
+        [
+            *TOKENPIPE,
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            str(model),
+            "--workers",
+            "1",
+            "--max-sessions",
+            "6",
+            "--api-key",
+            KEY,
+            "--max-body-bytes",
+            str(MAX_BODY),
+            "--worker-arg=--threads=1",
+        ],  # no --host: the default bind is under test
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        cwd=REPO,
+        env={**os.environ, **CHILD_ENV},
+    )
     server = Server(proc, port)
     deadline = time.monotonic() + 300
     while True:
@@ -74,8 +92,11 @@ def _auth(key: str = KEY) -> dict[str, str]:
 ROUTES = [
     ("GET", "/v1/models", None),
     ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                      "max_tokens": 1}),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    ),
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [104]}),
     ("POST", "/v1/sessions/s1/reset", None),
@@ -84,18 +105,28 @@ ROUTES = [
 
 
 def test_binds_loopback_by_default(server: Server) -> None:
-    listening = [c for c in psutil.Process(server.proc.pid).net_connections("inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == server.port]
+    listening = [
+        c
+        for c in psutil.Process(server.proc.pid).net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == server.port
+    ]
     assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening), listening
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ROUTES)
-def test_api_key_required_on_every_route(server: Server, method: str, path: str,
-                                         body: object) -> None:
+def test_api_key_required_on_every_route(
+    server: Server, method: str, path: str, body: object
+) -> None:
     url = server.base + path
-    for headers in ({}, _auth("wrong"), _auth(KEY + "x"), _auth(KEY[:-1]),
-                    {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
-                    {"X-Api-Key": KEY}):
+    for headers in (
+        {},
+        _auth("wrong"),
+        _auth(KEY + "x"),
+        _auth(KEY[:-1]),
+        {"Authorization": KEY},
+        {"Authorization": f"Basic {KEY}"},
+        {"X-Api-Key": KEY},
+    ):
         response = httpx.request(method, url, json=body, headers=headers, timeout=30)
         assert response.status_code == 401, (headers, response.status_code, response.text)
         assert KEY not in response.text
@@ -111,8 +142,12 @@ def test_unauthenticated_paths_leak_nothing(server: Server) -> None:
 
 def test_body_size_limit(server: Server) -> None:
     big = json.dumps({"prompt": "a" * (MAX_BODY * 2), "max_tokens": 1})
-    response = httpx.post(server.base + "/v1/completions", content=big, timeout=30,
-                          headers={**_auth(), "Content-Type": "application/json"})
+    response = httpx.post(
+        server.base + "/v1/completions",
+        content=big,
+        timeout=30,
+        headers={**_auth(), "Content-Type": "application/json"},
+    )
     assert response.status_code == 413, response.text
 
     def chunks() -> Iterator[bytes]:  # no content-length: the limit holds while streaming
@@ -121,21 +156,27 @@ def test_body_size_limit(server: Server) -> None:
             yield b"a" * 1024
         yield b'", "max_tokens": 1}'
 
-    response = httpx.post(server.base + "/v1/completions", content=chunks(), timeout=30,
-                          headers={**_auth(), "Content-Type": "application/json"})
+    response = httpx.post(
+        server.base + "/v1/completions",
+        content=chunks(),
+        timeout=30,
+        headers={**_auth(), "Content-Type": "application/json"},
+    )
     assert response.status_code == 413, response.text
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-                     + KEY.encode() + b"\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000000000000\r\n\r\n{}")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000000000\r\n\r\n{}"
+        )
         head = sock.recv(100)  # answered from the declared length, without reading a TB
     assert head.split(b" ")[1] == b"413", head
 
 
 def test_header_size_limit(server: Server) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 +
-                     b"\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n")
         try:
             head = sock.recv(100)
         except (ConnectionResetError, BrokenPipeError):
@@ -158,11 +199,11 @@ def test_streaming_clients_with_disconnects(server: Server) -> None:
     import asyncio
 
     async def client(http: httpx.AsyncClient, index: int) -> str:
-        body = {"prompt": f"client {index}", "max_tokens": 12, "temperature": 0,
-                "stream": True}
+        body = {"prompt": f"client {index}", "max_tokens": 12, "temperature": 0, "stream": True}
         finals, chunks = 0, 0
-        async with http.stream("POST", server.base + "/v1/completions", json=body,
-                               headers=_auth()) as response:
+        async with http.stream(
+            "POST", server.base + "/v1/completions", json=body, headers=_auth()
+        ) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -185,14 +226,25 @@ def test_streaming_clients_with_disconnects(server: Server) -> None:
     deadline = time.monotonic() + 60
     while True:
         metrics = httpx.get(server.base + "/metrics", timeout=10).text
-        gauges = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                  if line.startswith(("tokenpipe_active_requests ", "tokenpipe_queue_depth ",
-                                      "tokenpipe_queued_requests "))}
+        gauges = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith(
+                (
+                    "tokenpipe_active_requests ",
+                    "tokenpipe_queue_depth ",
+                    "tokenpipe_queued_requests ",
+                )
+            )
+        }
         if len(gauges) == 3 and not any(gauges.values()):
             break
         assert time.monotonic() < deadline, gauges
         time.sleep(0.5)
     assert "tokenpipe_cancelled_requests_total" in metrics
-    cancelled = [line for line in metrics.splitlines()
-                 if line.startswith("tokenpipe_cancelled_requests_total")]
+    cancelled = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("tokenpipe_cancelled_requests_total")
+    ]
     assert float(cancelled[0].split()[-1]) >= 1, cancelled

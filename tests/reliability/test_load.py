@@ -32,9 +32,19 @@ def load_tool(name: str) -> ModuleType:
 def test_load_run_scaled_down(tmp_path: Path) -> None:
     tool = load_tool("load_test")
     model = write_tiny_checkpoint(tmp_path / "tiny")
-    args = argparse.Namespace(model=str(model), workers=1, max_context=256, max_new=6,
-                              threads=1, seed=1, sessions=8, requests=3, cancel_rate=0.3,
-                              verify=0, write=False)
+    args = argparse.Namespace(
+        model=str(model),
+        workers=1,
+        max_context=256,
+        max_new=6,
+        threads=1,
+        seed=1,
+        sessions=8,
+        requests=3,
+        cancel_rate=0.3,
+        verify=0,
+        write=False,
+    )
     summary = asyncio.run(tool.run_mode(args))
     assert summary["problems"] == [], summary
     assert summary["requests"] == 24 and summary["verified"] > 0

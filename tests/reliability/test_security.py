@@ -21,8 +21,9 @@ from tests.reliability.helpers import REPO
 def test_session_ids_are_validated(op: str) -> None:
     def decode(session_id: str) -> Any:
         extra = {"prompt": "x"} if op == "generate" else {}
-        return decode_request(msgspec.json.encode({"op": op, "id": 1, "session_id": session_id,
-                                                   **extra}))
+        return decode_request(
+            msgspec.json.encode({"op": op, "id": 1, "session_id": session_id, **extra})
+        )
 
     good = ["a", "x" * 256, " ", "~", "chat-1/../etc", "".join(map(chr, range(0x20, 0x7F)))]
     for session_id in good:
@@ -60,12 +61,15 @@ def test_no_request_field_names_a_path() -> None:
             assert not _PATHLIKE.search(name), f"{struct.__name__}.{name} looks like a path"
 
 
-@pytest.mark.parametrize("field", ["model", "model_path", "tokenizer_path", "path",
-                                   "chat_template", "gguf", "checkpoint"])
+@pytest.mark.parametrize(
+    "field",
+    ["model", "model_path", "tokenizer_path", "path", "chat_template", "gguf", "checkpoint"],
+)
 def test_path_fields_are_rejected(field: str) -> None:
     for op in ("generate", "open", "info"):
-        line = msgspec.json.encode({"op": op, "id": "p", "session_id": "s", "prompt": "x",
-                                    field: "/etc/passwd"})
+        line = msgspec.json.encode(
+            {"op": op, "id": "p", "session_id": "s", "prompt": "x", field: "/etc/passwd"}
+        )
         error = decode_request(line)
         assert isinstance(error, ProtocolError) and error.code == ErrorCode.INVALID_REQUEST
 
@@ -74,11 +78,17 @@ def test_path_fields_are_rejected(field: str) -> None:
 
 _SCANNED = ["protocol", "worker", "supervisor", "tools", "tests", "examples"]
 _FORBIDDEN = [
-    (re.compile(r"^\s*(import|from)\s+(c?pickle|dill|shelve|marshal|cloudpickle|joblib)\b", re.M),
-     "imports a pickle-family module"),
+    (
+        re.compile(
+            r"^\s*(import|from)\s+(c?pickle|dill|shelve|marshal|cloudpickle|joblib)\b", re.M
+        ),
+        "imports a pickle-family module",
+    ),
     (re.compile(r"\bpickle\.(loads?|Unpickler)\b"), "unpickles"),
-    (re.compile(r"torch\.load\((?![^)]*weights_only\s*=\s*True)"),
-     "torch.load without weights_only=True"),
+    (
+        re.compile(r"torch\.load\((?![^)]*weights_only\s*=\s*True)"),
+        "torch.load without weights_only=True",
+    ),
     (re.compile(r"allow_pickle\s*=\s*True"), "numpy load with allow_pickle=True"),
     (re.compile(r"yaml\.load\((?![^)]*SafeLoader)"), "yaml.load without SafeLoader"),
     (re.compile(r"trust_remote_code\s*=\s*True"), "runs a checkpoint's remote code"),
@@ -107,13 +117,23 @@ def test_no_pickle_anywhere() -> None:
 
 
 def test_the_scanner_catches_what_it_should() -> None:
-    samples = ["import pickle", "from dill import loads", "x = torch.load(f)",
-               "np.load(p, allow_pickle=True)", "yaml.load(s)", "trust_remote_code=True",
-               "env = jinja2.Environment()"]
+    samples = [
+        "import pickle",
+        "from dill import loads",
+        "x = torch.load(f)",
+        "np.load(p, allow_pickle=True)",
+        "yaml.load(s)",
+        "trust_remote_code=True",
+        "env = jinja2.Environment()",
+    ]
     for sample in samples:
         assert any(p.search(sample) for p, _ in _FORBIDDEN), sample
-    safe = ["torch.load(f, weights_only=True)", "yaml.load(s, Loader=yaml.SafeLoader)",
-            "ImmutableSandboxedEnvironment(trim_blocks=True)", "# no pickle here"]
+    safe = [
+        "torch.load(f, weights_only=True)",
+        "yaml.load(s, Loader=yaml.SafeLoader)",
+        "ImmutableSandboxedEnvironment(trim_blocks=True)",
+        "# no pickle here",
+    ]
     for sample in safe:
         assert not any(p.search(sample) for p, _ in _FORBIDDEN), sample
 
@@ -158,8 +178,9 @@ def _server_render(template: str) -> str:
 
 @pytest.mark.parametrize("render", [_worker_render, _server_render], ids=["worker", "server"])
 @pytest.mark.parametrize("template", HOSTILE_TEMPLATES)
-def test_hostile_template_fails_safely(render: Any, template: str,
-                                       request: pytest.FixtureRequest) -> None:
+def test_hostile_template_fails_safely(
+    render: Any, template: str, request: pytest.FixtureRequest
+) -> None:
     marker = Path("/tmp/tokenpipe-pwned")
     marker.unlink(missing_ok=True)
     try:

@@ -25,8 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 def fake_config(workers: int = 1, *args: str, **kwargs: Any) -> SupervisorConfig:
     kwargs.setdefault("ready_timeout", 30.0)
     kwargs.setdefault("restart_base_s", 0.05)
-    return SupervisorConfig(worker_command=FAKE_WORKER, workers=workers, worker_args=args,
-                            **kwargs)
+    return SupervisorConfig(worker_command=FAKE_WORKER, workers=workers, worker_args=args, **kwargs)
 
 
 class JsonlProcess:
@@ -34,8 +33,13 @@ class JsonlProcess:
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, **(env or {})}, cwd=REPO)
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
+            cwd=REPO,
+        )
         self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.stderr: list[bytes] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -64,8 +68,9 @@ class JsonlProcess:
     def read(self, timeout: float = 60.0) -> dict[str, Any] | None:
         return self.lines.get(timeout=timeout)
 
-    def read_until(self, done: Callable[[dict[str, Any]], bool],
-                   timeout: float = 60.0) -> list[dict[str, Any]]:
+    def read_until(
+        self, done: Callable[[dict[str, Any]], bool], timeout: float = 60.0
+    ) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
         while True:
@@ -99,8 +104,10 @@ def terminal(event: dict[str, Any]) -> bool:
 def gone(pids: list[int], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                   for p in pids):
+        if not any(
+            psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+            for p in pids
+        ):
             return True
         time.sleep(0.05)
     return False

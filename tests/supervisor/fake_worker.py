@@ -104,23 +104,49 @@ class FakeWorker:
                 if act.rid == req.get("id") and "id" in req:
                     act.cancelled = True
                     return True
-            self.reply(req, {"event": "error", "error": "unknown id", "code": "unknown_id",
-                             "op": "cancel"})
+            self.reply(
+                req, {"event": "error", "error": "unknown id", "code": "unknown_id", "op": "cancel"}
+            )
         elif op == "ping":
             self.reply(req, {"event": "pong", "pong": True})
         elif op == "info":
-            self.reply(req, {"event": "info", "info": {
-                "model": "fake", "architecture": "fake", "context_length": 4096,
-                "vocab_size": 266, "bos_id": BOS, "eos_ids": [2], "prefix_ids": [BOS],
-                "bos_token": "<bos>", "eos_token": "<eos>", "chat_template": None,
-                "max_sessions": self.max_sessions, "bytes_per_session": 1000,
-                "device": "cpu", "dtype": "float32", "pid": os.getpid()}})
+            self.reply(
+                req,
+                {
+                    "event": "info",
+                    "info": {
+                        "model": "fake",
+                        "architecture": "fake",
+                        "context_length": 4096,
+                        "vocab_size": 266,
+                        "bos_id": BOS,
+                        "eos_ids": [2],
+                        "prefix_ids": [BOS],
+                        "bos_token": "<bos>",
+                        "eos_token": "<eos>",
+                        "chat_template": None,
+                        "max_sessions": self.max_sessions,
+                        "bytes_per_session": 1000,
+                        "device": "cpu",
+                        "dtype": "float32",
+                        "pid": os.getpid(),
+                    },
+                },
+            )
         elif op == "stats":
-            self.reply(req, {"event": "stats", "stats": {
-                "active_requests": len(self.active), "queued_requests": 0,
-                "sessions": len(self.sessions) - 1,
-                "free_slots": self.max_sessions - len(self.sessions),
-                "rss_bytes": 1 << 20}})
+            self.reply(
+                req,
+                {
+                    "event": "stats",
+                    "stats": {
+                        "active_requests": len(self.active),
+                        "queued_requests": 0,
+                        "sessions": len(self.sessions) - 1,
+                        "free_slots": self.max_sessions - len(self.sessions),
+                        "rss_bytes": 1 << 20,
+                    },
+                },
+            )
         elif op == "tokenize":
             ids = encode_text(req.get("text", ""))
             if req.get("add_prefix"):
@@ -164,8 +190,16 @@ class FakeWorker:
         if self.args.fake_burst and text == "BURST":
             line = orjson.dumps({"event": "token", "id": req.get("id"), "token": "x"}) + b"\n"
             self.out.write(line * max_new)
-            self.reply(req, {"event": "done", "done": True, "finish_reason": "length",
-                             "prompt_tokens": 5, "completion_tokens": max_new})
+            self.reply(
+                req,
+                {
+                    "event": "done",
+                    "done": True,
+                    "finish_reason": "length",
+                    "prompt_tokens": 5,
+                    "completion_tokens": max_new,
+                },
+            )
             return
         prompt = self.prompt_ids(req)
         resident = self.sessions[sid]
@@ -173,9 +207,15 @@ class FakeWorker:
         while keep < min(len(resident), len(prompt)) and resident[keep] == prompt[keep]:
             keep += 1
         self.sessions[sid] = prompt[:]
-        act = Active(rid=req.get("id"), session_id=sid, remaining=max_new, keep=keep,
-                     append=prompt[keep:], return_resident=bool(req.get("return_resident")),
-                     prompt_tokens=len(prompt))
+        act = Active(
+            rid=req.get("id"),
+            session_id=sid,
+            remaining=max_new,
+            keep=keep,
+            append=prompt[keep:],
+            return_resident=bool(req.get("return_resident")),
+            prompt_tokens=len(prompt),
+        )
         act.id_present = "id" in req  # type: ignore[attr-defined]
         self.active.append(act)
 
@@ -203,13 +243,21 @@ class FakeWorker:
     def finish(self, act: Active, reason: str) -> None:
         self.active.remove(act)
         ev: dict[str, Any] = {
-            "event": "done", "done": True, "prompt_tokens": act.prompt_tokens,
-            "completion_tokens": len(act.generated), "finish_reason": reason,
+            "event": "done",
+            "done": True,
+            "prompt_tokens": act.prompt_tokens,
+            "completion_tokens": len(act.generated),
+            "finish_reason": reason,
             "reused_prompt_tokens": act.keep,
             "prefilled_prompt_tokens": act.prompt_tokens - act.keep,
             "session_reset_reason": "new" if act.keep == 0 else "exact_prefix",
-            "prefill_ms": 0.1, "decode_ms": 0.1, "total_ms": 0.2, "prefill_tok_s": 1.0,
-            "decode_tok_s": 1.0, "generated_token_ids": act.generated}
+            "prefill_ms": 0.1,
+            "decode_ms": 0.1,
+            "total_ms": 0.2,
+            "prefill_tok_s": 1.0,
+            "decode_tok_s": 1.0,
+            "generated_token_ids": act.generated,
+        }
         if act.return_resident:
             ev["resident_keep"] = act.keep
             ev["resident_append"] = act.append + act.generated
@@ -238,8 +286,15 @@ def main() -> None:
     if args.fake_hang_on_start:
         time.sleep(3600)
     worker = FakeWorker(args)
-    worker.emit({"event": "ready", "ready": True, "max_sessions": args.max_sessions,
-                 "max_named_sessions": args.max_sessions - 1, "device": "cpu"})
+    worker.emit(
+        {
+            "event": "ready",
+            "ready": True,
+            "max_sessions": args.max_sessions,
+            "max_named_sessions": args.max_sessions - 1,
+            "device": "cpu",
+        }
+    )
     sys.stdout.flush()
     inbox: queue.Queue[bytes | None] = queue.Queue()
 

@@ -72,14 +72,16 @@ def test_sessions_spread_affinity_and_stats() -> None:
 
 def test_concurrent_ids_interleave_and_duplicates_are_rejected() -> None:
     async def body(client: AsyncClient) -> None:
-        results = await asyncio.gather(*(generate(client, prompt=f"p{i}", max_new_tokens=5)
-                                         for i in range(6)))
+        results = await asyncio.gather(
+            *(generate(client, prompt=f"p{i}", max_new_tokens=5) for i in range(6))
+        )
         assert all(isinstance(done, DoneEvent) for _, done in results)
         events: list[Any] = []
 
         async def consume(rid: str) -> None:
-            async for event in client.generate(GenerateRequest(prompt="x", max_new_tokens=20,
-                                                               id=rid)):
+            async for event in client.generate(
+                GenerateRequest(prompt="x", max_new_tokens=20, id=rid)
+            ):
                 events.append(event)
 
         task = asyncio.ensure_future(consume("same"))
@@ -95,8 +97,9 @@ def test_concurrent_ids_interleave_and_duplicates_are_rejected() -> None:
 def test_cancel_and_leaving_the_loop_cancel() -> None:
     async def body(client: AsyncClient) -> None:
         events = []
-        async for event in client.generate(GenerateRequest(prompt="x", max_new_tokens=10_000,
-                                                           id="long")):
+        async for event in client.generate(
+            GenerateRequest(prompt="x", max_new_tokens=10_000, id="long")
+        ):
             events.append(event)
             if len(events) == 2:
                 await client.cancel("long")
@@ -123,8 +126,9 @@ def _conversation(client: AsyncClient, crash: Callable[[], Awaitable[None]] | No
         first, _ = await generate(client, prompt="once upon", max_new_tokens=6, session_id="s")
         if crash is not None:
             await crash()
-        second, done = await generate(client, prompt="once upon" + first + " then",
-                                      max_new_tokens=6, session_id="s")
+        second, done = await generate(
+            client, prompt="once upon" + first + " then", max_new_tokens=6, session_id="s"
+        )
         assert isinstance(done, DoneEvent), done
         return first, second
 
@@ -138,8 +142,12 @@ def test_crash_on_cue_loses_one_request_and_session_survives() -> None:
 
         async def crash() -> None:
             pid = sup.slots[0].process.pid  # type: ignore[union-attr]
-            events = [e async for e in client.generate(
-                GenerateRequest(prompt="CRASH now", max_new_tokens=5, session_id="s"))]
+            events = [
+                e
+                async for e in client.generate(
+                    GenerateRequest(prompt="CRASH now", max_new_tokens=5, session_id="s")
+                )
+            ]
             assert len(events) == 1 and isinstance(events[0], ErrorEvent)
             assert events[0].code == "worker_lost"
             for _ in range(200):
@@ -161,9 +169,9 @@ def test_kill_mid_generation_gives_exactly_one_worker_lost() -> None:
         assert sup is not None
         await generate(client, prompt="warm", max_new_tokens=2, session_id="k")
         events: list[Any] = []
-        async for event in client.generate(GenerateRequest(prompt="warm more",
-                                                           max_new_tokens=10_000,
-                                                           session_id="k")):
+        async for event in client.generate(
+            GenerateRequest(prompt="warm more", max_new_tokens=10_000, session_id="k")
+        ):
             events.append(event)
             if len(events) == 3:
                 os.kill(sup.slots[0].process.pid, signal.SIGKILL)  # type: ignore[union-attr]
@@ -179,8 +187,9 @@ def test_kill_mid_generation_gives_exactly_one_worker_lost() -> None:
 
 def test_flood_beyond_max_queue_is_overloaded_and_the_rest_completes() -> None:
     async def body(client: AsyncClient) -> None:
-        results = await asyncio.gather(*(generate(client, prompt=f"f{i}", max_new_tokens=5)
-                                         for i in range(12)))
+        results = await asyncio.gather(
+            *(generate(client, prompt=f"f{i}", max_new_tokens=5) for i in range(12))
+        )
         codes = [done.code if isinstance(done, ErrorEvent) else "ok" for _, done in results]
         assert codes.count("ok") >= 3 and codes.count("overloaded") >= 1
         assert set(codes) == {"ok", "overloaded"}
@@ -231,8 +240,12 @@ def test_blocking_client_twin() -> None:
 
 
 def test_run_stdio_seed_order_and_errors_in_place() -> None:
-    proc = JsonlProcess.run("--workers", "2", "--worker-command", " ".join(
-        ["python", "tests/supervisor/fake_worker.py"]))
+    proc = JsonlProcess.run(
+        "--workers",
+        "2",
+        "--worker-command",
+        " ".join(["python", "tests/supervisor/fake_worker.py"]),
+    )
     try:
         ready = proc.read()
         assert ready is not None and ready["ready"] is True and ready["max_sessions"] == 8
@@ -240,8 +253,15 @@ def test_run_stdio_seed_order_and_errors_in_place() -> None:
         proc.send({"prompt": "y", "max_new_tokens": 2, "id": 5})
         events = proc.read_until(lambda e: e.get("event") == "done")
         dup = [e for e in events if e["event"] == "error"]
-        assert dup == [{"event": "error", "error": "id 5 is already in flight",
-                        "code": "duplicate_id", "id": 5, "op": "generate"}]
+        assert dup == [
+            {
+                "event": "error",
+                "error": "id 5 is already in flight",
+                "code": "duplicate_id",
+                "id": 5,
+                "op": "generate",
+            }
+        ]
         assert events[-1]["id"] == 5 and events[-1]["completion_tokens"] == 50
         proc.send({"prompt": "aaa", "max_new_tokens": 8})
         proc.send({"op": "nope"})
@@ -250,8 +270,14 @@ def test_run_stdio_seed_order_and_errors_in_place() -> None:
         second = proc.read_until(terminal)
         third = proc.read_until(terminal)
         assert [e["event"] for e in first] == ["token"] * 8 + ["done"]
-        assert second == [{"event": "error", "error": "op: unknown operation 'nope'",
-                           "code": "unknown_op", "op": "nope"}]
+        assert second == [
+            {
+                "event": "error",
+                "error": "op: unknown operation 'nope'",
+                "code": "unknown_op",
+                "op": "nope",
+            }
+        ]
         assert [e["event"] for e in third] == ["token"] * 3 + ["done"]
         assert all("id" not in e for e in first + third)
         proc.close_stdin()

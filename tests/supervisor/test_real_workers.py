@@ -27,8 +27,9 @@ WORKER_FLAGS = ("--max-context", "256", "--threads", "1")
 
 @pytest.fixture(scope="module")
 def two() -> Iterator[JsonlProcess]:
-    proc = JsonlProcess.run("--workers", "2", "--max-sessions", "3", "--max-queue", "2",
-                            *WORKER_FLAGS)
+    proc = JsonlProcess.run(
+        "--workers", "2", "--max-sessions", "3", "--max-queue", "2", *WORKER_FLAGS
+    )
     ready = proc.read(timeout=400)
     assert ready is not None, b"".join(proc.stderr)[-3000:]
     assert ready["max_sessions"] == 6 and ready["max_named_sessions"] == 4
@@ -40,8 +41,7 @@ def two() -> Iterator[JsonlProcess]:
 
 def ask(proc: JsonlProcess, request: dict[str, Any]) -> list[dict[str, Any]]:
     proc.send(request)
-    return proc.read_until(lambda e: terminal(e) and e.get("id") == request.get("id"),
-                           timeout=400)
+    return proc.read_until(lambda e: terminal(e) and e.get("id") == request.get("id"), timeout=400)
 
 
 def stats(proc: JsonlProcess) -> dict[str, Any]:
@@ -76,12 +76,14 @@ def test_kill_9_mid_generation_then_same_greedy_continuation(two: JsonlProcess) 
     assert "y" in workers[1 - x_worker]["named_sessions"]
     first = {}
     for sid in ("x", "y"):
-        done = ask(two, {"prompt": "My name is", "max_new_tokens": 2, "session_id": sid,
-                         "id": f"t1-{sid}"})[-1]
+        done = ask(
+            two, {"prompt": "My name is", "max_new_tokens": 2, "session_id": sid, "id": f"t1-{sid}"}
+        )[-1]
         first[sid] = done["generated_token_ids"]
     assert first["x"] == first["y"]
-    two.send({"prompt": "My name is Anna and", "max_new_tokens": 60, "session_id": "x",
-              "id": "doomed"})
+    two.send(
+        {"prompt": "My name is Anna and", "max_new_tokens": 60, "session_id": "x", "id": "doomed"}
+    )
     token = two.read(timeout=400)
     assert token is not None and token["event"] == "token" and token["id"] == "doomed"
     os.kill(workers[x_worker]["pid"], signal.SIGKILL)
@@ -90,8 +92,15 @@ def test_kill_9_mid_generation_then_same_greedy_continuation(two: JsonlProcess) 
     assert [e["code"] for e in answers] == ["worker_lost"]
     second = {}
     for sid in ("x", "y"):
-        done = ask(two, {"prompt": "My name is Anna and", "max_new_tokens": 3,
-                         "session_id": sid, "id": f"t2-{sid}"})[-1]
+        done = ask(
+            two,
+            {
+                "prompt": "My name is Anna and",
+                "max_new_tokens": 3,
+                "session_id": sid,
+                "id": f"t2-{sid}",
+            },
+        )[-1]
         assert done["event"] == "done", done
         second[sid] = done
     assert second["x"]["generated_token_ids"] == second["y"]["generated_token_ids"]
@@ -150,29 +159,61 @@ def listening(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[JsonlP
 
 
 def tokenpipe(*args: str, stdin: str = "", timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([*run_command(), *args], input=stdin.encode(), capture_output=True,
-                          timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [*run_command(), *args],
+        input=stdin.encode(),
+        capture_output=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 def test_generate_streams_text_and_json(listening: tuple[JsonlProcess, str]) -> None:
     _, sock = listening
-    plain = tokenpipe("generate", "The capital of France is", "--max-new-tokens", "3",
-                      "--connect", sock)
+    plain = tokenpipe(
+        "generate", "The capital of France is", "--max-new-tokens", "3", "--connect", sock
+    )
     assert plain.returncode == 0, plain.stderr
     text = plain.stdout.decode()
     assert 0 < len(text) and "{" not in text
-    as_json = tokenpipe("generate", "-", "--json", "--max-new-tokens", "3", "--connect", sock,
-                        stdin="The capital of France is")
+    as_json = tokenpipe(
+        "generate",
+        "-",
+        "--json",
+        "--max-new-tokens",
+        "3",
+        "--connect",
+        sock,
+        stdin="The capital of France is",
+    )
     assert as_json.returncode == 0, as_json.stderr
 
     lines = [orjson.loads(line) for line in as_json.stdout.splitlines()]
     assert [e["event"] for e in lines] == ["token", "token", "token", "done"]
     assert "".join(e["token"] for e in lines[:-1]) == text  # greedy: the same text
     # Sessions persist across invocations through the socket.
-    one = tokenpipe("generate", "Once upon a time", "--max-new-tokens", "2", "--json",
-                    "--connect", sock, "--session", "story")
-    two = tokenpipe("generate", "Once upon a time, there", "--max-new-tokens", "2", "--json",
-                    "--connect", sock, "--session", "story")
+    one = tokenpipe(
+        "generate",
+        "Once upon a time",
+        "--max-new-tokens",
+        "2",
+        "--json",
+        "--connect",
+        sock,
+        "--session",
+        "story",
+    )
+    two = tokenpipe(
+        "generate",
+        "Once upon a time, there",
+        "--max-new-tokens",
+        "2",
+        "--json",
+        "--connect",
+        sock,
+        "--session",
+        "story",
+    )
     done_two = orjson.loads(two.stdout.splitlines()[-1])
     assert one.returncode == 0 and two.returncode == 0
     assert done_two["reused_prompt_tokens"] > 0
@@ -183,8 +224,9 @@ def test_generate_in_process_and_exit_status() -> None:
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout and b"worker" not in ok.stdout
     # An invalid model path: non-zero status and a message on stderr.
-    bad = tokenpipe("generate", "Hello", "--model", "/nonexistent/model", "-q",
-                    *WORKER_FLAGS, timeout=120)
+    bad = tokenpipe(
+        "generate", "Hello", "--model", "/nonexistent/model", "-q", *WORKER_FLAGS, timeout=120
+    )
     assert bad.returncode != 0 and bad.stdout == b""
     assert b"tokenpipe generate" in bad.stderr
 
@@ -192,9 +234,22 @@ def test_generate_in_process_and_exit_status() -> None:
 def test_chat_in_a_pseudo_terminal(listening: tuple[JsonlProcess, str]) -> None:
     pexpect = pytest.importorskip("pexpect")
     _, sock = listening
-    child = pexpect.spawn(run_command()[0], [*run_command()[1:], "chat", "--connect", sock,
-                                             "--max-new-tokens", "3", "--session", "tty"],
-                          cwd=str(REPO), timeout=300, encoding="utf-8")
+    child = pexpect.spawn(
+        run_command()[0],
+        [
+            *run_command()[1:],
+            "chat",
+            "--connect",
+            sock,
+            "--max-new-tokens",
+            "3",
+            "--session",
+            "tty",
+        ],
+        cwd=str(REPO),
+        timeout=300,
+        encoding="utf-8",
+    )
     try:
         child.expect("> ")
         child.sendline("Hi there")

@@ -17,21 +17,31 @@ from supervisor.router import (
 R, S, F = WorkerState.READY, WorkerState.STARTING, WorkerState.FAILED
 
 
-def load(index: int, queued: int = 0, named: int = 0, state: WorkerState = R,
-         max_named: int = 3, max_queue: int = 4) -> WorkerLoad:
+def load(
+    index: int,
+    queued: int = 0,
+    named: int = 0,
+    state: WorkerState = R,
+    max_named: int = 3,
+    max_queue: int = 4,
+) -> WorkerLoad:
     return WorkerLoad(index, state, queued, named, max_named, max_queue)
 
 
 def test_least_loaded_wins_and_ties_go_to_lowest_index() -> None:
     assert choose_worker([load(0, 2), load(1, 1), load(2, 1)], needs_session_slot=False).worker == 1
-    assert choose_worker([load(0, 1, named=2), load(1, 1, named=1)],
-                         needs_session_slot=False).worker == 1
+    assert (
+        choose_worker([load(0, 1, named=2), load(1, 1, named=1)], needs_session_slot=False).worker
+        == 1
+    )
 
 
 def test_ready_workers_are_preferred_over_starting_ones() -> None:
     assert choose_worker([load(0, 0, state=S), load(1, 3)], needs_session_slot=False).worker == 1
-    assert choose_worker([load(0, 0, state=S), load(1, 0, state=F)],
-                         needs_session_slot=False).worker == 0
+    assert (
+        choose_worker([load(0, 0, state=S), load(1, 0, state=F)], needs_session_slot=False).worker
+        == 0
+    )
 
 
 def test_full_queues_answer_overloaded() -> None:
@@ -104,8 +114,10 @@ def test_detect_gpus_reads_cuda_visible_devices() -> None:
 
 def test_worker_specs_pin_one_gpu_each() -> None:
     specs = worker_specs(["w"], ["--model", "m"], ["3", None])
-    assert specs[0].env == {"CUDA_VISIBLE_DEVICES": "3"} and specs[0].argv[-2:] == ("--device",
-                                                                                      "cuda")
+    assert specs[0].env == {"CUDA_VISIBLE_DEVICES": "3"} and specs[0].argv[-2:] == (
+        "--device",
+        "cuda",
+    )
     assert specs[1].env == {} and specs[1].argv == ("w", "--model", "m", "--device", "cpu")
 
 
