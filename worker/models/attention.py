@@ -199,8 +199,12 @@ def _decode_group(
     if cache.window is None and plan.decode_max_pos >= cache.capacity:
         raise ValueError(f"a sequence reached max_context {cache.capacity}")
     on_cpu = q.device.type == "cpu"
+    if on_cpu and _cpu_kernel_takes(q, k, v, cache, plan, out):
+        for seq_index in range(len(plan.decode)):
+            _decode_seq_cpu(q, k, v, cache, plan, seq_index, scale, out)
+        return
     if on_cpu and len(plan.decode) == 1:
-        _decode_one_cpu(q, k, v, cache, plan, scale, out)
+        _decode_one_sdpa(q, k, v, cache, plan, scale, out)
         return
     # write first: on a ring the overwritten index held position pos - R <= pos - W, unseen
     index = pos if cache.window is None else pos % cache.capacity  # [Bd]
@@ -219,7 +223,59 @@ def _decode_group(
     out[rows] = o[:, :, 0, :]
 
 
-def _decode_one_cpu(
+def _seq_range(seq: SeqView, cache: LayerCache) -> tuple[int, int, int, bool]:
+    """(cache index of the new token, [first, end) of the cache entries it may see, whether
+    those are the whole ring with a mask) of a decoding sequence. The keys are plain index
+    ranges: a full layer's prefix, an unwrapped ring's last W entries, or W consecutive
+    entries modulo R, which need the ring and a mask only when they wrap around its end."""
+    pos, ring = seq.cached, cache.capacity
+    if cache.window is None:
+        return pos, 0, pos + 1, False  # every position up to the new token
+    if pos < ring:  # not wrapped: index == position
+        return pos, max(0, pos + 1 - cache.window), pos + 1, False
+    first = (pos + 1 - cache.window) % ring
+    if first + cache.window > ring:
+        return pos % ring, 0, ring, True
+    return pos % ring, first, first + cache.window, False
+
+
+def _cpu_kernel_takes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerCache,
+    plan: AttentionPlan,
+    out: torch.Tensor,
+) -> bool:
+    """The C decode attention takes this step's rows (the same layout for every row)."""
+    row = plan.decode[0].start
+    return cpu_gemv.can_decode_attention(q[row], k[row], v[row], cache.k, cache.v, out[row])
+
+
+def _decode_seq_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerCache,
+    plan: AttentionPlan,
+    seq_index: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One decoding sequence on the CPU in one C call: its new K/V written into its slot
+    (first: on a ring the overwritten index held position pos - R <= pos - W, unseen), then
+    its attention over `_seq_range` (~10 µs a layer, where SDPA took ~100-150 µs)."""
+    seq = plan.decode[seq_index]
+    row = seq.start
+    index, first, end, masked = _seq_range(seq, cache)
+    mask = _additive_decode_mask(plan, cache)[seq_index, 0, 0] if masked else None  # [R]
+    cpu_gemv.decode_attention(
+        q[row], k[row], v[row], cache.k, cache.v, seq.slot, index, first, end, mask, scale,
+        out[row],
+    )  # fmt: skip
+
+
+def _decode_one_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -228,44 +284,19 @@ def _decode_one_cpu(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """`_decode_group` for a single decoding sequence on the CPU: plain slices, no index
-    tensors, and no mask unless the keys it may see wrap around the end of a ring."""
+    """`_decode_group` for a single decoding sequence on the CPU without the C kernel: plain
+    slices (`_seq_range`) and no index tensors."""
     seq = plan.decode[0]
-    row, slot, pos = seq.start, seq.slot, seq.cached
-    ring = cache.capacity
-    mask = None
-    if cache.window is None:
-        index, first, end = pos, 0, pos + 1  # every position up to the new token
-    else:
-        index = pos % ring
-        if pos < ring:  # not wrapped: index == position
-            first, end = max(0, pos + 1 - cache.window), pos + 1
-        else:  # positions (pos - W, pos] sit at W consecutive indices modulo R
-            first = (pos + 1 - cache.window) % ring
-            end = first + cache.window
-            if end > ring:  # split in two by the end of the ring: the whole ring, masked
-                first, end = 0, ring
-                mask = _additive_decode_mask(plan, cache)  # [1, 1, 1, R]
-    # write first: on a ring the overwritten index held position pos - R <= pos - W, unseen
-    q_row, k_row, v_row, out_row = q[row], k[row], v[row], out[row]  # [H or KVH, D]
-    if cpu_gemv.can_decode_attention(q_row, k_row, v_row, cache.k, cache.v, out_row):
-        cpu_gemv.decode_attention(
-            q_row, k_row, v_row, cache.k, cache.v, slot, index, first, end, _mask_row(mask),
-            scale, out_row,
-        )  # fmt: skip
-        return
-    cache.k[slot, :, index] = k_row  # [KVH, D]
-    cache.v[slot, :, index] = v_row
+    row, slot = seq.start, seq.slot
+    index, first, end, masked = _seq_range(seq, cache)
+    mask = _additive_decode_mask(plan, cache) if masked else None  # [1, 1, 1, R]
+    cache.k[slot, :, index] = k[row]  # [KVH, D]
+    cache.v[slot, :, index] = v[row]
     keys = cache.k[slot : slot + 1, :, first:end]  # [1, KVH, L, D]
     values = cache.v[slot : slot + 1, :, first:end]
     query = q[row : row + 1, :, None, :]  # [1, H, 1, D]
     o = _sdpa(query, keys, values, mask, False, scale)  # [1, H, 1, D]
     out[row] = o[0, :, 0, :]
-
-
-def _mask_row(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """[1, 1, 1, L] -> [L] (a view)."""
-    return None if mask is None else mask[0, 0, 0]
 
 
 def _additive_decode_mask(plan: AttentionPlan, cache: LayerCache) -> torch.Tensor:
