@@ -131,13 +131,7 @@ class GraphedCausalLM:
         if not other:
             return self._decode(step)
         decode_logits_ = self._decode(sub_step(step, decode))  # [len(decode), vocab]
-        prefill_step = sub_step(step, other)
-        if self._ahead is not None and self.prefill is not None and self.prefill.fits(prefill_step):
-            # two graphs must not run at once: every graph was captured on torch's one
-            # capture stream, so their cuBLAS kernels share one workspace (concurrent
-            # replays hung the GPU). The guess stays valid; only the overlap is lost.
-            self._wait(self._ahead)
-        prefill_logits = self._prefill(prefill_step, kv)  # [len(other), vocab]
+        prefill_logits = self._prefill(sub_step(step, other), kv)  # [len(other), vocab]
         out = torch.empty(
             (len(step.slots), decode_logits_.shape[1]),
             dtype=decode_logits_.dtype,
@@ -160,6 +154,11 @@ class GraphedCausalLM:
 
     def _prefill(self, step: Any, kv: Any) -> torch.Tensor:
         if self.prefill is not None and self.prefill.fits(step):
+            if self._ahead is not None:
+                # two graphs must not run at once: every graph was captured on torch's one
+                # capture stream, so their cuBLAS kernels share one workspace (concurrent
+                # replays hung the GPU). The guess stays valid; only the overlap is lost.
+                self._wait(self._ahead)
             return self.prefill.logits(step)
         return self.inner(step, kv)
 

@@ -145,7 +145,7 @@ class PrefillGraphRunner:
         static buffer: valid until the next call)."""
         n, cached, slot = step.new_lens[0], step.cached_lens[0], step.slots[0]
         size = bucket_for(n, self.buckets)
-        assert size is not None and self.fits(step)
+        assert size is not None  # the caller checked `fits`
         top = self.buckets[-1]
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has read the host buffer

@@ -172,9 +172,7 @@ class CausalLM(nn.Module):
             return 0
         self.fuse_projections()
         for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.enable_cpu_kernel()
-            elif hasattr(module, "cpu_kernel"):  # attention (norm + rotary), MLP, layer tails
+            if hasattr(module, "cpu_kernel"):  # norms, attention (norm + rotary), MLP, tails
                 module.cpu_kernel = True
         packed = 0
         for module in list(self.model.layers.modules()):

@@ -60,19 +60,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if with_scale else None
         self._scale: torch.Tensor | None = None  # offset + weight (float32), for the CPU path
         self._scale_key: tuple[int, int] | None = None
-        self.cpu_kernel = False  # set by enable_cpu_kernel (worker.models.cpu_gemv)
-        self.cpu_scale: torch.Tensor | None = None  # float_scale(), frozen by enable_cpu_kernel
+        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.models.cpu_gemv)
 
     @property
     def round_first(self) -> bool:
         """The llama style: the normed value is rounded before the weight multiplies it."""
         return not self.style.scale_in_float
 
-    def enable_cpu_kernel(self) -> None:
-        """Use the CPU kernel's one-call norm for fp32 CPU inputs (``CausalLM.prepare_for_cpu``,
-        after loading: the float32 scale is computed once here)."""
-        self.cpu_kernel = True
-        self.cpu_scale = None if self.weight is None else self.float_scale()
+    @property
+    def cpu_scale(self) -> torch.Tensor | None:
+        """The scale the CPU kernel helpers take: `float_scale()`, None without a weight."""
+        return None if self.weight is None else self.float_scale()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel and _on_cpu_kernel(x):
