@@ -21,7 +21,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def default_model_gguf() -> Path:
-    from worker.default_model import default_model_path
+    from worker.loading.default_model import default_model_path
 
     return default_model_path()
 
@@ -29,7 +29,7 @@ def default_model_gguf() -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir(default_model_gguf: Path) -> Path:
     """The converted (float32) cache directory of the default model."""
-    from worker.gguf_convert import convert_gguf
+    from worker.loading.gguf_convert import convert_gguf
 
     return convert_gguf(default_model_gguf, torch.float32, progress=False)
 

@@ -16,7 +16,7 @@ def byte_level_tokenizer_json(extra_tokens: int = 0) -> dict[str, Any]:
     from tokenizers import AddedToken, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
 
-    from worker.tokenizer import byte_level_decoder
+    from worker.loading.tokenizer import byte_level_decoder
 
     alphabet = sorted(byte_level_decoder(), key=lambda ch: byte_level_decoder()[ch])
     vocab = {ch: i for i, ch in enumerate(alphabet)}

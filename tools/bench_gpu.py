@@ -66,11 +66,11 @@ def log(message: str) -> None:
 def install_cuda_hooks() -> None:
     """Interim wiring of the CUDA path into an unmodified worker (see the report):
     random weights drawn on the GPU, and decode steps replayed from CUDA graphs."""
-    import worker.loading as loading
-    import worker.models.random_init as random_init
-    from worker.cuda_setup import prepare_model_for_device
-    from worker.graphed_lm import GraphedCausalLM
-    from worker.kernels.random_weights import init_random_weights_on_device
+    import worker.loading.loader as loading
+    import worker.loading.random_init as random_init
+    from worker.device.cuda_setup import prepare_model_for_device
+    from worker.device.graphed_lm import GraphedCausalLM
+    from worker.device.kernels.random_weights import init_random_weights_on_device
 
     cpu_init = random_init.init_random_weights
 
@@ -85,7 +85,7 @@ def install_cuda_hooks() -> None:
         loaded = plain_load(*args, **kwargs)
         model = loaded.model
         if model.device.type == "cuda":
-            # fused projections + CUDA graphs (worker.cuda_setup); main.py's own
+            # fused projections + CUDA graphs (worker.device.cuda_setup); main.py's own
             # GraphedCausalLM wrap, if any, then sees an already wrapped model
             loaded.model = prepare_model_for_device(loaded, model.device)
         elif os.environ.get("TOKENPIPE_BENCH_WRAP_CPU") == "1":
@@ -300,7 +300,7 @@ def kernel_bench(device: str) -> list[str]:
     """Decode attention alone on the 31B layer shapes: achieved KV read bandwidth."""
     import torch
 
-    from worker.kernels.attention import decode_attention
+    from worker.device.kernels.attention import decode_attention
 
     if not device.startswith("cuda"):
         return []

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.kernels.prefill_attention import CONFIGS, prefill_attention_triton  # noqa: E402
-from worker.models.attention import _sdpa  # noqa: E402
+from worker.device.kernels.prefill_attention import CONFIGS, prefill_attention_triton  # noqa: E402
+from worker.layers.attention import _sdpa  # noqa: E402
 
 SHAPES = [  # name, Hq, Hkv, D, window
     ("sliding", 32, 16, 256, 1024),
@@ -92,8 +92,8 @@ def bench_warm(name: str, hq: int, hkv: int, dim: int, window: int, n: int, cach
     shipped, a copy specialised on lengths, smaller query tiles, and the torch path."""
     import triton
 
-    from worker.kernels import prefill_attention as pa
-    from worker.models.attention import ring_positions
+    from worker.device.kernels import prefill_attention as pa
+    from worker.layers.attention import ring_positions
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(n + cached)
@@ -135,8 +135,8 @@ GEMV_SWEEP = [(16, 256, 4, 4), (8, 512, 4, 4), (32, 128, 4, 4), (16, 512, 8, 3),
 
 
 def bench_gemv(rows: int) -> None:
-    from worker.kernels.gemv import gemv_triton
-    from worker.kernels.gemv import graph_seconds as graph_time
+    from worker.device.kernels.gemv import gemv_triton
+    from worker.device.kernels.gemv import graph_seconds as graph_time
 
     dev = torch.device("cuda")
     print(f"| matrix (rows={rows}) | kernel | us | TB/s | max diff |")

@@ -26,7 +26,7 @@ RUN = """
 import json, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[3]))
-from worker.loading import load_model
+from worker.loading.loader import load_model
 wall, cpu = time.perf_counter(), time.process_time()
 loaded = load_model(sys.argv[1] or None, "cpu", getattr(torch, sys.argv[2]), progress=False)
 result = {"load_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,

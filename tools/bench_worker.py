@@ -270,7 +270,7 @@ def main(
     """Run the benchmark and print a table (JSON too with --json)."""
     import torch
 
-    from worker.loading import open_model_files, resolve_checkpoint_dir
+    from worker.loading.loader import open_model_files, resolve_checkpoint_dir
 
     threads = threads or os.cpu_count() or 1
     torch.set_num_threads(threads)

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import torch
 
-from worker.cuda_setup import prepare_model_for_device
-from worker.kernels.random_weights import init_random_weights_on_device
+from worker.device.cuda_setup import prepare_model_for_device
+from worker.device.kernels.random_weights import init_random_weights_on_device
 from worker.models.config import ModelConfig
 from worker.models.registry import build_model
 from worker.models.step import StepInput

@@ -181,10 +181,10 @@ def wrap_model(model: Any) -> Any:
 
 
 def install() -> None:
-    """Wrap the model that `worker.loading.load_model` returns (the stand-in for the engine's
+    """Wrap the model that `worker.loading.loader.load_model` returns (the stand-in for the engine's
     own call, for `python -m worker.faults`)."""
-    import worker.engine as engine
-    import worker.loading as loading
+    import worker.engine.engine as engine
+    import worker.loading.loader as loading
 
     if hasattr(engine, "maybe_inject") or hasattr(engine, "faults"):
         return  # the engine calls the hook itself: wrapping too would count every hit twice

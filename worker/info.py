@@ -14,7 +14,7 @@ from typing import Any
 import click
 import torch
 
-from worker.checkpoint import Checkpoint, ModelLoadError, text_config
+from worker.loading.checkpoint import Checkpoint, ModelLoadError, text_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,7 +27,7 @@ def checkpoint_dtype(checkpoint: Checkpoint) -> str | None:
     if not counts:
         value = text_config(checkpoint.config).get("torch_dtype") or checkpoint.config.get("dtype")
         return str(value) if value else None
-    from worker.checkpoint import SAFETENSORS_DTYPES
+    from worker.loading.checkpoint import SAFETENSORS_DTYPES
 
     stored = max(counts, key=lambda name: counts[name])
     return str(SAFETENSORS_DTYPES[stored][0]).removeprefix("torch.")
@@ -57,7 +57,7 @@ def describe(
     path: str | None, context: int | None, dtype: torch.dtype, progress: bool = True
 ) -> dict[str, Any]:
     """The metadata `tokenpipe info` prints (see the module docstring)."""
-    from worker.loading import open_model_files
+    from worker.loading.loader import open_model_files
 
     checkpoint, config, tokenizer, gguf_source = open_model_files(
         path, dtype, require_weights=False, progress=progress

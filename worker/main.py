@@ -39,7 +39,7 @@ def _read_lines(stream: BinaryIO, lines: queue.Queue[bytes | None]) -> None:
 
 def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
     """Run the protocol loop until EOF (or shutdown) and nothing is in flight."""
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     assert isinstance(engine, Engine)
 
@@ -128,8 +128,8 @@ def build_engine(
     """Load the model and build the engine (load progress on stderr)."""
     import torch
 
-    from worker.engine import Engine, EngineConfig
-    from worker.loading import load_model
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.loading.loader import load_model
 
     if threads:
         torch.set_num_threads(threads)
@@ -158,7 +158,7 @@ def build_engine(
     if max_context is None:
         default_context = _memory_capped_context(loaded.model, max_sessions, default_context)
     if torch_device.type == "cuda":
-        from worker.cuda_setup import prepare_model_for_device
+        from worker.device.cuda_setup import prepare_model_for_device
 
         # merged projections, fused kernels, decode steps replayed from CUDA graphs
         loaded.model = prepare_model_for_device(

@@ -100,7 +100,7 @@ CHECKPOINT_CASES: dict[str, tuple[Corruptor, str]] = {
 
 
 def _gguf_prefix(directory: Path) -> Path:
-    from worker.default_model import default_model_path
+    from worker.loading.default_model import default_model_path
 
     target = directory / "truncated.gguf"
     with open(default_model_path(), "rb") as source:
@@ -146,7 +146,7 @@ def _corrupted(pristine: Path, tmp_path: Path, corrupt: Corruptor) -> Path:
 
 
 def test_pristine_checkpoint_loads(pristine: Path) -> None:
-    from worker.loading import load_model
+    from worker.loading.loader import load_model
 
     loaded = load_model(str(pristine), torch.device("cpu"), torch.float32)
     assert loaded.tokenizer.vocab_size == 263
@@ -156,7 +156,7 @@ def test_pristine_checkpoint_loads(pristine: Path) -> None:
 def test_corrupt_model_raises_model_load_error(
     name: str, pristine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.loading import ModelLoadError, load_model
+    from worker.loading.loader import ModelLoadError, load_model
 
     monkeypatch.setenv("TOKENPIPE_CACHE", str(tmp_path / "cache"))
     corrupt, word = {**CHECKPOINT_CASES, **GGUF_CASES}[name]

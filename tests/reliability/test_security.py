@@ -165,7 +165,7 @@ HOSTILE_TEMPLATES = [
 
 
 def _worker_render(template: str) -> str:
-    from worker.chat import render_chat
+    from worker.engine.prompt import render_chat
 
     return render_chat([{"role": "user", "content": "hi"}], template, bos_token="<bos>")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.checkpoint import (
+from worker.loading.checkpoint import (
     ModelLoadError,
     open_checkpoint,
     read_safetensors_header,
@@ -85,7 +85,7 @@ def test_multimodal_names_map_to_the_text_model(tiny_checkpoint_factory) -> None
 
 
 def test_load_model_from_directory_matches_the_checkpoint(tiny_checkpoint_factory) -> None:
-    from worker.loading import load_model
+    from worker.loading.loader import load_model
 
     directory = tiny_checkpoint_factory(
         dtype=torch.bfloat16, generation_config={"eos_token_id": [261, 262]}
@@ -104,7 +104,7 @@ def test_load_model_from_directory_matches_the_checkpoint(tiny_checkpoint_factor
 
 
 def test_random_weights_need_no_safetensors(tiny_checkpoint_factory) -> None:
-    from worker.loading import load_model
+    from worker.loading.loader import load_model
 
     directory = tiny_checkpoint_factory(weights=False)
     with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
@@ -179,7 +179,7 @@ def test_missing_shard(tiny_checkpoint_factory) -> None:
 
 
 def test_shape_mismatch_names_tensor_and_both_shapes(tiny_checkpoint_factory) -> None:
-    from worker.loading import load_model
+    from worker.loading.loader import load_model
 
     directory = tiny_checkpoint_factory()
     config = json.loads((directory / "config.json").read_text())
@@ -193,7 +193,7 @@ def test_shape_mismatch_names_tensor_and_both_shapes(tiny_checkpoint_factory) ->
 
 
 def test_unknown_architecture_names_the_supported_ones(tiny_checkpoint_factory) -> None:
-    from worker.loading import load_model
+    from worker.loading.loader import load_model
 
     directory = tiny_checkpoint_factory(
         config_overrides={"architectures": ["MambaForCausalLM"], "model_type": "mamba"}
@@ -205,7 +205,7 @@ def test_unknown_architecture_names_the_supported_ones(tiny_checkpoint_factory) 
 
 
 def test_tokenizer_larger_than_embedding(tiny_checkpoint_factory) -> None:
-    from worker.loading import load_model
+    from worker.loading.loader import load_model
 
     directory = tiny_checkpoint_factory(config_overrides={"vocab_size": 200})
     with pytest.raises(ModelLoadError, match="263 tokens but the model's embedding has 200"):
@@ -213,7 +213,7 @@ def test_tokenizer_larger_than_embedding(tiny_checkpoint_factory) -> None:
 
 
 def test_missing_tokenizer(tiny_checkpoint_factory) -> None:
-    from worker.loading import load_model
+    from worker.loading.loader import load_model
 
     directory = tiny_checkpoint_factory()
     (directory / "tokenizer.json").unlink()
@@ -222,7 +222,7 @@ def test_missing_tokenizer(tiny_checkpoint_factory) -> None:
 
 
 def test_tokenizer_path_override(tiny_checkpoint_factory, tmp_path: Path) -> None:
-    from worker.loading import load_model
+    from worker.loading.loader import load_model
 
     directory = tiny_checkpoint_factory()
     other = tmp_path / "other_tokenizer.json"
@@ -241,7 +241,7 @@ MAKE_BIG_CHECKPOINT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import torch
-    from worker.gguf_convert import PlannedTensor, SafetensorsWriter
+    from worker.loading.gguf_convert import PlannedTensor, SafetensorsWriter
     sys.path.insert(0, sys.argv[2])
     from tiny_models import byte_level_tokenizer_json, llama_tensor_shapes, tiny_config
 
@@ -266,7 +266,7 @@ MEASURE_LOAD = textwrap.dedent(
     import json, resource, sys
     import torch
     torch.set_num_threads(1)
-    from worker.loading import load_model
+    from worker.loading.loader import load_model
     import psutil
     before = psutil.Process().memory_info().rss
     loaded = load_model(sys.argv[1], "cpu", torch.float32, progress=False)

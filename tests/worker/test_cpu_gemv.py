@@ -1,4 +1,4 @@
-"""The packed CPU matmul (worker/models/cpu_gemv.py) against plain torch."""
+"""The packed CPU matmul (worker/device/cpu_gemv.py) against plain torch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models import cpu_gemv
+from worker.device import cpu_gemv
 
 needs_kernel = pytest.mark.skipif(cpu_gemv.kernel() is None, reason="no AVX2/FMA CPU kernel")
 
@@ -169,7 +169,7 @@ def test_opt_out_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("with_scale", [True, False])
 def test_norm_rope_matches_torch(tokens: int, norm: bool, with_scale: bool) -> None:
-    from worker.models.rope import apply_rotary
+    from worker.layers.rope import apply_rotary
 
     gen = torch.Generator().manual_seed(tokens)
     heads, dim = 3, 20

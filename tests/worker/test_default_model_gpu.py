@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def _model_path() -> str:
     if os.environ.get("TOKENPIPE_TEST_GGUF"):
         return os.environ["TOKENPIPE_TEST_GGUF"]
-    from worker.checkpoint import ModelLoadError
-    from worker.default_model import default_model_path
+    from worker.loading.checkpoint import ModelLoadError
+    from worker.loading.default_model import default_model_path
 
     try:
         return str(default_model_path())

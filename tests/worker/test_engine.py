@@ -27,7 +27,7 @@ from protocol import (
     TokenEvent,
     decode_request,
 )
-from worker.engine import Engine, EngineConfig
+from worker.engine.engine import Engine, EngineConfig
 from worker.models.step import StepInput
 
 VOCAB = 300

@@ -1,11 +1,12 @@
-"""Prompt assembly and chat rendering (worker/chat.py), with a byte-level fake tokenizer."""
+"""Prompt assembly and chat rendering (worker/engine/prompt.py), with a byte-level fake
+tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
 from protocol import GenerateRequest, IdsSegment, TextSegment
-from worker.chat import PromptError, build_prompt, render_chat
+from worker.engine.prompt import PromptError, build_prompt, render_chat
 
 
 class ByteTokenizer:

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from worker.kernels import triton_available
+from worker.device.kernels import triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -21,7 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_gemv_matches_linear(rows: int) -> None:
-    from worker.kernels.gemv import gemv_triton
+    from worker.device.kernels.gemv import gemv_triton
 
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 300, generator=gen).to(DEVICE)
@@ -35,7 +35,7 @@ def test_gemv_matches_linear(rows: int) -> None:
 def test_installed_gemv_serves_one_row_and_leaves_logits_alone() -> None:
     from test_cuda_graphs import tiny_model
 
-    from worker.kernels import gemv
+    from worker.device.kernels import gemv
     from worker.models.step import StepInput
 
     ref, fast = tiny_model(DEVICE), tiny_model(DEVICE)

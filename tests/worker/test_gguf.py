@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.checkpoint import ModelLoadError, open_checkpoint, read_safetensors_header
-from worker.gguf_convert import cache_root, convert_gguf, unpermute_rows
+from worker.loading.checkpoint import ModelLoadError, open_checkpoint, read_safetensors_header
+from worker.loading.gguf_convert import cache_root, convert_gguf, unpermute_rows
 
 gguf = pytest.importorskip("gguf")
 
@@ -269,7 +269,7 @@ def test_tiny_llama_matches_transformers(tiny_gguf, cache: Path) -> None:
         assert config[key] == theirs[key], key
     assert config["rope_theta"] == theirs["rope_parameters"]["rope_theta"]
 
-    from worker.tokenizer import Tokenizer
+    from worker.loading.tokenizer import Tokenizer
 
     checkpoint = open_checkpoint(directory)
     assert checkpoint.tokenizer_path is not None

@@ -16,7 +16,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     # Triton's CPU interpreter: must be chosen before triton (and its @jit library) imports
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from worker.kernels.reference import (
+from worker.device.kernels.reference import (
     decode_attention_reference,
     entry_positions,
     store_kv_reference,
@@ -102,14 +102,14 @@ def test_reference_padding_rows_are_zero_and_store_skips_them() -> None:
 
 @pytest.fixture(scope="module")
 def triton_kernels() -> ModuleType:
-    """worker.kernels.decode_attention, compiled for CUDA or run by Triton's interpreter."""
+    """worker.device.kernels.decode_attention, compiled for CUDA or run by Triton's interpreter."""
     pytest.importorskip("triton")
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
     if not torch.cuda.is_available() and not isinstance(tl.zeros, InterpretedFunction):
         pytest.skip("no CUDA, and triton was imported before TRITON_INTERPRET could be set")
-    return importlib.import_module("worker.kernels.decode_attention")
+    return importlib.import_module("worker.device.kernels.decode_attention")
 
 
 def _device() -> torch.device:
@@ -185,13 +185,13 @@ def test_choose_num_splits_fills_the_chip(triton_kernels: ModuleType) -> None:
 
 
 def _draw(logits: torch.Tensor, rows: list, counters: list[int]) -> torch.Tensor:
-    from worker.kernels.batched_sampling import sample_rows, sampling_tensors
+    from worker.device.kernels.batched_sampling import sample_rows, sampling_tensors
 
     return sample_rows(logits, *sampling_tensors(rows, counters, logits.device))
 
 
 def test_batched_sampling_draws_from_the_filtered_distribution() -> None:
-    from worker.kernels.batched_sampling import RowSampling
+    from worker.device.kernels.batched_sampling import RowSampling
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 40, generator=gen) * 2
@@ -223,7 +223,7 @@ def test_batched_sampling_draws_from_the_filtered_distribution() -> None:
 
 
 def test_batched_sampling_row_independent_of_its_batch() -> None:
-    from worker.kernels.batched_sampling import RowSampling
+    from worker.device.kernels.batched_sampling import RowSampling
 
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(3, 1000, generator=gen)
@@ -241,18 +241,18 @@ def test_batched_sampling_row_independent_of_its_batch() -> None:
 
 @pytest.fixture(scope="module")
 def fused() -> ModuleType:
-    """worker.kernels.rmsnorm, compiled for CUDA or run by Triton's interpreter."""
+    """worker.device.kernels.rmsnorm, compiled for CUDA or run by Triton's interpreter."""
     pytest.importorskip("triton")
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
     if not torch.cuda.is_available() and not isinstance(tl.zeros, InterpretedFunction):
         pytest.skip("no CUDA, and triton was imported before TRITON_INTERPRET could be set")
-    return importlib.import_module("worker.kernels.rmsnorm")
+    return importlib.import_module("worker.device.kernels.rmsnorm")
 
 
 def _styles():  # type: ignore[no-untyped-def]
-    from worker.models.layers import GEMMA3_NORM, GEMMA4_NORM, LLAMA_NORM
+    from worker.layers.blocks import GEMMA3_NORM, GEMMA4_NORM, LLAMA_NORM
 
     return {"llama": LLAMA_NORM, "gemma3": GEMMA3_NORM, "gemma4": GEMMA4_NORM}
 
@@ -260,7 +260,7 @@ def _styles():  # type: ignore[no-untyped-def]
 def _torch_norm(dim: int, style_name: str, dtype: torch.dtype, with_scale: bool = True):  # type: ignore[no-untyped-def]
     """The model's own RMSNorm (torch path: the inputs below are on the CPU, or the test
     calls forward under TOKENPIPE_NO_TRITON) with a random weight."""
-    from worker.models.layers import RMSNorm
+    from worker.layers.blocks import RMSNorm
 
     norm = RMSNorm(dim, 1e-6, _styles()[style_name], with_scale=with_scale, dtype=dtype)
     if norm.weight is not None:
@@ -337,8 +337,8 @@ def test_add_rms_norm_kernel_matches_torch(
 def test_rms_norm_rope_kernel_matches_torch(
     fused: ModuleType, style: str, dtype: torch.dtype
 ) -> None:
+    from worker.layers.rope import Rotary, apply_rotary
     from worker.models.config import RopeSpec
-    from worker.models.rope import Rotary, apply_rotary
 
     dim, heads, t = 32, 3, 5
     norm = _torch_norm(dim, "gemma4" if style == "rope_only" else style, dtype)
@@ -363,7 +363,7 @@ def test_rms_norm_rope_kernel_matches_torch(
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_act_kernel_matches_torch(fused: ModuleType, act: str, dtype: torch.dtype) -> None:
-    from worker.models.layers import activation
+    from worker.layers.blocks import activation
 
     gen = torch.Generator().manual_seed(4)
     gate_up = (torch.randn(3, 2 * 1500, generator=gen) * 4).to(dtype).to(_device())

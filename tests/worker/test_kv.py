@@ -7,8 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.models import ModelConfig, build_model
-from worker.models.kv import keepable_prefix_for
+from worker.layers.kv import keepable_prefix_for
+from worker.models.config import ModelConfig
+from worker.models.registry import build_model
 
 
 def _brute_force(ring: int, window: int, cached: int, common: int) -> int:

@@ -16,10 +16,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from worker.models import ModelConfig, StepInput, build_model
+from worker.layers.kv import KVCache
 from worker.models.causal_lm import CausalLM
-from worker.models.config import SUPPORTED_ARCHITECTURES
-from worker.models.kv import KVCache
+from worker.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from worker.models.registry import build_model
+from worker.models.step import StepInput
 
 torch.set_num_threads(1)  # the CPU is shared; more threads only spin
 
@@ -241,7 +242,7 @@ def check_cpu_packed(pair: Pair) -> None:
     """``prepare_for_cpu`` (merged projections, packed weights, packed tied/untied head, the
     kernel's norm, rotary and residual helpers) changes nothing beyond fp32 rounding: the
     oracle checks pass on the packed copy too."""
-    from worker.models import cpu_gemv
+    from worker.device import cpu_gemv
 
     if cpu_gemv.kernel() is None:
         pytest.skip("no AVX2/FMA CPU kernel")

@@ -20,7 +20,7 @@ from test_models_common import (
     make_pair,
 )
 
-from worker.models import ModelConfig
+from worker.models.config import ModelConfig
 
 
 def _config(k_eq_v: bool) -> Any:
@@ -124,7 +124,7 @@ def test_31b_layout_from_global_keys() -> None:
     assert (cfg.layers[0].head_dim, cfg.layers[0].num_kv_heads) == (256, 16)
     assert full.rope.theta == 1e6 and full.rope.rope_type == "proportional"
     # the KV cache of the meta-built model: 50 rings of 1024 + slack, 10 full layers
-    from worker.models import build_model
+    from worker.models.registry import build_model
 
     model = build_model(cfg, "meta", torch.bfloat16)
     assert model.model.layers[5].self_attn.v_proj is None

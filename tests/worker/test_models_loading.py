@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.models import ModelConfig, StepInput, build_model, init_random_weights
+from worker.loading.random_init import init_random_weights
+from worker.models.config import ModelConfig
+from worker.models.registry import build_model
+from worker.models.step import StepInput
 
 torch.set_num_threads(1)
 

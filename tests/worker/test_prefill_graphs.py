@@ -1,4 +1,4 @@
-"""Short prefills through the prefill-graph runner (worker/prefill_graphs.py): on the CPU its
+"""Short prefills through the prefill-graph runner (worker/device/prefill_graphs.py): on the CPU its
 static-buffer body (what a CUDA graph captures) must give the eager model's logits and leave
 the same KV; on CUDA, graph replay must equal eager."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.worker.test_cuda_graphs import tiny_model
-from worker.graphed_lm import GraphedCausalLM
+from worker.device.graphed_lm import GraphedCausalLM
+from worker.device.prefill_graphs import PrefillGraphRunner
 from worker.models.step import StepInput
-from worker.prefill_graphs import PrefillGraphRunner
 
 
 def _pair(device: str, use_graphs: bool):  # type: ignore[no-untyped-def]

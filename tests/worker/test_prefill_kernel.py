@@ -14,8 +14,8 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from worker.kernels import triton_available
-from worker.models.attention import ring_positions
+from worker.device.kernels import triton_available
+from worker.layers.attention import ring_positions
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,7 +55,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_prefill_kernel_matches_history(case: tuple[int, ...]) -> None:
-    from worker.kernels.prefill_attention import prefill_attention_triton
+    from worker.device.kernels.prefill_attention import prefill_attention_triton
 
     n, cached, window, ring, q_heads, kv_heads, dim = case
     gen = torch.Generator().manual_seed(sum(case))
@@ -106,8 +106,8 @@ SLOT_CASES = [
 def test_slot_variant_matches_history(case: tuple[int, ...], impl: str) -> None:
     """The capturable variant (slot and lengths from a device tensor, rows padded, the pool
     read in place): real rows equal attention over the explicit history."""
-    from worker.kernels.prefill_attention import prefill_attention_slot
-    from worker.kernels.reference import prefill_attention_slot_reference
+    from worker.device.kernels.prefill_attention import prefill_attention_slot
+    from worker.device.kernels.reference import prefill_attention_slot_reference
 
     n, pad, cached, window, entries, q_heads, kv_heads, dim = case
     gen = torch.Generator().manual_seed(sum(case))
@@ -142,7 +142,7 @@ def test_slot_variant_matches_history(case: tuple[int, ...], impl: str) -> None:
 
 def test_prefill_kernel_reads_strided_rows_of_a_step() -> None:
     """q, k, v as slices of a flattened step [T, H, D] (another sequence before this one)."""
-    from worker.kernels.prefill_attention import prefill_attention_triton
+    from worker.device.kernels.prefill_attention import prefill_attention_triton
 
     gen = torch.Generator().manual_seed(7)
     q_all = torch.randn(30, 4, 16, generator=gen)
@@ -163,8 +163,8 @@ def test_prefill_kernel_reads_strided_rows_of_a_step() -> None:
 @pytest.mark.parametrize("dim,window", [(256, 1024), (512, 0)])
 def test_prefill_kernel_bf16_31b_shapes_match_sdpa(dim: int, window: int) -> None:
     """The 31B layer shapes in bf16 with the default tiles: close to torch's SDPA."""
-    from worker.kernels.prefill_attention import prefill_attention_triton
-    from worker.models.attention import _sdpa
+    from worker.device.kernels.prefill_attention import prefill_attention_triton
+    from worker.layers.attention import _sdpa
 
     n, hq, hkv = 1500, 32, 16 if dim == 256 else 4
     gen = torch.Generator(device="cuda").manual_seed(dim)
@@ -183,7 +183,7 @@ def test_prefill_kernel_bf16_31b_shapes_match_sdpa(dim: int, window: int) -> Non
 
 
 def test_fit_config_shrinks_tiles_for_fp32_only() -> None:
-    from worker.kernels.prefill_attention import CONFIGS, fit_config
+    from worker.device.kernels.prefill_attention import CONFIGS, fit_config
 
     assert fit_config(CONFIGS[256], 256, 2) == CONFIGS[256]  # bf16: as tuned
     block_m, block_n, _, stages = fit_config(CONFIGS[256], 256, 4)

@@ -1,10 +1,10 @@
-"""Pure tests of the resume plan (worker/resume.py)."""
+"""Pure tests of the resume plan (worker/engine/resume.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker.resume import (
+from worker.engine.resume import (
     DIRTY,
     EQUAL,
     EXACT_PREFIX,

@@ -1,4 +1,4 @@
-"""Tests of device sampling (worker/sampling.py)."""
+"""Tests of device sampling (worker/engine/sampling.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from worker.sampling import SamplingParams, make_generator, sample, validate_sampling
+from worker.engine.sampling import SamplingParams, make_generator, sample, validate_sampling
 
 CPU = torch.device("cpu")
 

@@ -1,10 +1,10 @@
-"""Pure tests of the step plan (worker/scheduler.py); no torch."""
+"""Pure tests of the step plan (worker/engine/scheduler.py); no torch."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker.scheduler import (
+from worker.engine.scheduler import (
     PrefillChunk,
     QueuedItem,
     RunningItem,

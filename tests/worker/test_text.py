@@ -1,8 +1,8 @@
-"""Pure tests of UTF-8 assembly and stop strings (worker/text.py)."""
+"""Pure tests of UTF-8 assembly and stop strings (worker/engine/text.py)."""
 
 from __future__ import annotations
 
-from worker.text import TextStream, find_stop, held_suffix_len
+from worker.engine.text import TextStream, find_stop, held_suffix_len
 
 
 def _run(pieces: list[bytes], stops: tuple[str, ...] = ()) -> tuple[list[str], bool]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from worker.tokenizer import Tokenizer, byte_level_decoder
+from worker.loading.tokenizer import Tokenizer, byte_level_decoder
 
 BASE_STRINGS = [
     "Hello, world!",
@@ -100,7 +100,7 @@ def test_corpus_is_broad() -> None:
 
 @pytest.fixture(scope="module")
 def ours(default_model_dir: Path) -> Tokenizer:
-    from worker.checkpoint import open_checkpoint
+    from worker.loading.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(default_model_dir)
     assert checkpoint.tokenizer_path is not None
@@ -218,7 +218,7 @@ def test_byte_level_alphabet_is_a_bijection() -> None:
 
 
 def test_malformed_tokenizer_file(tmp_path: Path) -> None:
-    from worker.tokenizer import TokenizerError
+    from worker.loading.tokenizer import TokenizerError
 
     path = tmp_path / "tokenizer.json"
     path.write_text("{not json")
@@ -233,7 +233,7 @@ def test_token_bytes_sidecar_is_used_only_for_its_tokenizer(tmp_path: Path) -> N
 
     from tiny_models import byte_level_tokenizer_json
 
-    from worker.tokenizer import (
+    from worker.loading.tokenizer import (
         TOKEN_BYTES_SIDECAR,
         read_token_bytes_sidecar,
         write_token_bytes_sidecar,

@@ -119,7 +119,7 @@ class Worker:
 
 def drop_in_argv() -> list[str]:
     """The ExecuTorch llm_server form: `WORKER_BIN --model_path M --tokenizer_path T`."""
-    from worker.loading import resolve_checkpoint_dir
+    from worker.loading.loader import resolve_checkpoint_dir
 
     checkpoint_dir, gguf = resolve_checkpoint_dir(None, progress=False)
     code = "from worker.main import seed_main; seed_main()"

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from worker.models.attention import AttentionPlan
+from worker.device.cpu_gemv import PackedEmbedding, PackedLinear
+from worker.layers.attention import AttentionPlan
+from worker.layers.blocks import NormStyle, RMSNorm
+from worker.layers.kv import DEFAULT_RING_SLACK, KVCache
+from worker.layers.rope import Rotary
 from worker.models.config import ModelConfig, RopeSpec
-from worker.models.cpu_gemv import PackedEmbedding, PackedLinear
-from worker.models.kv import DEFAULT_RING_SLACK, KVCache
-from worker.models.layers import NormStyle, RMSNorm
-from worker.models.rope import Rotary
 from worker.models.step import StepInput
 
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -159,11 +159,11 @@ class CausalLM(nn.Module):
         """The CPU post-load step (after ``load_weights``; the HF names are gone after it):
         merge the projections (``fuse_projections``), store every fp32 matmul weight, the
         LM head and a tied embedding included, in the streaming layout of
-        ``worker.models.cpu_gemv`` (decode steps read each weight once at close to the memory
+        ``worker.device.cpu_gemv`` (decode steps read each weight once at close to the memory
         bandwidth) and let the norms, rotary and residual adds use its one-call helpers. A
         no-op returning 0 where that kernel cannot run or the weights are not fp32 on the CPU;
         else the number of weights packed."""
-        from worker.models import cpu_gemv
+        from worker.device import cpu_gemv
 
         embed = self.model.embed_tokens
         if cpu_gemv.kernel() is None or not isinstance(embed, nn.Embedding):

@@ -62,7 +62,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotary embedding parameters of one layer type (see worker/models/rope.py)."""
+    """Rotary embedding parameters of one layer type (see worker/layers/rope.py)."""
 
     rope_type: str = "default"
     theta: float = 10_000.0

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from worker.layers.blocks import GEMMA3_NORM, SandwichDecoderLayer
 from worker.models.causal_lm import CausalLM
 from worker.models.config import ModelConfig
-from worker.models.layers import GEMMA3_NORM, SandwichDecoderLayer
 
 
 def build_gemma3(config: ModelConfig, dtype: torch.dtype) -> CausalLM:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from worker.layers.blocks import GEMMA4_NORM, SandwichDecoderLayer
 from worker.models.causal_lm import CausalLM
 from worker.models.config import ModelConfig
-from worker.models.layers import GEMMA4_NORM, SandwichDecoderLayer
 
 
 def build_gemma4(config: ModelConfig, dtype: torch.dtype) -> CausalLM:

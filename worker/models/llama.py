@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from worker.layers.blocks import LLAMA_NORM, PreNormDecoderLayer
 from worker.models.causal_lm import CausalLM
 from worker.models.config import ModelConfig
-from worker.models.layers import LLAMA_NORM, PreNormDecoderLayer
 
 
 def build_llama(config: ModelConfig, dtype: torch.dtype) -> CausalLM:

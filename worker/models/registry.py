@@ -28,7 +28,7 @@ def build_model(
 
     The module is built on the meta device (no init pass, no memory) and then given empty storage
     on ``device`` once, so loading does not allocate twice. Fill it with ``load_weights`` or
-    ``worker.models.random_init.init_random_weights``. ``device="meta"`` leaves it storage-less.
+    ``worker.loading.random_init.init_random_weights``. ``device="meta"`` leaves it storage-less.
     """
     with torch.device("meta"):
         model = _BUILDERS[config.family](config, dtype)

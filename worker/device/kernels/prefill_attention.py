@@ -18,12 +18,12 @@ Grid: (cdiv(n, BLOCK_M), Hq). Shapes are run-time arguments, so one compile per 
 serves every prompt length.
 
 `prefill_attention_slot` is the same kernel for a step replayed from a CUDA graph
-(worker/prefill_graphs.py): the slot, the cached length and the number of real rows come from
+(worker/device/prefill_graphs.py): the slot, the cached length and the number of real rows come from
 a device tensor, the previous keys are read from the layer's whole pool, and the ring's
 positions are computed from the cached length instead of a table. The query rows are padded to
 the graph's size; rows past the real ones are computed over the previous keys only and their
 outputs ignored. This module imports Triton: import it only after
-`worker.kernels.triton_available()`.
+`worker.device.kernels.triton_available()`.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 Module and parameter names follow Hugging Face so a checkpoint loads by name. All modules take
 the flattened step layout: hidden states are [T, hidden] (no batch dimension).
 
-On CUDA (``worker.kernels.attention.use_triton``) the norms, the residual adds, the q/k norm +
-rotary and the gated activation run as fused Triton kernels (``worker.kernels.rmsnorm``), with
+On CUDA (``worker.device.kernels.attention.use_triton``) the norms, the residual adds, the
+q/k norm + rotary and the gated activation run as fused Triton kernels
+(``worker.device.kernels.rmsnorm``), with
 the torch path's roundings. On the CPU in fp32, after ``CausalLM.prepare_for_cpu`` (the
 ``cpu_kernel`` flags), the norms, the q/k norm + rotary and the residual add + norm pairs are one
-call each into the C helpers of ``worker.models.cpu_gemv``, with the same roundings; otherwise the
+call each into the C helpers of ``worker.device.cpu_gemv``, with the same roundings; otherwise the
 torch code below runs unchanged. After ``fuse_projections()`` (a post-load step: CUDA and the CPU
 kernel path) q/k/v and gate/up are one matmul each, split with views; the HF parameter names are
 gone then.
@@ -22,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.kernels.attention import use_triton
-from worker.models import cpu_gemv
-from worker.models.attention import AttentionPlan, attend
+from worker.device import cpu_gemv
+from worker.device.kernels.attention import use_triton
+from worker.layers.attention import AttentionPlan, attend
+from worker.layers.kv import LayerCache
+from worker.layers.rope import apply_rotary
 from worker.models.config import ModelConfig
-from worker.models.kv import LayerCache
-from worker.models.rope import apply_rotary
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if with_scale else None
         self._scale: torch.Tensor | None = None  # offset + weight (float32), for the CPU path
         self._scale_key: tuple[int, int] | None = None
-        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.models.cpu_gemv)
+        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.device.cpu_gemv)
 
     @property
     def round_first(self) -> bool:
@@ -77,7 +78,7 @@ class RMSNorm(nn.Module):
             # in float32 every style is x_normed * (offset + w); one kernel call
             return cpu_gemv.rms_norm(x, self.cpu_scale, self.eps)
         if x.dim() in (2, 3) and use_triton(x):
-            from worker.kernels.rmsnorm import rms_norm_triton
+            from worker.device.kernels.rmsnorm import rms_norm_triton
 
             return rms_norm_triton(x, self.weight, self.eps, self.style.offset, self.round_first)
         shape = (x.shape[-1],)
@@ -148,7 +149,7 @@ class GatedMLP(nn.Module):
             gate_up = self.gate_up_proj(x)  # [T, 2 * inner]
             gate, up = gate_up[:, : self.inner], gate_up[:, self.inner :]
         if not self.cpu_kernel and x.dim() == 2 and use_triton(x):
-            from worker.kernels.rmsnorm import GATED_ACTIVATIONS, gated_act_triton
+            from worker.device.kernels.rmsnorm import GATED_ACTIVATIONS, gated_act_triton
 
             if self.act_name in GATED_ACTIVATIONS:
                 out: torch.Tensor = self.down_proj(gated_act_triton(gate, up, self.act_name))
@@ -202,7 +203,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps, norm, **factory) if config.qk_norm else None
         self.v_norm = RMSNorm(self.head_dim, eps, norm, with_scale=False) if v_norm else None
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections
-        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.models.cpu_gemv)
+        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.device.cpu_gemv)
 
     def fuse_projections(self) -> None:
         """Replace q_proj, k_proj (and v_proj) by one qkv_proj: rows q, then k, then v."""
@@ -282,7 +283,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """The torch path's norms and rotary, one Triton launch per tensor."""
-        from worker.kernels.rmsnorm import rms_norm_rope_triton, rms_norm_triton
+        from worker.device.kernels.rmsnorm import rms_norm_rope_triton, rms_norm_triton
 
         def norm_rope(x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
             if norm is None:
@@ -310,7 +311,7 @@ class PreNormDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config, **factory)
         self.input_layernorm = RMSNorm(hidden, eps, LLAMA_NORM, **factory)
         self.post_attention_layernorm = RMSNorm(hidden, eps, LLAMA_NORM, **factory)
-        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.models.cpu_gemv)
+        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.device.cpu_gemv)
 
     def forward(
         self,
@@ -326,7 +327,7 @@ class PreNormDecoderLayer(nn.Module):
             assert h is not None
             return x + self.mlp(h)
         if use_triton(x):
-            from worker.kernels.rmsnorm import add_rms_norm_triton
+            from worker.device.kernels.rmsnorm import add_rms_norm_triton
 
             x, h = add_rms_norm_triton(
                 attn, x, None, post.weight, None, post.eps, post.style.offset, post.round_first
@@ -361,7 +362,7 @@ class SandwichDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, norm, **factory)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, norm, **factory)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, norm, **factory)
-        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.models.cpu_gemv)
+        self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu (worker.device.cpu_gemv)
         self.layer_scalar: torch.Tensor | None
         if layer_scalar:
             self.register_buffer("layer_scalar", torch.empty(1, **factory))  # [1], persistent
@@ -404,7 +405,7 @@ class SandwichDecoderLayer(nn.Module):
 
     def _tail_fused(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Everything after attention in two norm kernels (+ the MLP)."""
-        from worker.kernels.rmsnorm import add_rms_norm_triton
+        from worker.device.kernels.rmsnorm import add_rms_norm_triton
 
         post_attn, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
         post_ff = self.post_feedforward_layernorm

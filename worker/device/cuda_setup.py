@@ -5,11 +5,11 @@
 On CUDA: merges each layer's q/k/v and gate/up weights (``CausalLM.fuse_projections``: one
 GEMV/GEMM each, HF names gone afterwards: call it after the weights are in), and wraps the
 model in ``GraphedCausalLM`` (decode steps replayed from CUDA graphs, with the fused Triton
-norms / rotary / activation of ``worker.models.layers``). On any other device the model is
+norms / rotary / activation of ``worker.layers.blocks``). On any other device the model is
 returned unchanged, so the CPU path stays bit-for-bit what it was.
 
-Random weights are drawn by ``worker.loading.load_model`` before this runs; drawing them on
-the GPU (``worker.kernels.random_weights``) must happen there, not here.
+Random weights are drawn by ``worker.loading.loader.load_model`` before this runs; drawing them on
+the GPU (``worker.device.kernels.random_weights``) must happen there, not here.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def prepare_model_for_device(
     model = loaded.model
     if torch.device(device).type != "cuda":
         return model
-    from worker.graphed_lm import GraphedCausalLM
+    from worker.device.graphed_lm import GraphedCausalLM
 
     inner = model.inner if isinstance(model, GraphedCausalLM) else model
     if os.environ.get("TOKENPIPE_NO_FUSE") != "1" and hasattr(inner, "fuse_projections"):
@@ -58,13 +58,13 @@ def prepare_model_for_device(
 
 def _install_gemv(inner: Any) -> None:
     """Batch-1 matmuls through the Triton GEMV where it beats cuBLAS on this GPU (timed per
-    matrix shape at start-up, worker/kernels/gemv.py); the LM head too, which the decode step
+    matrix shape at start-up, worker/device/kernels/gemv.py); the LM head too, which the decode step
     calls with F.linear (``inner._decode_lm_head_gemv``). TOKENPIPE_NO_GEMV=1 skips it."""
-    from worker.kernels import triton_available
+    from worker.device.kernels import triton_available
 
     if not triton_available() or not hasattr(inner, "model"):
         return
-    from worker.kernels.gemv import choose_config, install_decode_gemv
+    from worker.device.kernels.gemv import choose_config, install_decode_gemv
 
     started = time.perf_counter()
     chosen = install_decode_gemv(inner)

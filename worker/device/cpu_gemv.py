@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models.cpu_kernel_source import SOURCE
+from worker.device.cpu_kernel_source import SOURCE
 
 ROW_BLOCK = 8  # weight rows interleaved together: one AVX2 vector holds one k of 8 rows
 

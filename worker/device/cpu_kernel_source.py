@@ -1,6 +1,6 @@
 """The C source of the CPU kernel library: the packed matmul (with its thread pool), the RMS
 norm, norm + rotary, residual add + norm, and one-token attention helpers.
-``worker.models.cpu_gemv`` compiles it once (the cache key is a hash of this text and the
+``worker.device.cpu_gemv`` compiles it once (the cache key is a hash of this text and the
 compiler flags) and wraps each function; read its docstring for the layout and the rules.
 """
 

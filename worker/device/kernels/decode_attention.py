@@ -15,7 +15,7 @@ Two launches with static shapes (capturable in a CUDA graph):
 row's own `len` at run time, so short and long sequences in one batch share the launch.
 Padded rows (slot < 0 or len == 0) get a zero output.
 
-This module imports Triton: import it only after `worker.kernels.triton_available()`.
+This module imports Triton: import it only after `worker.device.kernels.triton_available()`.
 """
 
 from __future__ import annotations

@@ -6,14 +6,15 @@ step instead of thousands. Inputs live in static device buffers; padded rows hav
 (nothing is stored, attention returns zeros) and their outputs are ignored.
 
 The step is the model's own layers with attention through `FusedDecodePlan`, which stands in
-for `worker.models.attention.AttentionPlan` and calls the kernels of `worker.kernels.attention`
+for `worker.layers.attention.AttentionPlan` and calls the kernels of
+`worker.device.kernels.attention`
 (store the new K/V at `position % capacity` of the slot, then split-KV decode attention read
 in place from the pool). `decode_logits` mirrors `CausalLM.forward` for that case.
 
-`DecodeGraphRunner` holds the static buffers and graphs; `worker/graphed_lm.py`'s
+`DecodeGraphRunner` holds the static buffers and graphs; `worker/device/graphed_lm.py`'s
 `GraphedCausalLM` is the model object the engine uses on CUDA, built on two runners.
 `DecodeGraphRunner.decode(...)` is the same step with sampling inside the graph
-(`worker.kernels.batched_sampling`); only the sampled ids come back, one sync per step.
+(`worker.device.kernels.batched_sampling`); only the sampled ids come back, one sync per step.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from worker.kernels.attention import decode_attention_op, store_kv_op
-from worker.kernels.batched_sampling import RowSampling, sample_rows
+from worker.device.kernels.attention import decode_attention_op, store_kv_op
+from worker.device.kernels.batched_sampling import RowSampling, sample_rows
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -52,7 +53,7 @@ class FusedDecodePlan:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, scale: float
     ) -> torch.Tensor:
-        """q [B, H, D]; k, v [B, KVH, D]; cache: a worker.models.kv.LayerCache."""
+        """q [B, H, D]; k, v [B, KVH, D]; cache: a worker.layers.kv.LayerCache."""
         store_kv_op(cache.k, cache.v, k.contiguous(), v.contiguous(), self.slots, self.positions)
         return decode_attention_op(
             q.contiguous(), cache.k, cache.v, self.slots, self.lens, float(scale), cache.window or 0
@@ -62,10 +63,10 @@ class FusedDecodePlan:
 def attend_with_fused_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, plan: Any, scale: float
 ) -> torch.Tensor:
-    """`worker.models.attention.attend`, plus the FusedDecodePlan case."""
+    """`worker.layers.attention.attend`, plus the FusedDecodePlan case."""
     if isinstance(plan, FusedDecodePlan):
         return plan.attend(q, k, v, cache, scale)
-    from worker.models.attention import attend
+    from worker.layers.attention import attend
 
     return attend(q, k, v, cache, plan, scale)
 
@@ -74,10 +75,10 @@ def install_fused_decode_hook() -> None:
     """Route the layers' attention through `attend_with_fused_decode` (idempotent).
 
     Interim: the permanent form is one line at the top of
-    `worker.models.attention.attend`: `if hasattr(plan, "attend"): return plan.attend(q, k,
+    `worker.layers.attention.attend`: `if hasattr(plan, "attend"): return plan.attend(q, k,
     v, cache, scale)`; this function is then a no-op in effect.
     """
-    import worker.models.layers as layers
+    import worker.layers.blocks as layers
 
     if layers.attend is not attend_with_fused_decode:
         layers.attend = attend_with_fused_decode
@@ -114,9 +115,9 @@ def rows_logits(
         x = x.index_select(0, last)
     last_hidden = model.model.norm(x)
     weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    gemv = getattr(model, "_decode_lm_head_gemv", None)  # set by worker/cuda_setup.py
+    gemv = getattr(model, "_decode_lm_head_gemv", None)  # set by worker/device/cuda_setup.py
     if gemv is not None:
-        from worker.kernels.gemv import linear_for_decode
+        from worker.device.kernels.gemv import linear_for_decode
 
         logits = linear_for_decode(last_hidden, weight, gemv).float()  # [B, vocab]
     else:

@@ -100,7 +100,7 @@ def prefill_attention_slot_reference(
     sm_scale: float,
     window: int = 0,
 ) -> torch.Tensor:
-    """`worker.kernels.prefill_attention.prefill_attention_slot` in torch (reads `meta` on
+    """`worker.device.kernels.prefill_attention.prefill_attention_slot` in torch (reads `meta` on
     the host: not capturable). q [N, Hq, D]; k_new, v_new [N, Hkv, D] with rows >= n padding;
     the pool [S, Hkv, R, D] as it was before the step; meta (slot, cached, n) -> [N, Hq, D],
     padding rows zero."""

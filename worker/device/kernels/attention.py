@@ -17,8 +17,8 @@ import os
 
 import torch
 
-from worker.kernels import triton_available
-from worker.kernels.reference import (
+from worker.device.kernels import triton_available
+from worker.device.kernels.reference import (
     decode_attention_reference,
     prefill_attention_slot_reference,
     store_kv_reference,
@@ -46,7 +46,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [B, Hq, D] over the pool [S, Hkv, R, D] -> [B, Hq, D]; see `reference.py`."""
     if use_triton(q):
-        from worker.kernels.decode_attention import decode_attention_triton
+        from worker.device.kernels.decode_attention import decode_attention_triton
 
         return decode_attention_triton(
             q, k_cache, v_cache, slots, lens,
@@ -67,7 +67,7 @@ def store_kv(
 ) -> None:
     """Write k, v [B, Hkv, D] at entry `positions % R` of `slots` (negative slot: skip)."""
     if use_triton(k):
-        from worker.kernels.decode_attention import store_kv_triton
+        from worker.device.kernels.decode_attention import store_kv_triton
 
         store_kv_triton(k_cache, v_cache, k, v, slots, positions)
         return
@@ -86,9 +86,9 @@ def prefill_attention_slot(
     window: int = 0,
 ) -> torch.Tensor:
     """One sequence's (padded) prefill over its slot, slot and lengths in `meta` on the
-    device (see `worker.kernels.prefill_attention.prefill_attention_slot`) -> [N, Hq, D]."""
+    device (see `worker.device.kernels.prefill_attention.prefill_attention_slot`) -> [N, Hq, D]."""
     if use_triton(q):
-        from worker.kernels.prefill_attention import prefill_attention_slot as triton_slot
+        from worker.device.kernels.prefill_attention import prefill_attention_slot as triton_slot
 
         out = torch.empty_like(q)
         return triton_slot(
@@ -100,7 +100,7 @@ def prefill_attention_slot(
 
 
 # The same two functions as torch custom ops, so `torch.compile` keeps them as opaque calls
-# (no graph break) when it compiles a whole decode step (worker/cuda_graphs.py).
+# (no graph break) when it compiles a whole decode step (worker/device/decode_graphs.py).
 
 
 @torch.library.custom_op("tokenpipe::decode_attention", mutates_args=())

@@ -6,7 +6,7 @@ major [N, K], contiguous along K; K is a compile-time constant, one compile per 
 width) in BLOCK_K chunks, with every row of x (at most MAX_ROWS)
 held against each chunk: W is read once whatever the number of rows. Accumulation is fp32.
 
-This module imports Triton: import it only after `worker.kernels.triton_available()`.
+This module imports Triton: import it only after `worker.device.kernels.triton_available()`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.models.layers import RMSNorm
+from worker.layers.blocks import RMSNorm
 
 INIT_STD = 0.02
 

@@ -111,6 +111,6 @@ class KVCache:
         tokens is truncated and continued (pure; 0 means re-prefill from scratch).
 
         ``lookahead`` (set by a decode path that may write one step past a slot's tokens, see
-        worker/cuda_graphs.py) counts as that many more cached tokens."""
+        worker/device/decode_graphs.py) counts as that many more cached tokens."""
         rings = [(size - self.lookahead, window) for size, window in self.rings]
         return keepable_prefix_for(rings, cached_len, common_len)

@@ -11,13 +11,13 @@ Three kernels, each one program per row (the row fits in one block):
 Numerics: the sum of squares and the scaling run in float32; every value the torch path
 stores in the input dtype (the norm's output, the residual sum, the scaled sum) is rounded to
 that dtype here too, so the result equals the torch path up to float32 summation order.
-Styles (see `worker.models.layers.NormStyle`): `round_first=False`: (normed * (offset + w))
+Styles (see `worker.layers.blocks.NormStyle`): `round_first=False`: (normed * (offset + w))
 rounded once (gemma); `round_first=True`: normed rounded, then times (offset + w) (llama).
 No weight (`w is None`): normed rounded (gemma4's V norm).
 
-The torch references are in `worker.kernels.reference`-style helpers of
-`worker.models.layers`; this module imports Triton: import it only after
-`worker.kernels.triton_available()`.
+The torch references are in `worker.device.kernels.reference`-style helpers of
+`worker.layers.blocks`; this module imports Triton: import it only after
+`worker.device.kernels.triton_available()`.
 """
 
 from __future__ import annotations

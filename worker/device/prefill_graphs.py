@@ -13,14 +13,14 @@ Static inputs, filled by one host-to-device copy per call:
   touches a ring;
 - `meta` = (slot, cached, n).
 
-Attention is `worker.kernels.attention.prefill_attention_slot`. It reads the slot's previous
+Attention is `worker.device.kernels.attention.prefill_attention_slot`. It reads the slot's previous
 keys in place and its lengths from `meta`, then the new keys are stored with the decode
 path's `store_kv`. The logits are those of the last real row.
 
 `PrefillGraphRunner(model, kv).logits(step)` serves a StepInput that `fits` (one sequence,
 n <= the largest bucket and <= every ring, the bucket inside the context). `use_graphs=False`
 runs the same body without capture: the CPU tests of this path. TOKENPIPE_NO_PREFILL_GRAPHS=1
-turns it off (worker/graphed_lm.py).
+turns it off (worker/device/graphed_lm.py).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from worker.cuda_graphs import bucket_for, rows_logits
-from worker.kernels.attention import prefill_attention_slot, store_kv
+from worker.device.decode_graphs import bucket_for, rows_logits
+from worker.device.kernels.attention import prefill_attention_slot, store_kv
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
 
@@ -48,7 +48,7 @@ class FusedPrefillPlan:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, scale: float
     ) -> torch.Tensor:
-        """q [N, H, D]; k, v [N, KVH, D]; cache: a worker.models.kv.LayerCache. Attention
+        """q [N, H, D]; k, v [N, KVH, D]; cache: a worker.layers.kv.LayerCache. Attention
         reads the cache as it was before the step, so the store comes after it (a ring may
         overwrite entries that the first new tokens still see)."""
         k, v = k.contiguous(), v.contiguous()

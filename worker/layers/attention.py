@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from worker.kernels.attention import use_triton
-from worker.models import cpu_gemv
-from worker.models.kv import LayerCache
+from worker.device import cpu_gemv
+from worker.device.kernels.attention import use_triton
+from worker.layers.kv import LayerCache
 from worker.models.step import StepInput
 
 
@@ -172,7 +172,7 @@ def attend(
     """Write this step's keys/values into ``cache`` and attend.
 
     q [T, H, D]; k, v [T, KVH, D] (rotated, normed) -> out [T, H, D].
-    A plan object with its own ``attend`` (worker/cuda_graphs.py's fused decode plan) does
+    A plan object with its own ``attend`` (worker/device/decode_graphs.py's fused decode plan) does
     the work itself, with the same cache layout.
     """
     if not isinstance(plan, AttentionPlan) and hasattr(plan, "attend"):
@@ -369,7 +369,7 @@ def _prefill_one_triton(
     The previous keys are read where they live (the slot's prefix, or its ring as it was
     before this step); the new ones straight from the step's projections. The ring's
     positions and write indices are built once per step and ring geometry."""
-    from worker.kernels.prefill_attention import prefill_attention_triton
+    from worker.device.kernels.prefill_attention import prefill_attention_triton
 
     c, s = seq.cached, seq.slot
     rows = slice(seq.start, seq.end)

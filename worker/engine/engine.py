@@ -51,14 +51,14 @@ from protocol import (
     TokenizeRequest,
     TokensEvent,
 )
-from worker.chat import PromptError, build_prompt
+from worker.engine.prompt import PromptError, build_prompt
+from worker.engine.resume import NEW, ResumePlan, plan_resume
+from worker.engine.sampling import SamplingParams, make_generator, sample
+from worker.engine.scheduler import QueuedItem, RunningItem, plan_admission, plan_step
+from worker.engine.session import Session, SessionPool
+from worker.engine.text import TextStream
 from worker.faults import maybe_inject
 from worker.models.step import StepInput
-from worker.resume import NEW, ResumePlan, plan_resume
-from worker.sampling import SamplingParams, make_generator, sample
-from worker.scheduler import QueuedItem, RunningItem, plan_admission, plan_step
-from worker.session import Session, SessionPool
-from worker.text import TextStream
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class Engine:
         self.device = torch.device(device)
         prepare = getattr(self.model, "prepare_for_cpu", None)
         if self.device.type == "cpu" and callable(prepare):
-            prepare()  # decode-friendly weight layout (worker.models.cpu_gemv); else a no-op
+            prepare()  # decode-friendly weight layout (worker.device.cpu_gemv); else a no-op
         self.kv = self.model.make_kv_cache(config.max_sessions, config.max_context)
         self.pool = SessionPool(config.max_sessions)
         self.prefix_ids = list(

@@ -1,5 +1,5 @@
 """`--random-weights` drawn on the model's own device (seconds for 31B on a GPU, where the
-CPU draw of `worker.models.random_init.init_random_weights` takes minutes).
+CPU draw of `worker.loading.random_init.init_random_weights` takes minutes).
 
 Same recipe as that function (Linear / embedding weights ~ N(0, 0.02), biases 0, norms at
 their identity, other buffers 1) from a generator on the device, so the values differ from
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.models.layers import RMSNorm
-from worker.models.random_init import INIT_STD
+from worker.layers.blocks import RMSNorm
+from worker.loading.random_init import INIT_STD
 
 
 @torch.no_grad()

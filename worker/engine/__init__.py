@@ -1,0 +1,1 @@
+"""The engine: sessions, resume and step planning, sampling, text streaming; no I/O."""
