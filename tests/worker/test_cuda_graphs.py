@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from worker.device.cuda_setup import prepare_model_for_device
-from worker.device.decode_graphs import DecodeGraphRunner, bucket_for, is_decode_only
+from worker.device.decode_graphs import DecodeGraphRunner, bucket_for
 from worker.device.graphed_lm import GraphedCausalLM
 from worker.device.kernels.batched_sampling import RowSampling
 from worker.loading.random_init import init_random_weights
@@ -55,13 +55,6 @@ def test_bucket_for() -> None:
     assert bucket_for(1) == 1 and bucket_for(3) == 4 and bucket_for(33) == 64
     assert bucket_for(64) == 64 and bucket_for(65) is None
     assert bucket_for(5, (8, 2)) == 8
-
-
-def test_is_decode_only() -> None:
-    ids = torch.zeros(3, dtype=torch.int64)
-    assert is_decode_only(StepInput(ids[:2], ids[:2], [0, 1], [4, 9], [1, 1]))
-    assert not is_decode_only(StepInput(ids, ids, [0, 1], [4, 9], [1, 2]))
-    assert not is_decode_only(StepInput(ids[:1], ids[:1], [0], [0], [1]))  # fresh sequence
 
 
 def _prefill(model, kv, prompts: dict[int, list[int]]) -> None:  # type: ignore[no-untyped-def]

@@ -324,11 +324,6 @@ class DecodeGraphRunner:
         return picked[: len(slots)].tolist()
 
 
-def is_decode_only(step: Any) -> bool:
-    """Every sequence of the step adds one token to a non-empty cache (pure)."""
-    return all(n == 1 for n in step.new_lens) and all(c > 0 for c in step.cached_lens)
-
-
 def split_decode_rows(step: Any) -> tuple[list[int], list[int]]:
     """(decode rows, other rows) of a step: a decode row adds one token to a non-empty
     cache (pure)."""

@@ -31,23 +31,6 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
 
-def validate_sampling(
-    temperature: float, top_k: int, top_p: float, min_p: float, seed: int
-) -> str | None:
-    """Return an error message for invalid settings, or None."""
-    if not math.isfinite(temperature) or temperature < 0:
-        return f"temperature must be a finite number >= 0, got {temperature}"
-    if top_k < 0:
-        return f"top_k must be >= 0, got {top_k}"
-    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
-        return f"top_p must be in (0, 1], got {top_p}"
-    if not math.isfinite(min_p) or not 0.0 <= min_p <= 1.0:
-        return f"min_p must be in [0, 1], got {min_p}"
-    if seed < 0:
-        return f"seed must be >= 0, got {seed}"
-    return None
-
-
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     """A request's private generator: seeded when `seed` > 0, else from fresh entropy."""
     gen = torch.Generator(device=device)

@@ -37,10 +37,6 @@ class LayerCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    @property
-    def is_ring(self) -> bool:
-        return self.window is not None
-
 
 def keepable_prefix_for(rings: Sequence[tuple[int, int]], cached_len: int, common_len: int) -> int:
     """How many of the first ``common_len`` cached tokens stay usable (pure).

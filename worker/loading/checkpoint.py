@@ -239,10 +239,6 @@ class Checkpoint:
             ids += as_id_list(self.generation_config.get("eos_token_id"))
         return list(dict.fromkeys(ids))
 
-    @property
-    def has_weights(self) -> bool:
-        return bool(self.tensors)
-
     def text_tensors(self) -> dict[str, TensorEntry]:
         """The text model's tensors by HF text-model name (multimodal prefixes mapped away)."""
         renamed: dict[str, TensorEntry] = {}
