@@ -1,0 +1,91 @@
+"""What every route shares: JSON responses, reading a JSON body under the size limit, and the
+endpoint wrapper (API key, errors as the OpenAI envelope, request metrics)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .disconnect import ClientGone
+from .errors import APIError, from_worker_error, invalid_value
+from .state import Server
+
+log = logging.getLogger("tokenpipe.serve")
+
+UNAUTHENTICATED_PATHS = ("/health", "/metrics")
+
+Handler = Callable[[Server, Request], Awaitable[Response]]
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def error_response(error: APIError) -> Response:
+    return json_response(error.body(), error.status)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, "request_too_large", f"the request body exceeds {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, "request_too_large", f"the request body exceeds {limit} bytes")
+    try:
+        return orjson.loads(bytes(body))
+    except orjson.JSONDecodeError as exc:
+        raise invalid_value(f"the request body is not valid JSON: {exc}") from exc
+
+
+def authorize(server: Server, request: Request) -> None:
+    api_key = server.config.api_key
+    if api_key is None or request.url.path in UNAUTHENTICATED_PATHS:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    ):
+        raise APIError(401, "invalid_api_key", "Incorrect or missing API key")
+
+
+def endpoint(
+    server: Server, name: str, handler: Handler
+) -> Callable[[Request], Awaitable[Response]]:
+    """`handler` as a starlette endpoint: authorized, every failure a JSON error, counted."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            authorize(server, request)
+            response = await handler(server, request)
+        except APIError as error:
+            response = error_response(error)
+        except ClientGone:
+            server.metrics.cancelled += 1
+            response = Response(status_code=499)
+        except Exception as exc:  # never leak a traceback as a non-JSON 500
+            code = getattr(exc, "code", None)  # a client TokenpipeError carries its code
+            if isinstance(code, str):
+                response = error_response(
+                    from_worker_error(code, getattr(exc, "message", str(exc)))
+                )
+            else:
+                log.exception("internal error in %s", name)
+                response = error_response(APIError(500, "internal_error", str(exc)))
+        server.metrics.count_request(name, response.status_code)
+        return response
+
+    return wrapped
+
+
+def count_cancel(server: Server) -> None:
+    server.metrics.cancelled += 1

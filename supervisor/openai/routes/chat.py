@@ -1,0 +1,153 @@
+"""`POST /v1/chat/completions`: render the conversation, generate, parse tool calls and
+thinking out of the text, stream or answer whole; remember the turn for splicing."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from protocol import DoneEvent, ErrorEvent, Event, TokenEvent
+
+from .. import chunks as ch
+from ..disconnect import EventStreamResponse, race_disconnect
+from ..errors import APIError, error_body, from_worker_error
+from ..http import count_cancel, endpoint, json_response, read_json
+from ..params import check_model, parse_chat
+from ..sessions import render_prompt, session_from_request, spliceable_turns
+from ..state import Generation, Server, event_text, usage_of
+from ..templates import ChatTemplateError
+from ..tool_parsers import FORMATS, OutputParser, Piece, tool_schemas
+
+
+async def chat(server: Server, request: Request) -> Response:
+    params = parse_chat(await read_json(request, server.config.max_body_bytes))
+    _, model = server.ready()
+    check_model(params.model, model.model_id)
+    session = session_from_request(params.session_id, request.headers)
+    try:
+        rendered = render_prompt(
+            model.template,
+            params.messages,
+            tools=params.tools,
+            template_kwargs=params.template_kwargs,
+            turn_ids=spliceable_turns(server.turns, session or "", params.messages),
+        )
+    except ChatTemplateError as exc:
+        raise APIError(400, "template_error", str(exc)) from exc
+    generate = server.generate_request(rendered.segments, params.sampling, session)
+    parser = OutputParser(
+        FORMATS[model.tool_format] if params.parse_tools else None,
+        tool_schemas(params.tools),
+        model.reasoning,
+    )
+    header = ch.ResponseHeader(ch.new_id("chatcmpl"), model.model_id)
+    with server.using(session):
+        generation, first = await server.start_generation(generate, request)
+    if params.stream:
+        return EventStreamResponse(
+            chat_stream(server, generation, first, parser, header, params.include_usage, session),
+            on_disconnect=lambda: count_cancel(server),
+        )
+    return await race_disconnect(
+        chat_whole(server, generation, first, parser, header, session), request.receive
+    )
+
+
+async def collect(
+    generation: Generation,
+    first: Event | None,
+    parser: OutputParser,
+    model_markers: dict[int, str],
+) -> AsyncIterator[tuple[list[Piece], ErrorEvent | None]]:
+    """Parsed pieces per event; the last item carries the error, if one ended it."""
+    event = first
+    while event is not None:
+        if isinstance(event, TokenEvent):
+            yield parser.feed(event_text(event, model_markers)), None
+        elif isinstance(event, ErrorEvent):
+            yield parser.finish(), event
+            return
+        elif isinstance(event, DoneEvent):
+            yield parser.finish(), None
+            return
+        event = await generation.next_event()
+    yield parser.finish(), None
+
+
+async def chat_whole(
+    server: Server,
+    generation: Generation,
+    first: Event | None,
+    parser: OutputParser,
+    header: ch.ResponseHeader,
+    session: str | None,
+) -> Response:
+    _, model = server.ready()
+    turn = ch.TurnAccumulator()
+    try:
+        with server.using(session):
+            async for pieces, error in collect(generation, first, parser, model.marker_ids):
+                for piece in pieces:
+                    turn.add(piece)
+                if error is not None:
+                    raise from_worker_error(error.code, error.error)
+    finally:
+        await generation.aclose()
+    done = generation.done
+    if done is None:
+        raise APIError(500, "internal_error", "the generation ended without a result")
+    server.remember_turn(session, turn, done)
+    return json_response(
+        header.chat_body(turn.message(), turn.finish_reason(done.finish_reason), usage_of(done))
+    )
+
+
+async def chat_stream(
+    server: Server,
+    generation: Generation,
+    first: Event | None,
+    parser: OutputParser,
+    header: ch.ResponseHeader,
+    include_usage: bool,
+    session: str | None,
+) -> AsyncIterator[bytes]:
+    _, model = server.ready()
+    turn = ch.TurnAccumulator()
+    try:
+        with server.using(session):
+            yield ch.sse(header.chat_chunk({"role": "assistant", "content": ""}))
+            async for pieces, error in collect(generation, first, parser, model.marker_ids):
+                for piece in pieces:
+                    delta = turn.add(piece)
+                    if delta is not None:
+                        yield ch.sse(header.chat_chunk(delta))
+                if error is not None:
+                    api_error = from_worker_error(error.code, error.error)
+                    yield ch.sse(api_error.body())
+                    yield ch.SSE_DONE
+                    return
+            done = generation.done
+            if done is None:
+                yield ch.sse(
+                    error_body(
+                        "the generation ended without a result",
+                        "server_error",
+                        "internal_error",
+                    )
+                )
+                yield ch.SSE_DONE
+                return
+            server.remember_turn(session, turn, done)
+            yield ch.sse(header.chat_chunk({}, turn.finish_reason(done.finish_reason)))
+            if include_usage:
+                yield ch.sse(header.usage_chunk("chat.completion.chunk", usage_of(done)))
+            yield ch.SSE_DONE
+    finally:
+        await generation.aclose()
+
+
+def routes(server: Server) -> list[Route]:
+    return [Route("/v1/chat/completions", endpoint(server, "chat", chat), methods=["POST"])]

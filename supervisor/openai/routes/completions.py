@@ -1,0 +1,103 @@
+"""`POST /v1/completions`: a text prompt (or token ids) in, text out, streamed or whole."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from protocol import DoneEvent, ErrorEvent, Event, TokenEvent
+
+from .. import chunks as ch
+from ..disconnect import EventStreamResponse, race_disconnect
+from ..errors import APIError, error_body, from_worker_error
+from ..http import count_cancel, endpoint, json_response, read_json
+from ..params import check_model, parse_completion
+from ..sessions import PromptSegmentDict, session_from_request
+from ..state import Generation, Server, usage_of
+
+
+async def completions(server: Server, request: Request) -> Response:
+    params = parse_completion(await read_json(request, server.config.max_body_bytes))
+    _, model = server.ready()
+    check_model(params.model, model.model_id)
+    session = session_from_request(params.session_id, request.headers)
+    if isinstance(params.prompt, str):
+        segments: list[PromptSegmentDict] = [{"text": params.prompt}]
+        add_prefix = True
+    else:
+        segments, add_prefix = [{"ids": list(params.prompt)}], False
+    generate = server.generate_request(segments, params.sampling, session, add_prefix)
+    generate["return_token_ids"] = False
+    header = ch.ResponseHeader(ch.new_id("cmpl"), model.model_id)
+    with server.using(session):
+        generation, first = await server.start_generation(generate, request)
+    if params.stream:
+        return EventStreamResponse(
+            text_stream(generation, first, header, params.include_usage),
+            on_disconnect=lambda: count_cancel(server),
+        )
+    return await race_disconnect(text_whole(generation, first, header), request.receive)
+
+
+async def text_whole(
+    generation: Generation, first: Event | None, header: ch.ResponseHeader
+) -> Response:
+    parts: list[str] = []
+    event = first
+    try:
+        while event is not None:
+            if isinstance(event, TokenEvent):
+                parts.append(event.token)
+            elif isinstance(event, ErrorEvent):
+                raise from_worker_error(event.code, event.error)
+            elif isinstance(event, DoneEvent):
+                break
+            event = await generation.next_event()
+    finally:
+        await generation.aclose()
+    done = generation.done
+    if done is None:
+        raise APIError(500, "internal_error", "the generation ended without a result")
+    reason = "length" if done.finish_reason == "length" else "stop"
+    return json_response(header.text_body("".join(parts), reason, usage_of(done)))
+
+
+async def text_stream(
+    generation: Generation,
+    first: Event | None,
+    header: ch.ResponseHeader,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    event = first
+    try:
+        while event is not None:
+            if isinstance(event, TokenEvent):
+                if event.token:
+                    yield ch.sse(header.text_chunk(event.token))
+            elif isinstance(event, ErrorEvent):
+                yield ch.sse(from_worker_error(event.code, event.error).body())
+                yield ch.SSE_DONE
+                return
+            elif isinstance(event, DoneEvent):
+                reason = "length" if event.finish_reason == "length" else "stop"
+                yield ch.sse(header.text_chunk("", reason))
+                if include_usage:
+                    yield ch.sse(header.usage_chunk("text_completion", usage_of(event)))
+                yield ch.SSE_DONE
+                return
+            event = await generation.next_event()
+        yield ch.sse(
+            error_body("the generation ended without a result", "server_error", "internal_error")
+        )
+        yield ch.SSE_DONE
+    finally:
+        await generation.aclose()
+
+
+def routes(server: Server) -> list[Route]:
+    return [
+        Route("/v1/completions", endpoint(server, "completions", completions), methods=["POST"])
+    ]
