@@ -14,7 +14,6 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-import time
 from typing import Any, BinaryIO
 
 import click
@@ -28,11 +27,24 @@ def log(message: str) -> None:
     print(f"[tokenpipe worker] {message}", file=sys.stderr, flush=True)
 
 
-def _read_lines(stream: BinaryIO, lines: queue.Queue[bytes | None]) -> None:
-    """Reader thread: raw lines into `lines`, then the EOF marker."""
+def _read_lines(
+    stream: BinaryIO, lines: queue.Queue[bytes | _TooLong | None], max_line_bytes: int
+) -> None:
+    """Reader thread: raw lines into `lines`, then the EOF marker. Memory per line is bounded
+    by the limit: a longer line becomes a `_TooLong` as soon as the limit is passed."""
+    cap = max_line_bytes + 2  # the content, then "\r\n"
     try:
-        for line in iter(stream.readline, b""):
-            lines.put(line)
+        while True:
+            line = stream.readline(cap + 1)
+            if not line:
+                break
+            if len(line) <= cap or line.endswith(b"\n"):
+                lines.put(line)  # decode_request checks the exact limit
+                continue
+            prefix = line[:PEEK_BYTES]
+            while line and not line.endswith(b"\n"):
+                line = stream.readline(_DISCARD_READ)
+            lines.put(_TooLong(prefix))
     finally:
         lines.put(_EOF)
 
@@ -48,9 +60,10 @@ def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
             stdout.write(encode_event(event))
             stdout.flush()
 
-    lines: queue.Queue[bytes | None] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(stdin, lines), daemon=True).start()
-    write([engine.ready_event()])
+    lines: queue.Queue[bytes | _TooLong | None] = queue.Queue()
+    limit = WORKER_MAX_LINE_BYTES
+    threading.Thread(target=_read_lines, args=(stdin, lines, limit), daemon=True).start()
+    write([msgspec.structs.replace(engine.ready_event(), max_line_bytes=limit)])
     eof = False
     while True:
         # Take every line that is already there; block only when there is nothing to do.
@@ -62,9 +75,12 @@ def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
             if line is _EOF:
                 eof = True
                 break
+            if isinstance(line, _TooLong):
+                write(engine.submit_error(line_too_long(line.prefix, None, limit).to_event()))
+                continue
             if not line.strip():
                 continue
-            decoded = decode_request(line)
+            decoded = decode_request(line, limit)
             if isinstance(decoded, ProtocolError):
                 write(engine.submit_error(decoded.to_event()))
             else:
@@ -130,6 +146,7 @@ def build_engine(
 
     from worker.engine.engine import Engine, EngineConfig
     from worker.loading.loader import load_model
+    from worker.loading.startup_clock import StartupClock
 
     if threads:
         torch.set_num_threads(threads)
@@ -142,17 +159,17 @@ def build_engine(
         dtype_name
     ]
     torch.manual_seed(seed)
-    started = time.perf_counter()
+    clock = StartupClock(log)
     log(f"loading {model or 'the default model'} on {torch_device} as {dtype_name}")
-    loaded = load_model(
-        model,
-        torch_device,
-        torch_dtype,
-        random_weights=random_weights,
-        tokenizer_path=tokenizer_path,
-        seed=seed,
-    )
-    log(f"loaded in {time.perf_counter() - started:.1f}s")
+    with clock.step("loaded"):
+        loaded = load_model(
+            model,
+            torch_device,
+            torch_dtype,
+            random_weights=random_weights,
+            tokenizer_path=tokenizer_path,
+            seed=seed,
+        )
     model_context = int(getattr(loaded.config, "context_length", 0) or 4096)
     default_context = min(model_context, 4096 if on_cpu else 32768)
     if max_context is None:
@@ -162,7 +179,7 @@ def build_engine(
 
         # merged projections, fused kernels, decode steps replayed from CUDA graphs
         loaded.model = prepare_model_for_device(
-            loaded, torch_device, random_weights, seed, cuda_graphs=cuda_graphs
+            loaded, torch_device, random_weights, seed, cuda_graphs=cuda_graphs, clock=clock
         )
     config = EngineConfig(
         max_sessions=max_sessions,
@@ -171,10 +188,11 @@ def build_engine(
         warm_resume=warm_resume,
         prefix_ids=_parse_prefix_ids(prefix_ids),
     )
-    engine = Engine(loaded, config, torch_device)
+    with clock.step("KV cache and CUDA graphs" if torch_device.type == "cuda" else "KV cache"):
+        engine = Engine(loaded, config, torch_device)
     log(
         f"ready: {config.max_sessions} sessions x {config.max_context} tokens, "
-        f"prefill chunk {config.prefill_chunk}"
+        f"prefill chunk {config.prefill_chunk} ({clock.summary()})"
     )
     return engine
 

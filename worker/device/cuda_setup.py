@@ -8,18 +8,23 @@ model in ``GraphedCausalLM`` (decode steps replayed from CUDA graphs, with the f
 norms / rotary / activation of ``worker.layers.blocks``). On any other device the model is
 returned unchanged, so the CPU path stays bit-for-bit what it was.
 
-Random weights are drawn by ``worker.loading.loader.load_model`` before this runs; drawing them on
-the GPU (``worker.device.kernels.random_weights``) must happen there, not here.
+Random weights are drawn by ``worker.loading.loader.load_model`` before this runs (on the GPU,
+by ``worker.device.kernels.random_weights``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any
 
 import torch
+
+from worker.loading.startup_clock import StartupClock
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def prepare_model_for_device(
@@ -29,12 +34,16 @@ def prepare_model_for_device(
     seed: int = 0,
     *,
     cuda_graphs: bool = True,
+    clock: StartupClock | None = None,
 ) -> Any:
     """-> the model object the Engine should use (``loaded.model`` itself off CUDA).
 
     ``random_weights`` and ``seed`` are accepted so the call site stays the same when an
     on-device step needs them; the current steps do not. TOKENPIPE_NO_FUSE=1 skips the merge,
-    TOKENPIPE_NO_GRAPHS=1 (or ``cuda_graphs=False``) the CUDA graphs.
+    TOKENPIPE_NO_GRAPHS=1 (or ``cuda_graphs=False``) the CUDA graphs. Each step's time goes
+    to stderr through `clock` (the worker's start-up clock, so the ready line can sum them).
+    The graphs themselves are captured when the engine makes its KV cache
+    (``GraphedCausalLM.make_kv_cache``), which the worker times as a step of its own.
     """
     del random_weights, seed
     model = loaded.model
@@ -42,13 +51,16 @@ def prepare_model_for_device(
         return model
     from worker.device.graphed_lm import GraphedCausalLM
 
+    clock = clock or StartupClock(_log)
     inner = model.inner if isinstance(model, GraphedCausalLM) else model
     if os.environ.get("TOKENPIPE_NO_FUSE") != "1" and hasattr(inner, "fuse_projections"):
-        merged = inner.fuse_projections()
-        torch.cuda.empty_cache()
-        print(f"cuda_setup: merged the projections of {merged} modules", file=sys.stderr)
+        with clock.step("cuda_setup: merged projections"):
+            merged = inner.fuse_projections()
+            torch.cuda.empty_cache()
+        _log(f"cuda_setup: merged the projections of {merged} modules")
     if os.environ.get("TOKENPIPE_NO_GEMV") != "1":
-        _install_gemv(inner)
+        with clock.step("cuda_setup: GEMV timing"):
+            _install_gemv(inner)
     if isinstance(model, GraphedCausalLM):
         return model
     if cuda_graphs and os.environ.get("TOKENPIPE_NO_GRAPHS") != "1":
@@ -66,7 +78,6 @@ def _install_gemv(inner: Any) -> None:
         return
     from worker.device.kernels.gemv import choose_config, install_decode_gemv
 
-    started = time.perf_counter()
     chosen = install_decode_gemv(inner)
     head = inner.model.embed_tokens.weight if inner.lm_head is None else inner.lm_head.weight
     shape = (head.shape[0], head.shape[1])
@@ -74,5 +85,4 @@ def _install_gemv(inner: Any) -> None:
         chosen[shape] = choose_config(head)
     inner._decode_lm_head_gemv = chosen[shape]
     faster = sum(c is not None for c in chosen.values())
-    print(f"cuda_setup: Triton GEMV for {faster} of {len(chosen)} matrix shapes "
-          f"({time.perf_counter() - started:.1f}s)", file=sys.stderr)  # fmt: skip
+    _log(f"cuda_setup: Triton GEMV for {faster} of {len(chosen)} matrix shapes")

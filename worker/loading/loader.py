@@ -25,6 +25,7 @@ import torch
 
 from worker.loading.checkpoint import Checkpoint, ModelLoadError, open_checkpoint
 from worker.loading.gguf_convert import Progress, convert_gguf, dtype_name
+from worker.loading.staged_load import staged_tensors
 from worker.loading.tokenizer import Tokenizer, TokenizerError
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_checkpoint_dir"]
@@ -145,6 +146,20 @@ def _with_progress(
         bar.close()
 
 
+def draw_random_weights(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """`--random-weights`: drawn on the GPU when the model is there (seconds for 31B), else
+    from the CPU generator (the values the CPU tests rely on)."""
+    if device.type == "cuda":
+        from worker.device.kernels.random_weights import init_random_weights_on_device
+
+        init_random_weights_on_device(model, seed)
+        torch.cuda.synchronize(device)
+    else:
+        from worker.loading.random_init import init_random_weights
+
+        init_random_weights(model, seed)
+
+
 def load_model(
     path: str | os.PathLike[str] | None,
     device: torch.device | str = "cpu",
@@ -157,9 +172,11 @@ def load_model(
     """Load a model and its tokenizer onto `device` in `dtype` (see the module docstring).
 
     With `random_weights`, `path` only needs a config.json (and a tokenizer.json); weights are
-    drawn from `seed`. Weights stream one tensor at a time from disk to the device.
+    drawn from `seed` on the device itself (on CUDA: `init_random_weights_on_device`, whose
+    values differ from the CPU draw). On CUDA the safetensors bytes go through reused pinned
+    staging buffers straight into the parameters, reads overlapped with copies
+    (`worker.loading.staged_load`); on the CPU each tensor is read straight into its parameter.
     """
-    from worker.loading.random_init import init_random_weights
     from worker.models.registry import build_model
 
     started = time.monotonic()
@@ -172,18 +189,24 @@ def load_model(
     )
     device = torch.device(device)
     model = build_model(config, device, dtype)
+    weights_started = time.monotonic()
     if random_weights:
-        init_random_weights(model, seed)
+        draw_random_weights(model, device, seed)
     else:
         check_shapes(checkpoint, model)
         targets = model.state_dict(keep_vars=True)
-        pairs = checkpoint.iter_tensors(device=device, dtype=dtype, targets=targets)
+        pairs: Iterable[tuple[str, torch.Tensor]]
+        if device.type == "cuda":
+            pairs = staged_tensors(checkpoint.text_tensors(), targets)
+        else:
+            pairs = checkpoint.iter_tensors(device=device, dtype=dtype, targets=targets)
         total = len(checkpoint.text_tensors())
         label = f"loading {checkpoint.path.name}"
         try:
             model.load_weights(_with_progress(pairs, total, label, progress and total > 0))
         except ValueError as exc:
             raise ModelLoadError(f"{checkpoint.path}: {exc}") from exc
+    weights_seconds = time.monotonic() - weights_started
     parameters = sum(p.numel() for p in model.parameters())
     meta: dict[str, Any] = {
         "model": str(gguf_source or checkpoint.path),
@@ -197,7 +220,17 @@ def load_model(
         "vocab_size": config.vocab_size,
         "random_weights": random_weights,
         "load_seconds": round(time.monotonic() - started, 3),
+        "weights_seconds": round(weights_seconds, 3),
     }
+    if progress and not random_weights:
+        stored = sum(e.end - e.begin for e in checkpoint.text_tensors().values())
+        rate = stored / max(weights_seconds, 1e-9) / 1e9
+        print(
+            f"read {stored / 1e9:.2f} GB of weights in {weights_seconds:.1f}s ({rate:.2f} GB/s)",
+            file=sys.stderr,
+        )
+    elif progress:
+        print(f"drew random weights on {device} in {weights_seconds:.1f}s", file=sys.stderr)
     if progress:
         print(
             f"loaded {meta['model']} ({config.architecture}, {parameters / 1e6:.0f}M parameters, "

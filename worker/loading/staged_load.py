@@ -1,0 +1,284 @@
+"""Safetensors -> device parameters through reused (pinned) staging buffers, reads overlapped
+with copies: the CUDA load path.
+
+    for name, param in staged_tensors(entries, targets, StagingConfig()):
+        ...  # `param` is the target itself; its bytes may still be in flight on the stream
+
+The byte ranges of the tensors, in file order, are cut into batches of at most
+`buffer_bytes` (`plan_batches`, pure). Reader threads fill staging buffer `i % buffers` with
+batch `i` (`os.preadv`, no memory map, nothing on the host but the staging buffers) while
+the calling thread issues batch `i - 1`'s copies, `non_blocking`, straight into the bytes of
+each parameter. A buffer is read into again only after the CUDA event recorded behind its
+last copies has completed (on the CPU a copy is finished when `copy_` returns), so at most
+`buffers` batches are in flight and peak host memory is the staging buffers plus Python.
+
+A tensor whose target has another dtype (an fp32 checkpoint into a bf16 model) goes through
+a device temporary of the piece's bytes and a cast there; one without a target (a tied
+`lm_head`, names the model ignores) is yielded as a meta tensor of its shape, so the model's
+`load_weights` can skip or report it without reading its bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.loading.checkpoint import SAFETENSORS_DTYPES, ModelLoadError, TensorEntry
+
+# Every cut inside a tensor falls on a multiple of this many bytes (the widest element), so a
+# piece of a tensor that is cast on the device holds whole elements.
+CUT_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class StagingConfig:
+    """How the CUDA load stages its reads. Host memory: `buffers * buffer_bytes` pinned."""
+
+    buffer_bytes: int = 64 << 20
+    buffers: int = 6
+    readers: int = 3
+
+    def __post_init__(self) -> None:
+        if self.buffer_bytes < CUT_ALIGN or self.buffer_bytes % CUT_ALIGN:
+            raise ValueError(f"buffer_bytes must be a positive multiple of {CUT_ALIGN}")
+        if self.buffers < 2:
+            raise ValueError("at least 2 staging buffers are needed to overlap reads and copies")
+        if not 1 <= self.readers <= self.buffers:
+            raise ValueError("readers must be between 1 and the number of buffers")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A byte range of one tensor: `length` bytes from `file_offset` in its file land at
+    `staging_offset` in the staging buffer and go to `tensor_offset` in the tensor."""
+
+    tensor: int  # index into the list of entries being loaded
+    file_offset: int
+    tensor_offset: int
+    staging_offset: int
+    length: int
+    last: bool  # the tensor's last piece: once issued, the tensor can be yielded
+
+
+def plan_batches(entries: Sequence[TensorEntry], buffer_bytes: int) -> list[list[Piece]]:
+    """Cut `entries` (in the order given) into batches whose pieces fill at most
+    `buffer_bytes` of a staging buffer, back to back. A tensor larger than the room left is
+    cut at multiples of CUT_ALIGN bytes. Empty tensors get one empty piece."""
+    batches: list[list[Piece]] = []
+    batch: list[Piece] = []
+    fill = 0
+    for index, entry in enumerate(entries):
+        size = entry.end - entry.begin
+        done = 0
+        while True:
+            room = buffer_bytes - fill
+            take = size - done
+            if take > room:
+                take = room // CUT_ALIGN * CUT_ALIGN
+                if take == 0:  # no whole aligned piece fits: start a fresh buffer
+                    batches.append(batch)
+                    batch, fill = [], 0
+                    continue
+            last = done + take == size
+            batch.append(Piece(index, entry.begin + done, done, fill, take, last))
+            fill += take
+            done += take
+            if last:
+                break
+        if fill >= buffer_bytes:
+            batches.append(batch)
+            batch, fill = [], 0
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _read_runs(pieces: Sequence[Piece], entries: Sequence[TensorEntry]) -> list[Piece]:
+    """Pieces merged where they are back to back both in one file and in the staging buffer,
+    so a run of small tensors is one read (the merged piece's `tensor` names its file)."""
+    runs: list[Piece] = []
+    for piece in pieces:
+        if runs:
+            prev = runs[-1]
+            if (
+                entries[prev.tensor].file == entries[piece.tensor].file
+                and prev.file_offset + prev.length == piece.file_offset
+                and prev.staging_offset + prev.length == piece.staging_offset
+            ):
+                runs[-1] = Piece(
+                    prev.tensor, prev.file_offset, 0, prev.staging_offset,
+                    prev.length + piece.length, False,
+                )  # fmt: skip
+                continue
+        runs.append(piece)
+    return runs
+
+
+class _Files:
+    """One read-only descriptor per file, shared by the reader threads (pread needs no seek)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, path: Path) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def _read_batch(
+    pieces: Sequence[Piece],
+    entries: Sequence[TensorEntry],
+    staging: memoryview,
+    files: _Files,
+    reusable: torch.cuda.Event | None,
+) -> None:
+    """Reader thread: wait until the buffer's previous copies are done, then fill it."""
+    if reusable is not None:
+        reusable.synchronize()
+    for run in _read_runs(pieces, entries):
+        path = entries[run.tensor].file
+        fd = files.fd(path)
+        filled = 0
+        while filled < run.length:
+            start = run.staging_offset + filled
+            count = os.preadv(fd, [staging[start : run.staging_offset + run.length]],
+                              run.file_offset + filled)  # fmt: skip
+            if count <= 0:
+                raise ModelLoadError(f"{path}: truncated while reading at byte {run.file_offset}")
+            filled += count
+
+
+def _issue_copies(
+    pieces: Sequence[Piece],
+    entries: Sequence[TensorEntry],
+    targets: Sequence[torch.Tensor],
+    staging: torch.Tensor,
+) -> None:
+    """Copy every piece from the staging buffer into its target (asynchronous on CUDA)."""
+    for piece in pieces:
+        if piece.length == 0:
+            continue
+        target = targets[piece.tensor]
+        source = staging[piece.staging_offset : piece.staging_offset + piece.length]
+        stored = SAFETENSORS_DTYPES[entries[piece.tensor].dtype][0]
+        if target.dtype == stored:
+            flat = target.view(-1).view(torch.uint8)
+            flat[piece.tensor_offset : piece.tensor_offset + piece.length].copy_(
+                source, non_blocking=True
+            )
+            continue
+        # another dtype: the piece's bytes to the device, then cast there (whole elements)
+        on_device = source.to(target.device, non_blocking=True, copy=True).view(stored)
+        first = piece.tensor_offset // stored.itemsize
+        target.view(-1)[first : first + on_device.numel()].copy_(on_device)
+
+
+def _usable(entry: TensorEntry, target: torch.Tensor | None) -> bool:
+    return (
+        target is not None
+        and not target.is_meta
+        and target.is_contiguous()
+        and tuple(target.shape) == entry.shape
+    )
+
+
+def staged_tensors(
+    entries: Mapping[str, TensorEntry],
+    targets: Mapping[str, torch.Tensor],
+    config: StagingConfig | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, target)` for every entry (name -> where its bytes are), after its bytes
+    were issued into `targets[name]` (all on one device). See the module docstring.
+
+    Entries without a usable target (none, or another shape) are yielded as meta tensors of
+    the stored dtype and shape. On CUDA the copies are ordered on the current stream, and
+    the generator synchronises it before it finishes.
+    """
+    config = config or StagingConfig()
+    ordered = sorted(entries.items(), key=lambda kv: (str(kv[1].file), kv[1].begin))
+    names = [name for name, entry in ordered if _usable(entry, targets.get(name))]
+    skipped = [(name, entry) for name, entry in ordered if not _usable(entry, targets.get(name))]
+    for name, entry in skipped:
+        stored = SAFETENSORS_DTYPES[entry.dtype][0]
+        yield name, torch.empty(entry.shape, dtype=stored, device="meta")
+    if not names:
+        return
+    load_entries = [entries[name] for name in names]
+    load_targets = [targets[name].detach() for name in names]
+    device = load_targets[0].device
+    on_cuda = device.type == "cuda"
+    batches = plan_batches(load_entries, config.buffer_bytes)
+    largest = max(sum(p.length for p in batch) for batch in batches)
+    size = max(CUT_ALIGN, min(config.buffer_bytes, largest))
+    buffer_count = min(config.buffers, len(batches))
+    staging = [
+        torch.empty(size, dtype=torch.uint8, pin_memory=on_cuda) for _ in range(buffer_count)
+    ]
+    views = [memoryview(buffer.numpy()) for buffer in staging]
+    copied: list[torch.cuda.Event | None] = [None] * buffer_count
+    stream = torch.cuda.current_stream(device) if on_cuda else None
+    files = _Files()
+    pool = ThreadPoolExecutor(max_workers=config.readers, thread_name_prefix="load-reader")
+    reads: list[Future[None]] = []
+    try:
+        for index, batch in enumerate(batches):
+            # keep `buffer_count` reads in flight; batch j reuses the buffer of batch j - count,
+            # whose copies were issued (j - count < index) and recorded in `copied`
+            while len(reads) < len(batches) and len(reads) < index + buffer_count:
+                slot = len(reads) % buffer_count
+                reads.append(
+                    pool.submit(
+                        _read_batch,
+                        batches[len(reads)],
+                        load_entries,
+                        views[slot],
+                        files,
+                        copied[slot],
+                    )  # fmt: skip
+                )
+            reads[index].result()
+            slot = index % buffer_count
+            _issue_copies(batch, load_entries, load_targets, staging[slot])
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+                copied[slot] = event
+            for piece in batch:
+                if piece.last:
+                    yield names[piece.tensor], targets[names[piece.tensor]]
+        if stream is not None:
+            stream.synchronize()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        files.close()
+        del staging, views
+        if on_cuda:
+            _release_pinned_cache()
+
+
+def _release_pinned_cache() -> None:
+    """Give the staging buffers back to the OS: torch's pinned-memory allocator otherwise
+    keeps them cached for the life of the process (they would stay in its resident set)."""
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        empty = getattr(torch._C, name, None)
+        if empty is not None:
+            empty()
+            return
