@@ -14,8 +14,9 @@ writes OUTDIR/bench_gpu.md and OUTDIR/bench_gpu.json.
 Limits: decode (batch b) = min(b * copy_bw / weight_bytes, matmul_rate / (2 * params));
 prefill = matmul_rate / (2 * params) (attention FLOPs not counted).
 
-The worker runs through `python tools/bench_gpu.py worker ...`, which is `tokenpipe worker`
-plus the interim CUDA hooks of `install_cuda_hooks` (until the lead wires them in).
+The worker is started exactly as `tokenpipe run` starts one (`supervisor.pool`'s
+`default_worker_command()`, i.e. `tokenpipe worker`), nothing patched: the figures are the
+ones users get, start-up time included (the `ready` wait is logged).
 Prompts are random token ids (`prompt_segments`, `add_prefix: false`); the tokenizer is a
 synthetic word-level one as large as the config's vocabulary.
 """
@@ -60,62 +61,6 @@ def log(message: str) -> None:
     print(f"[bench_gpu {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------ the worker with hooks
-
-
-def install_cuda_hooks() -> None:
-    """Interim wiring of the CUDA path into an unmodified worker (see the report):
-    random weights drawn on the GPU, and decode steps replayed from CUDA graphs."""
-    import worker.loading.loader as loading
-    import worker.loading.random_init as random_init
-    from worker.device.cuda_setup import prepare_model_for_device
-    from worker.device.graphed_lm import GraphedCausalLM
-    from worker.device.kernels.random_weights import init_random_weights_on_device
-
-    cpu_init = random_init.init_random_weights
-
-    def init_random_weights(model: Any, seed: int = 0) -> None:
-        on_gpu = next(model.parameters()).device.type == "cuda"
-        (init_random_weights_on_device if on_gpu else cpu_init)(model, seed)
-
-    random_init.init_random_weights = init_random_weights
-    plain_load = loading.load_model
-
-    def load_model(*args: Any, **kwargs: Any) -> Any:
-        loaded = plain_load(*args, **kwargs)
-        model = loaded.model
-        if model.device.type == "cuda":
-            # fused projections + CUDA graphs (worker.device.cuda_setup); main.py's own
-            # GraphedCausalLM wrap, if any, then sees an already wrapped model
-            loaded.model = prepare_model_for_device(loaded, model.device)
-        elif os.environ.get("TOKENPIPE_BENCH_WRAP_CPU") == "1":
-            # the same wrapper, eager, on the CPU (the dry run)
-            if os.environ.get("TOKENPIPE_NO_GRAPHS") != "1":
-                model.fuse_projections()
-                loaded.model = GraphedCausalLM(model)
-        return loaded
-
-    loading.load_model = load_model
-
-
-def run_worker(argv: list[str]) -> None:
-    install_cuda_hooks()
-    from worker.main import command
-
-    profile_path = os.environ.get("TOKENPIPE_PROFILE_WORKER")
-    if not profile_path:
-        command.main(args=argv, prog_name="tokenpipe worker", standalone_mode=True)
-        return
-    import cProfile
-
-    profiler = cProfile.Profile()
-    try:
-        profiler.runcall(command.main, args=argv, prog_name="tokenpipe worker",
-                         standalone_mode=False)  # fmt: skip
-    finally:
-        profiler.dump_stats(profile_path)
-
-
 # ------------------------------------------------------------------ model dir + tokenizer
 
 
@@ -152,8 +97,12 @@ class WorkerProcess:
     """The worker over its pipes; a reader thread timestamps every line it prints."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "worker", *args]
+        from supervisor.pool import default_worker_command
+
+        cmd = [*default_worker_command(), *args]
         log("starting: " + " ".join(cmd))
+        self.spawned = time.perf_counter()
+        self.ready_s: float | None = None
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -199,6 +148,8 @@ class WorkerProcess:
         line = self.next_line(timeout)
         if line.msg.get("event") != "ready" and not line.msg.get("ready"):
             raise RuntimeError(f"expected ready, got {line.msg}")
+        self.ready_s = line.t - self.spawned
+        log(f"worker ready {self.ready_s:.1f}s after spawn")
         return line.msg
 
     def new_id(self) -> int:
@@ -529,9 +480,6 @@ def render(res: Results) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
-        run_worker(argv[1:])
-        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(REPO / "examples" / "gemma4_31b"))
     p.add_argument("--tiny", action="store_true", help="shrink the config (CPU dry run)")
@@ -605,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         ready = w.wait_ready(args.timeout * 3)
         info = w.ask({"op": "info"})["info"]
         results["info"] = info
+        res.meta["ready_s_after_spawn"] = round(w.ready_s or 0.0, 1)
         res.meta["bytes_per_session"] = info.get("bytes_per_session")
         if on_gpu:
             free, total = torch.cuda.mem_get_info(args.device)
