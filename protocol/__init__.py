@@ -6,6 +6,7 @@ the submodules; both stay stable.
 
 from protocol.codec import (
     MAX_LINE_BYTES,
+    WORKER_MAX_LINE_BYTES,
     ProtocolError,
     decode_event,
     decode_request,
@@ -13,6 +14,7 @@ from protocol.codec import (
     encode_request,
     is_valid_session_id,
     json_schema,
+    line_too_long,
     validate_request,
 )
 from protocol.errors import ERROR_CODES, ErrorCode
@@ -90,11 +92,13 @@ __all__ = [
     "TokenEvent",
     "TokenizeRequest",
     "TokensEvent",
+    "WORKER_MAX_LINE_BYTES",
     "decode_event",
     "decode_request",
     "encode_event",
     "encode_request",
     "is_valid_session_id",
     "json_schema",
+    "line_too_long",
     "validate_request",
 ]

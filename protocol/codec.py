@@ -38,9 +38,16 @@ from protocol.messages import (
     ResetRequest,
     TextSegment,
 )
+from protocol.peek import peek_request_fields
 
 MAX_LINE_BYTES = 1 << 20
 """Default longest accepted request line, in bytes (the trailing newline not counted)."""
+WORKER_LINE_HEADROOM = 1 << 16
+"""What a worker accepts over `MAX_LINE_BYTES`: the supervisor re-encodes the lines it
+forwards (`op` and a numeric `id` written, `return_resident` added), which can make a line
+that was inside the limit a few bytes longer. Lines it cannot fit are answered by the
+supervisor itself (`line_too_long`, with the request's id)."""
+WORKER_MAX_LINE_BYTES = MAX_LINE_BYTES + WORKER_LINE_HEADROOM
 MAX_SESSION_ID_CHARS = 256
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_COUNT = (1 << 31) - 1
@@ -384,10 +391,7 @@ def decode_request(
             line = line.encode("utf-8", "surrogatepass")
         line = _strip_newline(line)
         if len(line) > max_line_bytes:
-            return ProtocolError(
-                code=ErrorCode.LINE_TOO_LONG,
-                message=f"line is {len(line)} bytes, the limit is {max_line_bytes}",
-            )
+            return line_too_long(line, len(line), max_line_bytes)
         try:
             req: Request = _REQUEST_DECODER.decode(line)
         except msgspec.ValidationError as exc:
@@ -407,6 +411,20 @@ def decode_request(
         return ProtocolError(
             code=ErrorCode.INVALID_REQUEST, message=f"could not decode the request: {exc!r}"
         )
+
+
+def line_too_long(prefix: bytes, length: int | None, max_line_bytes: int) -> ProtocolError:
+    """The `line_too_long` answer to a line whose first bytes are `prefix` (a reader that
+    stopped buffering at the limit passes what it kept; `length` None: "over the limit").
+    It carries the line's `id` and `op` when they are read from the prefix and valid."""
+    request_id, op = peek_request_fields(prefix)
+    size = "over the limit" if length is None else f"{length} bytes"
+    return ProtocolError(
+        code=ErrorCode.LINE_TOO_LONG,
+        message=f"line is {size}, the limit is {max_line_bytes} bytes",
+        id=request_id if _valid_id(request_id) else None,
+        op=op if isinstance(op, str) and op in REQUEST_TYPES else None,
+    )
 
 
 def encode_request(req: Request) -> bytes:

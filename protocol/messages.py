@@ -270,6 +270,8 @@ class ReadyEvent(_EventBase, tag="ready", kw_only=True):
     workers: int | None = None
     """Worker processes behind a supervisor."""
     protocol_version: int | None = None
+    max_line_bytes: int | None = None
+    """Longest request line accepted, in bytes (the newline not counted)."""
 
 
 class TokenEvent(_EventBase, tag="token", kw_only=True, gc=False):

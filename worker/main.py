@@ -14,13 +14,32 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import click
+import msgspec
 
-from protocol import ErrorEvent, Event, ProtocolError, decode_request, encode_event
+from protocol import (
+    WORKER_MAX_LINE_BYTES,
+    ErrorEvent,
+    Event,
+    ProtocolError,
+    decode_request,
+    encode_event,
+    line_too_long,
+)
+from protocol.peek import PEEK_BYTES
 
 _EOF = None
+_DISCARD_READ = 1 << 16  # bytes per read while dropping the rest of a line over the limit
+
+
+@dataclass(frozen=True)
+class _TooLong:
+    """A line over the limit: its first bytes (for its id), the rest was read and dropped."""
+
+    prefix: bytes
 
 
 def log(message: str) -> None:
