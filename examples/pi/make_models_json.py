@@ -1,9 +1,12 @@
-"""Print a pi `models.json` for a running `tokenpipe serve`, with the context window and max
-tokens taken from `tokenpipe info`.
+"""Write pi's `models.json` entry for a running `tokenpipe serve`, with the context window
+taken from `tokenpipe info` and a reply length of its own.
 
-    python examples/pi/make_models_json.py --max-context 8192 > ~/.pi/agent/models.json
+    python examples/pi/make_models_json.py --max-context 8192 --merge ~/.pi/agent/models.json
 
 Pass the same `--model` / `--max-context` as `tokenpipe serve`, and the same `--model-id`.
+`--merge PATH` adds (or replaces) the `tokenpipe` provider in that file, keeping every other
+provider, and creates the file and its folder if needed; without it the document goes to
+stdout.
 """
 
 from __future__ import annotations
@@ -13,14 +16,31 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 
+def default_max_tokens(context: int) -> int:
+    """A reply length that leaves most of the window to the conversation: a quarter of it,
+    between 256 and 4,096 tokens. pi asks for `maxTokens` new tokens on every turn, so a value
+    equal to the window would let one reply run the base model until the context is full."""
+    return max(256, min(4096, context // 4))
+
+
 def pi_models_json(
-    info: dict[str, Any], *, base_url: str, model_id: str, api_key_env: str | None = None
+    info: dict[str, Any],
+    *,
+    base_url: str,
+    model_id: str,
+    api_key_env: str | None = None,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The `models.json` document for one tokenpipe model served at `base_url`."""
     context = int(info.get("context") or info["context_length"])
+    reply = max_tokens if max_tokens is not None else default_max_tokens(context)
+    if not 0 < reply <= context:
+        raise ValueError(f"max tokens must be in [1, {context}] (the context), got {reply}")
     provider: dict[str, Any] = {
         "baseUrl": base_url,
         "api": "openai-completions",
@@ -40,12 +60,31 @@ def pi_models_json(
                 "reasoning": False,
                 "input": ["text"],
                 "contextWindow": context,
-                "maxTokens": context,
+                "maxTokens": reply,
                 "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
             }
         ],
     }
     return {"providers": {"tokenpipe": provider}}
+
+
+def merge_into(path: Path, document: dict[str, Any]) -> None:
+    """Put `document`'s providers into the models.json at `path` (created if missing), keeping
+    the file's other providers and keys; written atomically."""
+    existing: dict[str, Any] = {}
+    if path.exists():
+        existing = json.loads(path.read_text() or "{}")
+        if not isinstance(existing, dict):
+            raise ValueError(f"{path} does not hold a JSON object")
+    providers = existing.setdefault("providers", {})
+    if not isinstance(providers, dict):
+        raise ValueError(f"{path}: 'providers' is not a JSON object")
+    providers.update(document["providers"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as out:
+        json.dump(existing, out, indent=2)
+        out.write("\n")
+    os.replace(out.name, path)
 
 
 def main() -> None:
@@ -55,6 +94,15 @@ def main() -> None:
     parser.add_argument("--model-id", default=None, help="as given to serve (--model-id)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--api-key-env", default=None, help="env var holding serve's --api-key")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="reply length pi asks for (default: a quarter of the context, 256-4096)",
+    )
+    parser.add_argument(
+        "--merge", type=Path, default=None, help="models.json to add the provider to"
+    )
     args = parser.parse_args()
     command = [os.environ.get("TOKENPIPE", "tokenpipe"), "info", "--context", str(args.max_context)]
     if args.model:
@@ -64,8 +112,16 @@ def main() -> None:
         ".gguf"
     )
     document = pi_models_json(
-        info, base_url=args.base_url, model_id=model_id, api_key_env=args.api_key_env
+        info,
+        base_url=args.base_url,
+        model_id=model_id,
+        api_key_env=args.api_key_env,
+        max_tokens=args.max_tokens,
     )
+    if args.merge is not None:
+        merge_into(args.merge.expanduser(), document)
+        print(f"wrote the tokenpipe provider into {args.merge}", file=sys.stderr)
+        return
     json.dump(document, sys.stdout, indent=2)
     sys.stdout.write("\n")
 

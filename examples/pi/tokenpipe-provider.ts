@@ -9,6 +9,7 @@
  *   TOKENPIPE_ARGS            extra `tokenpipe run` flags, space separated (e.g. "--max-context 8192")
  *   TOKENPIPE_MODEL_ID        the model id pi shows (default: gemma-3-270m)
  *   TOKENPIPE_CONTEXT_WINDOW  context per session, as `tokenpipe info` reports it (default: 4096)
+ *   TOKENPIPE_MAX_TOKENS      reply length pi asks for (default: a quarter of the window, 256-4096)
  *   TOKENPIPE_TOOL_FORMAT     hermes | gemma4 | qwen (default: hermes)
  *
  * Each pi session maps to a named worker session (its KV cache stays warm between turns);
@@ -129,8 +130,11 @@ class TokenpipeProcess {
 		this.openSessions.add(sessionId);
 	}
 
+	/** Cancel every request still in flight, then EOF: the child stops its workers and exits. */
 	stop(): void {
-		this.child?.stdin.end(); // EOF: finish in-flight work, stop the workers, exit 0
+		for (const id of this.listeners.keys()) this.cancel(id);
+		this.listeners.clear();
+		this.child?.stdin.end();
 	}
 }
 
@@ -426,6 +430,8 @@ export default function tokenpipeExtension(pi: ExtensionAPI): void {
 	const command = process.env.TOKENPIPE_COMMAND ?? "tokenpipe";
 	const args = (process.env.TOKENPIPE_ARGS ?? "").split(/\s+/).filter(Boolean);
 	const contextWindow = Number(process.env.TOKENPIPE_CONTEXT_WINDOW ?? 4096);
+	// pi asks for maxTokens new tokens every turn: a reply length, not the whole window.
+	const maxTokens = Number(process.env.TOKENPIPE_MAX_TOKENS ?? Math.max(256, Math.min(4096, Math.floor(contextWindow / 4))));
 	const toolFormat = process.env.TOKENPIPE_TOOL_FORMAT ?? "hermes";
 	const proc = new TokenpipeProcess(command, args);
 
@@ -442,7 +448,7 @@ export default function tokenpipeExtension(pi: ExtensionAPI): void {
 				input: ["text"],
 				cost: { input: 0, output: 0, cacheRead: 0, cacheWrite: 0 },
 				contextWindow,
-				maxTokens: contextWindow,
+				maxTokens,
 			},
 		],
 		streamSimple: (model, context, options) => streamTokenpipe(proc, toolFormat, model, context, options),
