@@ -14,24 +14,56 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import click
+import msgspec
 
-from protocol import ErrorEvent, Event, ProtocolError, decode_request, encode_event
+from protocol import (
+    WORKER_MAX_LINE_BYTES,
+    ErrorEvent,
+    Event,
+    ProtocolError,
+    decode_request,
+    encode_event,
+    line_too_long,
+)
+from protocol.peek import PEEK_BYTES
 
 _EOF = None
+_DISCARD_READ = 1 << 16  # bytes per read while dropping the rest of a line over the limit
+
+
+@dataclass(frozen=True)
+class _TooLong:
+    """A line over the limit: its first bytes (for its id), the rest was read and dropped."""
+
+    prefix: bytes
 
 
 def log(message: str) -> None:
     print(f"[tokenpipe worker] {message}", file=sys.stderr, flush=True)
 
 
-def _read_lines(stream: BinaryIO, lines: queue.Queue[bytes | None]) -> None:
-    """Reader thread: raw lines into `lines`, then the EOF marker."""
+def _read_lines(
+    stream: BinaryIO, lines: queue.Queue[bytes | _TooLong | None], max_line_bytes: int
+) -> None:
+    """Reader thread: raw lines into `lines`, then the EOF marker. Memory per line is bounded
+    by the limit: a longer line becomes a `_TooLong` as soon as the limit is passed."""
+    cap = max_line_bytes + 2  # the content, then "\r\n"
     try:
-        for line in iter(stream.readline, b""):
-            lines.put(line)
+        while True:
+            line = stream.readline(cap + 1)
+            if not line:
+                break
+            if len(line) <= cap or line.endswith(b"\n"):
+                lines.put(line)  # decode_request checks the exact limit
+                continue
+            prefix = line[:PEEK_BYTES]
+            while line and not line.endswith(b"\n"):
+                line = stream.readline(_DISCARD_READ)
+            lines.put(_TooLong(prefix))
     finally:
         lines.put(_EOF)
 
@@ -47,9 +79,10 @@ def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
             stdout.write(encode_event(event))
             stdout.flush()
 
-    lines: queue.Queue[bytes | None] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(stdin, lines), daemon=True).start()
-    write([engine.ready_event()])
+    lines: queue.Queue[bytes | _TooLong | None] = queue.Queue()
+    limit = WORKER_MAX_LINE_BYTES
+    threading.Thread(target=_read_lines, args=(stdin, lines, limit), daemon=True).start()
+    write([msgspec.structs.replace(engine.ready_event(), max_line_bytes=limit)])
     eof = False
     while True:
         # Take every line that is already there; block only when there is nothing to do.
@@ -61,9 +94,12 @@ def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
             if line is _EOF:
                 eof = True
                 break
+            if isinstance(line, _TooLong):
+                write(engine.submit_error(line_too_long(line.prefix, None, limit).to_event()))
+                continue
             if not line.strip():
                 continue
-            decoded = decode_request(line)
+            decoded = decode_request(line, limit)
             if isinstance(decoded, ProtocolError):
                 write(engine.submit_error(decoded.to_event()))
             else:
