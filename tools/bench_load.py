@@ -1,6 +1,17 @@
-"""Load-time benchmark of the default model (or --model): cold and cached.
+"""Load-time benchmark: the CPU load of the default model (or --model), cold and cached; with
+--cuda, safetensors -> CUDA, our loader against safetensors' own, side by side.
 
     python tools/bench_load.py [--model PATH] [--dtype float32] [--repeat 3] [--check]
+    python tools/bench_load.py --cuda [--model CKPT_DIR | --layers 20] [--repeat 2]
+
+--cuda: each run is a fresh subprocess, the loaders alternating (ours, peer, ours, peer, ...):
+`ours` is `load_model(dir, "cuda", bfloat16)` (the worker's load: pinned staging buffers,
+reads overlapped with copies), `peer` is `safetensors.torch.load_file(shard, device="cuda")`
+for every shard, all tensors kept. Without --model it first writes a synthetic checkpoint
+(the Gemma 4 31B config of examples/gemma4_31b cut to --layers layers, random bf16 weights,
+5 GB shards; 20 layers = 22.4 GB) under --workdir. Reported per run: seconds, GB/s, the
+process's resident memory after torch and CUDA are up (base) and its peak during the load
+(sampled every 2 ms, and ru_maxrss), as a table and as JSON (--out).
 
 cold:   a fresh, empty cache directory (TOKENPIPE_CACHE=<tmp>): GGUF read, dequantization,
         tokenizer rebuild, safetensors write, then the load.
@@ -16,11 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 RUN = """
 import json, sys, time
@@ -53,6 +68,8 @@ def run_once(model: str, dtype: str, threads: int, cache: str) -> dict[str, floa
 
 
 def main() -> int:
+    if "--cuda" in sys.argv[1:]:
+        return cuda_main([a for a in sys.argv[1:] if a != "--cuda"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="", help="HF dir or .gguf (default: the default model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -81,6 +98,171 @@ def main() -> int:
     }
     print(json.dumps(report, indent=2))
     return 1 if args.check and not report["cached_under_limit"] else 0
+
+
+# ------------------------------------------------------------------ safetensors -> CUDA
+
+REPO = Path(__file__).resolve().parents[1]
+SHARD_BYTES = 5 * 10**9
+
+# One load in a fresh process: argv = loader, checkpoint dir. Prints one JSON line.
+CUDA_RUN = """
+import json, os, resource, sys, threading, time
+import torch
+loader, directory = sys.argv[1], sys.argv[2]
+torch.empty(1, device="cuda")  # CUDA context up before the base figure
+page = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+base, peak, stop = rss(), [0], threading.Event()
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+threading.Thread(target=sample, daemon=True).start()
+started = time.perf_counter()
+extra = {}
+if loader == "ours":
+    from worker.loading.loader import load_model
+    loaded = load_model(directory, "cuda", torch.bfloat16, progress=False)
+    extra["weights_s"] = loaded.meta["weights_seconds"]
+else:
+    from pathlib import Path
+    from safetensors.torch import load_file
+    kept = [load_file(str(f), device="cuda") for f in sorted(Path(directory).glob("*.safetensors"))]
+torch.cuda.synchronize()
+seconds = time.perf_counter() - started
+stop.set()
+peak[0] = max(peak[0], rss())
+maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"loader": loader, "seconds": seconds, "base_rss": base, "peak_rss": peak[0],
+                  "ru_maxrss": maxrss, **extra}))
+"""
+
+
+def synthetic_checkpoint(where: Path, layers: int, overrides: dict[str, Any] | None = None) -> Path:
+    """The Gemma 4 31B config cut to `layers` layers, random bf16 weights (drawn on the GPU
+    when there is one), in ~5 GB safetensors shards with their index, and a small tokenizer."""
+    import tokenizers
+    import torch
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    sys.path.insert(0, str(REPO))
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    config = json.loads((REPO / "examples" / "gemma4_31b" / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    config["layer_types"] = config["layer_types"][:layers]
+    config.update(overrides or {})
+    where.mkdir(parents=True, exist_ok=True)
+    if (where / "model.safetensors.index.json").exists():
+        return where
+    (where / "config.json").write_text(json.dumps(config))
+    tokenizer = tokenizers.Tokenizer(
+        WordLevel({f"<t{i}>": i for i in range(512)}, unk_token="<t3>")
+    )
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    tokenizer.save(str(where / "tokenizer.json"))
+    meta_model = build_model(ModelConfig.from_hf(config), "meta", torch.bfloat16)
+    shapes = [(n, tuple(t.shape)) for n, t in meta_model.state_dict(keep_vars=True).items()]
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        nbytes = 2 * math.prod(shape)
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(0)
+    weight_map = {}
+    for index, shard in enumerate(shards):
+        file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, offset = {}, 0
+        for name, shape in shard:
+            nbytes = 2 * math.prod(shape)
+            header[name] = {"dtype": "BF16", "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+            offset += nbytes
+            weight_map[name] = file_name
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        with (where / file_name).open("wb") as handle:
+            handle.write(struct.pack("<Q", len(raw)) + raw)
+            for _name, shape in shard:
+                values = torch.empty(shape, dtype=torch.bfloat16, device=device)
+                values.normal_(0.0, 0.02, generator=generator)
+                handle.write(values.cpu().view(-1).view(torch.uint8).numpy().data)
+        print(f"wrote {file_name}", file=sys.stderr, flush=True)
+    index_json = {"metadata": {}, "weight_map": weight_map}
+    (where / "model.safetensors.index.json").write_text(json.dumps(index_json))
+    return where
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    total = 0
+    for path in directory.glob("*.safetensors"):
+        with path.open("rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+        total += path.stat().st_size - 8 - header_len
+    return total
+
+
+def cuda_run(loader: str, directory: Path) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", CUDA_RUN, loader, str(directory)], env=env,
+                          check=True, capture_output=True, text=True)  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cuda_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="safetensors -> CUDA: ours vs safetensors")
+    parser.add_argument("--model", default="", help="a checkpoint dir (default: synthetic)")
+    parser.add_argument("--layers", type=int, default=20, help="layers of the synthetic one")
+    parser.add_argument("--workdir", default=tempfile.gettempdir())
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each loader")
+    parser.add_argument("--out", default="", help="also write the JSON report here")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    if args.model:
+        directory = Path(args.model)
+    else:
+        directory = synthetic_checkpoint(Path(args.workdir) / f"gemma4_31b_{args.layers}l",
+                                         args.layers)  # fmt: skip
+        print(f"synthetic checkpoint in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    nbytes = checkpoint_bytes(directory)
+    runs = []
+    for _ in range(max(1, args.repeat)):
+        for loader in ("ours", "peer"):
+            run = cuda_run(loader, directory)
+            run["gb_per_s"] = nbytes / run["seconds"] / 1e9
+            runs.append(run)
+            print(json.dumps(run), file=sys.stderr, flush=True)
+    lines = [
+        f"checkpoint {directory} ({nbytes / 1e9:.1f} GB of tensors, page cache warm after the "
+        "first read)",
+        "| loader | seconds | GB/s | base RSS GB | peak RSS GB | peak - base GB |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in runs:
+        name = ("ours (load_model)" if run["loader"] == "ours"
+                else 'safetensors load_file(device="cuda")')  # fmt: skip
+        peak = max(run["peak_rss"], run["ru_maxrss"])
+        lines.append(
+            f"| {name} | {run['seconds']:.2f} | {run['gb_per_s']:.2f} | "
+            f"{run['base_rss'] / 1e9:.2f} | {peak / 1e9:.2f} | "
+            f"{(peak - run['base_rss']) / 1e9:.2f} |"
+        )
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"bytes": nbytes, "runs": runs,
+                                              "table": lines}, indent=1))  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
