@@ -6,17 +6,47 @@
   config, safetensors, a byte-level tokenizer.json) for fast loader tests.
 - `hf_gguf_oracle`: transformers' own reading of the default GGUF (config + dequantized fp32
   state dict), built once per session for the tests that compare against it.
+- `triton_ready`: Triton for the kernel tests, compiled for CUDA or, without a GPU, run by
+  Triton's CPU interpreter (TRITON_INTERPRET=1, set here before anything imports triton).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter, which must be chosen before
+# triton is first imported. Only the kernel tests reach Triton on the CPU: the worker's CPU
+# path never does (`use_triton` wants CUDA tensors unless TOKENPIPE_TRITON_CPU=1).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def triton_ready() -> None:
+    """Triton imports, and on a machine without CUDA its interpreter is on. Otherwise a skip,
+    or a failure under TOKENPIPE_REQUIRE_TRITON=1 (CI, where a skipped kernel test hides a
+    broken kernel)."""
+    problem = None
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+    except Exception as exc:  # ImportError, or an install without a usable backend
+        problem = f"triton does not import: {exc!r}"
+    else:
+        if not torch.cuda.is_available() and not isinstance(tl.zeros, InterpretedFunction):
+            problem = "no CUDA, and triton was imported before TRITON_INTERPRET=1 could be set"
+    if problem is None:
+        return
+    if os.environ.get("TOKENPIPE_REQUIRE_TRITON") == "1":
+        pytest.fail(f"TOKENPIPE_REQUIRE_TRITON=1: {problem}")
+    pytest.skip(problem)
 
 
 @pytest.fixture(scope="session")

@@ -1,21 +1,14 @@
 """The decode GEMV kernel (Triton's CPU interpreter here, CUDA on the GPU box) against
 F.linear, and its installation on a model's linears (one-row inputs go through it, longer
-ones through F.linear; logits unchanged). Skips when triton is not importable."""
+ones through F.linear; logits unchanged). Every test needs the `triton_ready` fixture
+(tests/conftest.py: a skip without triton, a failure in CI)."""
 
 from __future__ import annotations
-
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from worker.device.kernels import triton_available
-
-pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+pytestmark = pytest.mark.usefixtures("triton_ready")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

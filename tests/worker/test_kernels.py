@@ -1,20 +1,17 @@
 """Decode-attention kernels: the torch reference against plain attention over an explicit
-token history, and the Triton kernels (CUDA, or Triton's CPU interpreter) against the
-reference. The Triton half skips when triton is not importable."""
+token history, and the Triton kernels (CUDA, or Triton's CPU interpreter, which
+tests/conftest.py turns on) against the reference; the fused norm kernels against the
+model's torch path; batched sampling; on-device random init. The Triton tests need the
+`triton_ready` fixture (a skip without triton, a failure in CI)."""
 
 from __future__ import annotations
 
 import importlib
 import os
-import sys
 from types import ModuleType
 
 import pytest
 import torch
-
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    # Triton's CPU interpreter: must be chosen before triton (and its @jit library) imports
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from worker.device.kernels.reference import (
     decode_attention_reference,
@@ -101,14 +98,8 @@ def test_reference_padding_rows_are_zero_and_store_skips_them() -> None:
 
 
 @pytest.fixture(scope="module")
-def triton_kernels() -> ModuleType:
+def triton_kernels(triton_ready: None) -> ModuleType:
     """worker.device.kernels.decode_attention, compiled for CUDA or run by Triton's interpreter."""
-    pytest.importorskip("triton")
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not torch.cuda.is_available() and not isinstance(tl.zeros, InterpretedFunction):
-        pytest.skip("no CUDA, and triton was imported before TRITON_INTERPRET could be set")
     return importlib.import_module("worker.device.kernels.decode_attention")
 
 
@@ -240,14 +231,8 @@ def test_batched_sampling_row_independent_of_its_batch() -> None:
 
 
 @pytest.fixture(scope="module")
-def fused() -> ModuleType:
+def fused(triton_ready: None) -> ModuleType:
     """worker.device.kernels.rmsnorm, compiled for CUDA or run by Triton's interpreter."""
-    pytest.importorskip("triton")
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not torch.cuda.is_available() and not isinstance(tl.zeros, InterpretedFunction):
-        pytest.skip("no CUDA, and triton was imported before TRITON_INTERPRET could be set")
     return importlib.import_module("worker.device.kernels.rmsnorm")
 
 
@@ -360,6 +345,9 @@ def test_rms_norm_rope_kernel_matches_torch(
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+# the interpreter computes sigmoid(x) as 1 / (1 + exp(-x)) in numpy: exp overflows to inf
+# for large negative x and warns, and the result (0) is right
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_act_kernel_matches_torch(fused: ModuleType, act: str, dtype: torch.dtype) -> None:
@@ -370,3 +358,45 @@ def test_gated_act_kernel_matches_torch(fused: ModuleType, act: str, dtype: torc
     gate, up = gate_up[:, :1500], gate_up[:, 1500:]
     got = fused.gated_act_triton(gate, up, act)
     torch.testing.assert_close(got, activation(act)(gate) * up, **_tol(dtype))
+
+
+# --------------------------------------------------------------------------- random init
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_random_weights_on_device_follow_the_cpu_recipe(family: str) -> None:
+    """`--random-weights` drawn on the device: where the CPU draw is a constant (norms at
+    their identity, biases, layer scalars) the same constant; elsewhere N(0, INIT_STD); the
+    seed alone decides the values."""
+    from test_cuda_graphs import GEMMA3_270M, tiny_gemma4_config
+
+    from worker.device.kernels.random_weights import init_random_weights_on_device
+    from worker.layers.blocks import RMSNorm
+    from worker.loading.random_init import INIT_STD, init_random_weights
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    tiny_gemma3 = {
+        **GEMMA3_270M, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
+        "query_pre_attn_scalar": 16, "sliding_window": 8, "max_position_embeddings": 512,
+    }  # fmt: skip
+    config = ModelConfig.from_hf(tiny_gemma4_config() if family == "gemma4" else tiny_gemma3)
+    cpu = build_model(config, "cpu", torch.float32)
+    init_random_weights(cpu, seed=1)
+    models = [build_model(config, _device(), torch.float32) for _ in range(3)]
+    for model, seed in zip(models, (4, 4, 5), strict=True):
+        init_random_weights_on_device(model, seed=seed)
+    drawn, same, other = (m.state_dict() for m in models)
+    for name, want in cpu.state_dict().items():
+        got = drawn[name].cpu()
+        assert torch.equal(got, same[name].cpu()), name
+        if torch.all(want == want.flatten()[0]):  # norms, biases, layer scalars
+            assert torch.equal(got, want), name
+        else:
+            assert abs(got.std().item() / INIT_STD - 1) < 0.15, name
+            assert abs(got.mean().item()) < INIT_STD / 5, name
+            assert not torch.equal(got, other[name].cpu()), name
+    for norm in (m for m in models[0].modules() if isinstance(m, RMSNorm)):
+        if norm.weight is not None:  # every style's scale is 1: the norm is the identity
+            assert torch.equal(norm.float_scale().cpu(), torch.ones(norm.weight.shape)), norm
