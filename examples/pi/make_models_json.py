@@ -6,7 +6,10 @@ taken from `tokenpipe info` and a reply length of its own.
 Pass the same `--model` / `--max-context` as `tokenpipe serve`, and the same `--model-id`.
 `--merge PATH` adds (or replaces) the `tokenpipe` provider in that file, keeping every other
 provider, and creates the file and its folder if needed; without it the document goes to
-stdout.
+stdout. `--settings PATH` (pi's `~/.pi/agent/settings.json`) sets `compaction.reserveTokens`
+and `compaction.keepRecentTokens` to fit the window: pi compacts when a conversation passes
+`contextWindow - reserveTokens`, and its default reserve (16,384) exceeds a small window, which
+makes it compact after every turn.
 """
 
 from __future__ import annotations
@@ -68,18 +71,35 @@ def pi_models_json(
     return {"providers": {"tokenpipe": provider}}
 
 
+def compaction_settings(context: int, max_tokens: int) -> dict[str, int]:
+    """pi's compaction settings for a window: reserve the reply length, keep half of the rest."""
+    return {"reserveTokens": max_tokens, "keepRecentTokens": (context - max_tokens) // 2}
+
+
+def read_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or {} when the file does not exist."""
+    if not path.exists():
+        return {}
+    existing = json.loads(path.read_text() or "{}")
+    if not isinstance(existing, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return existing
+
+
 def merge_into(path: Path, document: dict[str, Any]) -> None:
-    """Put `document`'s providers into the models.json at `path` (created if missing), keeping
-    the file's other providers and keys; written atomically."""
-    existing: dict[str, Any] = {}
-    if path.exists():
-        existing = json.loads(path.read_text() or "{}")
-        if not isinstance(existing, dict):
-            raise ValueError(f"{path} does not hold a JSON object")
-    providers = existing.setdefault("providers", {})
-    if not isinstance(providers, dict):
-        raise ValueError(f"{path}: 'providers' is not a JSON object")
-    providers.update(document["providers"])
+    """Merge `document` one level deep into the JSON object at `path` (created if missing):
+    each of its top-level objects updates the file's object of that name key by key, so the
+    file's other providers / settings stay; written atomically."""
+    existing = read_object(path)
+    for key, value in document.items():
+        current = existing.setdefault(key, {})
+        if not isinstance(current, dict):
+            raise ValueError(f"{path}: {key!r} is not a JSON object")
+        current.update(value)
+    write_object(path, existing)
+
+
+def write_object(path: Path, existing: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as out:
         json.dump(existing, out, indent=2)
@@ -103,6 +123,9 @@ def main() -> None:
     parser.add_argument(
         "--merge", type=Path, default=None, help="models.json to add the provider to"
     )
+    parser.add_argument(
+        "--settings", type=Path, default=None, help="pi settings.json to set compaction in"
+    )
     args = parser.parse_args()
     command = [os.environ.get("TOKENPIPE", "tokenpipe"), "info", "--context", str(args.max_context)]
     if args.model:
@@ -118,6 +141,11 @@ def main() -> None:
         api_key_env=args.api_key_env,
         max_tokens=args.max_tokens,
     )
+    if args.settings is not None:
+        model = document["providers"]["tokenpipe"]["models"][0]
+        compaction = compaction_settings(model["contextWindow"], model["maxTokens"])
+        merge_into(args.settings.expanduser(), {"compaction": compaction})
+        print(f"wrote compaction {compaction} into {args.settings}", file=sys.stderr)
     if args.merge is not None:
         merge_into(args.merge.expanduser(), document)
         print(f"wrote the tokenpipe provider into {args.merge}", file=sys.stderr)

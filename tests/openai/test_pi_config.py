@@ -50,3 +50,17 @@ def test_merge_keeps_other_providers(tmp_path: Path) -> None:
     target.write_text("[1, 2]")
     with pytest.raises(ValueError, match="JSON object"):
         module.merge_into(target, document)
+
+
+def test_compaction_settings_fit_the_window(tmp_path: Path) -> None:
+    module = load_script()
+    settings = module.compaction_settings(8192, 2048)
+    assert settings == {"reserveTokens": 2048, "keepRecentTokens": 3072}
+    assert 8192 - settings["reserveTokens"] > settings["keepRecentTokens"] > 0
+    target = tmp_path / "settings.json"
+    target.write_text(json.dumps({"theme": "light", "compaction": {"enabled": True}}))
+    module.merge_into(target, {"compaction": settings})
+    assert json.loads(target.read_text()) == {
+        "theme": "light",
+        "compaction": {"enabled": True, **settings},
+    }
