@@ -212,8 +212,8 @@ def checkpoint_bytes(directory: Path) -> int:
     return total
 
 
-def cuda_run(loader: str, directory: Path) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+def cuda_run(loader: str, directory: Path, staging: str = "") -> dict[str, Any]:
+    env = {**os.environ, "TOKENPIPE_LOAD_STAGING": staging, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
     done = subprocess.run([sys.executable, "-c", CUDA_RUN, loader, str(directory)], env=env,
                           check=True, capture_output=True, text=True)  # fmt: skip
@@ -227,6 +227,11 @@ def cuda_main(argv: list[str]) -> int:
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     parser.add_argument("--repeat", type=int, default=2, help="runs of each loader")
     parser.add_argument("--out", default="", help="also write the JSON report here")
+    parser.add_argument(
+        "--staging",
+        default="",
+        help='extra runs of ours, e.g. "64,8,4;128,4,2" (MiB,buffers,readers)',
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if args.model:
@@ -237,12 +242,14 @@ def cuda_main(argv: list[str]) -> int:
         print(f"synthetic checkpoint in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     nbytes = checkpoint_bytes(directory)
     runs = []
-    for _ in range(max(1, args.repeat)):
-        for loader in ("ours", "peer"):
-            run = cuda_run(loader, directory)
-            run["gb_per_s"] = nbytes / run["seconds"] / 1e9
-            runs.append(run)
-            print(json.dumps(run), file=sys.stderr, flush=True)
+    plan = [(loader, "") for _ in range(max(1, args.repeat)) for loader in ("ours", "peer")]
+    plan += [("ours", staging) for staging in args.staging.split(";") if staging]
+    for loader, staging in plan:
+        run = cuda_run(loader, directory, staging)
+        run["gb_per_s"] = nbytes / run["seconds"] / 1e9
+        run["staging"] = staging or "default"
+        runs.append(run)
+        print(json.dumps(run), file=sys.stderr, flush=True)
     lines = [
         f"checkpoint {directory} ({nbytes / 1e9:.1f} GB of tensors, page cache warm after the "
         "first read)",
@@ -250,7 +257,7 @@ def cuda_main(argv: list[str]) -> int:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for run in runs:
-        name = ("ours (load_model)" if run["loader"] == "ours"
+        name = (f"ours (load_model), staging {run['staging']}" if run["loader"] == "ours"
                 else 'safetensors load_file(device="cuda")')  # fmt: skip
         peak = max(run["peak_rss"], run["ru_maxrss"])
         lines.append(

@@ -52,6 +52,20 @@ class StagingConfig:
         if not 1 <= self.readers <= self.buffers:
             raise ValueError("readers must be between 1 and the number of buffers")
 
+    @classmethod
+    def from_env(cls, value: str | None = None) -> StagingConfig:
+        """TOKENPIPE_LOAD_STAGING="MiB,buffers,readers" (e.g. "64,6,3"), else the defaults."""
+        value = os.environ.get("TOKENPIPE_LOAD_STAGING") if value is None else value
+        if not value:
+            return cls()
+        try:
+            mib, buffers, readers = (int(part) for part in value.split(","))
+        except ValueError:
+            raise ValueError(
+                f"TOKENPIPE_LOAD_STAGING={value!r}: expected MiB,buffers,readers"
+            ) from None
+        return cls(buffer_bytes=mib << 20, buffers=buffers, readers=readers)
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -212,7 +226,7 @@ def staged_tensors(
     the stored dtype and shape. On CUDA the copies are ordered on the current stream, and
     the generator synchronises it before it finishes.
     """
-    config = config or StagingConfig()
+    config = config or StagingConfig.from_env()
     ordered = sorted(entries.items(), key=lambda kv: (str(kv[1].file), kv[1].begin))
     names = [name for name, entry in ordered if _usable(entry, targets.get(name))]
     skipped = [(name, entry) for name, entry in ordered if not _usable(entry, targets.get(name))]
