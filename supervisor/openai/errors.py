@@ -63,9 +63,17 @@ WORKER_CODE_STATUS = {
     "unknown_session": 404,
     "shutting_down": 503,
     "worker_lost": 503,
+    "line_too_long": 400,
+    "invalid_json": 400,
+    "invalid_utf8": 400,
 }
 
 
 def from_worker_error(code: str, message: str) -> APIError:
-    """An `APIError` for a worker `error` event that arrived before any output."""
-    return APIError(WORKER_CODE_STATUS.get(code, 500), code, message)
+    """An `APIError` for a worker `error` event that arrived before any output. A code
+    without a client-side meaning is a 500 whose message names only the code (the worker's
+    text, which may hold an exception's, stays in its log)."""
+    status = WORKER_CODE_STATUS.get(code, 500)
+    if status == 500:
+        message = f"the request failed in the worker ({code})"
+    return APIError(status, code, message)

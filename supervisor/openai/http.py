@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from .disconnect import ClientGone
 from .errors import APIError, from_worker_error, invalid_value
+from .params import TOO_DEEP
 from .state import Server
 
 log = logging.getLogger("tokenpipe.serve")
@@ -31,7 +32,8 @@ def error_response(error: APIError) -> Response:
     return json_response(error.body(), error.status)
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` (declared or streamed)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, "request_too_large", f"the request body exceeds {limit} bytes")
@@ -40,10 +42,7 @@ async def read_json(request: Request, limit: int) -> Any:
         body += chunk
         if len(body) > limit:
             raise APIError(413, "request_too_large", f"the request body exceeds {limit} bytes")
-    try:
-        return orjson.loads(bytes(body))
-    except orjson.JSONDecodeError as exc:
-        raise invalid_value(f"the request body is not valid JSON: {exc}") from exc
+    return bytes(body)
 
 
 def authorize(server: Server, request: Request) -> None:
@@ -72,6 +71,8 @@ def endpoint(
         except ClientGone:
             server.metrics.cancelled += 1
             response = Response(status_code=499)
+        except RecursionError:
+            response = error_response(invalid_value(TOO_DEEP))
         except Exception as exc:  # never leak a traceback as a non-JSON 500
             code = getattr(exc, "code", None)  # a client TokenpipeError carries its code
             if isinstance(code, str):
@@ -79,8 +80,10 @@ def endpoint(
                     from_worker_error(code, getattr(exc, "message", str(exc)))
                 )
             else:
-                log.exception("internal error in %s", name)
-                response = error_response(APIError(500, "internal_error", str(exc)))
+                log.exception("internal error in %s", name)  # the text stays in the log
+                response = error_response(
+                    APIError(500, "internal_error", "internal error; see the server log")
+                )
         server.metrics.count_request(name, response.status_code)
         return response
 

@@ -18,6 +18,10 @@ from .errors import APIError, invalid_value, unsupported
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
 MAX_SESSION_ID_LEN = 256
+MAX_NESTING = 64
+"""Deepest JSON nesting accepted anywhere in a request (tool schemas and call arguments
+included): deeper data would make rendering and `tojson` recurse toward Python's limit."""
+TOO_DEEP = f"the request is nested more than {MAX_NESTING} levels deep"
 # Protocol seeds are >= 1 (0 means "unset"); an OpenAI seed s maps to s + 1.
 SEED_OFFSET = 1
 
@@ -108,6 +112,23 @@ def validate_session_id(value: Any, source: str = "session_id") -> str:
             f"{source} must be 1 to {MAX_SESSION_ID_LEN} printable ASCII characters", "session_id"
         )
     return value
+
+
+def check_nesting(value: Any, limit: int = MAX_NESTING) -> None:
+    """400 `invalid_value` (a fixed message) when `value` nests lists and objects deeper than
+    `limit`; iterative, so it is linear in the value's size and never recurses."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth >= limit:
+            raise invalid_value(TOO_DEEP)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
 
 
 def _model(body: dict[str, Any]) -> str | None:
@@ -226,6 +247,9 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except ValueError:
                 pass  # templates get the raw text; fingerprints compare it as text
+            except RecursionError:
+                raise invalid_value(TOO_DEEP, "messages") from None
+            check_nesting(arguments)
         calls.append(
             {
                 "id": call.get("id"),
@@ -307,6 +331,7 @@ def parse_chat(body: Any) -> ChatParams:
     """Validate a `/v1/chat/completions` body."""
     if not isinstance(body, dict):
         raise invalid_value("the request body must be a JSON object")
+    check_nesting(body)
     _reject_unsupported(body)
     tools = _tools(body)
     choice = _tool_choice(body)
@@ -331,6 +356,7 @@ def parse_completion(body: Any) -> CompletionParams:
     """Validate a `/v1/completions` body (a prompt string or a list of token ids)."""
     if not isinstance(body, dict):
         raise invalid_value("the request body must be a JSON object")
+    check_nesting(body)
     _reject_unsupported(body)
     if body.get("echo"):
         raise unsupported("'echo' is not supported", "echo")

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
+import re
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .params import validate_session_id
-from .templates import ChatTemplate, strip_leading_bos
+from .templates import ChatTemplate
 
 SESSION_HEADERS = ("x-session-affinity", "session_id", "x-tokenpipe-session-id")
 """Headers that name a session, after the body's `session_id` (first match wins)."""
@@ -42,7 +44,7 @@ def _canonical_arguments(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return arguments
     return arguments
 
@@ -64,6 +66,7 @@ def turn_fingerprint(content: str | None, tool_calls: list[dict[str, Any]] | Non
 @dataclass
 class TurnStore:
     """Remembered assistant turns: (session key, fingerprint) -> generated token ids.
+    Thread-safe: the event loop remembers turns while a preparation thread looks them up.
 
     Bounded twice: at most `max_sessions` session keys (least recently used dropped) and
     `max_turns` turns per session. The scratch session has the key "".
@@ -72,8 +75,13 @@ class TurnStore:
     max_sessions: int = 1024
     max_turns: int = 64
     _turns: OrderedDict[str, OrderedDict[str, tuple[int, ...]]] = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def remember(self, session: str, fingerprint: str, ids: list[int]) -> None:
+        with self._lock:
+            self._remember(session, fingerprint, ids)
+
+    def _remember(self, session: str, fingerprint: str, ids: list[int]) -> None:
         turns = self._turns.setdefault(session, OrderedDict())
         self._turns.move_to_end(session)
         turns[fingerprint] = tuple(ids)
@@ -84,19 +92,24 @@ class TurnStore:
             self._turns.popitem(last=False)
 
     def lookup(self, session: str, fingerprint: str) -> tuple[int, ...] | None:
-        turns = self._turns.get(session)
-        if turns is None:
-            return None
-        self._turns.move_to_end(session)
-        return turns.get(fingerprint)
+        with self._lock:
+            turns = self._turns.get(session)
+            if turns is None:
+                return None
+            self._turns.move_to_end(session)
+            return turns.get(fingerprint)
 
     def forget(self, session: str) -> None:
-        self._turns.pop(session, None)
+        with self._lock:
+            self._turns.pop(session, None)
 
 
 def _sentinel(index: int) -> str:
     # Private-use code points: never produced by clients in practice, never trimmed by jinja.
     return f"\ue000tokenpipe-turn-{index}\ue001"
+
+
+_SENTINEL = re.compile("\ue000tokenpipe-turn-([0-9]{1,9})\ue001")
 
 
 @dataclass(frozen=True)
@@ -120,36 +133,44 @@ def render_prompt(
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any],
     turn_ids: Mapping[int, tuple[int, ...]],
+    max_chars: int | None = None,
 ) -> RenderedPrompt:
     """Render `messages`, replacing the assistant messages at the indices of `turn_ids` by
     those exact ids. A turn the template does not render exactly once as a plain content
     slot (it dropped or duplicated it) is rendered as text instead."""
     pending = dict(turn_ids)
-    while True:
+    # At most three renders, each scanned once: a turn the template dropped or duplicated is
+    # rendered as text the second time; if that still leaves one broken, none is spliced.
+    for attempt in range(3):
+        if attempt == 2:
+            pending = {}
         patched = [
             {"role": "assistant", "content": _sentinel(i)} if i in pending else message
             for i, message in enumerate(messages)
         ]
-        text = template.render_raw(patched, tools=tools, template_kwargs=template_kwargs)
-        broken = [i for i in pending if text.count(_sentinel(i)) != 1]
+        text = template.render_raw(
+            patched, tools=tools, template_kwargs=template_kwargs, max_chars=max_chars
+        )
+        found = [(int(m.group(1)), m.start(), m.end()) for m in _SENTINEL.finditer(text)]
+        counts = Counter(index for index, _, _ in found)
+        broken = [i for i in pending if counts[i] != 1]
         if not broken:
             break
         for i in broken:
             del pending[i]
-    if template.strip_bos:
-        text = strip_leading_bos(text, template.bos_token)
+    bos = template.bos_token if template.strip_bos else None
+    skip = len(bos) if bos and text.startswith(bos) else 0
     segments: list[PromptSegmentDict] = []
-    # Sentinels appear in message order because templates render messages in order; sort by
-    # position anyway so a reordering template still splits correctly.
-    order = sorted(pending, key=lambda i: text.index(_sentinel(i)))
-    rest = text
-    for i in order:
-        before, rest = rest.split(_sentinel(i), 1)
-        if before:
-            segments.append({"text": before})
-        segments.append({"ids": list(pending[i])})
-    if rest or not segments:
-        segments.append({"text": rest})
+    position = skip
+    for index, start, end in found:  # in text order, whatever order the template used
+        if index not in pending:
+            continue
+        if start > position:
+            segments.append({"text": text[position:start]})
+        segments.append({"ids": list(pending[index])})
+        position = end
+    if position < len(text) or not segments:
+        segments.append({"text": text[position:]})
     return RenderedPrompt(segments, len(pending))
 
 

@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 
@@ -27,6 +27,7 @@ from .disconnect import race_disconnect
 from .errors import APIError, from_worker_error
 from .metrics import Metrics
 from .params import SamplingParams
+from .prepare import Preparer, generate_request
 from .sessions import PromptSegmentDict, TurnStore, turn_fingerprint
 from .templates import ChatTemplate, builtin_template, model_family
 from .tool_parsers import FORMATS, REASONING_MARKERS, default_tool_format
@@ -34,6 +35,8 @@ from .tool_parsers import FORMATS, REASONING_MARKERS, default_tool_format
 log = logging.getLogger("tokenpipe.serve")
 
 MAX_BODY_BYTES = 8 << 20
+
+T = TypeVar("T")
 
 
 class GenerateClient(Protocol):
@@ -59,12 +62,18 @@ class ServerConfig:
     chat_template: str | None = None  # template source overriding the model's
     tool_parser: str | None = None  # gemma4 | hermes | qwen; default: the model family's
     max_body_bytes: int = MAX_BODY_BYTES
+    render_budget_s: float = 2.0  # time to parse, render and splice one request
+    max_queue: int | None = None  # the supervisor's per-worker queue: /health says when full
+    allow_origins: tuple[str, ...] = ()  # browser origins allowed to call (CORS)
+    bind_host: str = "127.0.0.1"  # the address served: a Host header may name it
 
     def __post_init__(self) -> None:
         if self.tool_parser is not None and self.tool_parser not in FORMATS:
             raise ValueError(f"tool parser must be one of {sorted(FORMATS)}")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
+        if self.render_budget_s <= 0:
+            raise ValueError("render_budget_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -183,12 +192,20 @@ class Server:
     turns: TurnStore = field(default_factory=TurnStore)
     metrics: Metrics = field(default_factory=Metrics)
     open_sessions: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> users
+    preparer: Preparer | None = None
     _loader: asyncio.Task[None] | None = None
 
     # -- lifecycle
 
     async def start(self) -> None:
+        self.preparer = Preparer(self.config.render_budget_s)
         self._loader = asyncio.ensure_future(self._load())
+
+    async def prepare(self, job: Callable[..., T], *args: Any) -> T:
+        """`job(*args)` off the event loop under the render budget (see prepare.py)."""
+        if self.preparer is None:
+            raise APIError(503, "model_loading", "the server is starting")
+        return await self.preparer.run(job, *args)
 
     async def _load(self) -> None:
         try:
@@ -211,6 +228,8 @@ class Server:
                 await self._loader
         if self.client is not None:
             await self.client.aclose()
+        if self.preparer is not None:
+            self.preparer.close()
 
     def ready(self) -> tuple[GenerateClient, ModelState]:
         if self.client is None or self.model is None:
@@ -311,21 +330,7 @@ class Server:
         add_prefix: bool = True,
     ) -> dict[str, Any]:
         _, model = self.ready()
-        request: dict[str, Any] = {
-            "prompt_segments": segments,
-            "add_prefix": add_prefix,
-            "max_new_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "min_p": sampling.min_p,
-            "seed": sampling.seed,
-            "stop": list(sampling.stop),
-            "return_token_ids": bool(model.marker_ids),
-        }
-        if session:
-            request["session_id"] = session
-        return request
+        return generate_request(segments, sampling, session, add_prefix, bool(model.marker_ids))
 
     async def start_generation(
         self, request: dict[str, Any], http: Request

@@ -13,6 +13,8 @@ A model without a template gets a built-in one for its family (`builtin_template
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -29,6 +31,50 @@ RESERVED_TEMPLATE_VARIABLES = frozenset(
 
 class ChatTemplateError(ValueError):
     """The messages could not be rendered: the template raised, or does not compile."""
+
+
+class RenderBudgetExceeded(Exception):
+    """The render ran past the deadline set with `render_deadline` (checked at each call,
+    item and attribute access the template makes, so a runaway loop stops too)."""
+
+
+class RenderTooLong(Exception):
+    """The rendered text passed the length the caller allows (`max_chars`)."""
+
+    def __init__(self, max_chars: int) -> None:
+        super().__init__(f"the rendered prompt exceeds {max_chars} characters")
+        self.max_chars = max_chars
+
+
+_deadline = threading.local()
+
+
+def render_deadline(deadline: float | None) -> None:
+    """Set (or clear, with None) this thread's render deadline, in `time.monotonic()` s."""
+    _deadline.at = deadline
+
+
+def check_deadline() -> None:
+    """`RenderBudgetExceeded` when this thread is past its render deadline."""
+    at = getattr(_deadline, "at", None)
+    if at is not None and time.monotonic() > at:
+        raise RenderBudgetExceeded()
+
+
+class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, checking this thread's deadline wherever the template does work."""
+
+    def call(self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        check_deadline()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        check_deadline()
+        return super().getitem(obj, argument)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        check_deadline()
+        return super().getattr(obj, attribute)
 
 
 def _raise_exception(message: str) -> None:
@@ -74,7 +120,7 @@ class _Namespace(jinja2.utils.Namespace):
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """The compiled template; raises `ChatTemplateError` when it does not parse."""
-    env = ImmutableSandboxedEnvironment(
+    env = _BudgetedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -116,6 +162,7 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        max_chars: int | None = None,
     ) -> str:
         """The prompt text for `messages` (already normalized, see `params.py`)."""
         return strip_leading_bos(
@@ -124,6 +171,7 @@ class ChatTemplate:
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 template_kwargs=template_kwargs,
+                max_chars=max_chars,
             ),
             self.bos_token if self.strip_bos else None,
         )
@@ -135,8 +183,10 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        max_chars: int | None = None,
     ) -> str:
-        """The text exactly as the template renders it (BOS included)."""
+        """The text exactly as the template renders it (BOS included); `RenderTooLong` as
+        soon as it passes `max_chars` (the render stops there)."""
         extra = dict(template_kwargs or {})
         clash = RESERVED_TEMPLATE_VARIABLES & extra.keys()
         if clash:
@@ -148,15 +198,27 @@ class ChatTemplate:
         }
         template = compile_template(self.source)
         try:
-            return template.render(
+            pieces = template.generate(
                 messages=[_alias_reasoning(m) for m in messages],
                 tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
+            out: list[str] = []
+            length = 0
+            for piece in pieces:
+                out.append(piece)
+                length += len(piece)
+                if max_chars is not None and length > max_chars:
+                    raise RenderTooLong(max_chars)
+            return "".join(out)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from exc
+        except RecursionError as exc:  # a recursive macro, or tojson on deep data
+            raise ChatTemplateError(
+                "the chat template recursed too deeply on these messages"
+            ) from exc
         except (
             TypeError,
             ValueError,
@@ -177,20 +239,15 @@ def strip_leading_bos(text: str, bos_token: str | None) -> str:
 
 # ------------------------------------------------------------------------ built-in templates
 
-# Gemma 3 style turns; system text folds into the first user turn; tools and tool results use
-# the Hermes `<tool_call>` JSON convention (Gemma 3 has no native tool format).
+# Gemma 3 style turns; system text folds into the next user turn; tools and tool results use
+# the Hermes `<tool_call>` JSON convention (Gemma 3 has no native tool format). Linear in the
+# messages and tools: each system message is written once, at the user turn that follows it
+# (never accumulated by repeated concatenation).
 GEMMA_TEMPLATE = """{{ bos_token }}
-{%- set ns = namespace(system='') -%}
-{%- if tools -%}
-{%- set ns.system = 'You may call these tools. To call one, answer with '
-  + '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>.\\n<tools>\\n' -%}
-{%- for tool in tools -%}{%- set ns.system = ns.system + (tool | tojson) + '\\n' -%}{%- endfor -%}
-{%- set ns.system = ns.system + '</tools>\\n\\n' -%}
-{%- endif -%}
+{%- set ns = namespace(tools=tools, start=0) -%}
 {%- for message in messages -%}
 {%- set content = message['content'] if message['content'] is string else '' -%}
 {%- if message['role'] in ['system', 'developer'] -%}
-{%- set ns.system = ns.system + content + '\\n\\n' -%}
 {%- elif message['role'] == 'assistant' -%}
 {{ '<start_of_turn>model\\n' + content | trim }}
 {%- for call in message.get('tool_calls') or [] -%}
@@ -201,8 +258,20 @@ GEMMA_TEMPLATE = """{{ bos_token }}
 {%- elif message['role'] == 'tool' -%}
 {{ '<start_of_turn>user\\n<tool_response>\\n' + content + '\\n</tool_response><end_of_turn>\\n' }}
 {%- else -%}
-{{ '<start_of_turn>user\\n' + ns.system + content | trim + '<end_of_turn>\\n' }}
-{%- set ns.system = '' -%}
+{{ '<start_of_turn>user\\n' }}
+{%- if ns.tools -%}
+{{ 'You may call these tools. To call one, answer with '
+  + '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>.\\n<tools>\\n'
+  + (ns.tools | map('tojson') | join('\\n')) + '\\n</tools>\\n\\n' }}
+{%- set ns.tools = none -%}
+{%- endif -%}
+{%- for earlier in messages[ns.start:loop.index0] -%}
+{%- if earlier['role'] in ['system', 'developer'] -%}
+{{ (earlier['content'] if earlier['content'] is string else '') + '\\n\\n' }}
+{%- endif -%}
+{%- endfor -%}
+{%- set ns.start = loop.index -%}
+{{ content | trim + '<end_of_turn>\\n' }}
 {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}

@@ -14,41 +14,36 @@ from protocol import DoneEvent, ErrorEvent, Event, TokenEvent
 from .. import chunks as ch
 from ..disconnect import EventStreamResponse, race_disconnect
 from ..errors import APIError, error_body, from_worker_error
-from ..http import count_cancel, endpoint, json_response, read_json
-from ..params import check_model, parse_chat
-from ..sessions import render_prompt, session_from_request, spliceable_turns
+from ..http import count_cancel, endpoint, json_response, read_body
+from ..prepare import prepare_chat
 from ..state import Generation, Server, event_text, usage_of
-from ..templates import ChatTemplateError
-from ..tool_parsers import FORMATS, OutputParser, Piece, tool_schemas
+from ..tool_parsers import FORMATS, OutputParser, Piece
 
 
 async def chat(server: Server, request: Request) -> Response:
-    params = parse_chat(await read_json(request, server.config.max_body_bytes))
+    body = await read_body(request, server.config.max_body_bytes)
     _, model = server.ready()
-    check_model(params.model, model.model_id)
-    session = session_from_request(params.session_id, request.headers)
-    try:
-        rendered = render_prompt(
-            model.template,
-            params.messages,
-            tools=params.tools,
-            template_kwargs=params.template_kwargs,
-            turn_ids=spliceable_turns(server.turns, session or "", params.messages),
-        )
-    except ChatTemplateError as exc:
-        raise APIError(400, "template_error", str(exc)) from exc
-    generate = server.generate_request(rendered.segments, params.sampling, session)
+    prepared = await server.prepare(
+        prepare_chat,
+        body,
+        request.headers,
+        model.template,
+        model.model_id,
+        server.turns,
+        bool(model.marker_ids),
+    )
+    generate, session = prepared.request, prepared.session
     parser = OutputParser(
-        FORMATS[model.tool_format] if params.parse_tools else None,
-        tool_schemas(params.tools),
+        FORMATS[model.tool_format] if prepared.parse_tools else None,
+        prepared.tool_schemas,
         model.reasoning,
     )
     header = ch.ResponseHeader(ch.new_id("chatcmpl"), model.model_id)
     with server.using(session):
         generation, first = await server.start_generation(generate, request)
-    if params.stream:
+    if prepared.stream:
         return EventStreamResponse(
-            chat_stream(server, generation, first, parser, header, params.include_usage, session),
+            chat_stream(server, generation, first, parser, header, prepared.include_usage, session),
             on_disconnect=lambda: count_cancel(server),
         )
     return await race_disconnect(

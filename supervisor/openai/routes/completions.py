@@ -13,22 +13,19 @@ from protocol import DoneEvent, ErrorEvent, Event, TokenEvent
 from .. import chunks as ch
 from ..disconnect import EventStreamResponse, race_disconnect
 from ..errors import APIError, error_body, from_worker_error
-from ..http import count_cancel, endpoint, json_response, read_json
-from ..params import check_model, parse_completion
-from ..sessions import PromptSegmentDict, session_from_request
+from ..http import count_cancel, endpoint, json_response, read_body
+from ..params import check_model
+from ..prepare import prepare_completion
+from ..sessions import session_from_request
 from ..state import Generation, Server, usage_of
 
 
 async def completions(server: Server, request: Request) -> Response:
-    params = parse_completion(await read_json(request, server.config.max_body_bytes))
+    body = await read_body(request, server.config.max_body_bytes)
+    params, segments, add_prefix = await server.prepare(prepare_completion, body)
     _, model = server.ready()
     check_model(params.model, model.model_id)
     session = session_from_request(params.session_id, request.headers)
-    if isinstance(params.prompt, str):
-        segments: list[PromptSegmentDict] = [{"text": params.prompt}]
-        add_prefix = True
-    else:
-        segments, add_prefix = [{"ids": list(params.prompt)}], False
     generate = server.generate_request(segments, params.sampling, session, add_prefix)
     generate["return_token_ids"] = False
     header = ch.ResponseHeader(ch.new_id("cmpl"), model.model_id)
