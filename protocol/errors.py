@@ -75,7 +75,10 @@ ERROR_CODES: Final[dict[str, str]] = {
         "`messages` could not be rendered: no chat template, or the template raised."
     ),
     ErrorCode.OVERLOADED: "The request queue is full; retry later.",
-    ErrorCode.WORKER_LOST: ("The worker serving the request died; the request was not completed."),
+    ErrorCode.WORKER_LOST: (
+        "The worker serving the request died after part of its output was sent; the request "
+        "was not completed (one with no output sent yet is run again, once)."
+    ),
     ErrorCode.OUT_OF_MEMORY: "The device ran out of memory serving the request.",
     ErrorCode.INTERNAL_ERROR: "An unexpected failure inside the server; the message says more.",
     ErrorCode.SHUTTING_DOWN: "The process is shutting down and accepts no new requests.",

@@ -3,7 +3,11 @@
 A `Channel` is one client connection; each request becomes an `Inflight` until its terminal
 answer. `dispatch` answers what the supervisor answers itself (ping, shutdown, stats, close
 or reset of a session that lives only in the mirror) and routes the rest to a worker, after a
-session rebuild when its worker died.
+session rebuild when its worker died. `rerun` sends a request again after its worker died
+before answering it.
+
+Intake: once a channel has sent `shutdown` (or the supervisor is closing), every later request
+on it except `cancel` is answered `shutting_down`; an id-less one in its turn.
 """
 
 from __future__ import annotations
@@ -11,63 +15,18 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from protocol.errors import ErrorCode
-from supervisor.recovery import forget_session, start_rebuild
+from supervisor.flight import NO_ID, Inflight, cancelled_done, error_event
+from supervisor.rebuild import forget_session, start_rebuild
 from supervisor.router import route_request
+from supervisor.state import SupervisorState
 from supervisor.stats import answer_stats
 
-if TYPE_CHECKING:
-    from supervisor.core import Supervisor
-
-
 Emit = Callable[[dict[str, Any]], None]
-NO_ID: Any = object()  # the client sent no id: strip it from answers
-
-# How a worker writes a token event (msgspec: the tag, then `id`, then `token`).
-TOKEN_ID = b'{"event":"token","id":'
-TOKEN_NO_ID = b'{"event":"token"'
-TOKEN_ID_LEN = len(TOKEN_ID)
-
-
-class Inflight:
-    """One request between its arrival and its terminal answer."""
-
-    __slots__ = (
-        "iid",
-        "channel",
-        "client_id",
-        "op",
-        "session_id",
-        "worker",
-        "strip_resident",
-        "then",
-        "sent",
-        "cancelled",
-        "new_placement",
-        "token_prefix",
-    )
-
-    def __init__(self, channel: Channel | None, client_id: Any, op: str, session_id: str) -> None:
-        self.iid = 0
-        self.channel = channel
-        self.client_id = client_id
-        self.op = op
-        self.session_id = session_id
-        self.worker = -1
-        self.strip_resident = False
-        self.then: Callable[[dict[str, Any]], None] | None = None  # internal requests
-        self.sent = False
-        self.cancelled = False
-        self.new_placement = False
-        # The start of this request's token lines as the client sees them, up to the comma
-        # after the id: b'{"event":"token","id":"abc"' (or without the id).
-        self.token_prefix = (
-            TOKEN_NO_ID if client_id is NO_ID else TOKEN_ID + orjson.dumps(client_id)
-        )
 
 
 class Channel:
@@ -81,12 +40,12 @@ class Channel:
 
     def __init__(
         self,
-        supervisor: Supervisor,
+        state: SupervisorState,
         emit: Emit,
         emit_line: Callable[[bytes], None] | None = None,
         flush: Callable[[], None] | None = None,
     ) -> None:
-        self.supervisor = supervisor
+        self.state = state
         self.emit = emit
         self.emit_line = emit_line
         self.flush = flush
@@ -95,37 +54,34 @@ class Channel:
         self.anonymous_busy = False
         self._pumping = False
         self.closed = False
+        self.shutdown_received = False  # this client sent `shutdown`: later requests refused
 
     def submit(self, request: dict[str, Any]) -> None:
         """Accept one request (a plain dict as on the wire; `op` absent means generate)."""
-        if self.supervisor.closing and request.get("op") not in ("cancel", "shutdown"):
-            event = {
-                "event": "error",
-                "error": "the supervisor is shutting down",
-                "code": ErrorCode.SHUTTING_DOWN,
-            }
+        op = request.get("op")
+        refused = self.shutdown_received or self.state.closing or not self.state.accepting
+        if refused and op not in ("cancel", "shutdown"):
+            event = error_event(ErrorCode.SHUTTING_DOWN, "the supervisor is shutting down")
             if request.get("id") is not None:
                 event["id"] = request["id"]
-            self.emit(event)
+            self.submit_error(event)
             return
+        if op == "shutdown":
+            self.shutdown_received = True
         if "id" in request and request["id"] is not None:
-            dispatch(self.supervisor, self, request)
+            dispatch(self.state, self, request)
             return
         request.pop("id", None)
-        if len(self.anonymous) >= self.supervisor.config.max_queue:
-            self.emit(
-                {
-                    "event": "error",
-                    "error": "too many queued requests without an id",
-                    "code": ErrorCode.OVERLOADED,
-                }
+        if len(self.anonymous) >= self.state.config.max_queue:
+            self.submit_error(
+                error_event(ErrorCode.OVERLOADED, "too many queued requests without an id")
             )
             return
         self.anonymous.append(request)
         self._pump()
 
     def submit_error(self, event: dict[str, Any]) -> None:
-        """Answer a line that could not be decoded; id-less ones keep their place in line."""
+        """Answer a line that could not be taken; id-less ones keep their place in line."""
         if event.get("id") is not None:
             self.emit(event)
         else:
@@ -140,17 +96,17 @@ class Channel:
         try:
             while not self.anonymous_busy and self.anonymous:
                 self.anonymous_busy = True
-                dispatch(self.supervisor, self, self.anonymous.popleft())
+                dispatch(self.state, self, self.anonymous.popleft())
         finally:
             self._pumping = False
 
-    def _finished(self, flight: Inflight) -> None:
+    def finished(self, flight: Inflight) -> None:
         if flight.client_id is NO_ID:
             self.anonymous_busy = False
             self._pump()
         else:
             self.by_client_id.pop(flight.client_id, None)
-        self.supervisor._maybe_idle()
+        self.state.maybe_idle()
 
     @property
     def idle(self) -> bool:
@@ -161,147 +117,143 @@ class Channel:
         self.closed = True
         self.anonymous.clear()
         for flight in list(self.by_client_id.values()):
-            cancel_flight(self.supervisor, flight)
+            cancel_flight(self.state, flight)
 
 
-def dispatch(sup: Supervisor, channel: Channel, request: dict[str, Any]) -> None:
+def dispatch(state: SupervisorState, channel: Channel, request: dict[str, Any]) -> None:
     op = request.get("op") or "generate"
     client_id = request.get("id", NO_ID)
     if client_id is None:
         client_id = NO_ID
     session_id = request.get("session_id") or ""
-    flight = Inflight(channel, client_id, op, session_id)
     if op == "cancel":
-        client_cancel(sup, channel, client_id)
+        client_cancel(state, channel, client_id)
         return
+    flight = Inflight(channel, client_id, op, session_id)
     if client_id is not NO_ID:
         if client_id in channel.by_client_id:
             channel.emit(
-                {
-                    "event": "error",
-                    "error": f"id {client_id!r} is already in flight",
-                    "code": ErrorCode.DUPLICATE_ID,
-                    "id": client_id,
-                    "op": op,
-                }
+                error_event(
+                    ErrorCode.DUPLICATE_ID,
+                    f"id {client_id!r} is already in flight",
+                    id=client_id,
+                    op=op,
+                )
             )
             return
         channel.by_client_id[client_id] = flight
+    if op == "generate" and session_id:
+        # Named sessions are mirrored: the worker reports the resident ids on every `done`.
+        flight.strip_resident = not request.get("return_resident", False)
+        request["return_resident"] = True
+    handle(state, channel, flight, request)
+
+
+def handle(state: SupervisorState, channel: Channel, flight: Inflight, req: dict[str, Any]) -> None:
+    """Answer `flight` here, or route it to a worker (its id already taken on `channel`)."""
+    op, session_id = flight.op, flight.session_id
     if op == "_error":  # a rejected line, answered in its turn
-        sup._answer(channel, flight, request["event"])
+        state.answer(channel, flight, req["event"])
     elif op == "ping":
-        sup._answer(channel, flight, {"event": "pong", "pong": True})
+        state.answer(channel, flight, {"event": "pong", "pong": True})
     elif op == "shutdown":
-        channel._finished(flight)  # no answer line, as from a worker
-        if sup.on_shutdown_request is not None:
-            sup.on_shutdown_request()
+        channel.finished(flight)  # no answer line, as from a worker
+        state.accepting = False
+        if state.on_shutdown_request is not None:
+            state.on_shutdown_request()
     elif op == "stats":
-        asyncio.ensure_future(answer_stats(sup, channel, flight))
-    elif op in ("close", "reset") and session_id in sup.needs_rebuild:
+        asyncio.ensure_future(answer_stats(state, channel, flight))
+    elif op in ("close", "reset") and session_id in state.needs_rebuild:
         # The worker that held it died: the session exists only in the mirror.
         if op == "close":
-            forget_session(sup, session_id)
-            sup._answer(
+            forget_session(state, session_id)
+            state.answer(
                 channel, flight, {"event": "closed", "closed": True, "session_id": session_id}
             )
         else:
-            sup.mirror.clear(session_id)
-            sup.needs_rebuild.discard(session_id)
-            sup._answer(
+            state.mirror.clear(session_id)
+            state.needs_rebuild.discard(session_id)
+            state.answer(
                 channel, flight, {"event": "reset", "reset": True, "session_id": session_id}
             )
     else:
-        route_and_send(sup, channel, flight, request)
+        route_and_send(state, channel, flight, req)
+
+
+def rerun(state: SupervisorState, flight: Inflight) -> None:
+    """Send again a request whose worker died before any line of it reached the client (it
+    was taken out of the dead worker's slot). Its client id stays taken meanwhile."""
+    channel = flight.channel
+    assert isinstance(channel, Channel) and flight.request is not None
+    flight.reruns += 1
+    flight.sent = False
+    if channel.closed:
+        state.answer(channel, flight, cancelled_done())
+        return
+    handle(state, channel, flight, flight.request)
 
 
 def route_and_send(
-    sup: Supervisor, channel: Channel, flight: Inflight, request: dict[str, Any]
+    state: SupervisorState, channel: Channel, flight: Inflight, request: dict[str, Any]
 ) -> None:
     op, session_id = flight.op, flight.session_id
-    route = route_request(op, session_id, sup.placements, sup._loads())
+    route = route_request(op, session_id, state.placements, state.loads())
     if route.worker is None:
-        local_error(
-            sup,
+        state.answer(
             channel,
             flight,
-            route.error_code or ErrorCode.INTERNAL_ERROR,
-            route.error or "no worker",
-            op=op,
+            error_event(
+                route.error_code or ErrorCode.INTERNAL_ERROR, route.error or "no worker", op=op
+            ),
         )
         return
-    slot = sup.slots[route.worker]
+    slot = state.slots[route.worker]
     if route.new_placement:
-        old = sup.placements.get(session_id)
+        old = state.placements.get(session_id)
         if old is not None:
-            sup.slots[old].named.discard(session_id)
-        sup.placements[session_id] = slot.index
+            state.slots[old].named.discard(session_id)
+        state.placements[session_id] = slot.index
         slot.named.add(session_id)
         flight.new_placement = old is None
-    if op == "generate" and session_id:
-        flight.strip_resident = not request.get("return_resident", False)
-        request["return_resident"] = True
-    sup._register(slot, flight)
-    if session_id and session_id in sup.needs_rebuild and op in ("generate", "open"):
-        start_rebuild(sup, slot, session_id)
-    waiting = sup.rebuilding.get(session_id) if session_id else None
+    flight.request = request
+    state.register(slot, flight)
+    if session_id and session_id in state.needs_rebuild and op in ("generate", "open"):
+        start_rebuild(state, slot, session_id)
+    waiting = state.rebuilding.get(session_id) if session_id else None
     if waiting is not None:
         waiting.append((flight, request))
         return
-    sup._send(slot, flight, request)
+    state.send(slot, flight, request)
 
 
-def local_error(
-    sup: Supervisor, channel: Channel, flight: Inflight, code: str, message: str, **extra: Any
-) -> None:
-    sup._answer(channel, flight, {"event": "error", "error": message, "code": code, **extra})
-
-
-def client_cancel(sup: Supervisor, channel: Channel, client_id: Any) -> None:
+def client_cancel(state: SupervisorState, channel: Channel, client_id: Any) -> None:
     flight = channel.by_client_id.get(client_id) if client_id is not NO_ID else None
     if flight is None:
         channel.emit(
-            {
-                "event": "error",
-                "error": f"no request with id {client_id!r} in flight",
-                "code": ErrorCode.UNKNOWN_ID,
-                "op": "cancel",
+            error_event(
+                ErrorCode.UNKNOWN_ID,
+                f"no request with id {client_id!r} in flight",
+                op="cancel",
                 **({} if client_id is NO_ID else {"id": client_id}),
-            }
+            )
         )
         return
-    cancel_flight(sup, flight)
+    cancel_flight(state, flight)
 
 
-def cancel_flight(sup: Supervisor, flight: Inflight) -> None:
+def cancel_flight(state: SupervisorState, flight: Inflight) -> None:
     if flight.worker < 0:
         return  # answered locally, nothing to cancel
-    slot = sup.slots[flight.worker]
+    slot = state.slots[flight.worker]
     if flight.iid not in slot.inflight:
         return
     if flight.sent:
-        if slot.process is not None and flight.op == "generate":
+        if slot.process is not None and flight.op == "generate" and not flight.cancel_sent:
+            flight.cancel_sent = True
             slot.process.send(orjson.dumps({"op": "cancel", "id": flight.iid}) + b"\n")
     else:
         flight.cancelled = True  # answered with a cancelled done when its turn comes
-        if flight.session_id not in sup.rebuilding and flight in [f for f, _ in slot.held]:
+        if flight.session_id not in state.rebuilding and flight in [f for f, _ in slot.held]:
             slot.held = [(f, line) for f, line in slot.held if f is not flight]
             del slot.inflight[flight.iid]
-            sup._answer(flight.channel, flight, cancelled_done())
-
-
-def cancelled_done() -> dict[str, Any]:
-    return {
-        "event": "done",
-        "done": True,
-        "prompt_tokens": 0,
-        "completion_tokens": 0,
-        "finish_reason": "cancelled",
-        "reused_prompt_tokens": 0,
-        "prefilled_prompt_tokens": 0,
-        "session_reset_reason": "new",
-        "prefill_ms": 0.0,
-        "decode_ms": 0.0,
-        "total_ms": 0.0,
-        "prefill_tok_s": 0.0,
-        "decode_tok_s": 0.0,
-    }
+            state.answer(flight.channel, flight, cancelled_done())

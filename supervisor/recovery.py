@@ -1,27 +1,51 @@
-"""Crash recovery: a worker's death, its restart with backoff, the heartbeat that turns a hung
-worker into a dead one, and the rebuild of its named sessions from the mirror.
+"""Worker lifecycle: spawn, death, restart with backoff, and the heartbeat that turns a hung
+worker into a dead one.
 
-Every request of a dead worker ends exactly once (`worker_lost`); its named sessions move to
-`needs_rebuild`, and the first request to each re-prefills the mirror before it is sent.
+When a worker dies, each of its requests ends exactly once:
+- one that already streamed a line to its client ends with `worker_lost` (its output cannot
+  be taken back);
+- one cancelled meanwhile ends with a cancelled `done`;
+- any other (nothing of it reached the client: queued, prefilling, or sent to a worker that
+  was already dead) is sent again, once (`MAX_RERUNS`), to the restarted worker or another one;
+  a request that meets a second death ends with `worker_lost`.
+Its named sessions move to `needs_rebuild`: the first request to each re-prefills the mirror.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from protocol.errors import ErrorCode
-from supervisor.mirror import rebuild_request
-from supervisor.pool import WorkerStartError, log
+from supervisor.dispatch import rerun
+from supervisor.flight import MAX_RERUNS, Inflight, cancelled_done, error_event
+from supervisor.pool import WorkerProcess, WorkerStartError, log
+from supervisor.relay import on_worker_lines
 from supervisor.router import WorkerState, restart_delay, should_give_up
-
-if TYPE_CHECKING:
-    from supervisor.core import Supervisor, WorkerSlot
-    from supervisor.pool import WorkerProcess
+from supervisor.state import SupervisorState, WorkerSlot
 
 
-def on_worker_death(sup: Supervisor, slot: WorkerSlot, process: WorkerProcess) -> None:
+async def spawn_worker(state: SupervisorState, slot: WorkerSlot) -> None:
+    """Start `slot`'s worker and wait for its ready line; then send what was held for it."""
+    process = await WorkerProcess.spawn(
+        slot.spec,
+        on_lines=lambda lines: on_worker_lines(state, slot, lines),
+        on_death=lambda p: on_worker_death(state, slot, p),
+        stderr_sink=state.stderr_sink,
+        ready_timeout=state.config.ready_timeout,
+    )
+    slot.process = process
+    slot.ready_info = process.ready_info
+    slot.state = WorkerState.READY
+    slot.last_heard = time.monotonic()
+    slot.ping_sent_at = None
+    held, slot.held = slot.held, []
+    for flight, line in held:
+        state.write(slot, flight, line)
+
+
+def on_worker_death(state: SupervisorState, slot: WorkerSlot, process: WorkerProcess) -> None:
     if process is not slot.process:
         return
     status = process.returncode
@@ -32,89 +56,88 @@ def on_worker_death(sup: Supervisor, slot: WorkerSlot, process: WorkerProcess) -
     )
     # Its sessions now live only in the mirror.
     for session_id in slot.named:
-        sup.needs_rebuild.add(session_id)
-    for session_id in list(sup.rebuilding):
-        if sup.placements.get(session_id) == slot.index:
-            sup.needs_rebuild.add(session_id)
-    if process.stopping or sup.closing:
+        state.needs_rebuild.add(session_id)
+    for session_id in list(state.rebuilding):
+        if state.placements.get(session_id) == slot.index:
+            state.needs_rebuild.add(session_id)
+    if process.stopping or state.closing:
         slot.state = WorkerState.FAILED
-        fail_all(sup, slot, ErrorCode.WORKER_LOST, f"worker {slot.index} {how}")
+        fail_all(state, slot, ErrorCode.WORKER_LOST, f"worker {slot.index} {how}")
         return
     lived = time.monotonic() - (process.ready_at or process.started_at)
-    slot.fast_failures = slot.fast_failures + 1 if lived < sup.config.fast_failure_s else 0
+    slot.fast_failures = slot.fast_failures + 1 if lived < state.config.fast_failure_s else 0
     slot.state = WorkerState.STARTING
     slot.process = None
-    in_flight = sum(1 for f in slot.inflight.values() if f.sent)
-    log(f"worker {slot.index} (pid {process.pid}) {how}; {in_flight} request(s) lost")
-    sent = {iid: f for iid, f in slot.inflight.items() if f.sent}
-    for iid in sent:
-        flight = slot.inflight.pop(iid, None)
-        if flight is not None:
-            sup._answer(
+    slot.ping_sent_at = None
+    # Take every request out of the slot (registration order = arrival order); a rebuild in
+    # progress starts over with the re-run of the requests that waited for it.
+    flights = list(slot.inflight.values())
+    slot.inflight.clear()
+    slot.held = []
+    for session_id in list(state.rebuilding):
+        if state.placements.get(session_id) == slot.index:
+            del state.rebuilding[session_id]
+    again: list[Inflight] = []
+    lost = 0
+    for flight in flights:
+        if flight.then is not None:  # the supervisor's own (ping, stats, rebuild)
+            state.answer(None, flight, error_event(ErrorCode.WORKER_LOST, f"worker {how}"))
+        elif flight.cancelled or flight.cancel_sent:
+            state.answer(flight.channel, flight, cancelled_done())
+        elif flight.streamed or flight.reruns >= MAX_RERUNS or flight.request is None:
+            lost += 1
+            state.answer(
                 flight.channel,
                 flight,
-                {
-                    "event": "error",
-                    "code": ErrorCode.WORKER_LOST,
-                    "op": flight.op,
-                    "error": f"worker {slot.index} {how} while serving this request",
-                },
+                error_event(
+                    ErrorCode.WORKER_LOST,
+                    f"worker {slot.index} {how} while serving this request",
+                    op=flight.op,
+                ),
             )
-    # Requests held or waiting for a rebuild were never sent: they wait for the restart,
-    # but a rebuild must start over, so they are answered too.
-    for session_id in list(sup.rebuilding):
-        if sup.placements.get(session_id) == slot.index:
-            for flight, _ in sup.rebuilding.pop(session_id):
-                if slot.inflight.pop(flight.iid, None) is not None:
-                    sup._answer(
-                        flight.channel,
-                        flight,
-                        {
-                            "event": "error",
-                            "code": ErrorCode.WORKER_LOST,
-                            "op": flight.op,
-                            "error": f"worker {slot.index} {how} while serving this request",
-                        },
-                    )
-    sup._maybe_idle()
-    slot.restart_task = asyncio.ensure_future(restart(sup, slot))
+        else:
+            again.append(flight)
+    log(
+        f"worker {slot.index} (pid {process.pid}) {how}; {lost} request(s) lost, "
+        f"{len(again)} sent again"
+    )
+    slot.restart_task = asyncio.ensure_future(restart(state, slot))
+    for flight in again:
+        rerun(state, flight)
+    state.maybe_idle()
 
 
-def fail_all(sup: Supervisor, slot: WorkerSlot, code: str, message: str) -> None:
+def fail_all(state: SupervisorState, slot: WorkerSlot, code: str, message: str) -> None:
     """End every request of `slot` with one error each (a flight ends exactly once)."""
     slot.held = []
     for iid in list(slot.inflight):
         flight = slot.inflight.pop(iid, None)
         if flight is None:
             continue
-        sup._answer(
-            flight.channel,
-            flight,
-            {"event": "error", "error": message, "code": code, "op": flight.op},
-        )
-    sup._maybe_idle()
+        state.answer(flight.channel, flight, error_event(code, message, op=flight.op))
+    state.maybe_idle()
 
 
-async def restart(sup: Supervisor, slot: WorkerSlot) -> None:
-    while not sup.closing:
-        if should_give_up(slot.fast_failures, sup.config.max_fast_failures):
+async def restart(state: SupervisorState, slot: WorkerSlot) -> None:
+    while not state.closing:
+        if should_give_up(slot.fast_failures, state.config.max_fast_failures):
             log(
                 f"GIVING UP on worker {slot.index}: it failed {slot.fast_failures} times in "
-                f"a row within {sup.config.fast_failure_s:g}s of starting; its sessions "
+                f"a row within {state.config.fast_failure_s:g}s of starting; its sessions "
                 "move to the other workers"
             )
             slot.state = WorkerState.FAILED
             for session_id in list(slot.named):
-                sup.needs_rebuild.add(session_id)
-            fail_all(sup, slot, ErrorCode.WORKER_LOST, f"worker {slot.index} failed")
+                state.needs_rebuild.add(session_id)
+            fail_all(state, slot, ErrorCode.WORKER_LOST, f"worker {slot.index} failed")
             return
-        delay = restart_delay(slot.fast_failures, sup.config.restart_base_s)
+        delay = restart_delay(slot.fast_failures, state.config.restart_base_s)
         log(f"restarting worker {slot.index} in {delay:.1f}s")
         await asyncio.sleep(delay)
-        if sup.closing:
+        if state.closing:
             return
         try:
-            await sup._spawn(slot)
+            await spawn_worker(state, slot)
         except WorkerStartError as exc:
             slot.fast_failures += 1
             log(str(exc))
@@ -124,23 +147,23 @@ async def restart(sup: Supervisor, slot: WorkerSlot) -> None:
         return
 
 
-async def heartbeat(sup: Supervisor) -> None:
+async def heartbeat(state: SupervisorState) -> None:
     """Ping every ready worker; kill one that stays silent past the timeout (a hung or
     SIGSTOPped process never dies by itself). Its death then runs the crash path."""
-    interval = min(sup.config.heartbeat_interval, sup.config.heartbeat_timeout / 2)
-    while not sup.closing:
+    interval = min(state.config.heartbeat_interval, state.config.heartbeat_timeout / 2)
+    while not state.closing:
         await asyncio.sleep(interval)
         now = time.monotonic()
-        for slot in sup.slots:
+        for slot in state.slots:
             process = slot.process
             if slot.state is not WorkerState.READY or process is None or not process.alive:
                 continue
             silent = now - slot.last_heard
-            if slot.ping_sent_at is not None and silent > sup.config.heartbeat_timeout:
+            if slot.ping_sent_at is not None and silent > state.config.heartbeat_timeout:
                 log(
                     f"worker {slot.index} (pid {process.pid}) wrote nothing for "
                     f"{silent:.1f}s with a ping out (heartbeat timeout "
-                    f"{sup.config.heartbeat_timeout:g}s): killing it"
+                    f"{state.config.heartbeat_timeout:g}s): killing it"
                 )
                 slot.ping_sent_at = None
                 process.kill()  # SIGKILL: works on a stopped process too
@@ -153,49 +176,5 @@ async def heartbeat(sup: Supervisor) -> None:
                     if slot.process is process:
                         slot.ping_sent_at = None
 
-                flight = sup._internal(slot, {"op": "ping"}, "", pong)
-                sup._send(slot, flight, {"op": "ping"})
-
-
-def start_rebuild(sup: Supervisor, slot: WorkerSlot, session_id: str) -> None:
-    sup.needs_rebuild.discard(session_id)
-    resident = sup.mirror.resident(session_id)
-    if not resident:
-        return
-    sup.rebuilding[session_id] = []
-
-    def rebuilt(event: dict[str, Any]) -> None:
-        waiting = sup.rebuilding.pop(session_id, [])
-        if event.get("event") == "done":
-            for flight, request in waiting:
-                sup._send(slot, flight, request)
-            return
-        code = event.get("code", ErrorCode.INTERNAL_ERROR)
-        if code != ErrorCode.WORKER_LOST:
-            log(
-                f"rebuilding session {session_id!r} on worker {slot.index} failed: "
-                f"{event.get('error')}"
-            )
-        for flight, _request in waiting:
-            if slot.inflight.pop(flight.iid, None) is not None:
-                sup._answer(
-                    flight.channel,
-                    flight,
-                    {
-                        "event": "error",
-                        "code": code,
-                        "error": f"session {session_id!r} could not be restored after a "
-                        f"worker restart: {event.get('error')}",
-                    },
-                )
-
-    flight = sup._internal(slot, rebuild_request(session_id, resident), session_id, rebuilt)
-    sup._send(slot, flight, rebuild_request(session_id, resident))
-
-
-def forget_session(sup: Supervisor, session_id: str) -> None:
-    placed = sup.placements.pop(session_id, None)
-    if placed is not None:
-        sup.slots[placed].named.discard(session_id)
-    sup.mirror.drop(session_id)
-    sup.needs_rebuild.discard(session_id)
+                flight = state.internal(slot, {"op": "ping"}, "", pong)
+                state.send(slot, flight, {"op": "ping"})

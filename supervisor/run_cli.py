@@ -27,11 +27,14 @@ import click
 import msgspec
 import orjson
 
-from protocol import ProtocolError, decode_request
+from protocol import MAX_LINE_BYTES, ProtocolError, decode_request, line_too_long
 from supervisor import eventloop
 from supervisor.core import Supervisor, SupervisorConfig
 from supervisor.dispatch import Channel
+from supervisor.lines import LineSplitter, TooLong
 from supervisor.pool import WorkerStartError, log
+
+READ_SIZE = 1 << 16  # bytes per read of stdin or a connection
 
 
 class LineWriter:
@@ -77,11 +80,16 @@ def _stdout_write(data: bytes) -> None:
     out.flush()
 
 
-def feed_line(channel: Channel, line: bytes) -> None:
+def feed_line(channel: Channel, line: bytes | TooLong) -> None:
     """Decode one request line and hand it to the channel (errors keep their place)."""
-    if not line.strip():
+    if isinstance(line, TooLong):
+        decoded: Any = line_too_long(line.prefix, None, MAX_LINE_BYTES)
+    elif not line.strip():
         return
-    decoded = decode_request(line)
+    else:
+        if line.endswith(b"\r"):
+            line = line[:-1]  # a "\r\n" line end
+        decoded = decode_request(line, MAX_LINE_BYTES)
     if isinstance(decoded, ProtocolError):
         event = msgspec.to_builtins(decoded.to_event())
         event["event"] = "error"
@@ -94,7 +102,7 @@ def _read_stdin_thread(loop: asyncio.AbstractEventLoop, on_data: Callable[[bytes
     fd = sys.stdin.fileno()
     while True:
         try:
-            data = os.read(fd, 1 << 16)
+            data = os.read(fd, READ_SIZE)
         except OSError:
             data = b""
         loop.call_soon_threadsafe(on_data, data)
@@ -150,17 +158,16 @@ async def serve(config: SupervisorConfig, listen: str | None = None) -> int:
     server = None
     if listen is None:
         channel = supervisor.open_channel(writer.emit, writer.emit_line, writer.flush)
-        partial = [b""]
+        splitter = LineSplitter(MAX_LINE_BYTES)
 
         def on_data(data: bytes) -> None:
             if not data:
-                if partial[0].strip():
-                    feed_line(channel, partial[0])
+                last = splitter.finish()
+                if last is not None:
+                    feed_line(channel, last)
                 graceful(None)
                 return
-            lines = (partial[0] + data).split(b"\n")
-            partial[0] = lines.pop()
-            for line in lines:
+            for line in splitter.feed(data):
                 feed_line(channel, line)
 
         threading.Thread(target=_read_stdin_thread, args=(loop, on_data), daemon=True).start()
@@ -192,15 +199,20 @@ async def _listen(supervisor: Supervisor, path: str, ready: dict[str, Any]) -> a
 
         emit(ready)
         channel = supervisor.open_channel(emit, emit_line)
+        splitter = LineSplitter(MAX_LINE_BYTES)
         try:
             while True:
                 try:
-                    line = await reader.readline()
-                except (ValueError, ConnectionError):
+                    data = await reader.read(READ_SIZE)
+                except ConnectionError:
                     break
-                if not line:
+                if not data:
+                    last = splitter.finish()
+                    if last is not None:
+                        feed_line(channel, last)
                     break
-                feed_line(channel, line)
+                for line in splitter.feed(data):
+                    feed_line(channel, line)
             # The client closed its side: let its requests finish, then hang up.
             while not channel.idle:
                 await asyncio.sleep(0.05)
@@ -210,7 +222,7 @@ async def _listen(supervisor: Supervisor, path: str, ready: dict[str, Any]) -> a
 
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    return await asyncio.start_unix_server(connection, path=path, limit=1 << 21)
+    return await asyncio.start_unix_server(connection, path=path, limit=READ_SIZE)
 
 
 @click.command(

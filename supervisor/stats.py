@@ -8,31 +8,29 @@ import os
 import shutil
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
+from supervisor.flight import ClientSink, Inflight
 from supervisor.router import WorkerState
-
-if TYPE_CHECKING:
-    from supervisor.core import Supervisor
-    from supervisor.dispatch import Channel, Inflight
+from supervisor.state import SupervisorState
 
 
-async def answer_stats(sup: Supervisor, channel: Channel, flight: Inflight) -> None:
+async def answer_stats(state: SupervisorState, channel: ClientSink, flight: Inflight) -> None:
     loop = asyncio.get_running_loop()
     futures: list[asyncio.Future[dict[str, Any]]] = []
-    for slot in sup.slots:
+    for slot in state.slots:
         future: asyncio.Future[dict[str, Any]] = loop.create_future()
         futures.append(future)
         if slot.state is WorkerState.READY and slot.process is not None:
-            internal = sup._internal(
+            internal = state.internal(
                 slot,
                 {"op": "stats"},
                 "",
                 lambda ev, f=future: f.done() or f.set_result(ev.get("stats") or {}),
             )
-            sup._send(slot, internal, {"op": "stats"})
+            state.send(slot, internal, {"op": "stats"})
         else:
             future.set_result({})
     try:
@@ -41,7 +39,7 @@ async def answer_stats(sup: Supervisor, channel: Channel, flight: Inflight) -> N
         answers = [f.result() if f.done() else {} for f in futures]
     gpu = (
         await loop.run_in_executor(None, gpu_memory_by_pid)
-        if any(s.spec.device != "cpu" for s in sup.slots)
+        if any(s.spec.device != "cpu" for s in state.slots)
         else {}
     )
     now = time.monotonic()
@@ -53,7 +51,7 @@ async def answer_stats(sup: Supervisor, channel: Channel, flight: Inflight) -> N
         "free_slots": 0,
         "rss_bytes": 0,
     }
-    for slot, worker_stats in zip(sup.slots, answers, strict=True):
+    for slot, worker_stats in zip(state.slots, answers, strict=True):
         pid = slot.process.pid if slot.process is not None and slot.process.alive else None
         rss = process_rss(pid)
         entry: dict[str, Any] = {
@@ -84,14 +82,20 @@ async def answer_stats(sup: Supervisor, channel: Channel, flight: Inflight) -> N
         "supervisor": {
             "pid": os.getpid(),
             "rss_bytes": process_rss(os.getpid()),
-            "uptime_s": round(now - sup.started_at, 3),
+            "uptime_s": round(now - state.started_at, 3),
             "event_loop": "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio",
-            "sessions": len(sup.placements)
-            + len([s for s in sup.needs_rebuild if s not in sup.placements]),
+            # client requests taken and not yet answered, queued id-less ones included (not
+            # counting this stats request)
+            "requests_in_flight": sum(
+                len(c.by_client_id) + len(c.anonymous) + c.anonymous_busy for c in state.channels
+            )
+            - 1,
+            "sessions": len(state.placements)
+            + len([s for s in state.needs_rebuild if s not in state.placements]),
         },
     }
     if flight.worker < 0:
-        sup._answer(channel, flight, {"event": "stats", "stats": stats})
+        state.answer(channel, flight, {"event": "stats", "stats": stats})
 
 
 def process_rss(pid: int | None) -> int:

@@ -39,7 +39,7 @@ def test_stopped_worker_is_killed_and_restarted() -> None:
             # Idle and healthy for 3 timeouts: pings are answered, nothing is killed.
             await asyncio.sleep(3.0)
             assert slot.process is not None and slot.process.pid == old_pid
-            assert sup._loads()[0].queued == 0
+            assert sup.state.loads()[0].queued == 0
             task = asyncio.ensure_future(_collect(client, prompt="hello", max_new_tokens=500))
             await asyncio.sleep(0.3)
             os.kill(old_pid, signal.SIGSTOP)

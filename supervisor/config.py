@@ -1,0 +1,74 @@
+"""What the supervisor starts: `SupervisorConfig` (validated on creation) and the worker
+specs derived from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from supervisor.pool import (
+    WorkerSpec,
+    default_worker_command,
+    detect_gpus,
+    plan_devices,
+    worker_specs,
+)
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """What `tokenpipe run` (and `AsyncClient.in_process`) start. Validated on creation."""
+
+    model: str | None = None
+    gpus: str = "all"  # "all" | "none" | "0,2"
+    workers: int | None = None  # N CPU workers (wins over gpus)
+    max_sessions: int | None = None  # per worker; None = the worker's default
+    max_context: int | None = None
+    max_queue: int = 64  # per worker: requests sent or held, not yet answered
+    worker_args: tuple[str, ...] = ()  # other worker flags, passed through
+    worker_command: tuple[str, ...] | None = None  # default: `tokenpipe worker`
+    ready_timeout: float = 600.0
+    drain_timeout: float = 30.0  # SIGTERM / aclose: finish in-flight work within this
+    max_fast_failures: int = 5  # give up on a worker after this many fast failures in a row
+    fast_failure_s: float = 30.0  # a worker dying sooner than this after ready failed "fast"
+    restart_base_s: float = 0.5
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for every worker
+    # Liveness: a ping every `heartbeat_interval` s; a worker that has written nothing for
+    # `heartbeat_timeout` s while a ping is out is killed and restarted (0 disables). The
+    # timeout must exceed the longest forward step (a worker answers pings between steps).
+    heartbeat_interval: float = 5.0
+    heartbeat_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1, got {self.max_queue}")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.max_sessions is not None and self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1, got {self.max_sessions}")
+        if self.ready_timeout <= 0:
+            raise ValueError("ready_timeout must be positive")
+        if self.heartbeat_timeout < 0 or self.heartbeat_interval <= 0:
+            raise ValueError("heartbeat_timeout must be >= 0 and heartbeat_interval positive")
+
+
+def build_worker_args(config: SupervisorConfig) -> list[str]:
+    args: list[str] = []
+    if config.model is not None:
+        args += ["--model", config.model]
+    if config.max_sessions is not None:
+        args += ["--max-sessions", str(config.max_sessions)]
+    if config.max_context is not None:
+        args += ["--max-context", str(config.max_context)]
+    return args + list(config.worker_args)
+
+
+def plan_specs(config: SupervisorConfig) -> list[WorkerSpec]:
+    visible = detect_gpus() if config.workers is None else []
+    devices = plan_devices(config.gpus, config.workers, visible)
+    command = config.worker_command or default_worker_command()
+    specs = worker_specs(command, build_worker_args(config), devices)
+    if config.env:
+        specs = [
+            WorkerSpec(s.index, s.argv, {**s.env, **dict(config.env)}, s.device) for s in specs
+        ]
+    return specs
