@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from .browser import BrowserGuard
 from .errors import error_body
 from .routes import chat, completions, health_metrics, models, sessions, tokenize
 from .state import GenerateClient, ModelState, Server, ServerConfig
@@ -50,6 +51,14 @@ def create_app(server: Server) -> Starlette:
         *tokenize.routes(server),
         *sessions.routes(server),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_found}
     )
+    config = server.config
+    app.add_middleware(
+        BrowserGuard,
+        guard=config.api_key is None,
+        bind_host=config.bind_host,
+        allow_origins=config.allow_origins,
+    )
+    return app

@@ -36,7 +36,49 @@ import click
     default=None,
     help="Tool-call markup to parse (default: the model family's).",
 )
+@click.option(
+    "--allow-origin",
+    "allow_origins",
+    multiple=True,
+    help="A browser origin allowed to call the API, e.g. http://localhost:5173 (repeatable; "
+    "CORS headers for it). Without --api-key other origins are refused.",
+)
 @click.option("--max-body-bytes", default=8 << 20, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--render-budget",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="Seconds to parse and render one request; beyond: 400 request_too_complex.",
+)
+@click.option(
+    "--header-timeout",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="Seconds for a request's headers to arrive (from connect or the last response).",
+)
+@click.option(
+    "--body-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="Seconds for a request's body to arrive (408 after).",
+)
+@click.option(
+    "--keep-alive-timeout",
+    default=5,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Seconds an idle keep-alive connection stays open.",
+)
+@click.option(
+    "--max-connections",
+    default=512,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Open connections at most; more are closed at once.",
+)
 @click.option("--model", default=None, help="HF checkpoint dir or .gguf (default: Gemma 3 270M).")
 @click.option("--workers", default=None, type=click.IntRange(1), help="CPU workers to run.")
 @click.option("--gpus", default="all", show_default=True, help="all | none | 0,2")
@@ -62,7 +104,13 @@ def command(
     api_key: str | None,
     chat_template_file: Path | None,
     tool_parser: str | None,
+    allow_origins: tuple[str, ...],
     max_body_bytes: int,
+    render_budget: float,
+    header_timeout: float,
+    body_timeout: float,
+    keep_alive_timeout: int,
+    max_connections: int,
     model: str | None,
     workers: int | None,
     gpus: str,
@@ -79,6 +127,7 @@ def command(
     from supervisor.core import SupervisorConfig
 
     from .app import Server, ServerConfig, create_app
+    from .connections import guarded_protocol
 
     logging.basicConfig(
         stream=sys.stderr,
@@ -101,6 +150,11 @@ def command(
             chat_template=chat_template_file.read_text() if chat_template_file else None,
             tool_parser=tool_parser,
             max_body_bytes=max_body_bytes,
+            render_budget_s=render_budget,
+            body_timeout_s=body_timeout,
+            max_queue=max_queue,
+            allow_origins=tuple(allow_origins),
+            bind_host=host,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -110,5 +164,12 @@ def command(
 
     server = Server(server_config, start_client)
     uvicorn.run(
-        create_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30
+        create_app(server),
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=30,
+        http=guarded_protocol(header_timeout, max_connections),
+        timeout_keep_alive=keep_alive_timeout,
+        limit_concurrency=max_connections + 1,  # uvicorn answers 503 at >= the limit
     )

@@ -3,6 +3,7 @@ endpoint wrapper (API key, errors as the OpenAI envelope, request metrics)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -32,8 +33,18 @@ def error_response(error: APIError) -> Response:
     return json_response(error.body(), error.status)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it passes `limit` (declared or streamed)."""
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` (declared or streamed), and
+    with 408 when it has not fully arrived within `timeout_s`."""
+    try:
+        return await asyncio.wait_for(_read_body(request, limit), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408, "request_timeout", f"the request body did not arrive within {timeout_s:g} s"
+        ) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, "request_too_large", f"the request body exceeds {limit} bytes")

@@ -63,6 +63,7 @@ class ServerConfig:
     tool_parser: str | None = None  # gemma4 | hermes | qwen; default: the model family's
     max_body_bytes: int = MAX_BODY_BYTES
     render_budget_s: float = 2.0  # time to parse, render and splice one request
+    body_timeout_s: float = 30.0  # time for a request body to arrive
     max_queue: int | None = None  # the supervisor's per-worker queue: /health says when full
     allow_origins: tuple[str, ...] = ()  # browser origins allowed to call (CORS)
     bind_host: str = "127.0.0.1"  # the address served: a Host header may name it

@@ -140,7 +140,7 @@ async def make(fake: FakeClient, **config: Any) -> tuple[Server, httpx.AsyncClie
     app = create_app(server)
     await server.start()
     await server.wait_ready()
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
     return server, http
 
 
@@ -361,7 +361,7 @@ async def test_health_is_503_while_loading() -> None:
     server = Server(ServerConfig(), factory)
     app = create_app(server)
     await server.start()
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
     assert (await http.get("/health")).status_code == 503
     loading = await http.post("/v1/chat/completions", json=CHAT)
     assert loading.status_code == 503 and loading.json()["error"]["code"] == "model_loading"

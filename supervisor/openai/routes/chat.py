@@ -21,7 +21,7 @@ from ..tool_parsers import FORMATS, OutputParser, Piece
 
 
 async def chat(server: Server, request: Request) -> Response:
-    body = await read_body(request, server.config.max_body_bytes)
+    body = await read_body(request, server.config.max_body_bytes, server.config.body_timeout_s)
     _, model = server.ready()
     prepared = await server.prepare(
         prepare_chat,

@@ -21,7 +21,7 @@ from ..state import Generation, Server, usage_of
 
 
 async def completions(server: Server, request: Request) -> Response:
-    body = await read_body(request, server.config.max_body_bytes)
+    body = await read_body(request, server.config.max_body_bytes, server.config.body_timeout_s)
     params, segments, add_prefix = await server.prepare(prepare_completion, body)
     _, model = server.ready()
     check_model(params.model, model.model_id)

@@ -1,4 +1,4 @@
-"""`GET /health` (200 only when a generate could be served) and `GET /metrics` (Prometheus)."""
+"""`GET /health` (200 only when a generate could be served now) and `GET /metrics` (Prometheus)."""
 
 from __future__ import annotations
 
@@ -23,11 +23,18 @@ async def health(server: Server, request: Request) -> Response:
     try:
         stats = await asyncio.wait_for(client.stats(), 10)
     except Exception as exc:
-        return json_response({"status": "unavailable", "message": str(exc)}, 503)
+        message = "no stats answer in 10 s" if isinstance(exc, asyncio.TimeoutError) else None
+        message = message or getattr(exc, "code", None) or "the supervisor did not answer"
+        return json_response({"status": "unavailable", "message": message}, 503)
     workers = stats.get("workers")
-    live = sum(1 for w in workers if w.get("state") == "ready") if isinstance(workers, list) else 1
+    ready = [w for w in workers if w.get("state") == "ready"] if isinstance(workers, list) else []
+    live = len(ready) if isinstance(workers, list) else 1
     if live == 0:
         return json_response({"status": "no_live_worker", "workers": 0}, 503)
+    max_queue = server.config.max_queue
+    if max_queue is not None and ready and all(w.get("queue_depth", 0) >= max_queue for w in ready):
+        # Every generate would be refused `overloaded` now: not healthy, though alive.
+        return json_response({"status": "overloaded", "workers": live}, 503)
     return json_response({"status": "ok", "workers": live})
 
 

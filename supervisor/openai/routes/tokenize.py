@@ -13,7 +13,7 @@ from ..state import Server
 
 
 async def tokenize(server: Server, request: Request) -> Response:
-    body = await read_body(request, server.config.max_body_bytes)
+    body = await read_body(request, server.config.max_body_bytes, server.config.body_timeout_s)
     client, model = server.ready()
     text, add_prefix = await server.prepare(prepare_tokenize, body, model.template)
     tokens = await client.tokenize(text, add_prefix=add_prefix)
@@ -23,7 +23,7 @@ async def tokenize(server: Server, request: Request) -> Response:
 
 
 async def detokenize(server: Server, request: Request) -> Response:
-    body = await read_body(request, server.config.max_body_bytes)
+    body = await read_body(request, server.config.max_body_bytes, server.config.body_timeout_s)
     client, _ = server.ready()
     tokens = await server.prepare(prepare_detokenize, body)
     try:
