@@ -1,8 +1,8 @@
 """Fault injection for reliability tests: `TOKENPIPE_FAULT`, read once per process.
 
 The spec is a comma-separated list of `KIND@POINT:WHEN[:ARG]` rules; `@POINT` defaults to
-`forward` (the only point the engine calls today). `WHEN` is a 1-based hit number (`3`),
-a range (`3-5`), or `*` (every hit).
+`forward` (the only point today). `WHEN` is a 1-based hit number (`3`), a range (`3-5`), or
+`*` (every hit).
 
     oom@forward:3          the 3rd forward pass raises an out-of-memory error
     sleep@forward:*:0.2    every forward pass sleeps 0.2 s first (widens kill windows)
@@ -10,14 +10,12 @@ a range (`3-5`), or `*` (every hit).
     close_stdout@forward:4 the 4th forward pass closes fd 1 (the worker's protocol stream)
     stop@forward:2         the 2nd forward pass SIGSTOPs the process (a hung worker)
 
-The engine calls `maybe_inject("forward")` once before each forward pass, inside the `try`
-that turns a failed step into per-request errors. `OOM` is `torch.OutOfMemoryError` when
-torch is importable, else `MemoryError`; the engine must map it to `out_of_memory`.
-
-`python -m worker.faults WORKER-ARGS...` runs `tokenpipe worker`; for an engine that does
-not call the hook, it wraps `maybe_inject("forward")` around the loaded model's forward, the
-same point (the model call at the top of the engine's step `try`).
-Without `TOKENPIPE_FAULT` every hook is a no-op costing one dict lookup.
+A separate seam that production never pays for: `python -m worker.faults WORKER-ARGS...` runs
+`tokenpipe worker` with the engine's model wrapped from the outside (`FaultyModel`), so each
+model call (the forward pass at the top of the engine step's `try`, which turns a failed step
+into per-request errors) hits `forward` first. `tokenpipe worker` never imports this module.
+`OOM` is `torch.OutOfMemoryError` when torch is importable, else `MemoryError`; the engine
+maps it to `out_of_memory`.
 
 `TOKENPIPE_FAULT_FILE=PATH` arms faults at run time (one process serving several
 scenarios): when PATH exists at a hook call, its rules join those of `TOKENPIPE_FAULT`, every hit
@@ -158,7 +156,7 @@ def _take_armed(path: str) -> FaultInjector | None:
 
 
 def maybe_inject(point: str) -> None:
-    """The hook the engine calls (`faults.maybe_inject("forward")` before each forward)."""
+    """One hit of `point` (what `FaultyModel` calls before each forward)."""
     global _injector
     current = injector()
     if _arm_path is not None and os.path.exists(_arm_path):
@@ -168,34 +166,33 @@ def maybe_inject(point: str) -> None:
     current.inject(point)
 
 
-def wrap_model(model: Any) -> Any:
-    """Make every call of `model` hit the `forward` point first (nn.Module calls self.forward)."""
-    forward = model.forward
+class FaultyModel:
+    """The engine's model as `python -m worker.faults` runs it: every call hits the
+    `forward` point first, then calls the model. Everything else is the model's."""
 
-    def faulty_forward(*args: Any, **kwargs: Any) -> Any:
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         maybe_inject("forward")
-        return forward(*args, **kwargs)
+        return self._model(*args, **kwargs)
 
-    model.forward = faulty_forward
-    return model
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
 
 
-def install() -> None:
-    """Wrap the model that `worker.loading.loader.load_model` returns (the stand-in for the engine's
-    own call, for `python -m worker.faults`)."""
-    import worker.engine.engine as engine
-    import worker.loading.loader as loading
+def _wrap_built_engines() -> None:
+    """Make `worker.main.build_engine` hand back engines whose model is a `FaultyModel`."""
+    import worker.main as worker_main
 
-    if hasattr(engine, "maybe_inject") or hasattr(engine, "faults"):
-        return  # the engine calls the hook itself: wrapping too would count every hit twice
-    original = loading.load_model
+    build = worker_main.build_engine
 
-    def load_model(*args: Any, **kwargs: Any) -> Any:
-        loaded = original(*args, **kwargs)
-        wrap_model(loaded.model)
-        return loaded
+    def build_engine(*args: Any, **kwargs: Any) -> object:
+        engine = build(*args, **kwargs)
+        engine.model = FaultyModel(engine.model)  # type: ignore[attr-defined]
+        return engine
 
-    loading.load_model = load_model  # type: ignore[assignment]
+    worker_main.build_engine = build_engine
 
 
 def main() -> None:
@@ -205,7 +202,7 @@ def main() -> None:
     except FaultSpecError as exc:
         print(f"[tokenpipe faults] {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    install()
+    _wrap_built_engines()
     from worker.main import command
 
     command.main(args=sys.argv[1:], prog_name="tokenpipe-worker-faults")

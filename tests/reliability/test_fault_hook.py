@@ -59,15 +59,16 @@ def test_armed_file_is_taken_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(faults, "_injector", None)
 
 
-def test_wrap_model_hits_before_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_faulty_model_hits_before_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     class Model(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x + 1
 
     monkeypatch.setattr(faults, "_injector", FaultInjector(parse_faults("oom:2")))
     monkeypatch.setattr(faults, "_arm_path", None)
-    model = faults.wrap_model(Model())
+    model = faults.FaultyModel(Model())
     assert model(torch.zeros(1)).item() == 1
+    assert model.training  # attributes are the model's
     with pytest.raises(torch.OutOfMemoryError):
         model(torch.zeros(1))
     assert model(torch.zeros(1)).item() == 1

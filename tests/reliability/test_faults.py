@@ -1,11 +1,13 @@
-"""Faults: kill -9 mid-prefill and mid-decode, a SIGSTOPped worker caught by the heartbeat, a
-worker whose stdout closes, an injected out-of-memory error in a forward pass.
+"""Faults: kill -9 mid-prefill (the requests are sent again) and mid-decode (worker_lost), a
+SIGSTOPped worker caught by the heartbeat, a worker whose stdout closes, an injected
+out-of-memory error in a forward pass.
 
 One `tokenpipe run` with one worker on a tiny random llama checkpoint serves the supervisor
 scenarios in file order (each restart costs a worker start, not a model load of the default
-model). Faults are injected through `worker/faults.py`: `sleep@forward:*:0.05` slows every
-step so kills land where they are aimed, and TOKENPIPE_FAULT_FILE arms one-shot faults.
-In every case: each request ends exactly once, with its own id, and a named session is
+model). Faults are injected through `worker/faults.py` (`python -m worker.faults` wraps the
+engine's model): `sleep@forward:*:0.05` slows every step so kills land where they are aimed,
+and TOKENPIPE_FAULT_FILE arms one-shot faults. In every case: each request ends exactly once,
+with its own id (`worker_lost` only for one that had streamed output), and a named session is
 rebuilt so that its next turn equals the same turn on a session that never crashed.
 """
 
@@ -150,19 +152,15 @@ def crash_then_continue(proc: LineProcess, tag: str, crash: Any) -> None:
     assert done["session_reset_reason"] == "exact_prefix", done
 
 
-def _lost_pair(proc: LineProcess, sid: str, tag: str, kill: Any, wait_token: bool) -> None:
-    """Start a long named request and an anonymous one, run `kill(pid)` mid-prefill (no
-    token yet) or mid-decode (after the first tokens), check both end once as worker_lost."""
+def _lost_pair(proc: LineProcess, sid: str, tag: str, kill: Any) -> None:
+    """Start a long named request and an anonymous one, run `kill(pid)` once the named one
+    has streamed output: it ends once with worker_lost; the anonymous one ends once too, with
+    worker_lost if it had streamed output, else with `done` (it was sent again)."""
     pid = worker_pid(proc, f"{tag}-before")
     named, anon = f"{tag}-named", f"{tag}-anon"
-    prompt = LONG_PROMPT if not wait_token else "hello"
-    send(proc, {"id": named, "prompt": "hello" + prompt, "max_new_tokens": 200, "session_id": sid})
-    send(proc, {"id": anon, "prompt": prompt, "max_new_tokens": 200})
-    if wait_token:
-        proc.read_until(lambda e: e.get("id") == named and e["event"] == "token", timeout=120)
-    else:
-        time.sleep(1.0)
-        assert not any(e.get("id") in (named, anon) for e in proc.all_events), "not mid-prefill"
+    send(proc, {"id": named, "prompt": "hellohello", "max_new_tokens": 200, "session_id": sid})
+    send(proc, {"id": anon, "prompt": "hello", "max_new_tokens": 40})
+    proc.read_until(lambda e: e.get("id") == named and e["event"] == "token", timeout=120)
     kill(pid)
     ended: dict[Any, dict[str, Any]] = {}
     proc.read_until(
@@ -174,21 +172,64 @@ def _lost_pair(proc: LineProcess, sid: str, tag: str, kill: Any, wait_token: boo
         ),
         timeout=120,
     )
-    for rid in (named, anon):
-        assert ended[rid]["event"] == "error" and ended[rid]["code"] == "worker_lost", ended
+    assert ended[named]["event"] == "error" and ended[named]["code"] == "worker_lost", ended
+    if ended[anon]["event"] == "error":
+        assert ended[anon]["code"] == "worker_lost", ended
+        assert any(e.get("id") == anon and e["event"] == "token" for e in proc.all_events)
+    else:
+        assert ended[anon]["event"] == "done", ended
     wait_restarted(proc, pid, tag)
 
 
-def test_kill_9_mid_prefill(sup: LineProcess) -> None:
-    def crash(proc: LineProcess, sid: str) -> None:
-        _lost_pair(proc, sid, "prefill", lambda pid: os.kill(pid, signal.SIGKILL), False)
+def test_kill_9_mid_prefill_sends_both_again(sup: LineProcess) -> None:
+    """kill -9 while a named and an anonymous request are in prefill (no output yet), then a
+    request sent at once (to the dead worker, or after the supervisor saw the death): all
+    three end with `done`, equal to the same requests on a worker that did not crash (the
+    named one on its session, rebuilt from the mirror)."""
+    for sid in ("ref-prefill", "s-prefill"):
+        assert ask(sup, {"op": "open", "session_id": sid, "id": f"open-{sid}"})[-1]["opened"]
+        assert ask(sup, turn(sid, f"{sid}-t1", "hello"))[-1]["event"] == "done"
 
-    crash_then_continue(sup, "prefill", crash)
+    def requests(tag: str, sid: str) -> list[dict[str, Any]]:
+        return [
+            turn(sid, f"{tag}-named", "hello" + LONG_PROMPT, n=8),
+            {"id": f"{tag}-anon", "prompt": LONG_PROMPT, "max_new_tokens": 8},
+            {"id": f"{tag}-late", "prompt": "hi there", "max_new_tokens": 4},
+        ]
+
+    reference = [ask(sup, r)[-1] for r in requests("ref", "ref-prefill")]
+    pid = worker_pid(sup, "prefill-before")
+    named, anon, late = requests("crash", "s-prefill")
+    send(sup, named)
+    send(sup, anon)
+    time.sleep(1.0)
+    assert not any(e.get("id") in (named["id"], anon["id"]) for e in sup.all_events)
+    os.kill(pid, signal.SIGKILL)
+    send(sup, late)
+    ended: dict[Any, dict[str, Any]] = {}
+    ids = {r["id"] for r in (named, anon, late)}
+    sup.read_until(
+        lambda e: (
+            e.get("id") in ids
+            and e["event"] in TERMINAL
+            and ended.setdefault(e["id"], e) is e
+            and len(ended) == 3
+        ),
+        timeout=300,
+    )
+    for request, ref in zip((named, anon, late), reference, strict=True):
+        done = ended[request["id"]]
+        assert done["event"] == "done", done
+        assert done["generated_token_ids"] == ref["generated_token_ids"], (done, ref)
+    assert ended[named["id"]]["reused_prompt_tokens"] > 0  # the session was rebuilt first
+    wait_restarted(sup, pid, "prefill")
+    for sid in ("ref-prefill", "s-prefill"):
+        ask(sup, {"op": "close", "session_id": sid, "id": f"close-{sid}"})
 
 
 def test_kill_9_mid_decode(sup: LineProcess) -> None:
     def crash(proc: LineProcess, sid: str) -> None:
-        _lost_pair(proc, sid, "decode", lambda pid: os.kill(pid, signal.SIGKILL), True)
+        _lost_pair(proc, sid, "decode", lambda pid: os.kill(pid, signal.SIGKILL))
 
     crash_then_continue(sup, "decode", crash)
 
@@ -202,7 +243,7 @@ def test_sigstop_caught_by_heartbeat(sup: LineProcess) -> None:
 
     def crash(proc: LineProcess, sid: str) -> None:
         started = time.monotonic()
-        _lost_pair(proc, sid, "sigstop", stop, True)
+        _lost_pair(proc, sid, "sigstop", stop)
         assert time.monotonic() - started < 120
         assert (
             not psutil.pid_exists(stopped[0])
@@ -218,7 +259,7 @@ def test_worker_stdout_closes(sup: LineProcess, arm_file: Path) -> None:
         def close_stdout(pid: int) -> None:
             arm_file.write_text("close_stdout@forward:1")
 
-        _lost_pair(proc, sid, "stdout", close_stdout, True)
+        _lost_pair(proc, sid, "stdout", close_stdout)
 
     crash_then_continue(sup, "stdout", crash)
 

@@ -57,7 +57,6 @@ from worker.engine.sampling import SamplingParams, make_generator, sample
 from worker.engine.scheduler import QueuedItem, RunningItem, plan_admission, plan_step
 from worker.engine.session import Session, SessionPool
 from worker.engine.text import TextStream
-from worker.faults import maybe_inject
 from worker.models.step import StepInput
 
 
@@ -335,7 +334,6 @@ class Engine:
         ]
         try:
             with torch.inference_mode():
-                maybe_inject("forward")  # fault injection for reliability tests (no-op)
                 logits = self.model(step, self.kv)  # [B, vocab] float32
                 sampled: list[int] = []
                 if sampling_rows:
