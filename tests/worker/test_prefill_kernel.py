@@ -101,10 +101,10 @@ def test_slot_variant_matches_history(
 ) -> None:
     """The capturable variant (slot and lengths from a device tensor, rows padded, the pool
     read in place): real rows equal attention over the explicit history."""
+    from worker.device.kernels.reference import prefill_attention_slot_reference
+
     if impl.startswith("triton"):
         request.getfixturevalue("triton_ready")
-    from worker.device.kernels.prefill_attention import prefill_attention_slot
-    from worker.device.kernels.reference import prefill_attention_slot_reference
 
     n, pad, cached, window, entries, q_heads, kv_heads, dim = case
     gen = torch.Generator().manual_seed(sum(case))
@@ -123,6 +123,8 @@ def test_slot_variant_matches_history(
     meta = torch.tensor([slot, cached, n], dtype=torch.int64, device=DEVICE)
     q, k_new, v_new, k_pool, v_pool = (t.to(DEVICE) for t in (q, k_new, v_new, k_pool, v_pool))
     if impl.startswith("triton"):
+        from worker.device.kernels.prefill_attention import prefill_attention_slot
+
         # 3 splits: some take nothing (short prefixes), or only keys out of the window
         out = torch.full_like(q, float("nan"))
         prefill_attention_slot(
@@ -186,7 +188,7 @@ def test_prefill_kernel_bf16_31b_shapes_match_sdpa(
     torch.testing.assert_close(out.float(), ref[0].transpose(0, 1).float(), rtol=2e-2, atol=2e-2)
 
 
-def test_fit_config_shrinks_tiles_for_fp32_only() -> None:
+def test_fit_config_shrinks_tiles_for_fp32_only(triton_ready: None) -> None:
     from worker.device.kernels.prefill_attention import CONFIGS, fit_config
 
     assert fit_config(CONFIGS[256], 256, 2) == CONFIGS[256]  # bf16: as tuned
