@@ -43,6 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.device.cpu_kernel_source import SOURCE
+from worker.device.cpu_quant_source import QUANT_SOURCE
+
+LIBRARY_SOURCE = SOURCE + QUANT_SOURCE
 
 ROW_BLOCK = 8  # weight rows interleaved together: one AVX2 vector holds one k of 8 rows
 
@@ -56,18 +59,27 @@ def _cache_dir() -> Path:
 def _cpu_supported() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    line = next((ln for ln in flags.splitlines() if ln.startswith("flags")), "")
-    return {"avx2", "fma"} <= set(line.split())
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split())
+
+
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
 def _flags(threaded: bool) -> list[str]:
     # no FMA contraction outside the intrinsics: the norm and rotary helpers round like the
-    # torch ops they replace
-    flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC"]
+    # torch ops they replace; AVX-512 (the quantized matmuls' 16-row vectors) where the CPU has it
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
+    if set(AVX512) <= _cpu_flags() and os.environ.get("TOKENPIPE_CPU_AVX512", "1") != "0":
+        flags += [f"-m{name}" for name in AVX512]
     return flags + (["-pthread", "-DTP_POOL"] if threaded else [])
 
 
@@ -75,7 +87,7 @@ def _compile(target: Path, threaded: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         source = Path(tmp) / "gemv.c"
-        source.write_text(SOURCE)
+        source.write_text(LIBRARY_SOURCE)
         built = Path(tmp) / target.name
         compiler = os.environ.get("CC", "cc")
         subprocess.run(
@@ -89,7 +101,8 @@ def _compile(target: Path, threaded: bool) -> None:
 
 def load_library(threaded: bool) -> ctypes.CDLL:
     """The kernel library (compiled on first use): with its thread pool, or one-thread."""
-    digest = hashlib.sha256((SOURCE + " ".join(_flags(threaded))).encode()).hexdigest()[:16]
+    key = LIBRARY_SOURCE + " ".join(_flags(threaded))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = _cache_dir() / f"gemv-{digest}.so"
     if not target.exists():
         _compile(target, threaded)
@@ -120,6 +133,13 @@ def load_library(threaded: bool) -> ctypes.CDLL:
     attn.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     attn.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     attn.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    quant = lib.tp_quant_gemm
+    quant.restype = ctypes.c_int
+    quant.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    quant.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    quant.argtypes += [ctypes.c_int64, ctypes.c_int]
+    lib.tp_vector_rows.restype = ctypes.c_int
+    lib.tp_vector_rows.argtypes = []
     return lib
 
 

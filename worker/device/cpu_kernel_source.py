@@ -68,6 +68,9 @@ static void gemm_part(int64_t M, const float *x, const float *w, float *out, int
             groups(1, 1, x + m * K, K, w + g * K * 8, out + m * N + g * 8, N);
 }
 
+/* a share of a split job: units [g0, g1) */
+typedef void (*part_fn)(const void *ctx, int64_t g0, int64_t g1);
+
 #define SPLIT_ALIGN 24    /* chunks are whole sweeps of 8, 4 and 3 groups */
 #define MIN_SPLIT_BYTES (64 * 1024)  /* smaller weights are not worth a second thread */
 
@@ -94,10 +97,11 @@ static void gemm_part(int64_t M, const float *x, const float *w, float *out, int
 #define FIELD 20              /* claim word: seq << 40 | chunks << 20 | next chunk */
 #define FIELD_MASK ((UINT64_C(1) << FIELD) - 1)
 
+/* a job: part(ctx, g0, g1) over units [0, ngroups), cut into chunks of chunk_groups */
 static struct {
-    int64_t M, K, N, ngroups, chunk_groups;
-    const float *x, *w;
-    float *out;
+    int64_t ngroups, chunk_groups;
+    part_fn part;
+    const void *ctx;
 } job;
 static _Atomic uint64_t claims;
 static _Atomic int64_t done_chunks;
@@ -134,7 +138,7 @@ static void run_chunks(void) {
         const int64_t g0 = (int64_t)c * job.chunk_groups;
         const int64_t g1 = g0 + job.chunk_groups < job.ngroups ? g0 + job.chunk_groups
                                                                : job.ngroups;
-        gemm_part(job.M, job.x, job.w, job.out, job.K, job.N, g0, g1);
+        job.part(job.ctx, g0, g1);
         atomic_fetch_add_explicit(&done_chunks, 1, memory_order_release);
     }
 }
@@ -160,9 +164,10 @@ static void *helper_main(void *arg) {
     return NULL;
 }
 
-/* the matmul split between the caller and threads - 1 helpers; 0 where it cannot be */
-static int pooled_gemm(int64_t M, const float *x, const float *w, float *out, int64_t K,
-                       int64_t N, int threads) {
+/* part over units [0, ngroups) split between the caller and threads - 1 helpers, in chunks
+   of whole multiples of align units; 0 where it cannot be */
+static int pooled_run(part_fn part, const void *ctx, int64_t ngroups, int64_t align,
+                      int threads) {
     if (pthread_mutex_trylock(&job_lock) != 0) return 0; /* another caller: run alone */
     int helpers = threads - 1 < MAX_HELPERS ? threads - 1 : MAX_HELPERS;
     while (started_helpers < helpers) {
@@ -176,14 +181,13 @@ static int pooled_gemm(int64_t M, const float *x, const float *w, float *out, in
         pthread_mutex_unlock(&job_lock);
         return 0;
     }
-    const int64_t ngroups = N / 8;
     int64_t chunks = (int64_t)(helpers + 1) * CHUNKS_PER_THREAD;
-    if (chunks > ngroups / SPLIT_ALIGN) chunks = ngroups / SPLIT_ALIGN;
+    if (chunks > ngroups / align) chunks = ngroups / align;
+    if (chunks < 1) chunks = 1;
     int64_t chunk_groups = (ngroups + chunks - 1) / chunks;
-    chunk_groups = (chunk_groups + SPLIT_ALIGN - 1) / SPLIT_ALIGN * SPLIT_ALIGN;
+    chunk_groups = (chunk_groups + align - 1) / align * align;
     chunks = (ngroups + chunk_groups - 1) / chunk_groups;
-    job.M = M, job.K = K, job.N = N, job.ngroups = ngroups, job.chunk_groups = chunk_groups;
-    job.x = x, job.w = w, job.out = out;
+    job.ngroups = ngroups, job.chunk_groups = chunk_groups, job.part = part, job.ctx = ctx;
     atomic_store_explicit(&done_chunks, 0, memory_order_relaxed);
     atomic_store_explicit(&wanted_helpers, helpers, memory_order_relaxed);
     job_seq = (job_seq + 1) & 0xffffff;
@@ -213,15 +217,35 @@ int tp_threaded(void) {
 #endif
 }
 
+struct gemm_args {
+    int64_t M, K, N;
+    const float *x, *w;
+    float *out;
+};
+
+static void gemm_job(const void *ctx, int64_t g0, int64_t g1) {
+    const struct gemm_args *a = ctx;
+    gemm_part(a->M, a->x, a->w, a->out, a->K, a->N, g0, g1);
+}
+
+/* part over units [0, units) on threads, or on the caller alone when the work is small */
+static void run_split(part_fn part, const void *ctx, int64_t units, int64_t align,
+                      int64_t bytes, int threads) {
+#ifdef TP_POOL
+    if (threads > 1 && units >= 2 * align && bytes >= MIN_SPLIT_BYTES &&
+        pooled_run(part, ctx, units, align, threads))
+        return;
+#else
+    (void)align, (void)bytes, (void)threads;
+#endif
+    part(ctx, 0, units);
+}
+
 int tp_packed_gemm(int64_t M, const float *x, const float *w, float *out, int64_t K, int64_t N,
                    int threads) {
     if (N % 8 || M < 1 || threads < 1) return 1;
-#ifdef TP_POOL
-    if (threads > 1 && N / 8 >= 2 * SPLIT_ALIGN && N * K * 4 >= MIN_SPLIT_BYTES &&
-        pooled_gemm(M, x, w, out, K, N, threads))
-        return 0;
-#endif
-    gemm_part(M, x, w, out, K, N, 0, N / 8);
+    const struct gemm_args args = {M, K, N, x, w, out};
+    run_split(gemm_job, &args, N / 8, SPLIT_ALIGN, N * K * 4, threads);
     return 0;
 }
 

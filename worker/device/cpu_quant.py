@@ -1,0 +1,125 @@
+"""Quantized matmuls on the CPU: int8 / int4 weights (``worker.layers.quant``), fp32 activations.
+
+A decode step streams every weight once, so bytes per weight set its speed: int8 reads a
+quarter of fp32, int4 an eighth (plus fp16 scales). ``pack`` stores a ``QuantizedWeight`` for
+the kernel with sixteen rows interleaved, as ``cpu_gemv`` does for fp32 with eight:
+
+    int8  data    [N / 16, K, 16]       data[n // 16, k, n % 16] == q[n, k]
+    int4  data    [N / 16, K / 2, 16]   low nibble k = 2j, high nibble k = 2j + 1
+    scales (and int4 offsets)  [N / 16, K / g, 16] fp16
+
+so one 16-byte load holds column k of sixteen rows (one AVX-512 vector after widening; two
+AVX2 vectors). The kernel (C in ``cpu_quant_source.py``, compiled into the ``cpu_gemv``
+library) widens and converts the integers in registers, applies the group's scale (and
+offset) with one multiply (FMA), and accumulates ``x[m, k] * w`` in fp32: the weight is the
+torch reference's ``dequantize`` value up to one rounding (an FMA for int4), each output one
+fp32 chain over k in order. Inputs of any row count use it (prefill too: the weights of a tile
+stay in cache while all input rows pass over them, four at a time). Threads as in ``cpu_gemv``:
+each output computed by one thread, the same bits at any thread count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.device import cpu_gemv
+from worker.layers.quant import INT4, INT8, QuantizedWeight, unpack_nibbles
+
+ROW_BLOCK = 16  # weight rows interleaved together
+
+
+@dataclass
+class PackedQuant:
+    """A quantized weight in the kernel's layout (module docstring)."""
+
+    kind: str
+    shape: tuple[int, int]  # [N, K]
+    group_size: int
+    data: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.data, self.scales] + ([self.offsets] if self.offsets is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def available() -> bool:
+    return cpu_gemv.kernel() is not None
+
+
+def can_pack(qw: QuantizedWeight) -> bool:
+    """A weight the kernel takes: on the CPU, N % 16 == 0, an even group size."""
+    return (
+        qw.qdata.device.type == "cpu"
+        and qw.shape[0] % ROW_BLOCK == 0
+        and qw.group_size % 2 == 0
+        and qw.kind in (INT8, INT4)
+    )
+
+
+def _interleave(rows: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [N / 16, C, 16] (a copy)."""
+    n, c = rows.shape
+    return rows.reshape(n // ROW_BLOCK, ROW_BLOCK, c).transpose(1, 2).contiguous()
+
+
+def _deinterleave(packed: torch.Tensor) -> torch.Tensor:
+    blocks, c, rows = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * rows, c)
+
+
+def pack(qw: QuantizedWeight) -> PackedQuant:
+    offsets = None if qw.offsets is None else _interleave(qw.offsets)
+    return PackedQuant(qw.kind, qw.shape, qw.group_size, _interleave(qw.qdata),
+                       _interleave(qw.scales), offsets)  # fmt: skip
+
+
+def unpack(packed: PackedQuant) -> QuantizedWeight:
+    offsets = None if packed.offsets is None else _deinterleave(packed.offsets)
+    data, scales = _deinterleave(packed.data), _deinterleave(packed.scales)
+    return QuantizedWeight(packed.kind, packed.shape, packed.group_size, data, scales, offsets)
+
+
+def packed_rows(packed: PackedQuant, ids: torch.Tensor) -> torch.Tensor:
+    """float32 rows ``ids`` [T] of the dequantized weight -> [T, K] (an embedding lookup:
+    only these rows are dequantized)."""
+    block, lane = ids // ROW_BLOCK, ids % ROW_BLOCK
+    n_groups = packed.shape[1] // packed.group_size
+    scales = packed.scales[block, :, lane].float().unsqueeze(-1)  # [T, K / g, 1]
+    if packed.kind == INT8:
+        q = packed.data[block, :, lane].float()
+        return (q.view(len(ids), n_groups, -1) * scales).view(len(ids), -1)
+    assert packed.offsets is not None
+    q = unpack_nibbles(packed.data[block, :, lane]).float().view(len(ids), n_groups, -1)
+    offsets = packed.offsets[block, :, lane].float().unsqueeze(-1)
+    return (q * scales + offsets).view(len(ids), -1)
+
+
+def matmul(x: torch.Tensor, packed: PackedQuant) -> torch.Tensor:
+    """x [M, K] fp32 @ dequantized(weight).T -> [M, N] fp32. Needs ``available()``."""
+    lib = cpu_gemv.kernel()
+    assert lib is not None, "packed quantized weights need the CPU kernel"
+    n, k = packed.shape
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    offsets = None if packed.offsets is None else packed.offsets.data_ptr()
+    status = lib.tp_quant_gemm(
+        x.shape[0], x.data_ptr(), packed.data.data_ptr(), packed.scales.data_ptr(), offsets,
+        out.data_ptr(), k, n, packed.group_size, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(
+            f"tp_quant_gemm failed ({status}) for x {tuple(x.shape)}, {packed.kind} [{n}, {k}] "
+            f"g{packed.group_size}"
+        )
+    return out
+
+
+def vector_rows() -> int:
+    """Weight rows per vector register in the compiled kernel: 16 (AVX-512) or 8 (AVX2)."""
+    lib = cpu_gemv.kernel()
+    return 0 if lib is None else int(lib.tp_vector_rows())

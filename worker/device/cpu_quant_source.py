@@ -1,0 +1,175 @@
+"""The C source of the quantized matmuls (int8 and int4 weights, fp32 activations), appended to
+``worker.device.cpu_kernel_source.SOURCE`` (it uses that file's thread pool, ``run_split``).
+``worker.device.cpu_quant`` packs the weights and wraps the calls; read its docstring for the
+layout. AVX-512 (16 rows per vector) where the compiler flags allow it, else AVX2 (8 rows).
+"""
+
+QUANT_SOURCE = r"""
+/* ---- quantized weights: [N / 16, K, 16] int8 or [N / 16, K / 2, 16] uint8 (two k per byte,
+   low nibble the even k), scales (and int4 offsets) [N / 16, K / gs, 16] fp16. A vector of VW
+   weight rows is one load per k; the kernel dequantizes in registers (q * scale (+ offset),
+   one FMA) and accumulates x[m, k] * w in fp32, every output one chain over k in order. */
+#ifdef __AVX512F__
+#define VW 16
+typedef __m512 vf;
+#define vzero() _mm512_setzero_ps()
+#define vset1(v) _mm512_set1_ps(v)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define vstore(p, v) _mm512_storeu_ps(p, v)
+static inline vf load_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vf load_h(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline void load_u4(const uint8_t *p, vf *lo, vf *hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#define V1 8 /* vectors in flight for one input row, and for 2-4 rows */
+#define V4 4
+#else
+#define VW 8
+typedef __m256 vf;
+#define vzero() _mm256_setzero_ps()
+#define vset1(v) _mm256_set1_ps(v)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define vstore(p, v) _mm256_storeu_ps(p, v)
+static inline vf load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf load_h(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline void load_u4(const uint8_t *p, vf *lo, vf *hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+#define V1 4
+#define V4 2
+#endif
+
+struct qgemm_args {
+    int64_t M, K, N, gs;
+    const float *x;
+    const void *w;
+    const uint16_t *scales, *offsets; /* offsets NULL: int8 */
+    float *out;
+};
+
+/* byte offset of vector j's first element in a [N / 16, rows_per_block, 16] array */
+static inline int64_t vec_base(int64_t j, int64_t rows_per_block) {
+    return (j * VW / 16) * rows_per_block * 16 + (j * VW) % 16;
+}
+
+/* V vectors of weight rows from vector j0 times MC <= 4 input rows (x + m * K):
+   out[m * N + (j0 + v) * VW + i] */
+static inline __attribute__((always_inline)) void q8_tile(
+        const int V, const int MC, const struct qgemm_args *a, const float *x, float *out,
+        int64_t j0) {
+    const int64_t K = a->K, gs = a->gs, ngroups = K / gs;
+    const int8_t *w[16];
+    const uint16_t *s[16];
+    vf acc[16][4];
+    for (int v = 0; v < V; v++) {
+        w[v] = (const int8_t *)a->w + vec_base(j0 + v, K);
+        s[v] = a->scales + vec_base(j0 + v, ngroups);
+        for (int m = 0; m < MC; m++) acc[v][m] = vzero();
+    }
+    for (int64_t g = 0; g < ngroups; g++) {
+        vf sc[16];
+        for (int v = 0; v < V; v++) sc[v] = load_h(s[v] + g * 16);
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+            vf wv[16];
+            for (int v = 0; v < V; v++) wv[v] = vmul(load_i8(w[v] + k * 16), sc[v]);
+            for (int m = 0; m < MC; m++) {
+                const vf xb = vset1(x[m * K + k]);
+                for (int v = 0; v < V; v++) acc[v][m] = vfma(wv[v], xb, acc[v][m]);
+            }
+        }
+    }
+    for (int v = 0; v < V; v++)
+        for (int m = 0; m < MC; m++) vstore(out + m * a->N + (j0 + v) * VW, acc[v][m]);
+}
+
+static inline __attribute__((always_inline)) void q4_tile(
+        const int V, const int MC, const struct qgemm_args *a, const float *x, float *out,
+        int64_t j0) {
+    const int64_t K = a->K, gs = a->gs, ngroups = K / gs;
+    const uint8_t *w[16];
+    const uint16_t *s[16], *o[16];
+    vf acc[16][4];
+    for (int v = 0; v < V; v++) {
+        w[v] = (const uint8_t *)a->w + vec_base(j0 + v, K / 2);
+        s[v] = a->scales + vec_base(j0 + v, ngroups);
+        o[v] = a->offsets + vec_base(j0 + v, ngroups);
+        for (int m = 0; m < MC; m++) acc[v][m] = vzero();
+    }
+    for (int64_t g = 0; g < ngroups; g++) {
+        vf sc[16], off[16];
+        for (int v = 0; v < V; v++) sc[v] = load_h(s[v] + g * 16), off[v] = load_h(o[v] + g * 16);
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+            vf lo[16], hi[16];
+            for (int v = 0; v < V; v++) {
+                load_u4(w[v] + k / 2 * 16, &lo[v], &hi[v]);
+                lo[v] = vfma(lo[v], sc[v], off[v]);
+                hi[v] = vfma(hi[v], sc[v], off[v]);
+            }
+            for (int m = 0; m < MC; m++) {
+                const vf x0 = vset1(x[m * K + k]), x1 = vset1(x[m * K + k + 1]);
+                for (int v = 0; v < V; v++) {
+                    acc[v][m] = vfma(lo[v], x0, acc[v][m]);
+                    acc[v][m] = vfma(hi[v], x1, acc[v][m]);
+                }
+            }
+        }
+    }
+    for (int v = 0; v < V; v++)
+        for (int m = 0; m < MC; m++) vstore(out + m * a->N + (j0 + v) * VW, acc[v][m]);
+}
+
+/* vectors [j, j + V) against every input row, four at a time */
+#define ROWS(TILE, V) do { \
+        for (int64_t m0 = 0; m0 < a->M; m0 += 4) { \
+            const float *xm = a->x + m0 * a->K; \
+            float *om = a->out + m0 * a->N; \
+            switch (a->M - m0 < 4 ? a->M - m0 : 4) { \
+            case 1: TILE(V, 1, a, xm, om, j); break; \
+            case 2: TILE(V, 2, a, xm, om, j); break; \
+            case 3: TILE(V, 3, a, xm, om, j); break; \
+            default: TILE(V, 4, a, xm, om, j); break; \
+            } \
+        } \
+    } while (0)
+
+#define QPART(NAME, TILE) \
+static void NAME(const void *ctx, int64_t j0, int64_t j1) { \
+    const struct qgemm_args *a = ctx; \
+    int64_t j = j0; \
+    if (a->M == 1) \
+        for (; j + V1 <= j1; j += V1) TILE(V1, 1, a, a->x, a->out, j); \
+    for (; j + V4 <= j1; j += V4) ROWS(TILE, V4); \
+    for (; j < j1; j++) ROWS(TILE, 1); \
+}
+QPART(q8_part, q8_tile)
+QPART(q4_part, q4_tile)
+
+/* rows of weights in one vector register (16 with AVX-512, else 8) */
+int tp_vector_rows(void) { return VW; }
+
+/* out [M, N] = x [M, K] @ dequantized(w)^T; 0 on success. int8 when offsets is NULL, else int4
+   (asymmetric). N % 16 == 0, K % gs == 0, gs even. */
+int tp_quant_gemm(int64_t M, const float *x, const void *w, const uint16_t *scales,
+                  const uint16_t *offsets, float *out, int64_t K, int64_t N, int64_t gs,
+                  int threads) {
+    if (N % 16 || M < 1 || gs < 2 || gs % 2 || K % gs || threads < 1) return 1;
+    const struct qgemm_args args = {M, K, N, gs, x, w, scales, offsets, out};
+    const int64_t bytes = offsets ? N * K / 2 : N * K;
+    run_split(offsets ? q4_part : q8_part, &args, N / VW, V1, bytes, threads);
+    return 0;
+}
+"""
