@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", action="store_true",
                    help="load the checkpoint's weights (default: --random-weights)")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="shrink the config (CPU dry run)")
-    p.add_argument("--device", default="cuda", help="cuda, or cpu (one CPU worker)")
+    p.add_argument("--device", default="cuda", help="cuda (a worker per GPU) or cpu (one)")
     p.add_argument("--max-sessions", type=int, default=9)
     p.add_argument("--max-context", type=int, default=8192)
     p.add_argument("--timeout", type=float, default=600.0)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         directory = model_dir(source, args.tiny, Path(tempfile.mkdtemp(prefix="bench_st_")))
         model_args = ["--model", str(directory), "--random-weights",
                       "--tokenizer_path", str(directory / "tokenizer.json")]  # fmt: skip
-    placement = ["--workers", "1"] if args.device == "cpu" else ["--gpus", "1"]
+    placement = ["--workers", "1"] if args.device == "cpu" else []  # cuda: one per GPU
     sup = Supervisor(
         [*model_args, *placement, "--max-sessions", str(args.max_sessions),
          "--max-context", str(args.max_context)],

@@ -180,6 +180,7 @@ def load_model(
     from worker.models.registry import build_model
 
     started = time.monotonic()
+    phases: dict[str, float] = {}
     checkpoint, config, tokenizer, gguf_source = open_model_files(
         path,
         dtype,
@@ -188,8 +189,10 @@ def load_model(
         progress=progress,
     )
     device = torch.device(device)
+    phases["files"] = time.monotonic() - started
     model = build_model(config, device, dtype)
     weights_started = time.monotonic()
+    phases["allocate"] = weights_started - started - phases["files"]
     if random_weights:
         draw_random_weights(model, device, seed)
     else:
@@ -206,7 +209,7 @@ def load_model(
             model.load_weights(_with_progress(pairs, total, label, progress and total > 0))
         except ValueError as exc:
             raise ModelLoadError(f"{checkpoint.path}: {exc}") from exc
-    weights_seconds = time.monotonic() - weights_started
+    weights_seconds = phases["weights"] = time.monotonic() - weights_started
     parameters = sum(p.numel() for p in model.parameters())
     meta: dict[str, Any] = {
         "model": str(gguf_source or checkpoint.path),
@@ -221,6 +224,7 @@ def load_model(
         "random_weights": random_weights,
         "load_seconds": round(time.monotonic() - started, 3),
         "weights_seconds": round(weights_seconds, 3),
+        "load_phases": {name: round(seconds, 3) for name, seconds in phases.items()},
     }
     if progress and not random_weights:
         stored = sum(e.end - e.begin for e in checkpoint.text_tensors().values())
@@ -234,7 +238,9 @@ def load_model(
     if progress:
         print(
             f"loaded {meta['model']} ({config.architecture}, {parameters / 1e6:.0f}M parameters, "
-            f"{meta['dtype']}, {device}) in {meta['load_seconds']:.1f}s",
+            f"{meta['dtype']}, {device}) in {meta['load_seconds']:.1f}s ("
+            + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in phases.items())
+            + ")",
             file=sys.stderr,
         )
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, meta=meta)
