@@ -344,3 +344,37 @@ def test_disconnect_during_prefill_cancels(model_id: str, server: LiveServer) ->
     # worker within a chunk or two (plus the stats query, which waits for the loop too), long
     # before the prefill could finish.
     assert stopped_after is not None and stopped_after < 1.0 + 4 * chunk_s, (stopped_after, chunk_s)
+
+
+def test_hostile_bodies_on_the_real_model(server: LiveServer) -> None:
+    """Issue 23's probes on the real default model: each a 4xx JSON answer within seconds,
+    the queue back to empty, and generation still served."""
+    probes = [
+        ("/v1/completions", {"prompt": "a " * 550_000}, 400),
+        ("/tokenize", {"prompt": "a " * 550_000}, 400),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 200_000}, 400),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}],
+                    },
+                    {"role": "user", "content": "Hi"},
+                ]
+            },
+            400,
+        ),
+    ]
+    for path, body, status in probes:
+        started = time.monotonic()
+        response = server.http.post(path, json=body)
+        assert response.status_code == status, response.text[:300]
+        assert response.json()["error"]["code"]
+        assert time.monotonic() - started < 10
+    for name in ("active_requests", "queue_depth"):
+        assert server.gauge(name) == 0
+    response = server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert response.status_code == 200, response.text
