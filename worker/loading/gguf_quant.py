@@ -1,0 +1,300 @@
+"""GGUF tensors kept quantized: llama.cpp blocks repacked into ``worker.layers.quant`` formats.
+
+    Q4_K  (256-weight super-blocks, 8 sub-blocks of 32: d * sc * q - dmin * m, q 4-bit)
+          -> int4 g32: scale = d * sc, offset = -dmin * m (fp16 roundings of those products)
+    Q8_0  (32 weights: d * q, q int8)             -> int8 g32, exact
+    Q5_0  (32 weights: d * (q - 16), q 5-bit)     -> int8 g32, exact
+    Q6_K  (256-weight super-blocks, 16 sub-blocks of 16: d * sc * (q - 32), q 6-bit)
+          -> int8 g16: scale = d * sc (the fp16 rounding of the product)
+
+F32/F16/BF16 tensors stay float; any other type is dequantized (by the gguf package) with a
+warning naming it. ``gguf_formats`` says what each tensor becomes without reading the data, so a
+load plans its layers (and rejects a tensor type it cannot read) before any weight is read.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.layers.quant import INT4, INT8, QuantFormat, QuantizedWeight, pack_nibbles
+from worker.loading.checkpoint import ModelLoadError
+from worker.loading.gguf_convert import hf_tensor_name, hf_tensor_values, unpermute_rows
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+KEPT_FORMATS = {
+    "Q4_K": QuantFormat(INT4, 32),
+    "Q8_0": QuantFormat(INT8, 32),
+    "Q5_0": QuantFormat(INT8, 32),
+    "Q6_K": QuantFormat(INT8, 16),
+}
+
+
+def _half(raw: np.ndarray) -> torch.Tensor:
+    """uint8 [..., 2] little-endian fp16 -> float32 [...]."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+
+
+def repack_q8_0(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 34] -> q int8 [B, 32], scale fp32 [B]."""
+    d = _half(blocks[:, 0:2])
+    q = torch.from_numpy(np.ascontiguousarray(blocks[:, 2:34]).view(np.int8))
+    return q, d
+
+
+def repack_q5_0(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 22] (d, 32 high bits, 16 bytes of low nibbles) -> q int8 [B, 32] in [-16, 15], d."""
+    d = _half(blocks[:, 0:2])
+    high = np.ascontiguousarray(blocks[:, 2:6]).view("<u4")  # [B, 1]: bit i is weight i's bit 4
+    bits = (high >> np.arange(32, dtype=np.uint32)) & 1  # [B, 32]
+    low = blocks[:, 6:22]
+    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=1)  # weights 0-15, then 16-31
+    q = (nibbles | (bits.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    return torch.from_numpy(q), d
+
+
+def repack_q4_k(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, 144] -> q uint8 [B, 256] in [0, 15], scale [B, 8], offset [B, 8] (fp32)."""
+    d, dmin = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
+    packed = blocks[:, 4:16].astype(np.uint8)  # 8 six-bit scales and 8 six-bit mins
+    low, high, extra = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = np.concatenate([low & 0x3F, (extra & 0x0F) | ((low >> 6) << 4)], axis=1)
+    mins = np.concatenate([high & 0x3F, (extra >> 4) | ((high >> 6) << 4)], axis=1)
+    qs = blocks[:, 16:144].reshape(-1, 4, 32)  # chunk c: sub-block 2c low, 2c + 1 high nibbles
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)
+    scale = d.unsqueeze(1) * torch.from_numpy(sc.astype(np.float32))
+    offset = -(dmin.unsqueeze(1) * torch.from_numpy(mins.astype(np.float32)))
+    return torch.from_numpy(np.ascontiguousarray(q)), scale, offset
+
+
+def repack_q6_k(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 210] (128 low nibbles, 64 high 2-bit pairs, 16 int8 scales, d) -> q int8 [B, 256]
+    in [-32, 31], scale fp32 [B, 16]."""
+    ql, qh = blocks[:, 0:128], blocks[:, 128:192]
+    scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _half(blocks[:, 208:210])
+    # half h (128 weights) of a super-block: low nibbles of ql[64h:64h+64] then its high nibbles
+    low = np.stack([ql.reshape(-1, 2, 64) & 0x0F, ql.reshape(-1, 2, 64) >> 4], axis=2)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = (qh.reshape(-1, 2, 1, 32) >> shifts) & 0x03  # [B, 2, 4, 32]
+    q = (low.reshape(-1, 256) | (high.reshape(-1, 256) << 4)).astype(np.int8) - np.int8(32)
+    return torch.from_numpy(q), d.unsqueeze(1) * torch.from_numpy(scales)
+
+
+BLOCK_BYTES = {"Q4_K": 144, "Q8_0": 34, "Q5_0": 22, "Q6_K": 210}
+
+
+def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+    """A GGUF tensor's raw bytes (uint8, any shape) of a type in ``KEPT_FORMATS`` -> the
+    QuantizedWeight of an HF [N, K] weight."""
+    n, k = shape
+    fmt = KEPT_FORMATS[type_name]
+    blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[type_name])
+    groups = k // fmt.group_size
+    if type_name == "Q4_K":
+        q, scale, offset = repack_q4_k(blocks)
+        return QuantizedWeight(
+            INT4, (n, k), 32, pack_nibbles(q.reshape(n, k)),
+            scale.reshape(n, groups).half(), offset.reshape(n, groups).half(),
+        )  # fmt: skip
+    if type_name == "Q6_K":
+        q, scale = repack_q6_k(blocks)
+    elif type_name == "Q5_0":
+        q, scale = repack_q5_0(blocks)
+    else:
+        q, scale = repack_q8_0(blocks)
+    return QuantizedWeight(INT8, (n, k), fmt.group_size, q.reshape(n, k).contiguous(),
+                           scale.reshape(n, groups).half())  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file: its name, type, HF-order shape, and bytes in the file."""
+
+    name: str
+    type_name: str
+    type_id: int
+    shape: tuple[int, ...]  # outermost first (the HF order)
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}  # fmt: skip
+
+
+def read_index(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """(scalar metadata, tensors) from a GGUF header. Arrays are skipped (their lengths kept as
+    ``range`` objects): the ``gguf`` reader parses all 262k vocabulary strings (~8 s) where this
+    needs ~0.2 s."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    view = memoryview(data)  # type: ignore[arg-type]
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        value = struct.unpack_from(fmt, view, pos)[0]
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        length = take("<Q")
+        pos += length
+        return bytes(view[pos - length : pos]).decode("utf-8", errors="replace")
+
+    def value(kind: int) -> Any:
+        nonlocal pos
+        if kind == 8:
+            return string()
+        if kind == 9:
+            item, count = take("<I"), take("<Q")
+            if item == 8:
+                for _ in range(count):
+                    length = take("<Q")  # (pos += take(...) would add to the old pos)
+                    pos += length
+            elif item == 9:
+                raise ModelLoadError(f"{path}: nested GGUF arrays are not supported")
+            else:
+                pos += count * struct.calcsize(_SCALARS[item])
+            return range(count)
+        return take(_SCALARS[kind])
+
+    try:
+        if bytes(view[:4]) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file")
+        pos = 8
+        n_tensors, n_kv = take("<Q"), take("<Q")
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = value(take("<I"))
+        raw: list[tuple[str, tuple[int, ...], int, int]] = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = tuple(take("<Q") for _ in range(take("<I")))
+            raw.append((name, tuple(reversed(dims)), take("<I"), take("<Q")))
+    except (struct.error, KeyError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF header ({exc})") from exc
+    alignment = int(meta.get("general.alignment", 32))
+    start = (pos + alignment - 1) // alignment * alignment
+    tensors = []
+    for name, shape, type_id, offset in raw:
+        try:
+            kind = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ModelLoadError(
+                f"{path}: GGUF tensor {name!r} has unknown type {type_id}, which this version "
+                "of the gguf package cannot read"
+            ) from None
+        block, size = GGML_QUANT_SIZES[kind]
+        nbytes = math.prod(shape) // block * size
+        tensors.append(TensorInfo(name, kind.name, type_id, shape, start + offset, nbytes))
+        if start + offset + nbytes > len(data):
+            raise ModelLoadError(f"{path}: truncated GGUF file: tensor {name!r} ends past the end")
+    return meta, tensors
+
+
+def _raw(path: Path, info: TensorInfo) -> np.ndarray:
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+    return np.asarray(data)
+
+
+def gguf_formats(path: Path) -> dict[str, QuantFormat | None]:
+    """HF name -> the format its GGUF tensor is kept in (None: float), from the header only.
+    Raises ModelLoadError naming the tensor for a type the gguf package cannot read."""
+    from gguf.quants import _type_traits
+
+    meta, tensors = read_index(path)
+    arch = str(meta.get("general.architecture", ""))
+    formats: dict[str, QuantFormat | None] = {}
+    for info in tensors:
+        name = hf_tensor_name(arch, info.name)
+        if name is None:
+            continue
+        readable = info.type_name in FLOAT_TYPES or info.type_name in KEPT_FORMATS
+        if not readable and not any(t.name == info.type_name for t in _type_traits):
+            raise ModelLoadError(
+                f"{path}: GGUF tensor {info.name!r} has type {info.type_name}, which this "
+                "version of the gguf package cannot read"
+            )
+        keep = info.type_name in KEPT_FORMATS and len(info.shape) == 2
+        formats[name] = KEPT_FORMATS[info.type_name] if keep else None
+    return formats
+
+
+def _float_values(path: Path, info: TensorInfo) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = _raw(path, info)
+    if info.type_name == "F32":
+        values = raw.view(np.float32)
+    else:
+        values = dequantize(raw, GGMLQuantizationType(info.type_id))
+    return np.array(values, dtype=np.float32).reshape(info.shape)
+
+
+def iter_gguf_tensors(
+    path: Path, dtype: torch.dtype, keep: dict[str, QuantFormat | None]
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(HF name, value) of every tensor: a QuantizedWeight where ``keep`` names a format, else
+    a float tensor in ``dtype`` (types not kept are dequantized, with one warning naming them)."""
+    meta, tensors = read_index(path)
+    arch = str(meta.get("general.architecture", ""))
+    config = {
+        "num_attention_heads": meta.get(f"{arch}.attention.head_count"),
+        "num_key_value_heads": meta.get(
+            f"{arch}.attention.head_count_kv", meta.get(f"{arch}.attention.head_count")
+        ),
+    }
+    dequantized_types: dict[str, list[str]] = {}
+    for info in tensors:
+        name = hf_tensor_name(arch, info.name)
+        if name is None:
+            continue
+        try:
+            if keep.get(name) is not None:
+                qw = repack(info.type_name, _raw(path, info), (info.shape[0], info.shape[1]))
+                yield name, _hf_rows(arch, info.name, qw, config)
+                continue
+            if info.type_name not in FLOAT_TYPES:
+                dequantized_types.setdefault(info.type_name, []).append(info.name)
+            values = hf_tensor_values(arch, info.name, _float_values(path, info), config)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(
+                f"{path}: cannot read GGUF tensor {info.name!r} ({info.type_name}): {exc}"
+            ) from exc
+        yield name, torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    for type_name, names in dequantized_types.items():
+        more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+        print(
+            f"warning: {path.name}: GGUF type {type_name} is not kept quantized; dequantized "
+            f"{', '.join(names[:3])}{more}",
+            file=sys.stderr,
+        )
+
+
+def _hf_rows(arch: str, gguf_name: str, qw: QuantizedWeight, config: dict[str, Any]) -> Any:
+    """llama.cpp's Q/K row permutation undone on a quantized weight (rows move whole)."""
+    heads = None
+    if arch == "llama" and ".attn_q." in gguf_name:
+        heads = config["num_attention_heads"]
+    elif arch == "llama" and ".attn_k." in gguf_name:
+        heads = config["num_key_value_heads"]
+    if heads is None:
+        return qw
+    order = unpermute_rows(np.arange(qw.shape[0]), heads)
+    return qw.rows(torch.from_numpy(np.ascontiguousarray(order)))
