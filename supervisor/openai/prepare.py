@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -79,37 +80,47 @@ def too_long(what: str = "messages") -> APIError:
     )
 
 
-class _GcPause:
-    """The cyclic garbage collector off while any job runs. A job allocates millions of
-    short-lived (acyclic) objects; a full collection they trigger holds the GIL, so the
-    event loop, for 50-100 ms. Reference counting frees them anyway."""
+JOB_SWITCH_INTERVAL_S = 0.0005
+
+
+class _JobMode:
+    """While any job runs: the cyclic garbage collector off, and a short GIL switch interval.
+    A job allocates millions of short-lived (acyclic) objects; a full collection they
+    trigger holds the GIL, so the event loop, for 50-100 ms (reference counting frees them
+    anyway). And each time the event loop waits for I/O, the job takes the GIL for up to the
+    switch interval (5 ms by default), which a request's dozen loop turns add up."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running = 0
         self._was_enabled = False
+        self._interval = sys.getswitchinterval()
 
     def __enter__(self) -> None:
         with self._lock:
             if self._running == 0:
                 self._was_enabled = gc.isenabled()
+                self._interval = sys.getswitchinterval()
                 gc.disable()
+                sys.setswitchinterval(min(self._interval, JOB_SWITCH_INTERVAL_S))
             self._running += 1
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._running -= 1
-            if self._running == 0 and self._was_enabled:
-                gc.enable()
+            if self._running == 0:
+                sys.setswitchinterval(self._interval)
+                if self._was_enabled:
+                    gc.enable()
 
 
-_GC_PAUSE = _GcPause()
+_JOB_MODE = _JobMode()
 
 
 class Preparer:
     """A small thread pool that runs preparation jobs with a time budget each (a thread, not
-    a process: with the collector paused, the event loop waits at most one GIL switch
-    interval, or one C call such as parsing the body, for a job; see RELIABILITY.md)."""
+    a process: in `_JobMode` the event loop waits at most one short GIL switch interval, or
+    one C call such as parsing an 8 MiB body (65 ms at worst), for a job; RELIABILITY.md)."""
 
     def __init__(self, budget_s: float, threads: int = 2) -> None:
         self.budget_s = budget_s
@@ -127,7 +138,7 @@ class Preparer:
     def _call(self, job: Callable[..., T], args: tuple[Any, ...]) -> T:
         render_deadline(time.monotonic() + self.budget_s)
         try:
-            with _GC_PAUSE:
+            with _JOB_MODE:
                 return job(*args)
         except RenderBudgetExceeded:
             raise too_complex(self.budget_s) from None

@@ -35,6 +35,8 @@ from .tool_parsers import FORMATS, REASONING_MARKERS, default_tool_format
 log = logging.getLogger("tokenpipe.serve")
 
 MAX_BODY_BYTES = 8 << 20
+RECOUNT_CHARS = 64 << 10
+"""Prompts up to this many characters of text get their token count in an overflow error."""
 
 T = TypeVar("T")
 
@@ -306,6 +308,10 @@ class Server:
 
     async def _overflow_error(self, segments: list[PromptSegmentDict], message: str) -> APIError:
         client, model = self.ready()
+        if sum(len(s.get("text", "")) for s in segments) > RECOUNT_CHARS:
+            # Recounting would tokenize the whole text again and decode every id on the
+            # event loop (250 ms for 1 MB); the worker's own message says enough.
+            return APIError(400, "context_length_exceeded", message, param="messages")
         count = 0
         try:
             for index, segment in enumerate(segments):
