@@ -159,12 +159,15 @@ def build_engine(
     seed: int,
     threads: int | None,
     cuda_graphs: bool = True,
+    quantize: str = "none",
+    group_size: int | None = None,
 ) -> object:
     """Load the model and build the engine (load progress on stderr)."""
     import torch
 
     from worker.engine.engine import Engine, EngineConfig
     from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
     from worker.loading.startup_clock import StartupClock
 
     if threads:
@@ -188,6 +191,7 @@ def build_engine(
             random_weights=random_weights,
             tokenizer_path=tokenizer_path,
             seed=seed,
+            quantize=QuantizeOptions(quantize, group_size),
         )
     model_context = int(getattr(loaded.config, "context_length", 0) or 4096)
     default_context = min(model_context, 4096 if on_cpu else 32768)
@@ -280,6 +284,19 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
             show_default=True,
             help="Replay decode steps from CUDA graphs (CUDA only).",
         ),
+        click.option(
+            "--quantize",
+            type=click.Choice(["auto", "none", "int8", "int4"]),
+            default="auto",
+            show_default=True,
+            help="Weights: auto keeps a GGUF's quantized tensors; int8/int4 quantize at load.",
+        ),
+        click.option(
+            "--group-size",
+            type=click.IntRange(min=2),
+            default=None,
+            help="Quantization group (int4 default 32; int8 default per channel).",
+        ),
     ]
     for opt in reversed(opts):
         func = opt(func)
@@ -302,6 +319,8 @@ def command(
     seed: int,
     threads: int | None,
     cuda_graphs: bool,
+    quantize: str,
+    group_size: int | None,
 ) -> None:
     """Run one worker process: JSONL requests on stdin, JSONL events on stdout."""
     try:
@@ -319,6 +338,8 @@ def command(
             seed,
             threads,
             cuda_graphs,
+            quantize,
+            group_size,
         )
     except Exception as exc:
         log(f"failed to start: {exc!r}")

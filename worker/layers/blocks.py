@@ -27,6 +27,7 @@ from worker.device import cpu_gemv
 from worker.device.kernels.attention import use_triton
 from worker.layers.attention import AttentionPlan, attend
 from worker.layers.kv import LayerCache
+from worker.layers.quant import QuantLinear, concat
 from worker.layers.rope import apply_rotary
 from worker.models.config import ModelConfig
 
@@ -139,7 +140,10 @@ class GatedMLP(nn.Module):
         """Replace gate_proj and up_proj by one gate_up_proj ([2 * inner, hidden])."""
         if self.gate_up_proj is not None:
             return
-        self.gate_up_proj = _concat_linears([self.gate_proj, self.up_proj])
+        fused = _concat_linears([self.gate_proj, self.up_proj])
+        if fused is None:
+            return  # weights of different formats stay two matmuls
+        self.gate_up_proj = fused
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,8 +162,14 @@ class GatedMLP(nn.Module):
         return out
 
 
-def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output is the parts' outputs concatenated (weights moved, not kept)."""
+def _concat_linears(parts: list[Any]) -> Any:
+    """One Linear whose output is the parts' outputs concatenated (weights moved, not kept);
+    quantized parts of one format give one QuantLinear; None for parts that cannot be merged
+    (float and quantized, or two quantized formats)."""
+    if any(isinstance(p, QuantLinear) for p in parts):
+        return _concat_quantized(parts)
+    if not all(isinstance(p, nn.Linear) for p in parts):
+        return None
     first = parts[0]
     bias = first.bias is not None
     weight = torch.cat([p.weight.detach() for p in parts], dim=0)
@@ -174,6 +184,21 @@ def _concat_linears(parts: list[nn.Linear]) -> nn.Linear:
     for p in parts:  # free the originals now, one layer at a time
         p.weight = None  # type: ignore[assignment]
         p.bias = None
+    return fused
+
+
+def _concat_quantized(parts: list[Any]) -> QuantLinear | None:
+    if not all(isinstance(p, QuantLinear) and p.quantized is not None for p in parts):
+        return None
+    weight = concat([p.quantized for p in parts])
+    if weight is None:
+        return None
+    biases = [p.bias for p in parts if p.bias is not None]
+    if biases and len(biases) != len(parts):
+        return None
+    fused = QuantLinear.from_weight(weight, torch.cat(biases) if biases else None)
+    for p in parts:
+        p.quantized = None
     return fused
 
 
@@ -210,7 +235,10 @@ class Attention(nn.Module):
         if self.qkv_proj is not None:
             return
         parts = [self.q_proj, self.k_proj] + ([self.v_proj] if self.v_proj is not None else [])
-        self.qkv_proj = _concat_linears(parts)
+        fused = _concat_linears(parts)
+        if fused is None:
+            return  # weights of different formats stay separate matmuls
+        self.qkv_proj = fused
         del self.q_proj, self.k_proj
         self.v_proj = None
 

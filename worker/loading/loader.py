@@ -25,6 +25,7 @@ import torch
 
 from worker.loading.checkpoint import Checkpoint, ModelLoadError, open_checkpoint
 from worker.loading.gguf_convert import Progress, convert_gguf, dtype_name
+from worker.loading.quantize import begin_load
 from worker.loading.staged_load import staged_tensors
 from worker.loading.tokenizer import Tokenizer, TokenizerError
 
@@ -168,6 +169,7 @@ def load_model(
     progress: bool = True,
     tokenizer_path: str | os.PathLike[str] | None = None,
     seed: int = 0,
+    quantize: Any = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer onto `device` in `dtype` (see the module docstring).
 
@@ -197,9 +199,14 @@ def load_model(
         draw_random_weights(model, device, seed)
     else:
         check_shapes(checkpoint, model)
+        # `quantize` (a QuantizeOptions): quantized layers planned and installed here, before
+        # any weight is read; a GGUF kept quantized is its own tensor source
+        quantized = begin_load(model, quantize, gguf_source, device, dtype)
         targets = model.state_dict(keep_vars=True)
-        pairs: Iterable[tuple[str, torch.Tensor]]
-        if device.type == "cuda":
+        pairs: Iterable[tuple[str, Any]]
+        if quantized is not None and quantized.pairs is not None:
+            pairs = quantized.pairs
+        elif device.type == "cuda":
             pairs = staged_tensors(checkpoint.text_tensors(), targets)
         else:
             pairs = checkpoint.iter_tensors(device=device, dtype=dtype, targets=targets)
@@ -209,6 +216,8 @@ def load_model(
             model.load_weights(_with_progress(pairs, total, label, progress and total > 0))
         except ValueError as exc:
             raise ModelLoadError(f"{checkpoint.path}: {exc}") from exc
+        if quantized is not None:
+            quantized.finish(model)
     weights_seconds = phases["weights"] = time.monotonic() - weights_started
     parameters = sum(p.numel() for p in model.parameters())
     meta: dict[str, Any] = {

@@ -22,6 +22,7 @@ from worker.device.cpu_gemv import PackedEmbedding, PackedLinear
 from worker.layers.attention import AttentionPlan
 from worker.layers.blocks import NormStyle, RMSNorm
 from worker.layers.kv import DEFAULT_RING_SLACK, KVCache
+from worker.layers.quant import QuantEmbedding, QuantizedWeight, QuantLinear
 from worker.layers.rope import Rotary
 from worker.models.config import ModelConfig, RopeSpec
 from worker.models.step import StepInput
@@ -118,8 +119,9 @@ class CausalLM(nn.Module):
         )
 
     @torch.inference_mode()
-    def forward(self, step: StepInput, kv: KVCache) -> torch.Tensor:
-        """-> [B, vocab] float32 logits of the last new token of each sequence."""
+    def forward(self, step: StepInput, kv: KVCache, every_position: bool = False) -> torch.Tensor:
+        """-> [B, vocab] float32 logits of the last new token of each sequence (with
+        ``every_position``: [T, vocab], every new token's; the quality tools use it)."""
         device = self.device
         input_ids = step.input_ids.to(device)
         positions = step.positions.to(device)
@@ -137,7 +139,8 @@ class CausalLM(nn.Module):
             for layer, rope_key, cache in layers:
                 x = layer(x, tables[rope_key], cache, plan)
 
-        last = self.model.norm(x[plan.last_rows])  # [B, hidden]: never [T, vocab]
+        rows = x if every_position else x[plan.last_rows]
+        last = self.model.norm(rows)  # [B, hidden]: never [T, vocab] unless asked
         logits = self._lm_head(last)  # [B, vocab] float32
         cap = self.config.final_logit_softcapping
         if cap is not None:
@@ -146,7 +149,7 @@ class CausalLM(nn.Module):
 
     def _lm_head(self, last: torch.Tensor) -> torch.Tensor:
         """last [B, hidden] -> [B, vocab] float32 logits."""
-        if isinstance(self.lm_head, PackedLinear):
+        if isinstance(self.lm_head, (PackedLinear, QuantLinear)):
             return self.lm_head(last).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if last.is_cuda or last.shape[0] == 1:
@@ -166,9 +169,10 @@ class CausalLM(nn.Module):
         from worker.device import cpu_gemv
 
         embed = self.model.embed_tokens
-        if cpu_gemv.kernel() is None or not isinstance(embed, nn.Embedding):
+        norm = self.model.norm.weight
+        if cpu_gemv.kernel() is None or norm.dtype != torch.float32 or norm.device.type != "cpu":
             return 0
-        if not cpu_gemv.can_pack(embed.weight):
+        if isinstance(embed, nn.Embedding) and not cpu_gemv.can_pack(embed.weight):
             return 0
         self.fuse_projections()
         for module in self.modules():
@@ -180,14 +184,37 @@ class CausalLM(nn.Module):
                 if isinstance(child, nn.Linear) and cpu_gemv.can_pack(child.weight):
                     setattr(module, name, PackedLinear.from_linear(child))
                     packed += 1
-        if self.lm_head is not None and cpu_gemv.can_pack(self.lm_head.weight):
+        if isinstance(self.lm_head, nn.Linear) and cpu_gemv.can_pack(self.lm_head.weight):
             self.lm_head = PackedLinear.from_linear(self.lm_head)
             packed += 1
+        packed += _pack_quantized(self)
+        if isinstance(embed, QuantEmbedding):
+            return packed
         table = cpu_gemv.pack(embed.weight)  # [vocab / 8, hidden, 8]
         self.model.embed_tokens = PackedEmbedding(table)
         if self.lm_head is None:  # tied: one packed table for both
             self.lm_head = PackedLinear(table)
         return packed + 1
+
+    def _quantized_targets(self) -> dict[str, QuantLinear | QuantEmbedding]:
+        tied = self.config.tie_word_embeddings
+        return {
+            f"{name}.weight": module
+            for name, module in self.named_modules()
+            if isinstance(module, (QuantLinear, QuantEmbedding))
+            and not (tied and name == "lm_head")
+        }
+
+    def _load_tied_head(self, embedding: QuantLinear | QuantEmbedding, value: object) -> None:
+        """The quantized head of a tied model: the embedding's table when the formats agree,
+        else its own quantization of the same tensor."""
+        head = self.lm_head
+        assert isinstance(head, QuantLinear)
+        if embedding.quantized is not None and head.format == embedding.format:
+            head.quantized = embedding.quantized
+            head.cpu_packed = None
+        else:
+            head.load(value)  # type: ignore[arg-type]
 
     def fuse_projections(self) -> int:
         """Merge each layer's q/k/v and gate/up weights into one matrix each (a post-load
@@ -210,6 +237,8 @@ class CausalLM(nn.Module):
         ``strict``, if any parameter was not supplied or any name is unknown.
         """
         targets = self.state_dict(keep_vars=True)  # name -> Parameter / persistent buffer
+        quantized = self._quantized_targets()  # HF weight name -> QuantLinear / QuantEmbedding
+        tied_head = self.config.tie_word_embeddings and isinstance(self.lm_head, QuantLinear)
         seen: set[str] = set()
         report = LoadReport()
         with torch.no_grad():
@@ -217,8 +246,18 @@ class CausalLM(nn.Module):
                 name = _canonical_name(raw_name)
                 if name is None:
                     continue
-                if name == "lm_head.weight" and self.lm_head is None:
+                if name == "lm_head.weight" and (self.lm_head is None or tied_head):
                     continue  # tied: the embedding is the head
+                layer = quantized.get(name)
+                if layer is not None:
+                    layer.load(tensor)  # a float tensor is quantized here, one at a time
+                    if tied_head and name == "model.embed_tokens.weight":
+                        self._load_tied_head(layer, tensor)
+                    seen.add(name)
+                    report.loaded += 1
+                    continue
+                if isinstance(tensor, QuantizedWeight):  # a quantized source, a float layer
+                    tensor = tensor.dequantize()
                 target = targets.get(name)
                 if target is None:
                     report.unexpected.append(raw_name)
@@ -231,13 +270,36 @@ class CausalLM(nn.Module):
                 target.copy_(tensor)
                 seen.add(name)
                 report.loaded += 1
-        report.missing = sorted(set(targets) - seen)
+        report.missing = sorted((set(targets) | set(quantized)) - seen)
         if strict and (report.missing or report.unexpected):
             raise ValueError(
                 f"checkpoint does not match {self.config.architecture}: "
                 f"missing {_shorten(report.missing)}, unexpected {_shorten(report.unexpected)}"
             )
         return report
+
+
+def _pack_quantized(model: nn.Module) -> int:
+    """Quantized layers into the CPU kernel's layout (``worker.device.cpu_quant``); a tied
+    head and embedding share one packed table. Returns the number packed."""
+    from worker.device import cpu_quant
+
+    packed: dict[int, object] = {}
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, (QuantLinear, QuantEmbedding)) or module.quantized is None:
+            continue
+        if not cpu_quant.can_pack(module.quantized):
+            continue  # the torch reference
+        key = id(module.quantized)
+        if key not in packed:
+            packed[key] = cpu_quant.pack(module.quantized)
+            count += 1
+        module.cpu_packed = packed[key]
+    for module in model.modules():  # the canonical copies are not needed any more
+        if isinstance(module, (QuantLinear, QuantEmbedding)) and module.cpu_packed is not None:
+            module.quantized = None
+    return count
 
 
 def _canonical_name(name: str) -> str | None:

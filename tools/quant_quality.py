@@ -1,0 +1,180 @@
+"""Quality of the quantized formats on the default model's real weights (issue 14's targets).
+
+    python tools/quant_quality.py                 # all positions of the shipped passage
+    python tools/quant_quality.py --positions 256 --threads 1
+
+Teacher-forced over a fixed passage of English (tests/worker/data/quality_passage.txt), each
+variant's next-token predictions against the float model (the GGUF dequantized, `--quantize
+none`): top-1 agreement and perplexity. Variants: `auto` (the GGUF kept quantized), `int8` and
+`int4` g32 of the float weights. Then greedy continuations of reference prompts, `auto` vs float.
+Every variant runs the CPU path the worker runs (``prepare_for_cpu``: the packed kernels).
+
+Targets: auto gives the float path's greedy tokens; int8 top-1 >= 98%, perplexity +<= 1%;
+int4 g32 top-1 >= 90%, perplexity +<= 8%.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSAGE = ROOT / "tests" / "worker" / "data" / "quality_passage.txt"
+CHUNK = 128  # teacher-forced tokens per step ([CHUNK, vocab] logits at a time)
+REFERENCE_PROMPTS = [
+    "The history of the printing press begins",
+    "A recipe for a simple tomato soup:",
+    "In distributed systems, consensus protocols",
+    "The old lighthouse keeper looked at the sea and",
+]
+VARIANTS = {"auto": ("auto", None), "int8": ("int8", None), "int4-g32": ("int4", 32)}
+
+
+@dataclass
+class Quality:
+    variant: str
+    positions: int
+    top1_agreement: float  # fraction of positions whose argmax equals the float model's
+    perplexity: float
+    perplexity_increase: float  # relative to the float model's
+
+
+def load(mode: str, group_size: int | None = None) -> Any:
+    """The default model on the CPU in fp32, as the worker prepares it."""
+    sys.path.insert(0, str(ROOT))
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+
+    loaded = load_model(
+        None, "cpu", torch.float32, progress=False, quantize=QuantizeOptions(mode, group_size)
+    )
+    loaded.model.prepare_for_cpu()
+    return loaded
+
+
+def passage_ids(tokenizer: Any, positions: int | None) -> list[int]:
+    ids = list(tokenizer.prefix_ids) + tokenizer.encode(PASSAGE.read_text())
+    return ids if positions is None else ids[: positions + 1]
+
+
+@torch.inference_mode()
+def teacher_forced(model: Any, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax [T - 1], log-prob of the true next token [T - 1]) over the passage."""
+    from worker.models.step import StepInput
+
+    kv = model.make_kv_cache(1, len(ids) + 16)
+    tops, logps = [], []
+    for start in range(0, len(ids) - 1, CHUNK):
+        chunk = ids[start : min(start + CHUNK, len(ids) - 1)]
+        step = StepInput(
+            input_ids=torch.tensor(chunk),
+            positions=torch.arange(start, start + len(chunk)),
+            slots=[0],
+            cached_lens=[start],
+            new_lens=[len(chunk)],
+        )
+        logits = model(step, kv, every_position=True)  # [chunk, vocab]
+        targets = torch.tensor(ids[start + 1 : start + 1 + len(chunk)])
+        tops.append(logits.argmax(-1))
+        logps.append(torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0])
+    return torch.cat(tops), torch.cat(logps)
+
+
+@torch.inference_mode()
+def greedy(model: Any, tokenizer: Any, prompt: str, tokens: int) -> list[int]:
+    from worker.models.step import StepInput
+
+    ids = list(tokenizer.prefix_ids) + tokenizer.encode(prompt)
+    kv = model.make_kv_cache(1, len(ids) + tokens + 16)
+    out: list[int] = []
+    new, cached = ids, 0
+    for _ in range(tokens):
+        step = StepInput(
+            input_ids=torch.tensor(new),
+            positions=torch.arange(cached, cached + len(new)),
+            slots=[0],
+            cached_lens=[cached],
+            new_lens=[len(new)],
+        )
+        token = int(model(step, kv)[0].argmax())
+        out.append(token)
+        cached += len(new)
+        new = [token]
+    return out
+
+
+def compare(
+    reference: tuple[torch.Tensor, torch.Tensor],
+    other: tuple[torch.Tensor, torch.Tensor],
+    name: str,
+) -> Quality:
+    ref_top, ref_logp = reference
+    top, logp = other
+    ref_ppl = math.exp(-float(ref_logp.double().mean()))
+    ppl = math.exp(-float(logp.double().mean()))
+    agreement = float((top == ref_top).double().mean())
+    return Quality(name, int(top.numel()), agreement, ppl, ppl / ref_ppl - 1.0)
+
+
+def measure(
+    positions: int | None, variants: list[str], prompt_tokens: int
+) -> tuple[list[Quality], dict[str, bool]]:
+    """Qualities of each variant against float, and per reference prompt whether `auto`'s
+    greedy tokens equal float's."""
+    base = load("none")
+    ids = passage_ids(base.tokenizer, positions)
+    reference = teacher_forced(base.model, ids)
+    float_greedy = {
+        p: greedy(base.model, base.tokenizer, p, prompt_tokens) for p in REFERENCE_PROMPTS
+    }
+    results = [compare(reference, reference, "float")]
+    same: dict[str, bool] = {}
+    del base
+    for name in variants:
+        mode, group = VARIANTS[name]
+        loaded = load(mode, group)
+        results.append(compare(reference, teacher_forced(loaded.model, ids), name))
+        if name == "auto":
+            for prompt in REFERENCE_PROMPTS:
+                tokens = greedy(loaded.model, loaded.tokenizer, prompt, prompt_tokens)
+                same[prompt] = tokens == float_greedy[prompt]
+        del loaded
+    return results, same
+
+
+@click.command()
+@click.option("--positions", type=int, default=None, help="Teacher-forced positions (default all).")
+@click.option("--threads", type=int, default=None, help="torch threads (default torch's).")
+@click.option("--prompt-tokens", type=int, default=24, show_default=True)
+@click.option("--json", "json_path", default=None, help="Also write the results here.")
+def main(
+    positions: int | None, threads: int | None, prompt_tokens: int, json_path: str | None
+) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
+    results, same = measure(positions, list(VARIANTS), prompt_tokens)
+    print(
+        f"{'variant':10} {'positions':>9} {'top-1 agree':>11} {'perplexity':>10} {'ppl change':>10}"
+    )
+    for q in results:
+        print(f"{q.variant:10} {q.positions:9d} {q.top1_agreement:11.2%} {q.perplexity:10.3f} "
+              f"{q.perplexity_increase:+10.2%}")  # fmt: skip
+    for prompt, equal in same.items():
+        print(f"auto greedy {prompt_tokens} tokens == float: {equal}  ({prompt!r})")
+    print(f"({time.perf_counter() - started:.1f}s)")
+    if json_path:
+        data = {"qualities": [asdict(q) for q in results], "greedy_equal": same}
+        Path(json_path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

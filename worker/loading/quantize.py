@@ -1,0 +1,239 @@
+"""``--quantize {auto,none,int8,int4}`` and ``--group-size``: which layers load quantized.
+
+    auto  keep what the file has: a GGUF's Q4_K/Q8_0/Q5_0/Q6_K tensors stay quantized
+          (``worker.loading.gguf_quant``), float checkpoints stay float
+    none  every weight float (today's path: a GGUF is read from its dequantized cache)
+    int8  every decoder matmul int8, symmetric (per output channel, or per ``--group-size``)
+    int4  every decoder matmul int4 g``--group-size`` (default 32), asymmetric
+
+In int8 and int4 modes the embedding is int8 (per row, or per ``--group-size`` with int8), and
+the LM head is its own int8 layer (one shared table when the head is tied to the embedding and
+the formats agree). Norms, biases and small vectors stay float. The plan is made and checked
+(group sizes against every dimension) before any weight is read; ``install`` swaps the float
+modules for empty quantized ones that ``CausalLM.load_weights`` fills tensor by tensor, so a
+float checkpoint is quantized as it streams in.
+
+On CUDA the quantized kernels are not written yet: int8/int4 weights are quantized and
+dequantized back to the compute dtype at load (``QuantizedLoad.finish``, a log line says so),
+and ``auto`` reads a GGUF from its dequantized cache as before.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.layers.quant import INT4, INT8, QuantEmbedding, QuantFormat, QuantLinear, quantize
+
+MODES = ("auto", "none", "int8", "int4")
+EMBEDDING = "model.embed_tokens"
+HEAD = "lm_head"
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """The command line's choice, validated: ``mode`` in MODES, ``group_size`` None (the
+    mode's default) or a positive even number."""
+
+    mode: str = "auto"
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--quantize must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
+            raise ValueError(f"--group-size must be an even number >= 2, got {self.group_size}")
+
+    def layer_format(self) -> QuantFormat:
+        if self.mode == INT4:
+            return QuantFormat(INT4, self.group_size or 32)
+        return QuantFormat(INT8, self.group_size or 0)
+
+    def embedding_format(self) -> QuantFormat:
+        return QuantFormat(INT8, (self.group_size or 0) if self.mode == INT8 else 0)
+
+
+Plan = dict[str, QuantFormat]  # module path ("model.layers.0.mlp.up_proj") -> format
+
+
+def plan_for_model(model: nn.Module, options: QuantizeOptions) -> Plan:
+    """int8 / int4 of a float checkpoint: every Linear of the decoder layers, the embedding and
+    the LM head."""
+    if options.mode not in (INT8, INT4):
+        return {}
+    layer = options.layer_format()
+    plan = {
+        name: layer
+        for name, module in model.named_modules()
+        if name.startswith("model.layers.") and isinstance(module, nn.Linear)
+    }
+    plan[EMBEDDING] = options.embedding_format()
+    plan[HEAD] = options.embedding_format()
+    return plan
+
+
+def plan_for_gguf(path: Path) -> Plan:
+    """auto on a GGUF file: the formats its tensors are kept in (header only)."""
+    from worker.loading.gguf_quant import gguf_formats
+
+    plan = {}
+    for name, fmt in gguf_formats(path).items():
+        if fmt is not None and name.endswith(".weight"):
+            plan[name.removesuffix(".weight")] = fmt
+    if EMBEDDING in plan and "lm_head.weight" not in gguf_formats(path):
+        plan[HEAD] = plan[EMBEDDING]  # tied: the head shares the embedding's table
+    return plan
+
+
+def install(model: nn.Module, plan: Plan) -> int:
+    """Replace the planned modules by empty quantized ones (checking every group size; a
+    ValueError names the tensor). Returns the number replaced."""
+    replaced = 0
+    for path, fmt in plan.items():
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, attr, None)
+        name = f"{path}.weight"
+        if isinstance(old, nn.Embedding):
+            dtype = old.weight.dtype
+            setattr(parent, attr, QuantEmbedding(old.num_embeddings, old.embedding_dim, fmt, dtype,
+                                                 name=name))  # fmt: skip
+        elif isinstance(old, nn.Linear):
+            bias = old.bias is not None
+            setattr(parent, attr, QuantLinear(old.in_features, old.out_features, fmt, bias, name))
+        elif path == HEAD and old is None:  # tied head: its own quantized layer
+            embedding = model.get_submodule(EMBEDDING)
+            vocab, hidden = _embedding_shape(embedding)
+            setattr(parent, attr, QuantLinear(hidden, vocab, fmt, False, f"{EMBEDDING}.weight"))
+        else:
+            continue
+        replaced += 1
+    return replaced
+
+
+def _embedding_shape(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, QuantEmbedding):
+        return module.num_embeddings, module.embedding_dim
+    assert isinstance(module, nn.Embedding)
+    return module.num_embeddings, module.embedding_dim
+
+
+def summary(model: nn.Module) -> dict[str, dict[str, int]]:
+    """Format -> {"tensors": n, "bytes": stored bytes} over the model's weights (floats by
+    dtype), the tied head counted once."""
+    from worker.device.cpu_gemv import PackedEmbedding, PackedLinear
+
+    out: dict[str, dict[str, int]] = {}
+    seen: set[int] = set()
+
+    def add(key: str, nbytes: int) -> None:
+        entry = out.setdefault(key, {"tensors": 0, "bytes": 0})
+        entry["tensors"] += 1
+        entry["bytes"] += nbytes
+
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)):
+            store = module.cpu_packed if module.cpu_packed is not None else module.quantized
+            if store is None or id(store) in seen:
+                continue
+            seen.add(id(store))
+            add(module.format.describe(), store.nbytes)
+        elif isinstance(module, (PackedLinear, PackedEmbedding)):
+            if id(module.packed) in seen:
+                continue
+            seen.add(id(module.packed))
+            add(str(module.packed.dtype).removeprefix("torch."), _nbytes(module.packed))
+        else:
+            for param in module.parameters(recurse=False):
+                add(str(param.dtype).removeprefix("torch."), _nbytes(param))
+    return out
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class QuantizedLoad:
+    """What ``load_model`` does differently for a quantized load: the (name, tensor) source
+    (None: the checkpoint's own) and the step after ``load_weights``."""
+
+    plan: Plan
+    pairs: Iterator[tuple[str, Any]] | None
+    device: torch.device
+    dtype: torch.dtype
+
+    def finish(self, model: nn.Module) -> None:
+        """On CUDA (no quantized kernels yet) each planned float weight is replaced in place by
+        its quantized-then-dequantized values: the format's quality, the float model's memory."""
+        if self.device.type == "cpu" or not self.plan:
+            return
+        count = 0
+        with torch.no_grad():
+            for path, fmt in self.plan.items():
+                module = model.get_submodule(path) if path != HEAD or model.lm_head else None
+                weight = getattr(module, "weight", None)
+                if weight is None:
+                    continue  # a tied head: the embedding's weight
+                weight.copy_(quantize(weight.detach(), fmt).dequantize(weight.dtype))
+                count += 1
+        log(
+            f"{count} weights quantized and dequantized back to "
+            f"{str(self.dtype).removeprefix('torch.')} on {self.device}: the CUDA int4/int8 "
+            "kernels are not written yet, so memory and speed are the float model's"
+        )
+
+
+def log(message: str) -> None:
+    print(f"[tokenpipe quantize] {message}", file=sys.stderr, flush=True)
+
+
+def begin_load(
+    model: nn.Module,
+    options: QuantizeOptions | None,
+    gguf_source: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> QuantizedLoad | None:
+    """Plan and install the quantized layers before any weight is read (a ModelLoadError names
+    a tensor whose shape or type does not fit); None for the plain float load."""
+    from worker.loading.checkpoint import ModelLoadError
+
+    if options is None:  # load_model's default: the float path
+        return None
+    try:
+        if options.mode == "auto" and gguf_source is not None:
+            plan = plan_for_gguf(gguf_source)
+            if device.type != "cpu":  # today's path: the dequantized cache
+                log(f"GGUF kept quantized only on the CPU for now; {device} loads it dequantized")
+                return None
+            install(model, plan)
+            from worker.loading.gguf_quant import gguf_formats, iter_gguf_tensors
+
+            pairs = iter_gguf_tensors(gguf_source, dtype, gguf_formats(gguf_source))
+            return QuantizedLoad(plan, pairs, device, dtype)
+        plan = plan_for_model(model, options)
+        if not plan:
+            return None
+        for path, fmt in plan.items():  # every group size checked before any weight is read
+            module = model.get_submodule(path) if path != HEAD or model.lm_head else None
+            shape = _module_shape(module if module is not None else model.get_submodule(EMBEDDING))
+            fmt.check(f"{path}.weight", shape)
+        if device.type == "cpu":
+            install(model, plan)
+        return QuantizedLoad(plan, None, device, dtype)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
+def _module_shape(module: nn.Module) -> tuple[int, int]:
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    assert isinstance(module, nn.Linear)
+    return module.out_features, module.in_features
