@@ -295,7 +295,7 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
             "--group-size",
             type=click.IntRange(min=2),
             default=None,
-            help="Quantization group (int4 default 32; int8 default per channel).",
+            help="Quantization group size (default 32; 64, 128 or the row length also work).",
         ),
     ]
     for opt in reversed(opts):

@@ -1,0 +1,162 @@
+"""Quantized formats (worker/layers/quant.py), GGUF repacking (worker/loading/gguf_quant.py),
+the CPU kernel (worker/device/cpu_quant.py) and the load-time plan (worker/loading/quantize.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from worker.device import cpu_quant
+from worker.layers import quant as Q
+from worker.loading.quantize import QuantizeOptions
+
+needs_kernel = pytest.mark.skipif(not cpu_quant.available(), reason="no CPU kernel")
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("group", [0, 16, 32, 128])
+def test_int8_round_trip(group: int) -> None:
+    w = _weight(48, 256)
+    qw = Q.quantize_int8(w, group)
+    g = group or 256
+    assert qw.qdata.dtype == torch.int8 and qw.scales.shape == (48, 256 // g)
+    # error at most half a step per weight, plus the fp16 rounding of the scale
+    step = qw.scales.float().repeat_interleave(g, dim=1)
+    assert bool(((Q.dequantize(qw) - w).abs() <= 0.5 * step * (1 + 1e-3) + 1e-7).all())
+    assert torch.equal(Q.quantize_int8(Q.dequantize(qw), group).qdata, qw.qdata)  # a fixed point
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_trip(group: int) -> None:
+    w = _weight(32, 256, seed=1)
+    qw = Q.quantize_int4(w, group)
+    assert qw.qdata.shape == (32, 128) and qw.offsets is not None
+    assert torch.equal(Q.unpack_nibbles(qw.qdata).max(), torch.tensor(15, dtype=torch.uint8))
+    step = qw.scales.float().repeat_interleave(group, dim=1)
+    err = (Q.dequantize(qw) - w).abs()
+    assert bool((err <= 0.5 * step + 2e-3 * w.abs().max()).all())  # + fp16 scale/offset
+
+
+def test_bad_group_size_names_the_tensor() -> None:
+    with pytest.raises(ValueError, match=r"'blk'.*group size 48 does not divide.*640"):
+        Q.QuantFormat(Q.INT4, 48).check("blk", (16, 640))
+    with pytest.raises(ValueError, match="--quantize must be one of"):
+        QuantizeOptions("int3")
+
+
+def test_concat_and_rows() -> None:
+    a, b = Q.quantize_int4(_weight(16, 64), 32), Q.quantize_int4(_weight(32, 64, 2), 32)
+    both = Q.concat([a, b])
+    assert both is not None and both.shape == (48, 64)
+    assert torch.equal(Q.dequantize(both), torch.cat([Q.dequantize(a), Q.dequantize(b)]))
+    assert Q.concat([a, Q.quantize_int8(_weight(16, 64), 32)]) is None
+    ids = torch.tensor([3, 40, 0])
+    assert torch.equal(Q.dequantize(both.rows(ids)), Q.dequantize(both)[ids])
+
+
+# ---- GGUF blocks: our repack against the gguf package's own dequantize
+
+
+def _blocks(type_name: str, rows: int, k: int) -> np.ndarray:
+    """Random but valid blocks: random bytes with sane fp16 scale fields."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
+    halves = {"Q4_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "Q5_0": [0]}[type_name]
+    for at in halves:
+        scale = rng.uniform(1e-3, 2e-2, len(raw)).astype(np.float16)
+        raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+def test_gguf_repack_matches_gguf_dequantize(type_name: str) -> None:
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from worker.loading.gguf_quant import KEPT_FORMATS, repack
+
+    raw = _blocks(type_name, 16, 512)
+    expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(16, 512))
+    qw = repack(type_name, raw, (16, 512))
+    assert qw.format == KEPT_FORMATS[type_name]
+    got = Q.dequantize(qw)
+    if type_name in ("Q8_0", "Q5_0"):
+        assert torch.equal(got, expected)  # d * q: d is fp16 already, exact
+    else:  # d * sc (and dmin * m) rounded to fp16: 2^-11 relative per product
+        assert torch.allclose(got, expected, rtol=0, atol=float(expected.abs().max()) * 2**-10)
+
+
+# ---- the CPU kernel against the torch reference
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind, group", [("int8", 16), ("int8", 32), ("int8", 0), ("int4", 32),
+                                         ("int4", 128)])  # fmt: skip
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n", [16, 48, 1040])
+def test_kernel_matches_reference(kind: str, group: int, rows: int, n: int, threads: int) -> None:
+    k = 256
+    w = _weight(n, k, seed=n)
+    qw = Q.quantize_int8(w, group) if kind == "int8" else Q.quantize_int4(w, group)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    reference = Q.dequantize(qw).double()
+    out = cpu_quant.matmul(x, cpu_quant.pack(qw))
+    # tolerance: a float32 sum of K products (the kernel's dequantized weight may differ from
+    # the reference's by one rounding: an FMA for int4)
+    bound = 2 * k * torch.finfo(torch.float32).eps * (x.double().abs() @ reference.abs().T)
+    assert bool(((out.double() - x.double() @ reference.T).abs() <= bound + 1e-6).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_kernel_same_bits_at_any_thread_count(kind: str) -> None:
+    w = _weight(4096, 640, seed=3)
+    qw = Q.quantize_int8(w, 32) if kind == "int8" else Q.quantize_int4(w, 32)
+    packed = cpu_quant.pack(qw)
+    x = torch.randn(3, 640)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_quant.matmul(x, packed)
+        torch.set_num_threads(2)
+        two = cpu_quant.matmul(x, packed)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_packed_rows_and_unpack() -> None:
+    qw = Q.quantize_int4(_weight(64, 96), 32)
+    packed = cpu_quant.pack(qw)
+    ids = torch.tensor([63, 0, 17, 17])
+    assert torch.equal(cpu_quant.packed_rows(packed, ids), Q.dequantize(qw)[ids])
+    assert torch.equal(Q.dequantize(cpu_quant.unpack(packed)), Q.dequantize(qw))
+
+
+def test_quant_linear_reference_and_kernel_agree() -> None:
+    layer = Q.QuantLinear(96, 32, Q.QuantFormat(Q.INT8, 32), bias=True)
+    layer.load(_weight(32, 96))
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(2, 96)
+    reference = layer(x)
+    if cpu_quant.available():
+        layer.cpu_packed = cpu_quant.pack(layer.quantized)
+        assert torch.allclose(layer(x), reference, atol=1e-5)
