@@ -15,6 +15,7 @@ import click
 import torch
 
 from worker.loading.checkpoint import Checkpoint, ModelLoadError, text_config
+from worker.loading.quantize import QuantizeOptions, describe_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,7 +55,11 @@ def kv_bytes_from_config(config: dict[str, Any], context: int, dtype: torch.dtyp
 
 
 def describe(
-    path: str | None, context: int | None, dtype: torch.dtype, progress: bool = True
+    path: str | None,
+    context: int | None,
+    dtype: torch.dtype,
+    progress: bool = True,
+    quantize: QuantizeOptions | None = None,
 ) -> dict[str, Any]:
     """The metadata `tokenpipe info` prints (see the module docstring)."""
     from worker.loading.loader import open_model_files
@@ -62,6 +67,7 @@ def describe(
     checkpoint, config, tokenizer, gguf_source = open_model_files(
         path, dtype, require_weights=False, progress=progress
     )
+    quantize = quantize or QuantizeOptions()
     context = config.context_length if context is None else context
     if context < 1:
         raise ModelLoadError(f"--context must be >= 1, got {context}")
@@ -81,8 +87,10 @@ def describe(
         if parameters is None:
             parameters = sum(p.numel() for p in skeleton.parameters())
         bytes_per_session = int(skeleton.make_kv_cache(1, context).bytes_per_slot)
+        weights = _weights(skeleton, gguf_source, quantize, dtype)
     except ImportError:
         bytes_per_session = kv_bytes_from_config(checkpoint.config, context, dtype)
+        weights = {}
     return {
         "model": str(gguf_source or checkpoint.path),
         "checkpoint_dir": str(checkpoint.path),
@@ -104,7 +112,22 @@ def describe(
         "chat_template": tokenizer.chat_template is not None,
         "context": context,
         "bytes_per_session": bytes_per_session,
+        **weights,
     }
+
+
+def _weights(
+    skeleton: Any, gguf_source: Any, quantize: QuantizeOptions, dtype: torch.dtype
+) -> dict[str, Any]:
+    """`quantize`, each tensor group's format and bytes, and the bytes a decode step reads
+    (as a CPU worker would load it: the CUDA path dequantizes for now)."""
+    from worker.loading.quantize import plan_for_gguf, plan_for_model
+
+    if quantize.mode == "auto" and gguf_source is not None:
+        plan = plan_for_gguf(gguf_source)
+    else:
+        plan = plan_for_model(skeleton, quantize)
+    return {"quantize": quantize.mode, **describe_weights(skeleton, plan, dtype)}
 
 
 @click.command("info")
@@ -118,14 +141,28 @@ def describe(
     show_default=True,
     help="Compute dtype the memory figures assume.",
 )
+@click.option(
+    "--quantize",
+    type=click.Choice(["auto", "none", "int8", "int4"]),
+    default="auto",
+    show_default=True,
+    help="The weight formats to report (as the worker's flag).",
+)
+@click.option("--group-size", type=click.IntRange(min=2), default=None)
 def command(
-    model_path: str | None, model_path_alias: str | None, context: int | None, dtype: str
+    model_path: str | None,
+    model_path_alias: str | None,
+    context: int | None,
+    dtype: str,
+    quantize: str,
+    group_size: int | None,
 ) -> None:
     """Print the model's metadata as JSON (architecture, parameters, context, vocabulary,
     BOS/EOS ids, chat template, KV memory per session) without loading the weights."""
     try:
-        info = describe(model_path or model_path_alias, context, DTYPES[dtype])
-    except ModelLoadError as exc:
+        options = QuantizeOptions(quantize, group_size)
+        info = describe(model_path or model_path_alias, context, DTYPES[dtype], quantize=options)
+    except (ModelLoadError, ValueError) as exc:
         click.echo(f"tokenpipe info: error: {exc}", err=True)
         sys.exit(1)
     click.echo(json.dumps(info, indent=2))

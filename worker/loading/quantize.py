@@ -238,3 +238,50 @@ def _module_shape(module: nn.Module) -> tuple[int, int]:
         return module.num_embeddings, module.embedding_dim
     assert isinstance(module, nn.Linear)
     return module.out_features, module.in_features
+
+
+def describe_weights(model: nn.Module, plan: Plan, dtype: torch.dtype) -> dict[str, Any]:
+    """For `tokenpipe info`, from shapes alone (``model`` may live on the meta device): per
+    format, the tensors and their bytes, and the bytes one decode step reads (every matmul
+    weight once, the LM head included; the embedding's row lookup is not counted)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    groups: dict[str, dict[str, int]] = {}
+    decode = 0
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear | nn.Embedding):
+            n, k = _module_shape(module)
+        else:
+            for param_name, param in module.named_parameters(recurse=False):
+                if param_name != "weight" or param.dim() != 1:
+                    continue
+                entry = groups.setdefault(f"{str(dtype).removeprefix('torch.')} vectors", {})
+                entry["tensors"] = entry.get("tensors", 0) + 1
+                entry["bytes"] = entry.get("bytes", 0) + param.numel() * element
+            continue
+        key, nbytes = _stored(plan.get(name), n, k, element, dtype)
+        entry = groups.setdefault(key, {})
+        entry["tensors"] = entry.get("tensors", 0) + 1
+        entry["bytes"] = entry.get("bytes", 0) + nbytes
+        if name != EMBEDDING:
+            decode += nbytes
+    if tied:  # the head reads the embedding's table (its own when the formats differ)
+        n, k = _module_shape(model.get_submodule(EMBEDDING))
+        key, nbytes = _stored(plan.get(HEAD), n, k, element, dtype)
+        decode += nbytes
+        if plan.get(HEAD) != plan.get(EMBEDDING):
+            entry = groups.setdefault(key, {})
+            entry["tensors"] = entry.get("tensors", 0) + 1
+            entry["bytes"] = entry.get("bytes", 0) + nbytes
+    return {"formats": groups, "decode_bytes_per_step": decode}
+
+
+def _stored(
+    fmt: QuantFormat | None, n: int, k: int, element: int, dtype: torch.dtype
+) -> tuple[str, int]:
+    """(format name, bytes) of an [n, k] weight stored in ``fmt`` (None: float ``dtype``)."""
+    if fmt is None:
+        return str(dtype).removeprefix("torch."), n * k * element
+    int4 = fmt.kind == INT4
+    groups = n * (k // fmt.group_for(k))
+    return fmt.describe(), n * k // (2 if int4 else 1) + groups * (4 if int4 else 2)
