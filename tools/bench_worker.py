@@ -2,6 +2,7 @@
 
     python tools/bench_worker.py                    # fp32 and bf16, default model
     python tools/bench_worker.py --dtype float32 --tokens 32 --json out.json
+    python tools/bench_worker.py --dtype float32 --threads 1 --quantize auto --quantize int8
 
 Our side is the real worker process driven over its pipes (wall-clock on the client side);
 the reference is transformers' `generate` (greedy, KV cache on) in this process. Figures:
@@ -259,9 +260,18 @@ def conversation_ids(tokenizer: Any, target: int) -> tuple[list[int], list[int]]
 @click.option("--tokens", type=int, default=32, show_default=True, help="Decode tokens.")
 @click.option("--threads", type=int, default=None, help="torch threads (default: all cores).")
 @click.option("--conversation-tokens", type=int, default=1000, show_default=True)
+@click.option(
+    "--quantize",
+    "quantize_modes",
+    multiple=True,
+    default=[],
+    help="Also run the float32 worker with --quantize MODE (auto, int8, int4) and compare its "
+    "decode with the float one (repeatable).",
+)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def main(
     dtypes: tuple[str, ...],
+    quantize_modes: tuple[str, ...],
     tokens: int,
     threads: int | None,
     conversation_tokens: int,
@@ -301,7 +311,7 @@ def main(
             "--max-context",
             str(max(2048, len(conv_ids) + len(turn_ids) + 64)),
         ]
-        ours = bench_ours(argv, prompt_ids, conv_ids, turn_ids, tokens)
+        ours = bench_ours(argv + ["--quantize", "none"], prompt_ids, conv_ids, turn_ids, tokens)
         ref = bench_transformers(checkpoint_dir, dtype_name, prompt_ids, conv_ids, tokens)
         report[dtype_name] = {
             "ours": ours,
@@ -313,8 +323,30 @@ def main(
             "warm_vs_cold_ttft": ours["cold_ttft_s"] / ours["warm_ttft_s"],
         }
         print_section(dtype_name, report[dtype_name], bandwidth)
+        if dtype_name == "float32":
+            for mode in quantize_modes:
+                quant = bench_ours(
+                    argv + ["--quantize", mode], prompt_ids, conv_ids, turn_ids, tokens
+                )
+                report[f"float32-quantize-{mode}"] = quant
+                print_quantized(mode, quant, ours)
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
+
+
+def print_quantized(mode: str, quant: dict[str, Any], float_ours: dict[str, Any]) -> None:
+    """The quantized worker against the float32 one, measured in this run."""
+    print(f"\n== float32 --quantize {mode} vs --quantize none (same threads) ==")
+    keys = [
+        ("single-session decode tok/s", "single_decode_tok_s"),
+        ("4 sessions concurrent, aggregate tok/s", "concurrent4_tok_s"),
+        ("cold prefill of the conversation, TTFT s", "cold_ttft_s"),
+    ]
+    for label, key in keys:
+        ratio = quant[key] / float_ours[key]
+        print(f"{label:44s} {quant[key]:12.3f} {float_ours[key]:12.3f}  {ratio:5.2f}x")
+    runs = ", ".join(f"{x:.2f}" for x in quant["single_decode_runs_tok_s"])
+    print(f"single-session runs (tok/s), quantized: {runs}")
 
 
 def print_section(dtype_name: str, r: dict[str, Any], bandwidth: float) -> None:
