@@ -63,6 +63,8 @@ WORKER_CODE_STATUS = {
     "unknown_session": 404,
     "shutting_down": 503,
     "worker_lost": 503,
+    "unavailable": 503,  # no worker is running (restarting, or failed to start)
+    "out_of_memory": 503,
     "line_too_long": 400,
     "invalid_json": 400,
     "invalid_utf8": 400,

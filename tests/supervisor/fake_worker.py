@@ -39,7 +39,7 @@ def encode_text(text: str) -> list[int]:
 
 
 def decode_ids(ids: list[int]) -> str:
-    return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
+    return bytes(i - OFFSET for i in ids if OFFSET <= i < OFFSET + 256).decode(errors="replace")
 
 
 def next_token(resident: list[int]) -> int:
