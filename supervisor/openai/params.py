@@ -8,10 +8,11 @@ do is rejected with 400 `unsupported_parameter`, never silently ignored; a bad v
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from protocol import chat_template
 
 from .errors import APIError, invalid_value, unsupported
 
@@ -213,81 +214,19 @@ def _include_usage(body: dict[str, Any]) -> bool:
 # --------------------------------------------------------------------------------- messages
 
 
-def content_text(content: Any, where: str) -> str:
-    """A message's content as one string: text parts joined with newlines."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise invalid_value(f"{where}: only text content parts are supported, got {kind}")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise invalid_value(f"{where}: a text part needs a string 'text'")
-            texts.append(text)
-        return "\n".join(texts)
-    raise invalid_value(f"{where}: content must be a string or a list of content parts")
-
-
-def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(value, list):
-        raise invalid_value(f"{where}: tool_calls must be a list")
-    calls = []
-    for call in value:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid_value(f"{where}: each tool call needs a function with a name")
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
-                pass  # templates get the raw text; fingerprints compare it as text
-            except RecursionError:
-                raise invalid_value(TOO_DEEP, "messages") from None
-            check_nesting(arguments)
-        calls.append(
-            {
-                "id": call.get("id"),
-                "type": "function",
-                "function": {"name": function["name"], "arguments": arguments},
-            }
-        )
-    return calls
-
-
 def normalize_messages(value: Any) -> list[dict[str, Any]]:
-    """OpenAI messages -> the plain dicts a chat template reads (None values dropped)."""
-    if not isinstance(value, list) or not value:
-        raise invalid_value("'messages' must be a non-empty list", "messages")
-    messages: list[dict[str, Any]] = []
-    for index, message in enumerate(value):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise invalid_value(f"{where} must be an object", "messages")
-        role = message.get("role")
-        if role not in ROLES:
-            raise invalid_value(f"{where}: role must be one of {', '.join(ROLES)}", "messages")
-        normalized: dict[str, Any] = {
-            "role": "system" if role == "developer" else role,
-            "content": content_text(message.get("content"), where),
-        }
-        if role == "assistant":
-            if message.get("tool_calls"):
-                normalized["tool_calls"] = _tool_calls(message["tool_calls"], where)
-            reasoning = message.get("reasoning_content", message.get("reasoning"))
-            if isinstance(reasoning, str) and reasoning:
-                normalized["reasoning_content"] = reasoning
-        if role == "tool" and isinstance(message.get("tool_call_id"), str):
-            normalized["tool_call_id"] = message["tool_call_id"]
-        if isinstance(message.get("name"), str):
-            normalized["name"] = message["name"]
-        messages.append(normalized)
-    return messages
+    """OpenAI messages -> the plain dicts a chat template reads (the shared
+    `protocol.chat_template.normalize_messages`, the worker's too), roles checked."""
+    if isinstance(value, list):
+        for index, message in enumerate(value):
+            if isinstance(message, dict) and message.get("role") not in ROLES:
+                raise invalid_value(
+                    f"messages[{index}]: role must be one of {', '.join(ROLES)}", "messages"
+                )
+    try:
+        return chat_template.normalize_messages(value)
+    except chat_template.MessageError as exc:
+        raise invalid_value(str(exc), exc.param) from None
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -51,7 +51,7 @@ from protocol import (
     TokenizeRequest,
     TokensEvent,
 )
-from worker.engine.prompt import PromptError, build_prompt
+from worker.engine.prompt import PromptError, build_prompt, chat_template_for
 from worker.engine.resume import NEW, ResumePlan, plan_resume
 from worker.engine.sampling import SamplingParams, make_generator, sample
 from worker.engine.scheduler import QueuedItem, RunningItem, plan_admission, plan_step
@@ -129,6 +129,9 @@ class Engine:
         self.pool = SessionPool(config.max_sessions)
         self.prefix_ids = list(
             config.prefix_ids if config.prefix_ids is not None else self.tokenizer.prefix_ids
+        )
+        self.chat_template = chat_template_for(
+            self.tokenizer, getattr(self.model_config, "architecture", None)
         )
         self.shutting_down = False
         self._keys = itertools.count()
@@ -257,7 +260,12 @@ class Engine:
             return [_capacity_error(rid, name, self.pool.max_named)]
         try:
             prompt_ids = build_prompt(
-                req, self.tokenizer, self.prefix_ids, self._vocab_size(), self.config.max_context
+                req,
+                self.tokenizer,
+                self.prefix_ids,
+                self._vocab_size(),
+                self.config.max_context,
+                self.chat_template,
             )
         except PromptError as exc:
             return [_error(rid, str(exc), exc.code, session_id=name)]

@@ -1,57 +1,41 @@
 """The prompt of a generate: text, segments, or chat `messages` rendered with the model's
-chat template in a jinja2 sandbox, turned into the token ids the engine feeds.
+chat template, turned into the token ids the engine feeds.
 
-The template sees `messages`, `bos_token`, `eos_token`, `add_generation_prompt`, `tools`
-and any extra `chat_template_kwargs`; `raise_exception(msg)` and the `tojson` filter are
-available as in Hugging Face templates. A model without a template gets the built-in Gemma
-one (a system message is folded into the first user turn, as Gemma's own template does).
+`messages` are rendered by the renderer `tokenpipe serve` uses too
+(`protocol/chat_template.py`): the same normalization (text parts joined, `developer` as
+`system`, tool-call arguments parsed), sandbox, helpers and built-in template for the model's
+family, with the request's `tools` and `chat_template_kwargs`; so a chat sent as JSONL gives
+the same prompt ids as the same chat sent to `serve`.
 """
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
+import time
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from protocol import ErrorCode, GenerateRequest, IdsSegment, TextSegment
-
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% set ns = namespace(system='') %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}"
-    "{% set ns.system = ns.system + message['content'] + '\\n\\n' %}"
-    "{% else %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "<start_of_turn>{{ role }}\n{{ ns.system }}{{ message['content'] | trim }}<end_of_turn>\n"
-    "{% set ns.system = '' %}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+from protocol.chat_template import (
+    GEMMA_TEMPLATE,
+    ChatTemplate,
+    ChatTemplateError,
+    MessageError,
+    RenderBudgetExceeded,
+    builtin_template,
+    model_family,
+    normalize_messages,
+    render_deadline,
+    strip_leading_bos,
 )
 
-
-class ChatTemplateError(ValueError):
-    """The messages could not be rendered (the template raised or is broken)."""
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
+RENDER_BUDGET_S = 5.0
+"""How long one render may take: the engine loop renders, so a runaway template must stop."""
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
-
-
-@lru_cache(maxsize=8)
-def _compile(source: str) -> Any:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise_exception
-    env.filters["tojson"] = _tojson
-    return env.from_string(source)
+def chat_template_for(tokenizer: Any, architecture: str | None) -> ChatTemplate:
+    """The model's template, else the built-in one for its family (as `serve` chooses)."""
+    source = tokenizer.chat_template or builtin_template(model_family(architecture))
+    # The BOS a template writes is dropped in `build_prompt`, only when the prefix adds it.
+    return ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token, strip_bos=False)
 
 
 def render_chat(
@@ -64,20 +48,35 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt text for `messages`; raises `ChatTemplateError`."""
-    source = template if template else GEMMA_TEMPLATE
-    variables: dict[str, Any] = dict(extra or {})
-    variables.update(
-        messages=messages,
-        bos_token=bos_token or "",
-        eos_token=eos_token or "",
-        add_generation_prompt=add_generation_prompt,
-        tools=tools,
-    )
+    """The prompt text for `messages` with `template` (None: the built-in Gemma one), BOS
+    included as the template writes it; raises `ChatTemplateError` (a `ValueError`)."""
+    chat = ChatTemplate(template or GEMMA_TEMPLATE, bos_token, eos_token, strip_bos=False)
+    return _render(chat, messages, add_generation_prompt, tools, extra)
+
+
+def _render(
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None,
+    extra: dict[str, Any] | None,
+) -> str:
+    render_deadline(time.monotonic() + RENDER_BUDGET_S)
     try:
-        return str(_compile(source).render(**variables))
-    except Exception as exc:  # any template failure is the request's problem, not ours
-        raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        return template.render_raw(
+            normalize_messages(messages),
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=extra,
+        )
+    except MessageError as exc:
+        raise ChatTemplateError(f"chat template input: {exc}") from exc
+    except RenderBudgetExceeded:
+        raise ChatTemplateError(
+            f"the chat template took longer than {RENDER_BUDGET_S:g} s on these messages"
+        ) from None
+    finally:
+        render_deadline(None)
 
 
 class PromptError(ValueError):
@@ -94,9 +93,11 @@ def build_prompt(
     prefix_ids: list[int],
     vocab_size: int,
     max_context: int,
+    template: ChatTemplate | None = None,
 ) -> list[int]:
     """The token ids a generate request feeds: prefix (unless `add_prefix` is false), then
-    its `prompt`, `prompt_segments` or rendered `messages`. Raises `PromptError`."""
+    its `prompt`, `prompt_segments` or rendered `messages` (with `template`, by default the
+    tokenizer's or the built-in Gemma one). Raises `PromptError`."""
     body: list[int] = []
     if req.prompt is not None:
         body = tokenizer.encode(req.prompt)
@@ -107,21 +108,19 @@ def build_prompt(
             elif isinstance(segment, TextSegment):
                 body.extend(tokenizer.encode(segment.text))
     elif req.messages is not None:
+        chat = template or chat_template_for(tokenizer, None)
         try:
-            text = render_chat(
+            text = _render(
+                chat,
                 req.messages,
-                tokenizer.chat_template,
-                bos_token=tokenizer.bos_token,
-                eos_token=tokenizer.eos_token,
-                add_generation_prompt=req.add_generation_prompt,
-                tools=req.tools,
-                extra=req.chat_template_kwargs,
+                req.add_generation_prompt,
+                req.tools,
+                req.chat_template_kwargs,
             )
         except ChatTemplateError as exc:
             raise PromptError(str(exc), ErrorCode.TEMPLATE_ERROR) from exc
-        bos = tokenizer.bos_token
-        if req.add_prefix and prefix_ids and bos and text.startswith(bos):
-            text = text[len(bos) :]  # the prefix ids already carry BOS
+        if req.add_prefix and prefix_ids:
+            text = strip_leading_bos(text, tokenizer.bos_token)  # the prefix ids carry BOS
         body = tokenizer.encode(text)
     if not body:
         raise PromptError("the prompt encodes to zero tokens", ErrorCode.EMPTY_PROMPT)
