@@ -111,22 +111,53 @@ def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
         write(engine.step())
 
 
+DEFAULT_CONTEXT = 32768
+"""The default context (capped by the model's own and by memory)."""
+CPU_KV_BUDGET = 2 << 30
+"""KV bytes all sessions may take at the default context on the CPU. The default Gemma 3
+270M costs 6 KiB a token (3 full layers x 1 KV head x 256 dims x K and V x fp32; its 15
+sliding layers keep a fixed 512-token ring, 15.5 MiB a session), so 8 sessions of 32k take
+1.7 GiB: agents' prompts (5-20k tokens) fit. A bigger model gets less, never below 4096."""
+CPU_MIN_CONTEXT = 4096
+
+
+def _session_kv_bytes(model: Any, context: int) -> int:
+    """One session's KV bytes at `context`, laid out on the meta device (nothing allocated)."""
+    import torch
+
+    from worker.layers.kv import KVCache
+
+    config = model.config
+    dtype = next(iter(model.parameters())).dtype
+    kv = KVCache(config.layers, config.sliding_window, 1, context, torch.device("meta"), dtype)
+    return int(kv.bytes_per_slot)
+
+
 def _memory_capped_context(model: Any, sessions: int, wanted: int) -> int:
     """The largest context <= `wanted` whose KV for `sessions` slots fits the memory budget
-    (80% of free device memory on CUDA, half the available RAM on CPU)."""
+    (80% of free device memory on CUDA; on the CPU `CPU_KV_BUDGET`, or what
+    `CPU_MIN_CONTEXT` tokens need if more, and at most half the available RAM)."""
     import psutil
     import torch
 
     probe_len = 256
-    probe = model.make_kv_cache(1, probe_len)
-    per_token = max(1, int(getattr(probe, "bytes_per_slot", 0)) // probe_len)
     device = next(iter(model.parameters())).device
-    del probe
+    try:  # marginal cost per token past the sliding rings, and the rings' fixed cost
+        long = max(wanted, 2 * probe_len)
+        per_token = max(1, (_session_kv_bytes(model, 2 * long) - _session_kv_bytes(model, long)))
+        per_token = max(1, per_token // long)
+        fixed = max(0, _session_kv_bytes(model, long) - per_token * long)
+    except (AttributeError, TypeError, RuntimeError):  # a model without the usual layout
+        probe = model.make_kv_cache(1, probe_len)
+        per_token = max(1, int(getattr(probe, "bytes_per_slot", 0)) // probe_len)
+        fixed = 0
+        del probe
     if device.type == "cuda":
         budget = torch.cuda.mem_get_info(device)[0] * 0.8
     else:
-        budget = psutil.virtual_memory().available * 0.5
-    fits = int(budget // (per_token * sessions))
+        floor = sessions * (fixed + per_token * CPU_MIN_CONTEXT)
+        budget = min(psutil.virtual_memory().available * 0.5, max(CPU_KV_BUDGET, floor))
+    fits = int((budget / sessions - fixed) // per_token)
     capped = max(probe_len, min(wanted, fits // probe_len * probe_len))
     if capped < wanted:
         log(f"max context capped at {capped} tokens by memory ({sessions} sessions)")
@@ -194,7 +225,7 @@ def build_engine(
             quantize=QuantizeOptions(quantize, group_size),
         )
     model_context = int(getattr(loaded.config, "context_length", 0) or 4096)
-    default_context = min(model_context, 4096 if on_cpu else 32768)
+    default_context = min(model_context, DEFAULT_CONTEXT)
     if max_context is None:
         default_context = _memory_capped_context(loaded.model, max_sessions, default_context)
     if torch_device.type == "cuda":
@@ -254,7 +285,7 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
             "--max-context",
             type=click.IntRange(min=1),
             default=None,
-            help="Tokens per session (default: the model's, 4096 on CPU).",
+            help="Tokens per session (default: the model's up to 32768, capped by memory).",
         ),
         click.option(
             "--prefill-chunk",

@@ -1,0 +1,59 @@
+"""The worker's default context: the default Gemma 3 270M gets its full 32k on the CPU (all
+sessions' KV within `CPU_KV_BUDGET`), a bigger model never less than 4096 tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from worker.main import (
+    CPU_KV_BUDGET,
+    CPU_MIN_CONTEXT,
+    _memory_capped_context,
+    _session_kv_bytes,
+)
+from worker.models.config import ModelConfig
+from worker.models.registry import build_model
+
+
+def _meta_model(config: dict[str, Any]) -> Any:
+    return build_model(ModelConfig.from_hf(config), "meta", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def gemma_270m(default_model_dir: Path) -> Any:
+    return _meta_model(json.loads((default_model_dir / "config.json").read_text()))
+
+
+def test_default_model_kv_cost_and_full_context_on_cpu(gemma_270m: Any) -> None:
+    if psutil.virtual_memory().available * 0.5 < CPU_KV_BUDGET:
+        pytest.skip("less than 4 GiB of RAM available: the RAM cap applies first")
+    per_token = _session_kv_bytes(gemma_270m, 8192) - _session_kv_bytes(gemma_270m, 4096)
+    assert per_token == 4096 * 3 * 2 * 256 * 4  # 3 full layers, 1 KV head of 256, fp32: 6 KiB
+    rings = _session_kv_bytes(gemma_270m, 4096) - 4096 * 6 * 1024
+    assert rings == 15 * 2 * 256 * 4 * (512 + 16)  # 15 sliding layers, 528-entry rings
+    assert _memory_capped_context(gemma_270m, 8, 32768) == 32768
+    assert 8 * _session_kv_bytes(gemma_270m, 32768) < CPU_KV_BUDGET
+
+
+def test_big_model_keeps_the_old_floor() -> None:
+    if psutil.virtual_memory().available * 0.5 < 4 * (1 << 30):
+        pytest.skip("less than 8 GiB of RAM available: the RAM cap applies first")
+    config = {  # Llama 3 8B's attention: 32 layers x 8 KV heads x 128 dims, 128 KiB a token
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128,
+        "hidden_size": 4096,
+        "intermediate_size": 64,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+    }
+    model = _meta_model(config)
+    assert _memory_capped_context(model, 8, 32768) == CPU_MIN_CONTEXT
