@@ -96,8 +96,17 @@ class Metrics:
             )
         for name, value, help_text in (
             ("prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
-            ("completion_tokens_total", self.completion_tokens, "Generated tokens."),
-            ("reused_prompt_tokens_total", self.reused_tokens, "Prompt tokens reused from cache."),
+            (
+                "completion_tokens_total",
+                self.completion_tokens,
+                "Generated tokens of finished requests (a request cancelled by a disconnect "
+                "is not counted).",
+            ),
+            (
+                "reused_prompt_tokens_total",
+                self.reused_tokens,
+                "Prompt tokens of finished requests reused from cache.",
+            ),
             ("cancelled_requests_total", self.cancelled, "Requests cancelled by disconnects."),
         ):
             header(f"tokenpipe_{name}", "counter", help_text)
