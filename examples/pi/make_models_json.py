@@ -1,7 +1,8 @@
 """Write pi's `models.json` entry for a running `tokenpipe serve`, with the context window
 taken from `tokenpipe info` and a reply length of its own.
 
-    python examples/pi/make_models_json.py --max-context 8192 --merge ~/.pi/agent/models.json
+    python examples/pi/make_models_json.py --merge ~/.pi/agent/models.json \
+        --settings ~/.pi/agent/settings.json
 
 Pass the same `--model` / `--max-context` as `tokenpipe serve`, and the same `--model-id`.
 `--merge PATH` adds (or replaces) the `tokenpipe` provider in that file, keeping every other
@@ -110,7 +111,12 @@ def write_object(path: Path, existing: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="as given to tokenpipe serve")
-    parser.add_argument("--max-context", type=int, default=4096, help="as given to serve")
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="as given to serve (default: serve's, the model's context up to 32768)",
+    )
     parser.add_argument("--model-id", default=None, help="as given to serve (--model-id)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--api-key-env", default=None, help="env var holding serve's --api-key")
@@ -127,10 +133,14 @@ def main() -> None:
         "--settings", type=Path, default=None, help="pi settings.json to set compaction in"
     )
     args = parser.parse_args()
-    command = [os.environ.get("TOKENPIPE", "tokenpipe"), "info", "--context", str(args.max_context)]
+    command = [os.environ.get("TOKENPIPE", "tokenpipe"), "info"]
+    if args.max_context is not None:
+        command += ["--context", str(args.max_context)]
     if args.model:
         command += ["--model", args.model]
     info = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    if args.max_context is None:  # the worker's default: the model's context, up to 32768
+        info["context"] = min(int(info.get("context") or info["context_length"]), 32768)
     model_id = args.model_id or os.path.basename(str(info["model"]).rstrip("/")).removesuffix(
         ".gguf"
     )

@@ -8,7 +8,7 @@
  *   TOKENPIPE_COMMAND         the executable (default: tokenpipe)
  *   TOKENPIPE_ARGS            extra `tokenpipe run` flags, space separated (e.g. "--max-context 8192")
  *   TOKENPIPE_MODEL_ID        the model id pi shows (default: gemma-3-270m)
- *   TOKENPIPE_CONTEXT_WINDOW  context per session, as `tokenpipe info` reports it (default: 4096)
+ *   TOKENPIPE_CONTEXT_WINDOW  context per session (default: TOKENPIPE_ARGS' --max-context, else 32768)
  *   TOKENPIPE_MAX_TOKENS      reply length pi asks for (default: a quarter of the window, 256-4096)
  *   TOKENPIPE_TOOL_FORMAT     hermes | gemma4 | qwen (default: hermes)
  *
@@ -429,7 +429,10 @@ function streamTokenpipe(
 export default function tokenpipeExtension(pi: ExtensionAPI): void {
 	const command = process.env.TOKENPIPE_COMMAND ?? "tokenpipe";
 	const args = (process.env.TOKENPIPE_ARGS ?? "").split(/\s+/).filter(Boolean);
-	const contextWindow = Number(process.env.TOKENPIPE_CONTEXT_WINDOW ?? 4096);
+	// The context `tokenpipe run` serves: TOKENPIPE_CONTEXT_WINDOW, else the --max-context in
+	// TOKENPIPE_ARGS, else the worker's default for the default model (32768 on the CPU).
+	const argContext = args.indexOf("--max-context") >= 0 ? args[args.indexOf("--max-context") + 1] : undefined;
+	const contextWindow = Number(process.env.TOKENPIPE_CONTEXT_WINDOW ?? argContext ?? 32768);
 	// pi asks for maxTokens new tokens every turn: a reply length, not the whole window.
 	const maxTokens = Number(process.env.TOKENPIPE_MAX_TOKENS ?? Math.max(256, Math.min(4096, Math.floor(contextWindow / 4))));
 	const toolFormat = process.env.TOKENPIPE_TOOL_FORMAT ?? "hermes";
