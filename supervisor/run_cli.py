@@ -8,6 +8,9 @@ to stderr.
 Shutdown: EOF on stdin (or a `shutdown` request) finishes what is in flight, stops the
 workers, exits 0. SIGTERM / the first SIGINT do the same within `--drain-timeout` seconds,
 then cancel what is left. A second SIGINT exits at once (workers are SIGKILLed).
+Nobody left to answer: a closed stdout (EPIPE), or the death of the parent process when stdin
+is a pipe (checked every `PARENT_CHECK_S`, also during an EOF drain), cancels everything at
+once and exits.
 With `--listen`, stdin is not read: the supervisor runs until a signal or a `shutdown`.
 """
 
@@ -18,6 +21,7 @@ import contextlib
 import os
 import shlex
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Callable
@@ -30,11 +34,12 @@ import orjson
 from protocol import MAX_LINE_BYTES, ProtocolError, decode_request, line_too_long
 from supervisor import eventloop
 from supervisor.core import Supervisor, SupervisorConfig
-from supervisor.dispatch import Channel
+from supervisor.dispatch import Channel, cancel_flight
 from supervisor.lines import LineSplitter, TooLong
 from supervisor.pool import WorkerStartError, log
 
 READ_SIZE = 1 << 16  # bytes per read of stdin or a connection
+PARENT_CHECK_S = 0.2  # how often the stdio mode checks that its parent process is alive
 
 
 class LineWriter:
@@ -110,6 +115,21 @@ def _read_stdin_thread(loop: asyncio.AbstractEventLoop, on_data: Callable[[bytes
             return
 
 
+def _stdin_is_pipe() -> bool:
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+async def _watch_parent(parent: int, on_death: Callable[[], None]) -> None:
+    """`on_death()` once this process's parent is gone (it is re-parented: the pid changes)."""
+    while os.getppid() == parent:
+        await asyncio.sleep(PARENT_CHECK_S)
+    on_death()
+
+
 async def serve(config: SupervisorConfig, listen: str | None = None) -> int:
     supervisor = Supervisor(config)
     loop = asyncio.get_running_loop()
@@ -120,6 +140,15 @@ async def serve(config: SupervisorConfig, listen: str | None = None) -> int:
         if not stop.is_set():
             drain_deadline[0] = deadline
             stop.set()
+
+    def cancel_everything(reason: str) -> None:
+        """Nobody reads the answers any more: cancel all in-flight work now, then exit."""
+        log(f"{reason}: cancelling everything")
+        drain_deadline[0] = 0.0
+        stop.set()
+        for slot in supervisor.state.slots:  # also cuts short a drain already under way
+            for flight in list(slot.inflight.values()):
+                cancel_flight(supervisor.state, flight)
 
     sigint_count = [0]
 
@@ -151,11 +180,12 @@ async def serve(config: SupervisorConfig, listen: str | None = None) -> int:
         log(f"cannot start: {exc}")
         return 1
 
-    writer = LineWriter(_stdout_write, lambda: graceful(config.drain_timeout))
+    writer = LineWriter(_stdout_write, lambda: cancel_everything("stdout closed"))
     writer.emit(ready)
     writer.flush()
     supervisor.on_shutdown_request = lambda: graceful(None)
     server = None
+    watcher: asyncio.Future[None] | None = None
     if listen is None:
         channel = supervisor.open_channel(writer.emit, writer.emit_line, writer.flush)
         splitter = LineSplitter(MAX_LINE_BYTES)
@@ -171,13 +201,21 @@ async def serve(config: SupervisorConfig, listen: str | None = None) -> int:
                 feed_line(channel, line)
 
         threading.Thread(target=_read_stdin_thread, args=(loop, on_data), daemon=True).start()
+        parent = os.getppid()
+        if parent != 1 and _stdin_is_pipe():  # a program (pi, a script) talks to us: stop
+            # when it dies (a `nohup tokenpipe run < file &` is left alone)
+            watcher = asyncio.ensure_future(
+                _watch_parent(parent, lambda: cancel_everything("parent process exited"))
+            )
     else:
         server = await _listen(supervisor, listen, ready)
         log(f"listening on {listen}")
     await stop.wait()
     if server is not None:
         server.close()
-    await supervisor.aclose(drain_deadline[0])
+    await supervisor.aclose(drain_deadline[0])  # the watcher may still cut a drain short
+    if watcher is not None:
+        watcher.cancel()
     writer.flush()
     if listen is not None:
         with contextlib.suppress(OSError):
