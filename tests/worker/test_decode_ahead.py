@@ -60,8 +60,47 @@ def test_sampled_tokens_drop_the_guess_and_leave_the_cache_right() -> None:
         want = model(_step([token], [5 + i], [1]), kv_plain)
         got = ahead(_step([token], [5 + i], [1]), kv_ahead)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    # one wasted guess, then no more for this set of rows
-    assert ahead.ahead_hits == 0 and ahead.ahead_misses == 1
+    # two wasted guesses (the rows' settings are unknown: no `sample` call), then no more
+    assert ahead.ahead_hits == 0 and ahead.ahead_misses == 2
+
+
+def _sampled_run(model, kv, sampled: bool, steps: int = 12):  # type: ignore[no-untyped-def]
+    """3 rows decoding through `sample` (row 1 greedy, rows 0 and 2 seeded samplers): the
+    tokens drawn per step."""
+    from worker.engine.sampling import SamplingParams, make_generator, sample
+
+    prompts = {0: [5, 6, 7, 8, 9], 2: list(range(30, 60)), 3: [1, 2, 3]}
+    _prefill(model, kv, prompts)
+    slots, lens = [2, 0, 3], [30, 5, 3]
+    params = [
+        SamplingParams(temperature=1.2, top_p=0.9, seed=11),
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_k=20, min_p=0.01, seed=12),
+    ]
+    if not sampled:
+        params = [SamplingParams()] * 3
+    streams = [None if p.greedy else make_generator(p.seed) for p in params]
+    tokens = [prompts[s][-1] for s in slots]
+    out = []
+    for _ in range(steps):
+        logits = model(_step(tokens, lens, slots), kv)
+        tokens = sample(logits, params, streams).tolist()
+        out.append(tokens)
+        lens = [n + 1 for n in lens]
+    return out
+
+
+def test_sampled_rows_use_the_step_launched_ahead() -> None:
+    """Seeded sampling rows draw the same tokens with decode ahead as the plain model with
+    `sample`; after the first steps (settings learnt) every guess is used."""
+    model, ahead, kv_plain, kv_ahead = _pair()
+    want = _sampled_run(model, kv_plain, sampled=True)
+    got = _sampled_run(ahead, kv_ahead, sampled=True)
+    assert got == want
+    assert len({tuple(t) for t in want}) > 1
+    assert ahead.ahead_misses <= 1 and ahead.ahead_hits >= 10, (
+        ahead.ahead_hits, ahead.ahead_misses,
+    )  # fmt: skip
 
 
 def test_a_row_leaving_drops_the_guess() -> None:

@@ -165,16 +165,18 @@ class DecodeGraphRunner:
         self.min_p = torch.zeros(size, dtype=torch.float32, device=dev)
         self.top_k = torch.zeros(size, dtype=torch.int64, device=dev)
         self.seeds = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.counters = torch.zeros(size, dtype=torch.int64, device=dev)  # draw numbers
         pin = self.device.type == "cuda"
-        # host staging, one copy per step: ints [4, size] (positions, slots, top_k, seeds),
-        # floats [3, size] (temperature, top_p, min_p)
-        self._host_ints = torch.zeros((4, size), dtype=torch.int64, pin_memory=pin)
+        # host staging, one copy per step: ints [5, size] (positions, slots, top_k, seeds,
+        # counters), floats [3, size] (temperature, top_p, min_p)
+        self._host_ints = torch.zeros((5, size), dtype=torch.int64, pin_memory=pin)
         self._host_floats = torch.zeros((3, size), dtype=torch.float32, pin_memory=pin)
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # outputs of the last step
-        self.host_ids = torch.zeros(size, dtype=torch.int64, pin_memory=pin)  # its argmax
+        self.last_sampled = False  # whether its ids were drawn (else the argmax)
+        self.host_ids = torch.zeros(size, dtype=torch.int64, pin_memory=pin)  # its ids
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -192,7 +194,7 @@ class DecodeGraphRunner:
         if sample:
             ids = sample_rows(
                 logits, self.temperature[:size], self.top_k[:size], self.top_p[:size],
-                self.min_p[:size], self.seeds[:size], self.positions[:size],
+                self.min_p[:size], self.seeds[:size], self.counters[:size],
             )  # fmt: skip
         else:
             ids = torch.argmax(logits, dim=-1)
@@ -235,6 +237,7 @@ class DecodeGraphRunner:
         positions: Sequence[int],
         slots: Sequence[int],
         rows: Sequence[RowSampling] | None,
+        counters: Sequence[int] | None = None,
     ) -> int:
         batch = len(slots)
         size = bucket_for(batch, self.buckets)
@@ -251,7 +254,13 @@ class DecodeGraphRunner:
                 [[r.temperature, r.top_p, r.min_p] for r in rows], dtype=torch.float32
             ).T
             ints[2, :batch] = torch.as_tensor([r.top_k for r in rows], dtype=torch.int64)
-            ints[3, :batch] = torch.as_tensor([r.seed for r in rows], dtype=torch.int64)
+            ints[3, :batch] = torch.as_tensor(
+                [r.seed & ((1 << 63) - 1) for r in rows], dtype=torch.int64
+            )
+            ints[4, :batch] = torch.as_tensor(
+                list(counters) if counters is not None else [p + 1 for p in positions],
+                dtype=torch.int64,
+            )
         dev_ints = ints.to(self.device, non_blocking=True)[:, :size]
         self.positions[:size].copy_(dev_ints[0])
         self.slots[:size].copy_(dev_ints[1])
@@ -259,6 +268,7 @@ class DecodeGraphRunner:
             dev_floats = floats.to(self.device, non_blocking=True)[:, :size]
             self.top_k[:size].copy_(dev_ints[2])
             self.seeds[:size].copy_(dev_ints[3])
+            self.counters[:size].copy_(dev_ints[4])
             self.temperature[:size].copy_(dev_floats[0])
             self.top_p[:size].copy_(dev_floats[1])
             self.min_p[:size].copy_(dev_floats[2])
@@ -268,6 +278,7 @@ class DecodeGraphRunner:
 
     def _run(self, size: int, sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
         key = (size, sample)
+        self.last_sampled = sample
         if not self.use_graphs:
             with torch.inference_mode():
                 self._last = self._body(size, sample)
@@ -286,27 +297,51 @@ class DecodeGraphRunner:
         assert self._last is not None
         return self._last[0]
 
+    @property
+    def last_ids(self) -> torch.Tensor:
+        """[bucket] int64 ids of the last step: drawn when `last_sampled`, else the argmax."""
+        assert self._last is not None
+        return self._last[1]
+
     def copy_ids_to_host(self, size: int) -> None:
-        """Queue the copy of the last step's argmax ids into `host_ids` (no sync)."""
+        """Queue the copy of the last step's ids into `host_ids` (no sync)."""
         assert self._last is not None
         self.host_ids[:size].copy_(self._last[1][:size], non_blocking=True)
 
     def step_after(self, prev: DecodeGraphRunner, size: int) -> torch.Tensor:
         """The decode step that follows `prev`'s last one, fed from it on the device: each
-        row feeds prev's argmax at the next position, same slots. Queued on the current
-        stream with no host sync; returns the [size, vocab] logits buffer."""
+        row feeds prev's ids (drawn or argmax) at the next position, same slots; when prev
+        drew, this step draws too, with the same settings and each row's next draw number.
+        Queued on the current stream with no host sync; returns the [size, vocab] logits."""
         assert prev._last is not None
+        sample = prev.last_sampled
         with torch.inference_mode():
             self.input_ids[:size].copy_(prev._last[1][:size])
             torch.add(prev.positions[:size], 1, out=self.positions[:size])
             self.slots[:size].copy_(prev.slots[:size])
-        return self._run(size, sample=False)[0]
+            if sample:
+                for mine, theirs in (
+                    (self.temperature, prev.temperature), (self.top_k, prev.top_k),
+                    (self.top_p, prev.top_p), (self.min_p, prev.min_p), (self.seeds, prev.seeds),
+                ):  # fmt: skip
+                    mine[:size].copy_(theirs[:size])
+                torch.add(prev.counters[:size], 1, out=self.counters[:size])
+        return self._run(size, sample)[0]
 
-    def logits(self, step: Any) -> torch.Tensor:
+    def logits(
+        self,
+        step: Any,
+        rows: Sequence[RowSampling] | None = None,
+        counters: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """[B, vocab] float32 logits of a decode-only StepInput (a view of a static buffer:
-        valid until the next step)."""
-        size = self._load(step.input_ids, step.cached_lens, step.slots, None)
-        logits, _ = self._run(size, sample=False)
+        valid until the next step). With `rows` (and their draw numbers) where some row
+        samples, the step also draws each row's next id in the graph (`last_ids`)."""
+        sample = rows is not None and not all(r.greedy for r in rows)
+        size = self._load(
+            step.input_ids, step.cached_lens, step.slots, rows if sample else None, counters
+        )
+        logits, _ = self._run(size, sample)
         return logits[: len(step.slots)]
 
     def decode(
@@ -318,7 +353,7 @@ class DecodeGraphRunner:
     ) -> list[int]:
         """Feed one token per sequence and return the sampled next ids (one host sync)."""
         ids = torch.as_tensor(tokens, dtype=torch.int64)
-        sample = any(r.temperature > 0 and r.top_k != 1 for r in rows)
+        sample = not all(r.greedy for r in rows)
         size = self._load(ids, positions, slots, rows if sample else None)
         _, picked = self._run(size, sample)
         return picked[: len(slots)].tolist()

@@ -11,13 +11,16 @@ ahead.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from worker.device.decode_graphs import DecodeGraphRunner, bucket_for, split_decode_rows, sub_step
+from worker.device.kernels.batched_sampling import RowSampling
 from worker.device.prefill_graphs import PrefillGraphRunner
 
 
@@ -33,6 +36,10 @@ class _Ahead:
     done: Any  # CUDA event after its outputs (None off CUDA)
 
 
+# what a lane's last step drew with: each row's settings and draw number (None: argmax only)
+_Draws = tuple[tuple[RowSampling, ...], tuple[int, ...]]
+
+
 class GraphedCausalLM:
     """The model object with decode steps served by a DecodeGraphRunner (see module doc).
 
@@ -40,14 +47,18 @@ class GraphedCausalLM:
     built; everything else is delegated to the wrapped model.
 
     Decode ahead (two runners, "lanes"): after a decode step, the step that would follow it
-    if every row took its argmax is launched at once on a side stream, fed on the device, so
-    the GPU works while the host samples, streams the token and builds the next step. When
-    the next call asks for exactly that step (same slots and positions, and the ids it fed
-    equal the ones the engine now feeds), its logits are already there. Otherwise it is
-    waited for and dropped: it wrote one position past each row's tokens, which the next
-    write there replaces (the KV cache's `lookahead` keeps resumes from relying on the ring
-    entry it overwrote). A miss on the ids (the rows sample) stops decode-ahead for that set
-    of slots. TOKENPIPE_NO_DECODE_AHEAD=1 turns it off.
+    is launched at once on a side stream, fed on the device, so the GPU works while the host
+    samples, streams the token and builds the next step. Each row feeds the token its
+    request will take: the argmax, or for a sampling row the draw the graph made with the
+    row's settings and next draw number (sampling is counter-based, so that draw is the one
+    `worker.engine.sampling.sample` makes; the logits carry `presampled`, which hands it the
+    graph's ids). A slot's settings are learnt from its last `presampled` call. When the next
+    call asks for exactly that step (same slots and positions, and the ids it fed equal the
+    ones the engine now feeds), its logits are already there. Otherwise it is waited for and
+    dropped: it wrote one position past each row's tokens, which the next write there
+    replaces (the KV cache's `lookahead` keeps resumes from relying on the ring entry it
+    overwrote). Two misses in a row on the ids stop decode-ahead for that set of slots.
+    TOKENPIPE_NO_DECODE_AHEAD=1 turns it off.
     """
 
     def __init__(
@@ -76,6 +87,10 @@ class GraphedCausalLM:
         self._ahead: _Ahead | None = None
         self._no_ahead_for: tuple[int, ...] | None = None
         self._side: Any = None  # the side stream (CUDA)
+        self._lane_draws: list[_Draws | None] = []
+        # slot -> (settings, draw number, position) of the draw its next decode step makes
+        self._next_draw: dict[int, tuple[RowSampling, int, int]] = {}
+        self._misses_in_row = 0
         self.ahead_hits = 0
         self.ahead_misses = 0
 
@@ -90,6 +105,8 @@ class GraphedCausalLM:
             for _ in range(lanes)
         ]
         self.runner = self._lanes[0]
+        self._lane_draws = [None] * lanes
+        self._next_draw = {}
         self.prefill = None
         if self._prefill_graphs:
             self.prefill = PrefillGraphRunner(self.inner, kv, use_graphs=self._use_graphs)
@@ -101,6 +118,7 @@ class GraphedCausalLM:
         if self._capture:
             for lane in self._lanes:
                 lane.capture(sample=False)
+                lane.capture(sample=True)
             if self.prefill is not None:
                 self.prefill.capture()
             self._warm_up_prefill(kv)
@@ -179,21 +197,61 @@ class GraphedCausalLM:
             self._wait(ahead)
             if hit:
                 self.ahead_hits += 1
+                self._misses_in_row = 0
                 lane = ahead.lane
                 logits = self._lanes[lane].last_logits[:batch]
             else:
                 self.ahead_misses += 1
-                if same_rows:  # the rows do not take the argmax: they sample
-                    self._no_ahead_for = slots
+                if same_rows:  # the rows did not take the ids guessed
+                    self._misses_in_row += 1
+                    if self._misses_in_row >= 2:
+                        self._no_ahead_for = slots
         size = bucket_for(batch, self._lanes[0].buckets)
         assert size is not None  # __call__ sends bigger batches to the eager model
         if lane is None:
             lane = ahead.inputs_from if ahead is not None else 0  # a lane not in flight
-            logits = self._lanes[lane].logits(step)
+            draws = self._known_draws(slots, positions)
+            rows, counters = draws if draws is not None else (None, None)
+            logits = self._lanes[lane].logits(step, rows, counters)
+            self._lane_draws[lane] = draws if self._lanes[lane].last_sampled else None
             if len(self._lanes) > 1:
                 self._lanes[lane].copy_ids_to_host(size)
         self._launch_ahead(lane, size, slots, positions)
+        logits.presampled = functools.partial(self._presampled, lane, slots, positions)
         return logits
+
+    def _known_draws(self, slots: Sequence[int], positions: Sequence[int]) -> _Draws | None:
+        """Each row's settings and draw number at this step, as learnt from `presampled`
+        (None when a row's are unknown: the step takes the argmax)."""
+        rows, counters = [], []
+        for slot, position in zip(slots, positions, strict=True):
+            known = self._next_draw.get(slot)
+            if known is None or known[2] != position:
+                return None
+            rows.append(known[0])
+            counters.append(known[1])
+        return tuple(rows), tuple(counters)
+
+    def _presampled(
+        self,
+        lane: int,
+        slots: tuple[int, ...],
+        positions: tuple[int, ...],
+        params: Sequence[Any],
+        streams: Sequence[Any],
+    ) -> torch.Tensor | None:
+        """The ids `lane`'s step drew when it drew with exactly these rows' settings and draw
+        numbers (`worker.engine.sampling.sample` asks), else None. Learns each slot's settings
+        for its next step either way."""
+        from worker.engine.sampling import row_settings
+
+        rows = tuple(row_settings(p, s) for p, s in zip(params, streams, strict=True))
+        counters = tuple(s.draws if s is not None else 0 for s in streams)
+        for slot, position, row, counter in zip(slots, positions, rows, counters, strict=True):
+            self._next_draw[slot] = (row, counter + 1, position + 1)
+        if self._lane_draws[lane] != (rows, counters):
+            return None
+        return self._lanes[lane].last_ids[: len(slots)]
 
     def _launch_ahead(
         self, lane: int, size: int, slots: tuple[int, ...], positions: tuple[int, ...]
@@ -205,6 +263,10 @@ class GraphedCausalLM:
         if max(positions) + 1 >= runner.kv.max_context:
             return  # the next position would not fit: never write past max_context
         nxt = 1 - lane
+        draws = self._lane_draws[lane]
+        if draws is not None:
+            draws = (draws[0], tuple(c + 1 for c in draws[1]))
+        self._lane_draws[nxt] = draws
         done = None
         if self._side is not None:
             main = torch.cuda.current_stream(runner.device)

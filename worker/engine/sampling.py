@@ -1,19 +1,27 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, min-p (pure tensor code).
+"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, without sorting the
+vocabulary (`worker.device.kernels.batched_sampling`: a Triton kernel on CUDA, the same
+algorithm in torch on the CPU).
 
-`sample(logits, params)` picks one token per row without a host sync; the engine reads
-all sampled ids with one `.tolist()` per step. A row's randomness comes only from its own
-`torch.Generator`, so a seeded request samples the same ids whatever shares its batch
-(exponential race: argmax(p / E) with E ~ Exp(1) drawn from the row's generator is a draw
-from the categorical distribution p).
+`sample(logits, params, streams)` picks one token per row in one call over the batch (no
+host sync); the engine reads all sampled ids with one `.tolist()` per step. A row's
+randomness is counter-based: the draw number of its request's `NoiseStream` and its seed
+give the uniform, so a seeded request samples the same ids whatever shares its batch, eager
+or replayed from a CUDA graph.
+
+Logits a model returns may carry `presampled(params, streams) -> Tensor | None` (set by
+`worker.device.graphed_lm`): the ids its CUDA graph already drew for exactly these rows'
+settings and draw numbers, which `sample` then takes instead of drawing again.
 """
 
 from __future__ import annotations
 
-import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from worker.device.kernels.batched_sampling import RowSampling, sample_rows, sampling_tensors
 
 
 @dataclass(frozen=True)
@@ -31,54 +39,45 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    """A request's private generator: seeded when `seed` > 0, else from fresh entropy."""
-    gen = torch.Generator(device=device)
-    if seed > 0:
-        gen.manual_seed(seed)
-    else:
-        gen.seed()
-    return gen
+@dataclass
+class NoiseStream:
+    """A request's randomness: its seed (the request's, or a fresh random one) and the number
+    of tokens drawn so far (the counter of the next draw)."""
+
+    seed: int
+    draws: int = 0
 
 
-def _filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Scaled and masked logits of one row. logits: [V] float32."""
-    scaled = logits / params.temperature
-    vocab = scaled.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, -math.inf)
-    if params.min_p > 0.0:
-        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
-        floor = scaled.max() + math.log(params.min_p)
-        scaled = scaled.masked_fill(scaled < floor, -math.inf)
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (keeps >= 1 token)
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, -math.inf)
-    return scaled
+def make_generator(seed: int, device: torch.device | str | None = None) -> NoiseStream:
+    """A request's noise stream: seeded when `seed` > 0, else from fresh entropy."""
+    return NoiseStream(seed if seed > 0 else secrets.randbits(62) + 1)
+
+
+def row_settings(params: SamplingParams, stream: NoiseStream | None) -> RowSampling:
+    """The kernel's settings of one row (greedy rows: temperature 0)."""
+    if params.greedy or stream is None:
+        return RowSampling()
+    return RowSampling(params.temperature, params.top_k, params.top_p, params.min_p, stream.seed)
 
 
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    streams: Sequence[NoiseStream | None],
 ) -> torch.Tensor:
-    """Pick one token per row. logits: [B, V] float; returns [B] int64 on the same device.
+    """Pick one token per row. logits: [B, V] float; returns [B] int64. No host sync.
 
-    Greedy rows take the argmax; other rows draw with their own generator. No host sync.
-    """
-    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
-    logits = logits.float()
-    out = torch.argmax(logits, dim=-1)  # [B]
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            continue
-        filtered = _filter_logits(logits[row], p)
-        probs = torch.softmax(filtered, dim=-1)  # [V]
-        noise = torch.empty_like(probs).exponential_(generator=gen)  # [V], Exp(1)
-        out[row] = torch.argmax(probs / noise)
-    return out
+    Greedy rows take the argmax; the others draw their stream's next number."""
+    assert logits.dim() == 2 and logits.shape[0] == len(params) == len(streams)
+    if all(p.greedy or s is None for p, s in zip(params, streams, strict=True)):
+        return torch.argmax(logits, dim=-1)
+    presampled = getattr(logits, "presampled", None)
+    ids = presampled(params, streams) if presampled is not None else None
+    if ids is None:
+        rows = [row_settings(p, s) for p, s in zip(params, streams, strict=True)]
+        counters = [s.draws if s is not None else 0 for s in streams]
+        ids = sample_rows(logits, *sampling_tensors(rows, counters, logits.device))
+    for p, s in zip(params, streams, strict=True):
+        if s is not None and not p.greedy:
+            s.draws += 1
+    return ids
