@@ -22,6 +22,9 @@ import torch
 
 from worker.loading.startup_clock import StartupClock
 
+CPU_ONLY_FAMILIES = ("qwen3_5_moe",)
+"""Families whose layers have no CUDA path yet: refused here with a clear error."""
+
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -53,6 +56,12 @@ def prepare_model_for_device(
 
     clock = clock or StartupClock(_log)
     inner = model.inner if isinstance(model, GraphedCausalLM) else model
+    family = getattr(getattr(inner, "config", None), "family", None)
+    if family in CPU_ONLY_FAMILIES:
+        raise ValueError(
+            f"{family}: the CUDA path is not implemented yet (Gated DeltaNet and MoE kernels, "
+            "decode graphs over a hybrid cache: issue 15); use --device cpu"
+        )
     if os.environ.get("TOKENPIPE_NO_FUSE") != "1" and hasattr(inner, "fuse_projections"):
         with clock.step("cuda_setup: merged projections"):
             merged = inner.fuse_projections()

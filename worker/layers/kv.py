@@ -9,6 +9,9 @@ index p % R. With N tokens cached, the ring holds positions [N - R, N) (those >=
 at most the W - 1 positions before it, so R >= W always suffices. The slack lets a resume drop a
 few tokens (see ``keepable_prefix``).
 
+Linear (Gated DeltaNet) layers keep no KV here: a zero-capacity entry keeps the layer indices;
+their state lives in ``worker.layers.hybrid_cache.HybridCache``.
+
 K=V layers (gemma4 full layers, no v_proj) still store K and V separately: K is the k-normed,
 rotated projection and V the weightless-normed, unrotated one, so the cached tensors differ.
 """
@@ -83,6 +86,8 @@ class KVCache:
             sliding = spec.kind == "sliding"
             assert not sliding or window is not None, "sliding layers need a window"
             capacity = min(window + ring_slack, max_context) if sliding and window else max_context
+            if spec.kind == "linear":  # Gated DeltaNet: no KV (worker/layers/hybrid_cache.py)
+                capacity = 0
             shape = (num_slots, spec.num_kv_heads, capacity, spec.head_dim)
             k = torch.zeros(shape, device=device, dtype=dtype)
             v = torch.zeros(shape, device=device, dtype=dtype)

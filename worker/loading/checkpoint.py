@@ -67,6 +67,8 @@ NON_TEXT_PREFIXES: tuple[str, ...] = (
     "multi_modal_projector.",
     "embed_vision.",
     "embed_audio.",
+    "model.visual.",  # Qwen3.5's vision tower
+    "mtp.",  # Qwen3.5's multi-token-prediction head
 )
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-AttentionKind = Literal["full", "sliding"]
-Family = Literal["llama", "gemma3", "gemma4"]
+AttentionKind = Literal["full", "sliding", "linear"]  # linear: a Gated DeltaNet layer, no KV
+Family = Literal["llama", "gemma3", "gemma4", "qwen3_5_moe"]
 
 # architecture name -> family
 SUPPORTED_ARCHITECTURES: dict[str, Family] = {
@@ -24,6 +24,8 @@ SUPPORTED_ARCHITECTURES: dict[str, Family] = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 
 # model_type -> architecture, for configs without an ``architectures`` list
@@ -36,6 +38,8 @@ _MODEL_TYPE_TO_ARCH: dict[str, str] = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 # transformers' defaults for keys the hub's Gemma configs often leave out (Gemma3TextConfig,
@@ -91,6 +95,27 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class DeltaNetSpec:
+    """The Gated DeltaNet geometry of the ``linear`` layers (qwen3_5_moe)."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A sparse MoE MLP: top-k softmax router, fused experts, a sigmoid-gated shared expert."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    shared_intermediate_size: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the model families read; built once by ``from_hf`` and never mutated."""
 
@@ -117,6 +142,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     torch_dtype: str | None = None  # the checkpoint's dtype name, if the config says
+    deltanet: DeltaNetSpec | None = None  # the linear layers' geometry (qwen3_5_moe)
+    moe: MoESpec | None = None  # every layer's MLP is this MoE (qwen3_5_moe)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -148,6 +175,8 @@ class ModelConfig:
             result = _llama_config(arch, text)
         elif family == "gemma3":
             result = _gemma3_config(arch, text)
+        elif family == "qwen3_5_moe":
+            result = _qwen3_5_moe_config(arch, text)
         else:
             result = _gemma4_config(arch, text)
         for i, layer in enumerate(result.layers):
@@ -505,3 +534,102 @@ def _gemma4_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:
         final_logit_softcapping=_opt_float(cfg, "final_logit_softcapping", None),
         **_common(cfg),
     )
+
+
+def _qwen3_5_moe_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:
+    """Qwen3.5-MoE text stack: Gated DeltaNet ``linear_attention`` layers and gated
+    ``full_attention`` layers (partial rotary), every MLP a sparse MoE. Missing keys take
+    transformers' Qwen3_5MoeTextConfig defaults (the 35B-A3B shape)."""
+    cfg = {**_QWEN3_5_MOE_DEFAULTS, **cfg}
+    hidden, heads, kv_heads = _check_heads(cfg)
+    head_dim = _opt_int(cfg, "head_dim", 256) or 256
+    n_layers = _req_int(cfg, "num_hidden_layers")
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = _opt_int(cfg, "full_attention_interval", 4) or 4
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(n_layers)
+        ]
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise ValueError(f"layer_types must be a list of {n_layers} entries, got {types!r}")
+    for t in types:
+        if t not in ("full_attention", "linear_attention"):
+            raise ValueError(f"unsupported layer type {t!r} (full_attention, linear_attention)")
+
+    # text-only positions make the multimodal rope (mrope) plain rope on the rotated dims
+    rope_params = cfg.get("rope_parameters")
+    if not isinstance(rope_params, dict):
+        rope_params = dict(cfg.get("rope_scaling") or {})
+        rope_params.setdefault("rope_theta", cfg.get("rope_theta", 10_000.0))
+    rope_params = {
+        k: v for k, v in rope_params.items() if k not in ("mrope_section", "mrope_interleaved")
+    }
+    rope_params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    rope = _rope_spec(rope_params, 10_000.0, "rope_parameters")
+    if rope.rope_type != "default":
+        raise ValueError(f"{arch}: rope type {rope.rope_type!r} is not supported (default only)")
+    rotary = int(head_dim * rope.partial_rotary_factor)
+    if rotary < 2 or rotary % 2 or rotary > head_dim:
+        raise ValueError(f"{arch}: partial_rotary_factor gives {rotary} rotated dims of {head_dim}")
+
+    deltanet = DeltaNetSpec(
+        num_key_heads=_req_int(cfg, "linear_num_key_heads"),
+        num_value_heads=_req_int(cfg, "linear_num_value_heads"),
+        key_head_dim=_req_int(cfg, "linear_key_head_dim"),
+        value_head_dim=_req_int(cfg, "linear_value_head_dim"),
+        conv_kernel=_req_int(cfg, "linear_conv_kernel_dim", minimum=2),
+    )
+    if deltanet.num_value_heads % deltanet.num_key_heads:
+        raise ValueError(
+            f"linear_num_value_heads ({deltanet.num_value_heads}) must be a multiple of "
+            f"linear_num_key_heads ({deltanet.num_key_heads})"
+        )
+    moe = MoESpec(
+        num_experts=_req_int(cfg, "num_experts"),
+        top_k=_req_int(cfg, "num_experts_per_tok"),
+        expert_intermediate_size=_req_int(cfg, "moe_intermediate_size"),
+        shared_intermediate_size=_req_int(cfg, "shared_expert_intermediate_size"),
+    )
+    if moe.top_k > moe.num_experts:
+        raise ValueError(f"num_experts_per_tok ({moe.top_k}) > num_experts ({moe.num_experts})")
+    kinds: list[AttentionKind] = ["full" if t == "full_attention" else "linear" for t in types]
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ModelConfig(
+        architecture=arch,
+        family="qwen3_5_moe",
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        layers=tuple(LayerSpec(kind, head_dim, kv_heads, False, rope) for kind in kinds),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hidden_act=str(cfg.get("hidden_act", "silu")),
+        attention_scale=head_dim**-0.5,
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        qk_norm=True,
+        deltanet=deltanet,
+        moe=moe,
+        **_common(cfg),
+    )
+
+
+# transformers' Qwen3_5MoeTextConfig defaults (the 35B-A3B shape)
+_QWEN3_5_MOE_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 248_320,
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "max_position_embeddings": 32_768,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 8,
+    "num_experts": 256,
+    "intermediate_size": 512,  # unused: every MLP is the MoE
+}

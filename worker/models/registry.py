@@ -11,6 +11,7 @@ from worker.models.config import SUPPORTED_ARCHITECTURES, Family, ModelConfig
 from worker.models.gemma3 import build_gemma3
 from worker.models.gemma4 import build_gemma4
 from worker.models.llama import build_llama
+from worker.models.qwen3_5_moe import build_qwen3_5_moe
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "build_model"]
 
@@ -18,6 +19,7 @@ _BUILDERS: dict[Family, Callable[[ModelConfig, torch.dtype], CausalLM]] = {
     "llama": build_llama,
     "gemma3": build_gemma3,
     "gemma4": build_gemma4,
+    "qwen3_5_moe": build_qwen3_5_moe,
 }
 
 

@@ -1,0 +1,272 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3.5 (``linear_attention`` layers).
+
+Per value head h, a recurrent state S [Dk, Dv] replaces the KV cache. Each token t:
+
+    S  <- exp(g_t) * S                          g_t = -exp(A_log) * softplus(a_t + dt_bias) <= 0
+    S  <- S + k_t (beta_t * (v_t - S^T k_t))^T  beta_t = sigmoid(b_t): the delta rule
+    o_t = S^T q_t                               q, k L2-normalised, q scaled by Dk^-0.5
+
+q, k and v come out of a depthwise causal conv1d (kernel K, SiLU) over the projection
+``in_proj_qkv``, so a sequence also carries the conv's last K - 1 inputs. The output goes through
+an RMS norm gated by silu(z) (``in_proj_z``), then ``out_proj``. Key heads are shared by
+``num_value_heads // num_key_heads`` consecutive value heads.
+
+Two forms of the same recurrence, both plain torch (any device): ``chunked_gated_delta_rule``
+for prefill (chunks of 64 tokens solved with one triangular system each, the state carried from
+chunk to chunk) and ``recurrent_gated_delta_rule`` for a batch of decoding sequences (one token
+each). The state is float32 whatever the model's dtype. A CUDA kernel (chunked prefill, fused
+recurrent decode, causal conv with state) would slot in behind the device check in
+``GatedDeltaNet._core`` as ``worker.layers.attention`` does for attention; none exists yet.
+
+Hidden states are flattened [T, hidden] with the sequences of one step concatenated; the state of
+each sequence lives in its slot of a ``DeltaNetLayerCache`` (``worker.layers.hybrid_cache``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.attention import AttentionPlan
+from worker.layers.blocks import LLAMA_NORM, RMSNorm
+from worker.layers.hybrid_cache import DeltaNetLayerCache
+from worker.models.config import ModelConfig
+
+CHUNK = 64  # tokens per chunk of the chunked form
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x², -1) + eps), as flash-linear-attention normalises q and k."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv1d(
+    x: torch.Tensor, state: torch.Tensor | None, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU of one sequence continuing after ``state``.
+
+    x [n, C]; state [C, K - 1] (the previous inputs, oldest first; None: zeros); weight [C, K]
+    -> (out [n, C], new state [C, K - 1]).
+    """
+    n, channels = x.shape
+    kernel = weight.shape[-1]
+    history = (
+        torch.zeros(channels, kernel - 1, dtype=x.dtype, device=x.device)
+        if state is None
+        else state.to(x.dtype)
+    )
+    padded = torch.cat([history, x.T], dim=-1)  # [C, K - 1 + n]
+    out = F.conv1d(padded[None].to(weight.dtype), weight[:, None, :], groups=channels)[0]
+    return F.silu(out).T.to(x.dtype), padded[:, n:]  # [n, C], [C, K - 1]
+
+
+def causal_conv1d_step(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of B sequences: x [B, C]; state [B, C, K - 1]; weight [C, K]
+    -> (out [B, C], new state [B, C, K - 1])."""
+    window = torch.cat([state.to(x.dtype), x[:, :, None]], dim=-1)  # [B, C, K]
+    out = F.conv1d(window.to(weight.dtype), weight[:, None, :], groups=x.shape[1])[:, :, 0]
+    return F.silu(out).to(x.dtype), window[:, :, 1:]
+
+
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence, ``chunk`` tokens at a time.
+
+    q, k [H, n, Dk] (normalised, q scaled); v [H, n, Dv]; g, beta [H, n]; state [H, Dk, Dv] or
+    None (zeros); all float32 -> (out [H, n, Dv], final state [H, Dk, Dv]).
+
+    Within a chunk, with G_i = exp(sum_{j <= i} g_j) (from the chunk's start) and S0 the state
+    before it, the updates u_i = beta_i (v_i - S_{i-1}^T k_i) solve the unit lower triangular
+    system (I + A) U = beta V - beta G K S0, A_ij = beta_i (G_i / G_j) k_i.k_j for j < i; then
+    o_i = G_i S0^T q_i + sum_{j <= i} (G_i / G_j) (q_i.k_j) u_j and the state after the chunk is
+    G_last S0 + sum_j (G_last / G_j) k_j u_j^T. Padding tokens (g = 0, beta = 0) change nothing.
+    """
+    heads, n, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-n) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    chunks = (n + pad) // chunk
+    # [H, C, L, D] / [H, C, L]
+    q, k, v = (x.reshape(heads, chunks, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(heads, chunks, chunk), beta.reshape(heads, chunks, chunk)
+
+    log_decay = g.cumsum(dim=-1)  # [H, C, L]: log G_i
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # G_i / G_j for j <= i, 0 above the diagonal (masked before exp: no overflow)
+    ratio = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, float("-inf"))
+    ratio = ratio.exp()  # [H, C, L, L]
+    strict = ratio.masked_fill(causal.diag().diag_embed(), 0.0)  # [H, C, L, L]: j < i only
+
+    k_beta = k * beta[..., None]
+    system = torch.eye(chunk, device=q.device) + (k_beta @ k.transpose(-1, -2)) * strict
+    decay = log_decay.exp()  # [H, C, L]: G_i
+    rhs = torch.cat([v * beta[..., None], k_beta * decay[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u_from_v, w = solved[..., :dv], solved[..., dv:]  # U = u_from_v - w @ S0
+    scores = (q @ k.transpose(-1, -2)) * ratio  # [H, C, L, L]
+    q_decayed = q * decay[..., None]
+    k_to_end = k * (log_decay[..., -1:] - log_decay).exp()[..., None]  # (G_last / G_j) k_j
+    chunk_decay = decay[..., -1, None, None]  # [H, C, 1, 1]
+
+    s = torch.zeros(heads, dk, dv, dtype=q.dtype, device=q.device) if state is None else state
+    out = torch.empty(heads, chunks, chunk, dv, dtype=q.dtype, device=q.device)
+    for c in range(chunks):
+        u = u_from_v[:, c] - w[:, c] @ s  # [H, L, Dv]
+        out[:, c] = q_decayed[:, c] @ s + scores[:, c] @ u
+        s = s * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ u
+    return out.reshape(heads, chunks * chunk, dv)[:, :n], s
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of B sequences: q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; state
+    [B, H, Dk, Dv]; float32 -> (out [B, H, Dv], new state)."""
+    s = state * g.exp()[..., None, None]
+    predicted = torch.einsum("bhkv,bhk->bhv", s, k)
+    update = (v - predicted) * beta[..., None]
+    s = s + k[..., :, None] * update[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", s, q), s
+
+
+class GatedRMSNorm(RMSNorm):
+    """weight * rms_norm(x) (llama style), then * silu(gate) in float32."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        assert self.weight is not None
+        return ((self.weight * normed) * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """``linear_attn`` of a qwen3_5_moe layer (HF names)."""
+
+    def __init__(self, config: ModelConfig, **factory: Any) -> None:
+        super().__init__()
+        spec = config.deltanet
+        assert spec is not None
+        hidden = config.hidden_size
+        self.num_k_heads, self.num_v_heads = spec.num_key_heads, spec.num_value_heads
+        self.dk, self.dv = spec.key_head_dim, spec.value_head_dim
+        self.key_dim = self.num_k_heads * self.dk
+        self.value_dim = self.num_v_heads * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = spec.conv_kernel
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False, **factory)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False, **factory)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False, **factory)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False, **factory)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            kernel_size=self.conv_kernel,
+            groups=self.conv_dim,
+            bias=False,
+            padding=self.conv_kernel - 1,
+            **factory,
+        )
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, **factory))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, **factory))
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, LLAMA_NORM, **factory)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False, **factory)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: object,  # unused: no positions in a recurrence
+        cache: DeltaNetLayerCache,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        del cos_sin
+        t = x.shape[0]
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = self.in_proj_z(x).view(t, self.num_v_heads, self.dv)
+        beta = self.in_proj_b(x).float().sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        out = torch.empty(t, self.num_v_heads, self.dv, dtype=torch.float32, device=x.device)
+        weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        if plan.decode:
+            self._decode_group(mixed, g, beta, weight, cache, plan, out)
+        for seq in plan.prefill:
+            # a snapshot asked for strictly inside this chunk splits it there
+            split = cache.captures.get(seq.slot, seq.cached) - seq.cached
+            bounds = [0, split, seq.new] if 0 < split < seq.new else [0, seq.new]
+            conv = None if seq.cached == 0 else cache.conv[seq.slot]
+            state = None if seq.cached == 0 else cache.recurrent[seq.slot]
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                part = slice(seq.start + lo, seq.start + hi)
+                conv_out, conv = causal_conv1d(mixed[part], conv, weight)
+                out[part], state = self._core_prefill(conv_out, g[part], beta[part], state)
+                if hi == split:  # the state after `cached + split` tokens
+                    cache.save_snapshot(seq.slot, conv, state)
+            assert conv is not None and state is not None
+            cache.conv[seq.slot] = conv
+            cache.recurrent[seq.slot] = state
+        normed = self.norm(out.to(x.dtype), z)  # [T, Hv, Dv]
+        result: torch.Tensor = self.out_proj(normed.reshape(t, self.value_dim))
+        return result
+
+    def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv output [N, conv_dim] -> q, k [N, Hv, Dk] (normalised, heads shared, q scaled),
+        v [N, Hv, Dv]; float32."""
+        n = mixed.shape[0]
+        q, k, v = torch.split(mixed.float(), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2_normalize(q.reshape(n, self.num_k_heads, self.dk)) * self.dk**-0.5
+        k = l2_normalize(k.reshape(n, self.num_k_heads, self.dk))
+        group = self.num_v_heads // self.num_k_heads
+        if group > 1:
+            q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+        return q, k, v.reshape(n, self.num_v_heads, self.dv)
+
+    def _core_prefill(
+        self,
+        conv_out: torch.Tensor,  # [n, conv_dim]
+        g: torch.Tensor,  # [n, Hv]
+        beta: torch.Tensor,  # [n, Hv]
+        state: torch.Tensor | None,  # [Hv, Dk, Dv] float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (out [n, Hv, Dv] float32, state after the n tokens)."""
+        q, k, v = self._split_qkv(conv_out)
+        out, state = chunked_gated_delta_rule(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.T, beta.T, state
+        )
+        return out.transpose(0, 1), state
+
+    def _decode_group(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        weight: torch.Tensor,
+        cache: DeltaNetLayerCache,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+    ) -> None:
+        """Every decoding sequence (one new token each) in one batched update."""
+        rows, slots = plan.decode_rows, plan.decode_slots
+        assert rows is not None and slots is not None
+        conv_out, conv = causal_conv1d_step(mixed[rows], cache.conv[slots], weight)
+        q, k, v = self._split_qkv(conv_out)
+        o, state = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], cache.recurrent[slots])
+        out[rows] = o
+        cache.conv[slots] = conv
+        cache.recurrent[slots] = state

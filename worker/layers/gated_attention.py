@@ -1,0 +1,75 @@
+"""Gated full attention (qwen3_5_moe ``full_attention`` layers).
+
+Like ``worker.layers.blocks.Attention`` with q/k RMS norms, plus:
+
+- ``q_proj`` yields 2 x heads x head_dim: per head, the query then an output gate;
+  the attention output is multiplied by sigmoid(gate) before ``o_proj``;
+- partial rotary: only the first ``rotary_dim`` dims of each head rotate (rotate-half within
+  them), the rest pass through; the cos/sin tables are ``rotary_dim`` wide.
+
+Attention itself is ``worker.layers.attention.attend`` over the KV cache (its CUDA kernels
+included), so the layer has no device code of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.layers.attention import AttentionPlan, attend
+from worker.layers.blocks import GEMMA3_NORM, RMSNorm
+from worker.layers.kv import LayerCache
+from worker.layers.rope import apply_rotary
+from worker.models.config import ModelConfig
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos, sin [T, rotary_dim] -> x with its first rotary_dim dims
+    rotated."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    turned = apply_rotary(x[..., :rotary_dim], cos, sin)
+    return torch.cat([turned, x[..., rotary_dim:]], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """``self_attn`` of a qwen3_5_moe full layer (HF names)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, **factory: Any) -> None:
+        super().__init__()
+        spec = config.layers[layer_idx]
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, spec.num_kv_heads, spec.head_dim
+        self.scale = config.attention_scale
+        bias = config.qkv_bias
+        d = self.head_dim
+        self.q_proj = nn.Linear(hidden, 2 * heads * d, bias=bias, **factory)  # query + gate
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias, **factory)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias, **factory)
+        self.o_proj = nn.Linear(heads * d, hidden, bias=config.o_bias, **factory)
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(d, eps, GEMMA3_NORM, **factory)  # (1 + w), in float32
+        self.k_norm = RMSNorm(d, eps, GEMMA3_NORM, **factory)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, rotary_dim]
+        cache: LayerCache,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        query_gate = self.q_proj(x).view(t, h, 2 * d)
+        q, gate = query_gate[..., :d], query_gate[..., d:]  # [T, H, D] each
+        k = self.k_proj(x).view(t, self.num_kv_heads, d)
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        cos, sin = cos_sin
+        q = apply_partial_rotary(self.q_norm(q), cos, sin)
+        k = apply_partial_rotary(self.k_norm(k), cos, sin)
+        o = attend(q, k, v.contiguous(), cache, plan, self.scale)  # [T, H, D]
+        o = o * torch.sigmoid(gate)
+        out: torch.Tensor = self.o_proj(o.reshape(t, h * d))
+        return out

@@ -1,0 +1,94 @@
+"""Sparse mixture-of-experts MLP (qwen3_5_moe): top-k softmax router, fused experts, and a
+shared expert behind a sigmoid gate.
+
+    weights, experts = topk(softmax(gate(x)), k)        renormalised to sum 1
+    y = sum_k weights_k * down_e(act(gate_e(x)) * up_e(x)) + sigmoid(shared_gate(x)) * shared(x)
+
+The experts are stored fused as transformers 5 does: ``experts.gate_up_proj`` [E, 2I, H] (gate
+rows first) and ``experts.down_proj`` [E, H, I]. The (token, expert) pairs of a step are sorted by
+expert so each expert that was hit runs one matmul over its tokens, contiguous rows. On the CPU
+that is a Python loop over the experts actually hit (at most T * k of them, 8 for a decode
+token), never over all E; a grouped-GEMM kernel (one launch per matrix for all experts) belongs
+behind the device check in ``SparseMoE._experts`` for CUDA, and does not exist yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.blocks import GatedMLP, activation
+from worker.models.config import ModelConfig
+
+
+class FusedExperts(nn.Module):
+    """``mlp.experts``: every expert's weights in two tensors (HF names)."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int, **factory: Any) -> None:
+        super().__init__()
+        self.num_experts, self.inner = num_experts, inner
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden, **factory))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner, **factory))
+
+
+class SparseMoE(nn.Module):
+    """``mlp`` of a qwen3_5_moe layer."""
+
+    def __init__(self, config: ModelConfig, **factory: Any) -> None:
+        super().__init__()
+        spec = config.moe
+        assert spec is not None
+        hidden = config.hidden_size
+        self.top_k = spec.top_k
+        self.gate = nn.Linear(hidden, spec.num_experts, bias=False, **factory)  # the router
+        self.experts = FusedExperts(
+            spec.num_experts, hidden, spec.expert_intermediate_size, **factory
+        )
+        shared = dataclasses.replace(
+            config, intermediate_size=spec.shared_intermediate_size, mlp_bias=False
+        )
+        self.shared_expert = GatedMLP(shared, **factory)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **factory)
+        self.act = activation(config.hidden_act)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden] -> [T, hidden]
+        weights, ids = self.route(x)
+        routed = self._experts(x, weights, ids)
+        shared: torch.Tensor = self.shared_expert(x)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), tokens grouped by expert."""
+        t, k = ids.shape
+        flat = ids.reshape(-1)  # [T * k]
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within
+        tokens = order // k  # [T * k] token of each sorted pair
+        counts = torch.bincount(flat, minlength=self.experts.num_experts)
+        hit = torch.nonzero(counts).flatten()
+        # one host sync: which experts ran and how many tokens each (CPU path)
+        hit_list, sizes = hit.tolist(), counts[hit].tolist()
+        gathered = x[tokens]  # [T * k, hidden]
+        out = torch.empty_like(gathered)
+        inner = self.experts.inner
+        start = 0
+        for expert, size in zip(hit_list, sizes, strict=True):
+            rows = slice(start, start + size)
+            gate_up = F.linear(gathered[rows], self.experts.gate_up_proj[expert])  # [n, 2I]
+            hidden = self.act(gate_up[:, :inner]) * gate_up[:, inner:]
+            out[rows] = F.linear(hidden, self.experts.down_proj[expert])
+            start += size
+        out = out * weights.reshape(-1)[order, None]
+        result = torch.zeros_like(x)
+        result.index_add_(0, tokens, out)
+        return result

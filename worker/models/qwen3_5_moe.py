@@ -1,0 +1,178 @@
+"""Qwen3.5-MoE text stack (Qwen3_5MoeForCausalLM / the text of ..ForConditionalGeneration).
+
+Pre-norm layers, Gemma-style RMSNorm (1 + w) in float32, unscaled embeddings, untied head.
+Each layer mixes tokens with either a Gated DeltaNet (``linear_attention``, worker/layers/
+deltanet.py) or gated full attention (``full_attention``, worker/layers/gated_attention.py,
+partial rotary), then a sparse MoE (worker/layers/moe.py). The session state is a
+``HybridCache``: the full layers' KV plus each DeltaNet layer's conv and recurrent state, with
+snapshots for rollbacks (worker/layers/hybrid_cache.py).
+
+Checkpoints: the text model's names (``model.layers...``), a multimodal one's
+(``model.language_model.layers...``, the vision tower ``model.visual.`` skipped), the
+multi-token-prediction head (``mtp.``) skipped; experts fused (``mlp.experts.gate_up_proj``
+[E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) or one tensor per expert
+(``mlp.experts.<e>.{gate,up,down}_proj.weight``).
+
+CPU only for now: ``worker.device.cuda_setup`` refuses the family (no DeltaNet / MoE kernels,
+no decode graphs for a hybrid cache yet).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.layers.attention import AttentionPlan
+from worker.layers.blocks import GEMMA3_NORM, RMSNorm
+from worker.layers.deltanet import GatedDeltaNet
+from worker.layers.gated_attention import GatedAttention
+from worker.layers.hybrid_cache import DEFAULT_SNAPSHOTS, HybridCache
+from worker.layers.kv import DEFAULT_RING_SLACK
+from worker.layers.moe import SparseMoE
+from worker.layers.rope import Rotary
+from worker.models.causal_lm import CausalLM, LoadReport
+from worker.models.config import ModelConfig, RopeSpec
+from worker.models.step import StepInput
+
+# parts of a Qwen3.5 checkpoint the text model does not use
+_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class Qwen35MoeDecoderLayer(nn.Module):
+    """x + mixer(norm(x)), then x + moe(norm(x)); the mixer is ``linear_attn`` or
+    ``self_attn``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.is_linear = config.layers[layer_idx].kind == "linear"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config, dtype=dtype)
+        else:
+            self.self_attn = GatedAttention(config, layer_idx, dtype=dtype)
+        self.mlp = SparseMoE(config, dtype=dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, GEMMA3_NORM, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, GEMMA3_NORM, dtype=dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: Any,  # LayerCache (full) or DeltaNetLayerCache (linear)
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        x = x + mixer(self.input_layernorm(x), cos_sin, cache, plan)
+        moe: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + moe
+
+
+class Qwen35MoeForCausalLM(CausalLM):
+    """The shared CausalLM with a hybrid cache, partial rotary tables and expert loading."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        def make_layer(cfg: ModelConfig, i: int) -> Qwen35MoeDecoderLayer:
+            return Qwen35MoeDecoderLayer(cfg, i, dtype)
+
+        super().__init__(config, make_layer, GEMMA3_NORM, scale_embeddings=False, dtype=dtype)
+        # the rotary tables are rotary_dim wide (default rope over the rotated dims only)
+        spec = config.layers[0]
+        rotary_dim = int(spec.head_dim * spec.rope.partial_rotary_factor)
+        key = (RopeSpec(theta=spec.rope.theta), rotary_dim)
+        self._rope_keys = [key] * len(config.layers)
+        self._rotaries = {key: Rotary(key[0], rotary_dim, config.max_position_embeddings)}
+
+    def make_kv_cache(  # type: ignore[override]
+        self,
+        num_slots: int,
+        max_context: int,
+        ring_slack: int = DEFAULT_RING_SLACK,
+        snapshots: int = DEFAULT_SNAPSHOTS,
+    ) -> HybridCache:
+        assert self.config.deltanet is not None
+        return HybridCache(
+            self.config.layers,
+            self.config.deltanet,
+            num_slots,
+            max_context,
+            self.device,
+            self.model.norm.weight.dtype,
+            snapshots=snapshots,
+            ring_slack=ring_slack,
+        )
+
+    @torch.inference_mode()
+    def forward(  # type: ignore[override]
+        self, step: StepInput, kv: HybridCache, every_position: bool = False
+    ) -> torch.Tensor:
+        kv.begin_step(step)
+        logits = super().forward(step, kv, every_position)  # type: ignore[arg-type]
+        kv.end_step()
+        return logits
+
+    def load_weights(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> LoadReport:
+        """The shared loader, with per-expert tensors copied into the fused ones and the
+        vision tower and MTP head skipped."""
+        pieces: dict[str, set[tuple[int, str]]] = {}  # fused prefix -> (expert, kind) loaded
+        report = super().load_weights(self._fuse_experts(tensors, pieces), strict=False)
+        experts = self.config.moe.num_experts if self.config.moe else 0
+        complete = {p for p, got in pieces.items() if len(got) == 3 * experts}
+        for prefix in complete:
+            for name in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+                if name in report.missing:
+                    report.missing.remove(name)
+                    report.loaded += 1
+        missing = report.missing + [f"{p}.<experts>" for p in set(pieces) - complete]
+        report.missing = sorted(missing)
+        if strict and (report.missing or report.unexpected):
+            raise ValueError(
+                f"checkpoint does not match {self.config.architecture}: "
+                f"missing {report.missing[:8]}, unexpected {report.unexpected[:8]}"
+            )
+        return report
+
+    def _fuse_experts(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], pieces: dict[str, set[tuple[int, str]]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass tensors through, except per-expert ones (copied into the fused parameter here)
+        and the parts of the checkpoint the text model does not use."""
+        params = dict(self.named_parameters())
+        for raw_name, tensor in tensors:
+            name = raw_name.replace("model.language_model.", "model.", 1)
+            if name.startswith(_SKIPPED_PREFIXES):
+                continue
+            match = _PER_EXPERT.match(name)
+            if match is None:
+                yield name, tensor
+                continue
+            prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+            fused = params.get(f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
+            if fused is None:
+                yield name, tensor  # reported as unexpected
+                continue
+            inner = fused.shape[1] // 2 if kind != "down_proj" else fused.shape[2]
+            if kind == "gate_proj":
+                target = fused[expert, :inner]
+            elif kind == "up_proj":
+                target = fused[expert, inner:]
+            else:
+                target = fused[expert]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"tensor {raw_name!r}: checkpoint shape {tuple(tensor.shape)} does not "
+                    f"match model shape {tuple(target.shape)}"
+                )
+            with torch.no_grad():
+                target.copy_(tensor)
+            pieces.setdefault(prefix, set()).add((expert, kind))
+
+
+def build_qwen3_5_moe(config: ModelConfig, dtype: torch.dtype) -> CausalLM:
+    return Qwen35MoeForCausalLM(config, dtype)
