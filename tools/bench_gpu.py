@@ -299,8 +299,19 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]  # clear of the low special ids
 
 
+# --sampling cases: the request fields of each (greedy is the default request)
+SAMPLING_CASES: dict[str, dict[str, Any]] = {
+    "greedy": {},
+    "t0.8p0.95": {"temperature": 0.8, "top_p": 0.95},
+    "t0.8k40": {"temperature": 0.8, "top_k": 40},
+    "t0.8m0.05": {"temperature": 0.8, "min_p": 0.05},
+    "t1": {"temperature": 1.0},
+}
+
+
 def decode_rate(worker: WorkerProcess, sessions: int, prompt: int, new: int, vocab: int,
-                timeout: float) -> dict[str, float]:  # fmt: skip
+                timeout: float, sampling: dict[str, Any] | None = None,
+                ) -> dict[str, float]:  # fmt: skip
     """Aggregate decode tok/s while all `sessions` requests decode at once: tokens streamed
     between the moment the last one got its first token and the moment the first one ended,
     over that window."""
@@ -308,7 +319,11 @@ def decode_rate(worker: WorkerProcess, sessions: int, prompt: int, new: int, voc
     # first: generate long enough that all overlap for a while
     new = max(new, 2 * sessions + 32)
     reqs = [
-        {"prompt_segments": [{"ids": random_ids(prompt, vocab, 100 + i)}], "max_new_tokens": new}
+        {
+            "prompt_segments": [{"ids": random_ids(prompt, vocab, 100 + i)}],
+            "max_new_tokens": new,
+            **(sampling or {}),
+        }
         for i in range(sessions)
     ]
     _, lines = worker.generate(reqs, timeout)
@@ -487,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--sessions", default="1,8,32,64")
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--sampling", default="greedy",
+                   help=f"decode cases, of {','.join(SAMPLING_CASES)}")  # fmt: skip
+    p.add_argument("--no-ttft", action="store_true", help="skip the TTFT measurement")
     p.add_argument("--prefill", default="2048,8192")
     p.add_argument("--resident", type=int, default=4096)
     p.add_argument("--extra", type=int, default=64)
@@ -539,6 +557,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - keep going: the worker figures matter more
         res.meta["notes"].append(f"kernel bench failed: {exc!r}")
     sessions = [int(s) for s in args.sessions.split(",") if s]
+    cases = [c for c in args.sampling.split(",") if c]
+    unknown = [c for c in cases if c not in SAMPLING_CASES]
+    if unknown:
+        p.error(f"unknown --sampling case(s) {unknown}; known: {list(SAMPLING_CASES)}")
     prefills = [int(s) for s in args.prefill.split(",") if s]
     common = ["--model", str(model_dir), "--tokenizer_path", str(model_dir / "tokenizer.json"),
               "--random-weights", "--device", args.device, "--dtype", dtype]  # fmt: skip
@@ -564,11 +586,17 @@ def main(argv: list[str] | None = None) -> int:
             results[f"prefill_{n}"] = prefill_rate(w, n, vocab, args.timeout)
             log(f"prefill {n}: {results[f'prefill_{n}']}")
         for s in small:
-            results[f"decode_{s}"] = decode_rate(w, s, 32, args.decode_tokens, vocab, args.timeout)
-            ahead = w.ask({"op": "stats"}).get("stats", {}).get("decode_ahead")
-            log(f"decode x{s}: {results[f'decode_{s}']}; decode ahead so far: {ahead}")
-        results["ttft"] = ttft(w, args.resident, args.extra, vocab, args.timeout, args.ttft_repeat)
-        log(f"ttft: {results['ttft']}")
+            for case in cases:
+                key = f"decode_{s}" + ("" if case == "greedy" else f"_{case}")
+                results[key] = decode_rate(w, s, 32, args.decode_tokens, vocab, args.timeout,
+                                           SAMPLING_CASES[case])  # fmt: skip
+                ahead = w.ask({"op": "stats"}).get("stats", {}).get("decode_ahead")
+                log(f"decode x{s} {case}: {results[key]}; decode ahead so far: {ahead}")
+        if not args.no_ttft:
+            results["ttft"] = ttft(
+                w, args.resident, args.extra, vocab, args.timeout, args.ttft_repeat
+            )
+            log(f"ttft: {results['ttft']}")
     finally:
         w.close()
     if big:
@@ -602,10 +630,17 @@ def main(argv: list[str] | None = None) -> int:
     bw, flops = res.meta["copy_bytes_per_s"], res.meta["bf16_flop_per_s"]
     compute_limit = flops / (2 * params)
     for s in sessions:
-        r = results.get(f"decode_{s}", {})
-        res.add(f"decode, {s} session{'s' if s > 1 else ''}", r.get("aggregate_tok_s"),
-                min(s * bw / weight_bytes, compute_limit), hf.get(f"decode_b{s}"), "tok/s",
-                f"per request {fmt(r.get('mean_request_decode_tok_s'))}")  # fmt: skip
+        greedy = results.get(f"decode_{s}", {}).get("aggregate_tok_s")
+        for case in cases if s <= 32 else ["greedy"]:
+            r = results.get(f"decode_{s}" + ("" if case == "greedy" else f"_{case}"), {})
+            ours = r.get("aggregate_tok_s")
+            vs = ""
+            if ours and greedy and case != "greedy":
+                vs = f"; {100 * ours / greedy:.1f}% of greedy"
+            label = "" if case == "greedy" else f", {case} {SAMPLING_CASES[case]}"
+            res.add(f"decode, {s} session{'s' if s > 1 else ''}{label}", ours,
+                    min(s * bw / weight_bytes, compute_limit), hf.get(f"decode_b{s}"), "tok/s",
+                    f"per request {fmt(r.get('mean_request_decode_tok_s'))}{vs}")  # fmt: skip
     for n in prefills:
         r = results.get(f"prefill_{n}", {})
         res.add(f"prefill {n} tokens", r.get("wall_tok_s"), compute_limit,
