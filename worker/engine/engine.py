@@ -14,6 +14,7 @@ by length leaves `prompt + generated[:-1]` resident.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterable
@@ -281,12 +282,13 @@ class Engine:
                 prompt_ids,
                 dirty=session.dirty,
                 warm_resume=self.config.warm_resume,
-                keepable_prefix=getattr(self.kv, "keepable_prefix", None),
+                keepable_prefix=self._keepable_prefix(session),
             )
             if plan.keep == 0:
                 session.clear()
             else:
                 del session.resident_ids[plan.keep :]
+        self._rewind_state(session, plan.keep, len(prompt_ids))
         params = SamplingParams(req.temperature, req.top_k, req.top_p, req.min_p, req.seed)
         generator = None if params.greedy else make_generator(req.seed, self.device)
         eos = frozenset(self.tokenizer.eos_ids) | frozenset(req.stop_token_ids)
@@ -308,6 +310,25 @@ class Engine:
             )
         )
         return []
+
+    def _keepable_prefix(self, session: Session) -> Any:
+        """The cache's limit on a kept prefix; a cache with per-slot state (a hybrid model's
+        recurrent-state snapshots, worker/layers/hybrid_cache.py) answers for the slot."""
+        per_slot = getattr(self.kv, "resume_prefix", None)
+        if per_slot is not None:
+            return functools.partial(per_slot, session.slot)
+        return getattr(self.kv, "keepable_prefix", None)
+
+    def _rewind_state(self, session: Session, keep: int, prompt_len: int) -> None:
+        """A cache with recurrent state: rewind the slot to `keep` tokens (from a snapshot)
+        and, for a named session, snapshot the state before the prompt's last token (a
+        regenerate of this prompt resumes there)."""
+        truncate = getattr(self.kv, "truncate", None)
+        if truncate is None:
+            return
+        truncate(session.slot, keep)
+        if session.name is not None:
+            self.kv.snapshot_at(session.slot, prompt_len - 1)
 
     # --------------------------------------------------------------------- the forward
 
@@ -449,6 +470,9 @@ class Engine:
             ),
         )
         events.append(done)
+        snapshot_at = getattr(self.kv, "snapshot_at", None)
+        if snapshot_at is not None and a.session.name is not None and not a.session.dirty:
+            snapshot_at(a.session.slot, len(a.session.resident_ids))  # the turn's end
         self._release(a)
         return events
 
