@@ -82,6 +82,9 @@ def test_config_read(pair: Pair) -> None:
     assert "model.layers.0.linear_attn.A_log" in names
     assert "model.layers.3.self_attn.q_proj.weight" in names
     assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    from protocol.chat_template import model_family
+
+    assert model_family(cfg.architecture) == "qwen3_5"  # serve's Qwen XML tool-call parser
 
 
 def test_prompt_logits_match_hf(pair: Pair) -> None:

@@ -94,14 +94,15 @@ class Qwen35MoeForCausalLM(CausalLM):
         ring_slack: int = DEFAULT_RING_SLACK,
         snapshots: int = DEFAULT_SNAPSHOTS,
     ) -> HybridCache:
-        assert self.config.deltanet is not None
+        norm = self.model.norm.weight
+        assert self.config.deltanet is not None and norm is not None
         return HybridCache(
             self.config.layers,
             self.config.deltanet,
             num_slots,
             max_context,
             self.device,
-            self.model.norm.weight.dtype,
+            norm.dtype,
             snapshots=snapshots,
             ring_slack=ring_slack,
         )
