@@ -35,7 +35,7 @@ def test_int8_round_trip(group: int) -> None:
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_round_trip(group: int) -> None:
     w = _weight(32, 256, seed=1)
-    qw = Q.quantize_int4(w, group)
+    qw = Q.quantize_int4(w, group, search=False)  # the searched fit may clip: see below
     assert qw.qdata.shape == (32, 128) and qw.offsets is not None
     assert torch.equal(Q.unpack_nibbles(qw.qdata).max(), torch.tensor(15, dtype=torch.uint8))
     step = qw.scales.float().repeat_interleave(group, dim=1)
@@ -160,3 +160,29 @@ def test_quant_linear_reference_and_kernel_agree() -> None:
     if cpu_quant.available():
         layer.cpu_packed = cpu_quant.pack(layer.quantized)
         assert torch.allclose(layer(x), reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [Q.INT8, Q.INT4])
+def test_scale_search_beats_round_to_nearest(kind: str) -> None:
+    w = _weight(64, 256, seed=3)
+    fmt = Q.QuantFormat(kind, 32)
+    searched = Q.dequantize(Q.quantize(w, fmt)) - w
+    nearest = Q.dequantize(Q.quantize(w, fmt, search=False)) - w
+    # per group never worse (the round-to-nearest candidate is among the searched ones) ...
+    searched_groups = searched.square().reshape(64, 8, 32).sum(-1)
+    nearest_groups = nearest.square().reshape(64, 8, 32).sum(-1)
+    assert bool((searched_groups <= nearest_groups * (1 + 1e-5) + 1e-12).all())
+    # ... and better overall on Gaussian weights (measured: -20% squared error for both kinds)
+    assert float(searched.square().sum()) < 0.9 * float(nearest.square().sum())
+
+
+def test_int8_search_finds_a_coarser_grid_exactly() -> None:
+    # a dequantized 5-bit GGUF tensor (Q5_0: d * q, q in [-16, 15]): amax / 127 does not land
+    # on its grid, but one of the candidate scales (d / 7 here) does
+    gen = torch.Generator().manual_seed(4)
+    d = (torch.rand(32, 8, 1, generator=gen) * 0.01 + 0.001).half().float()
+    codes = torch.randint(-16, 16, (32, 8, 32), generator=gen).float()
+    codes[:, :, 0] = -16
+    w = (codes * d).reshape(32, 256)
+    assert float((Q.dequantize(Q.quantize_int8(w, 32)) - w).abs().max()) == 0.0
+    assert float((Q.dequantize(Q.quantize_int8(w, 32, search=False)) - w).abs().max()) > 0.0

@@ -50,12 +50,17 @@ def test_gguf_kept_quantized_gives_the_float_greedy_tokens(reference: Any) -> No
 
 def test_int8_quality(reference: Any) -> None:
     quality = _quality(reference, "int8", None)
-    # measured: 97.3% top-1 and +0.9% perplexity at 256 positions (the issue asks 98% / 1%)
-    assert quality.top1_agreement >= 0.96
+    # measured: 98.4% top-1 and +0.37% perplexity at 320 positions (round-to-nearest gave
+    # 97.3% / +0.9%: the scale search finds the 5-bit grid of the GGUF's Q5_0 tensors)
+    assert quality.top1_agreement >= 0.98
     assert quality.perplexity_increase <= 0.01
 
 
-@pytest.mark.xfail(strict=True, reason="int4 g32 round-to-nearest of the 270M model: ~50% top-1")
+@pytest.mark.xfail(
+    strict=True,
+    reason="int4 g32 of this model: 55% top-1, +334% perplexity with the error-minimising fit "
+    "(Gaussian noise of the same squared error is worse; see ARCHITECTURE.md)",
+)
 def test_int4_g32_quality(reference: Any) -> None:
     quality = _quality(reference, "int4", 32)
     assert quality.top1_agreement >= 0.90 and quality.perplexity_increase <= 0.08
