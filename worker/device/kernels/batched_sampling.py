@@ -67,24 +67,28 @@ def _sample_one(
         return int(torch.argmax(logits))
     vocab = logits.shape[0]
     scaled = logits * (1.0 / temperature)
+    tokens: torch.Tensor | None = None  # the candidates' ids (None: the whole row)
+    if 0 < top_k < vocab:
+        # only the top k can be drawn: keep them in index order, as the full scan sees them
+        values, ids = torch.topk(scaled, top_k, sorted=False)
+        order = torch.argsort(ids)
+        scaled, tokens = values[order], ids[order]
     top = float(scaled.max())
     floor = top + math.log(min_p) if min_p > 0.0 else -math.inf
-    if 0 < top_k < vocab:
-        floor = max(floor, float(torch.topk(scaled, top_k, sorted=False).values.min()))
-    weights = torch.exp(scaled - top)  # [V]
+    weights = torch.exp(scaled - top)  # [candidates]
     if floor > -math.inf:
         weights = weights.masked_fill(scaled < floor, 0.0)
     total = float(weights.sum())  # Z of the top-k / min-p set (the top-p reference)
     for attempt in range(MAX_ATTEMPTS):
-        running = torch.cumsum(weights, 0)  # [V]
+        running = torch.cumsum(weights, 0)
         target = draw_uniform(seed, counter, attempt) * float(running[-1])
-        token = min(int(torch.searchsorted(running, torch.tensor([target]))[0]), vocab - 1)
-        if top_p >= 1.0:
-            return token
-        above = weights.masked_fill(scaled <= scaled[token], 0.0)
-        if float(above.sum()) < top_p * total:
-            return token
-        weights = above
+        pick = min(int(torch.searchsorted(running, torch.tensor([target]))[0]), len(running) - 1)
+        if top_p < 1.0:
+            above = weights.masked_fill(scaled <= scaled[pick], 0.0)
+            if float(above.sum()) >= top_p * total:
+                weights = above  # outside the nucleus, and so is all at or below it
+                continue
+        return pick if tokens is None else int(tokens[pick])
     return int(torch.argmax(logits))
 
 
