@@ -182,7 +182,8 @@ class QuantizedLoad:
                 weight = getattr(module, "weight", None)
                 if weight is None:
                     continue  # a tied head: the embedding's weight
-                weight.copy_(quantize(weight.detach(), fmt).dequantize(weight.dtype))
+                search = path not in (EMBEDDING, HEAD)  # as on the CPU: tables to nearest
+                weight.copy_(quantize(weight.detach(), fmt, search).dequantize(weight.dtype))
                 count += 1
         log(
             f"{count} weights quantized and dequantized back to "
