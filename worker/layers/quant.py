@@ -142,8 +142,8 @@ def _int8_scales(grouped: torch.Tensor, divisors: tuple[int, ...]) -> torch.Tens
     for divisor in divisors:
         scale = (amax / divisor).to(SCALE_DTYPE).float()
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-        codes = torch.round(grouped / safe).clamp_(-127, 127)
-        error = (codes * scale - grouped).square_().sum(dim=-1, keepdim=True)
+        codes = torch.div(grouped, safe).round_().clamp_(-127, 127)
+        error = codes.mul_(scale).sub_(grouped).square_().sum(dim=-1, keepdim=True)
         if best_scale is None or best_error is None:
             best_scale, best_error = scale, error
             continue
@@ -184,13 +184,14 @@ def _int4_params(grouped: torch.Tensor, search: bool) -> tuple[torch.Tensor, tor
         return best_scale.squeeze(-1).to(SCALE_DTYPE), best_offset.squeeze(-1).to(SCALE_DTYPE)
     best_error = _int4_error(grouped, best_scale, best_offset)
     size = grouped.shape[-1]
+    sum_w = grouped.sum(-1, keepdim=True)
     nonzero_span = torch.where(span > 0, span, torch.ones_like(span))
     for delta in INT4_STEP_DELTAS:
-        codes = torch.round((grouped - low) * ((15.0 + delta) / nonzero_span)).clamp_(0, 15)
+        codes = torch.sub(grouped, low).mul_((15.0 + delta) / nonzero_span).round_().clamp_(0, 15)
         # least squares of grouped ~ scale * codes + offset over each group
-        sum_c, sum_w = codes.sum(-1, keepdim=True), grouped.sum(-1, keepdim=True)
+        sum_c = codes.sum(-1, keepdim=True)
         sum_cc = codes.square().sum(-1, keepdim=True)
-        sum_cw = (codes * grouped).sum(-1, keepdim=True)
+        sum_cw = codes.mul_(grouped).sum(-1, keepdim=True)
         det = size * sum_cc - sum_c * sum_c
         ok = det > 0
         scale = (size * sum_cw - sum_c * sum_w) / torch.where(ok, det, torch.ones_like(det))
@@ -207,8 +208,8 @@ def _int4_params(grouped: torch.Tensor, search: bool) -> tuple[torch.Tensor, tor
 def _int4_error(grouped: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """Squared error per group [R, G, 1] of the codes ``round((w - offset) / scale)``."""
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    codes = torch.round((grouped - offset) / safe).clamp_(0, 15)
-    return (codes * scale + offset - grouped).square_().sum(dim=-1, keepdim=True)
+    codes = torch.sub(grouped, offset).div_(safe).round_().clamp_(0, 15)
+    return codes.mul_(scale).add_(offset).sub_(grouped).square_().sum(dim=-1, keepdim=True)
 
 
 def quantize(weight: torch.Tensor, fmt: QuantFormat, search: bool = True) -> QuantizedWeight:
