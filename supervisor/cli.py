@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("supervisor.openai.cli:command", "Serve the OpenAI-compatible HTTP API."),
     "info": ("worker.info:command", "Print the model's metadata as JSON."),
     "schema": ("protocol.schema:command", "Print the JSON Schema of requests and events."),
+    "ray": ("supervisor.ray.cli:command", "Replicas on a Ray cluster, routed by session."),
 }
 
 

@@ -1,0 +1,107 @@
+"""The Ray side of `tokenpipe ray up`: starting or joining a cluster, and the Serve application
+(the replica deployment behind the session router, and the HTTP ingress in front of it).
+
+Kept light for small machines: no dashboard, a small object store, and the replicas'
+CPU share is what their workers use (one per CPU worker). Serve's controller, proxy and the
+ingress reserve no CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from supervisor.core import SupervisorConfig
+from supervisor.openai.app import ServerConfig
+
+APP_NAME = "tokenpipe"
+REPLICA_DEPLOYMENT = "TokenpipeReplica"
+INGRESS_DEPLOYMENT = "TokenpipeIngress"
+OBJECT_STORE_BYTES = 128 << 20  # events and request bodies are small; Ray's minimum is 75 MiB
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What `tokenpipe ray up` deploys."""
+
+    replicas: int
+    supervisor: SupervisorConfig
+    server: ServerConfig
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+    max_ongoing_requests: int = 64  # per replica, like the supervisor's --max-queue
+    http: bool = True  # the ingress on Serve's HTTP proxy; False: protocol callers only
+    health_check_period_s: float = 2.0  # how soon a dead replica is seen (and replaced)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        if self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
+            raise ValueError("cpus_per_replica and gpus_per_replica must be >= 0")
+
+
+def connect(address: str | None, num_cpus: int | None = None) -> str:
+    """Join the cluster at `address`, or start a local one (this process is its head); the
+    cluster's address for `--address`."""
+    import ray
+
+    common: dict[str, Any] = {
+        "include_dashboard": False,
+        "logging_level": logging.WARNING,
+        "log_to_driver": False,
+        "configure_logging": True,
+    }
+    if address:
+        ray.init(address=address, **common)
+    else:
+        ray.init(num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES, **common)
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def application(spec: Deployment) -> Any:
+    """The Serve application (`serve.run`-able)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from .ingress import Ingress
+    from .replica import TokenpipeReplica
+    from .router import SessionAffinityRouter
+
+    replica = serve.deployment(
+        TokenpipeReplica,
+        name=REPLICA_DEPLOYMENT,
+        num_replicas=spec.replicas,
+        max_ongoing_requests=spec.max_ongoing_requests,
+        ray_actor_options={"num_cpus": spec.cpus_per_replica, "num_gpus": spec.gpus_per_replica},
+        request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
+        health_check_period_s=spec.health_check_period_s,
+        graceful_shutdown_timeout_s=30,
+    ).bind(spec.supervisor, spec.server)
+    if not spec.http:
+        return replica
+    return serve.deployment(
+        Ingress,
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": 0},
+    ).bind(replica, spec.server.max_body_bytes)
+
+
+def deploy(spec: Deployment, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Deploy (or update: a new replica count scales in place) and wait until it runs."""
+    from ray import serve
+
+    if spec.http:
+        serve.start(http_options={"host": host, "port": port})
+    else:
+        serve.start(proxy_location="Disabled")
+    serve.run(application(spec), name=APP_NAME, route_prefix="/" if spec.http else None)
+
+
+def replica_handle() -> Any:
+    """A handle on the replicas (routed by `SessionAffinityRouter`)."""
+    from ray import serve
+
+    return serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=APP_NAME)

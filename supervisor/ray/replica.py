@@ -1,0 +1,149 @@
+"""One Ray Serve replica: a tokenpipe supervisor (and its workers) in the replica's process,
+with `tokenpipe serve`'s OpenAI app over it.
+
+Callers reach it two ways, both routed by `router.SessionAffinityRouter`:
+- `asgi(scope, body)`: one HTTP request through the OpenAI app (the HTTP ingress);
+- `generate(request)`, `session_op(request)`, `call(request)`: protocol requests as dicts
+  (the JSONL front end), answered with event dicts.
+
+A named session this replica has not seen (its holder died, or the ring moved it here) is
+opened on first use; when the caller mirrors ids for it, they are prefilled first (`resident`),
+so the conversation resumes warm on its new replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from protocol import ErrorCode, ErrorEvent
+from supervisor.client import AsyncClient, TokenpipeError
+from supervisor.core import SupervisorConfig
+from supervisor.mirror import rebuild_request
+from supervisor.openai.app import Server, ServerConfig, create_app
+
+from .asgi_bridge import Message, run_asgi
+
+log = logging.getLogger("tokenpipe.ray")
+
+NEED_RESIDENT = "tp_need_resident"
+"""The one event a replica answers when it lacks a session the caller said it mirrors."""
+
+
+def error_event(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"event": "error", "code": code, "error": message, **extra}
+
+
+class TokenpipeReplica:
+    """The Serve deployment class (options are set in app.py)."""
+
+    async def __init__(self, supervisor: SupervisorConfig, server: ServerConfig) -> None:
+        from ray import serve
+
+        async def start_client() -> AsyncClient:
+            return await AsyncClient.in_process(supervisor)
+
+        self._server = Server(server, start_client)
+        await self._server.start()
+        await self._server.wait_ready()
+        if self._server.load_error is not None:
+            raise RuntimeError(f"tokenpipe replica failed to start: {self._server.load_error}")
+        client = self._server.client
+        assert isinstance(client, AsyncClient)
+        self._client = client
+        self._app = create_app(self._server)  # its lifespan is not run: the server is started
+        self._sessions: set[str] = set()  # named sessions opened here by protocol callers
+        context = serve.get_replica_context()
+        self._rank = int(context.rank.rank) if context.rank is not None else None
+        self._tag = context.replica_id.unique_id
+        log.info("tokenpipe replica %s (rank %s) ready", self._tag, self._rank)
+
+    # -- what Ray Serve asks
+
+    def record_replica_metadata(self) -> dict[str, Any]:
+        return {"rank": self._rank, "pid": os.getpid()}
+
+    async def __del__(self) -> None:
+        await self._server.stop()
+
+    # -- HTTP (the ingress)
+
+    async def asgi(
+        self, scope: dict[str, Any], body: bytes, session_key: str | None = None
+    ) -> AsyncIterator[Message]:
+        async for message in run_asgi(self._app, scope, body):
+            yield message
+
+    # -- protocol requests (the JSONL front end)
+
+    def ready_info(self) -> dict[str, Any]:
+        return {
+            **self._client.ready_info,
+            "replica": self._tag,
+            "rank": self._rank,
+            "pid": os.getpid(),
+        }
+
+    async def generate(
+        self,
+        request: dict[str, Any],
+        session_key: str | None = None,
+        mirrored: int = 0,
+        resident: list[int] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The request's events as dicts. `mirrored`: how many resident ids the caller holds
+        for the session; `resident`: those ids, sent after this replica asked for them."""
+        session = request.get("session_id")
+        if session and session not in self._sessions:
+            if mirrored and resident is None:
+                yield {"event": NEED_RESIDENT, "replica": self._tag}
+                return
+            problem = await self._adopt(session, resident)
+            if problem is not None:
+                yield {**problem, "id": request.get("id")}
+                return
+        async for event in self._client.generate(request):
+            yield msgspec.to_builtins(event)
+
+    async def _adopt(self, session: str, resident: list[int] | None) -> dict[str, Any] | None:
+        """Open `session` here and prefill its mirrored ids; an error event if it cannot."""
+        try:
+            await self._client.open_session(session)
+        except TokenpipeError as exc:
+            return error_event(exc.code, exc.message, session_id=session)
+        self._sessions.add(session)
+        if resident:
+            async for event in self._client.generate(rebuild_request(session, resident)):
+                if isinstance(event, ErrorEvent):
+                    log.warning("rebuilding session %r failed: %s", session, event)
+        return None
+
+    async def cancel(self, request_id: str, session_key: str | None = None) -> None:
+        """Cancel a request of this replica (its stream ends with a cancelled `done`)."""
+        await self._client.cancel(request_id)
+
+    async def session_op(self, request: dict[str, Any], session_key: str) -> dict[str, Any]:
+        """`open`, `close` or `reset` of a named session."""
+        session = str(request.get("session_id"))
+        try:
+            answer = await self._client.request(request)
+        except TokenpipeError as exc:
+            return error_event(exc.code, exc.message, op=request.get("op"), session_id=session)
+        if request.get("op") == "close":
+            self._sessions.discard(session)
+        else:
+            self._sessions.add(session)
+        return answer
+
+    async def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A single-answer request (`info`, `stats`, `tokenize`, `detokenize`, `ping`)."""
+        try:
+            return await self._client.request(request)
+        except TokenpipeError as exc:
+            return error_event(exc.code, exc.message, op=request.get("op"))
+        except Exception as exc:  # the caller gets a protocol line, never a Ray traceback
+            return error_event(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
