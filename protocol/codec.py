@@ -352,7 +352,15 @@ def _decode_slow(line: bytes) -> Request | ProtocolError:
             return _error(ErrorCode.INVALID_JSON, "empty line")
         return _error(ErrorCode.INVALID_JSON, str(exc))
     except RecursionError:
-        return _error(ErrorCode.INVALID_JSON, "JSON nested too deeply")
+        # The depth reached depends on the caller's stack: read the id from the prefix, so
+        # the answer names the request whichever side of the limit the line falls on.
+        request_id, op = peek_request_fields(line)
+        return ProtocolError(
+            code=ErrorCode.INVALID_JSON,
+            message="JSON nested too deeply",
+            id=request_id if _valid_id(request_id) else None,
+            op=op if isinstance(op, str) and op in REQUEST_TYPES else None,
+        )
 
     if not isinstance(raw, dict):
         return _error(

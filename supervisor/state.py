@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
+import msgspec
 
 from protocol.codec import MAX_LINE_BYTES
 from protocol.errors import ErrorCode
@@ -29,6 +29,8 @@ from supervisor.flight import NO_ID, ClientSink, Inflight, cancelled_done, error
 from supervisor.mirror import SessionMirror
 from supervisor.pool import StderrSink, WorkerProcess, WorkerSpec, default_stderr_sink
 from supervisor.router import WorkerLoad, WorkerState
+
+_ENCODER = msgspec.json.Encoder()
 
 
 @dataclass
@@ -128,7 +130,17 @@ class SupervisorState:
         """Send (or hold until the worker is ready) a registered flight's request. The line
         starts with the internal id, so even a worker that cannot decode it can name it."""
         request.pop("id", None)
-        line = orjson.dumps({"id": flight.iid, **request}) + b"\n"
+        try:
+            # msgspec writes whatever its decoder read (orjson stops at 255 levels of nesting)
+            line = _ENCODER.encode({"id": flight.iid, **request}) + b"\n"
+        except (TypeError, ValueError, msgspec.EncodeError) as exc:  # an in-process caller's
+            del slot.inflight[flight.iid]
+            self.answer(
+                flight.channel,
+                flight,
+                error_event(ErrorCode.INVALID_REQUEST, f"cannot encode the request: {exc}"),
+            )
+            return
         limit = slot.max_line_bytes
         if len(line) - 1 > limit:
             # Re-encoding can lengthen a line (e.g. floats written in full): refuse it here,

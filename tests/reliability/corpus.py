@@ -36,6 +36,12 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
+def _exact_size(head: bytes, tail: bytes, size: int) -> bytes:
+    """`head` + words + `tail`, `size` bytes long."""
+    fill = size - len(head) - len(tail)
+    return head + (b"hi " * (fill // 3 + 1))[:fill] + tail
+
+
 def expect_from_codec(label: str, line: bytes) -> Case | None:
     """The case for a line the codec rejects (None when the codec accepts it)."""
     if not line.strip():
@@ -147,7 +153,8 @@ def static_corpus(vocab_size: int, max_context: int, busy_id: str) -> list[Case]
         # framing
         ("blank", b""),
         ("spaces", b"   \t  "),
-        ("line over 1 MiB", _json({"id": "big1", "prompt": "a" * (1 << 20)})),
+        # over 1 MiB and over a worker's limit (1 MiB + 64 KiB of headroom for the supervisor)
+        ("line over 1 MiB", _json({"id": "big1", "prompt": "a" * ((1 << 20) + (1 << 16))})),
         ("10 MB line", b'{"id": "big2", "prompt": "' + b"a" * 10_000_000 + b'"}'),
         ("10 MB garbage", b"\xff" * 10_000_000),
     ]
@@ -206,6 +213,14 @@ def static_corpus(vocab_size: int, max_context: int, busy_id: str) -> list[Case]
             _json({"id": "e2", "prompt_segments": [], "add_prefix": False}),
             "empty_prompt",
             "e2",
+        ),
+        Case(
+            # inside the 1 MiB limit; the supervisor's re-encoding adds `"op":"generate",`
+            # (16 bytes), which a worker's headroom takes: answered like any long prompt
+            "1,048,568-byte line without op",
+            _exact_size(b'{"id":"grow","max_new_tokens":1,"prompt":"', b'"}', 1_048_568),
+            "context_length_exceeded",
+            "grow",
         ),
         Case("duplicate id", _json({"id": busy_id, "op": "ping"}), "duplicate_id", busy_id),
         Case(

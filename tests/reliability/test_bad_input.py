@@ -65,6 +65,25 @@ def _stats(proc: LineProcess, tag: str) -> dict[str, Any]:
     return stats
 
 
+def _assert_nothing_held(
+    proc: LineProcess, tag: str, probe_events: list[dict[str, Any]] | None = None
+) -> None:
+    """The invariant after every hostile input: no request active or queued (but the probe,
+    while it runs: its lines go to `probe_events`), on the worker and, through `tokenpipe
+    run`, in the supervisor."""
+    rid = f"stats-{tag}"
+    proc.send({"op": "stats", "id": rid})
+    lines = proc.read_until(lambda e: e.get("id") == rid and e["event"] in TERMINAL, 300)
+    if probe_events is not None:
+        probe_events += [e for e in lines if e.get("id") == "probe"]
+    running = int(probe_events is not None and not any(e["event"] == "done" for e in probe_events))
+    stats = lines[-1]["stats"]
+    assert stats["active_requests"] + stats["queued_requests"] <= running, stats
+    if "supervisor" in stats:
+        assert stats["supervisor"]["requests_in_flight"] <= running, stats
+        assert all(w["queue_depth"] <= running for w in stats["workers"]), stats
+
+
 def _probe(rid: str, session: str) -> dict[str, Any]:
     return {
         "id": rid,
@@ -136,11 +155,12 @@ def test_corpus_one_error_each_and_probe_unchanged(target: LineProcess) -> None:
     cases.sort(key=lambda c: c.rid != "probe")
     proc.send(_probe("probe", "probe-b"))
     probe_events: list[dict[str, Any]] = []
-    for case in cases:
+    for index, case in enumerate(cases):
         proc.send_raw(case.line + b"\n" + SEPARATOR)
         _check_answer(case, _answers_between_pongs(proc, "probe", probe_events, case.rid))
         if case.rid == "probe":
             assert not any(e["event"] == "done" for e in probe_events), "probe ended too soon"
+        _assert_nothing_held(proc, f"case-{index}", probe_events)
     if not probe_events or probe_events[-1]["event"] != "done":
         probe_events += proc.read_until(
             lambda e: e.get("id") == "probe" and e["event"] == "done", timeout=600
@@ -177,6 +197,7 @@ def test_generated_lines_one_error_each(target: LineProcess, line: bytes) -> Non
     assert case is not None
     target.send_raw(line + b"\n" + SEPARATOR)
     _check_answer(case, _answers_between_pongs(target, None, [], case.rid))
+    _assert_nothing_held(target, "generated")
 
 
 def test_open_close_storm(target: LineProcess) -> None:
