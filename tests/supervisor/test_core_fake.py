@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
+import psutil
 import pytest
 
 from protocol import DoneEvent, ErrorEvent, GenerateRequest, TokenEvent
@@ -358,3 +361,74 @@ def test_second_sigint_exits_at_once_without_orphans() -> None:
     finally:
         if proc.proc.poll() is None:
             proc.kill()
+
+
+def test_run_hostile_lines_answered_once_and_promptly(tmp_path: Path) -> None:
+    """Over stdin: a 100 MB line is answered `line_too_long` with its id as soon as the limit
+    is passed, without buffering it; a line the supervisor cannot fit into a worker's limit
+    after re-encoding is answered by the supervisor with its id; `shutdown` refuses what
+    follows it in the same write. Over `--listen`: a 3 MB line gets `line_too_long`, and the
+    connection keeps serving."""
+    proc = JsonlProcess.run("--workers", "1", "--worker-command",
+                            f"{sys.executable} tests/supervisor/fake_worker.py")  # fmt: skip
+    stdin = proc.proc.stdin
+    assert stdin is not None
+    try:
+        assert proc.read()["event"] == "ready"  # type: ignore[index]
+        started = time.monotonic()
+        stdin.write(b'{"id": "huge", "prompt": "')
+        for _ in range(100):
+            stdin.write(b"a" * (1 << 20))
+        stdin.write(b'"}\n')
+        stdin.flush()
+        answer = proc.read_until(terminal)[-1]
+        assert answer["id"] == "huge" and answer["code"] == "line_too_long", answer
+        assert time.monotonic() - started < 10
+        rss = psutil.Process(proc.proc.pid).memory_info().rss
+        assert rss < 200 << 20, rss  # nothing near 100 MB was held
+        # The fake worker announces no limit (1 MiB): `"op":"generate",` pushes it over.
+        head = b'{"id":"grow","max_new_tokens":1,"prompt":"'
+        line = head + b"a" * (1_048_568 - len(head) - 2) + b'"}'
+        stdin.write(line + b"\n")
+        stdin.flush()
+        answer = proc.read_until(terminal)[-1]
+        assert answer["id"] == "grow" and answer["code"] == "line_too_long", answer
+        proc.send({"op": "stats", "id": "st"})
+        stats = proc.read_until(terminal)[-1]["stats"]
+        assert stats["supervisor"]["requests_in_flight"] == 0, stats
+        assert stats["workers"][0]["queue_depth"] == 0, stats
+        stdin.write(
+            b'{"op":"shutdown"}\n{"prompt":"hi","max_new_tokens":2}\n{"id":7,"prompt":"x"}\n'
+        )
+        stdin.flush()
+        refused = [proc.read(), proc.read()]
+        assert sorted(str(e.get("id")) for e in refused) == ["7", "None"], refused  # type: ignore[union-attr]
+        assert all(e["code"] == "shutting_down" for e in refused), refused  # type: ignore[index]
+        assert proc.proc.wait(10) == 0
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill()
+
+    sock = str(tmp_path / "tp.sock")
+    server = JsonlProcess.run("--workers", "1", "--listen", sock, "--worker-command",
+                              f"{sys.executable} tests/supervisor/fake_worker.py")  # fmt: skip
+    try:
+        for _ in range(300):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(sock)
+        reader = conn.makefile("rb")
+        assert orjson.loads(reader.readline())["event"] == "ready"
+        conn.sendall(b'{"op":"tokenize","id":"t1","text":"' + b"a" * (3 << 20) + b'"}\n')
+        answer = orjson.loads(reader.readline())
+        assert answer["id"] == "t1" and answer["code"] == "line_too_long", answer
+        assert answer["op"] == "tokenize"
+        conn.sendall(b'{"op":"tokenize","id":"t2","text":"ab"}\n')
+        tokens = orjson.loads(reader.readline())
+        assert tokens == {"event": "tokens", "id": "t2", "tokens": [107, 108]}
+        conn.close()
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(10)
