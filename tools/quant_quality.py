@@ -2,12 +2,17 @@
 
     python tools/quant_quality.py                 # all positions of the shipped passage
     python tools/quant_quality.py --positions 256 --threads 1
+    python tools/quant_quality.py --positions 256 --sensitivity int4   # one slice at a time
 
 Teacher-forced over a fixed passage of English (tests/worker/data/quality_passage.txt), each
 variant's next-token predictions against the float model (the GGUF dequantized, `--quantize
 none`): top-1 agreement and perplexity. Variants: `auto` (the GGUF kept quantized), `int8` and
 `int4` g32 of the float weights. Then greedy continuations of reference prompts, `auto` vs float.
 Every variant runs the CPU path the worker runs (``prepare_for_cpu``: the packed kernels).
+
+``--sensitivity KIND`` instead quantizes one slice of the float model at a time (each projection
+kind across all layers, then each layer's seven matmuls) with KIND g32 and prints each slice's
+cost: where the error comes from (the torch path with the weights replaced in place).
 
 Targets: auto gives the float path's greedy tokens; int8 top-1 >= 98%, perplexity +<= 1%;
 int4 g32 top-1 >= 90%, perplexity +<= 8%.
@@ -150,17 +155,66 @@ def measure(
     return results, same
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def sensitivity(kind: str, positions: int | None) -> list[Quality]:
+    """Quality with only one slice of the decoder's matmuls in ``kind`` g32: each projection
+    across the layers, then each layer whole."""
+    from worker.layers.quant import QuantFormat, quantize
+
+    sys.path.insert(0, str(ROOT))
+    from worker.loading.loader import load_model
+
+    base = load_model(None, "cpu", torch.float32, progress=False)  # torch path, float weights
+    ids = passage_ids(base.tokenizer, positions)
+    reference = teacher_forced(base.model, ids)
+    weights = {
+        name: param
+        for name, param in base.model.named_parameters()
+        if name.startswith("model.layers.") and param.dim() == 2
+    }
+    originals = {name: param.detach().clone() for name, param in weights.items()}
+    fmt = QuantFormat(kind, 32)
+    layers = sorted({int(name.split(".")[2]) for name in weights})
+    slices = [(p, [n for n in weights if f".{p}." in n]) for p in PROJECTIONS]
+    slices += [(f"layer {i}", [n for n in weights if f"layers.{i}." in n]) for i in layers]
+    results = []
+    for label, names in slices:
+        with torch.no_grad():  # not inference_mode: the norms' cached scales track versions
+            for name in names:
+                weights[name].copy_(quantize(originals[name], fmt).dequantize())
+        results.append(compare(reference, teacher_forced(base.model, ids), f"{kind} {label}"))
+        with torch.no_grad():
+            for name in names:
+                weights[name].copy_(originals[name])
+    return results
+
+
 @click.command()
 @click.option("--positions", type=int, default=None, help="Teacher-forced positions (default all).")
 @click.option("--threads", type=int, default=None, help="torch threads (default torch's).")
 @click.option("--prompt-tokens", type=int, default=24, show_default=True)
 @click.option("--json", "json_path", default=None, help="Also write the results here.")
+@click.option("--sensitivity", "sensitivity_kind", type=click.Choice(["int8", "int4"]),
+              default=None, help="Quantize one slice of the model at a time instead.")  # fmt: skip
 def main(
-    positions: int | None, threads: int | None, prompt_tokens: int, json_path: str | None
+    positions: int | None,
+    threads: int | None,
+    prompt_tokens: int,
+    json_path: str | None,
+    sensitivity_kind: str | None,
 ) -> None:
     if threads:
         torch.set_num_threads(threads)
     started = time.perf_counter()
+    if sensitivity_kind:
+        print(f"{'slice':18} {'positions':>9} {'top-1 agree':>11} {'ppl change':>10}")
+        for q in sensitivity(sensitivity_kind, positions):
+            print(f"{q.variant:18} {q.positions:9d} {q.top1_agreement:11.2%} "
+                  f"{q.perplexity_increase:+10.2%}", flush=True)  # fmt: skip
+        print(f"({time.perf_counter() - started:.1f}s)")
+        return
     results, same = measure(positions, list(VARIANTS), prompt_tokens)
     print(
         f"{'variant':10} {'positions':>9} {'top-1 agree':>11} {'perplexity':>10} {'ppl change':>10}"
