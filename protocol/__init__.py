@@ -51,7 +51,9 @@ from protocol.messages import (
     TextSegment,
     TokenEvent,
     TokenizeRequest,
+    TokenLogprob,
     TokensEvent,
+    TopLogprob,
 )
 
 __all__ = [
@@ -90,6 +92,8 @@ __all__ = [
     "TextEvent",
     "TextSegment",
     "TokenEvent",
+    "TokenLogprob",
+    "TopLogprob",
     "TokenizeRequest",
     "TokensEvent",
     "WORKER_MAX_LINE_BYTES",

@@ -53,6 +53,7 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_COUNT = (1 << 31) - 1
 """Upper bound of `max_new_tokens` and `top_k`."""
 MAX_SEED = (1 << 64) - 1
+MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_ECHOED_OP_CHARS = 64
 """An unknown `op` is echoed in the error line cut to this length."""
 MIN_INT_ID, MAX_INT_ID = -(1 << 63), (1 << 63) - 1
@@ -252,6 +253,32 @@ def _generate_problem(req: GenerateRequest) -> str | None:
         return problem
     if req.session_id and not is_valid_session_id(req.session_id):
         return _session_id_problem(req.session_id)
+    return _constraint_problem(req)
+
+
+def _constraint_problem(req: GenerateRequest) -> str | None:
+    """The shape rules of the constraint and logprob fields (the worker compiles the
+    constraint itself and answers a schema or grammar llguidance rejects with its message)."""
+    given = [
+        name
+        for name, value in (
+            ("json_schema", req.json_schema),
+            ("json_object", req.json_object or None),
+            ("regex", req.regex),
+            ("grammar", req.grammar),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        return f"at most one of json_schema, json_object, regex, grammar, got {' and '.join(given)}"
+    if req.regex is not None and not req.regex:
+        return "regex: must not be empty"
+    if req.grammar is not None and not req.grammar.strip():
+        return "grammar: must not be empty"
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        return f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}"
+    if req.top_logprobs and not req.return_logprobs:
+        return "top_logprobs: needs return_logprobs true"
     return None
 
 
@@ -486,6 +513,9 @@ _RANGES: dict[str, dict[str, dict[str, Any]]] = {
         "stop": {"items": {"type": "string", "minLength": 1}},
         "stop_token_ids": _TOKEN_IDS_SCHEMA,
         "messages": {"minItems": 1},
+        "regex": {"minLength": 1},
+        "grammar": {"minLength": 1},
+        "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
     },
     "OpenRequest": {"session_id": _SESSION_ID_SCHEMA},
     "CloseRequest": {"session_id": _SESSION_ID_SCHEMA},

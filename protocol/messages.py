@@ -121,6 +121,22 @@ class GenerateRequest(_RequestBase, tag="generate", kw_only=True, gc=False):
     """Extra variables for the chat template (with `messages`)."""
     add_generation_prompt: bool = True
     """End the rendered chat with the assistant's turn header (with `messages`)."""
+    json_schema: dict[str, Any] | None = None
+    """Constrain the output to JSON valid against this JSON Schema (llguidance's supported
+    subset; compact JSON, no free whitespace). At most one of `json_schema`, `json_object`,
+    `regex`, `grammar`."""
+    json_object: bool = False
+    """Constrain the output to one JSON object (any keys)."""
+    regex: str | None = None
+    """Constrain the output to a full match of this regular expression (Rust regex syntax)."""
+    grammar: str | None = None
+    """Constrain the output to this grammar: Lark (llguidance's dialect) or GBNF."""
+    return_logprobs: bool = False
+    """Add `logprobs` to every `token` event: each token's log-probability under the
+    temperature-scaled distribution it was sampled from (before top-k/top-p/min-p and the
+    grammar mask)."""
+    top_logprobs: int = 0
+    """With `return_logprobs`: also the this many most likely tokens per position, 0 to 20."""
 
 
 class OpenRequest(_RequestBase, tag="open", kw_only=True, gc=False):
@@ -272,6 +288,29 @@ class ReadyEvent(_EventBase, tag="ready", kw_only=True):
     protocol_version: int | None = None
     max_line_bytes: int | None = None
     """Longest request line accepted, in bytes (the newline not counted)."""
+    max_resident: int | None = None
+    """Sessions whose cache is on the device at once (a worker writes it); the others of
+    `max_sessions` wait in host memory or on disk. Equal to `max_sessions` without tiers."""
+
+
+class TopLogprob(msgspec.Struct, kw_only=True, gc=False):
+    """One of the most likely tokens at a position: its id, text and log-probability."""
+
+    id: int
+    token: str
+    """The token's bytes as text (invalid UTF-8, e.g. half a character, as U+FFFD)."""
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """A generated token's log-probability, and the `top_logprobs` most likely tokens at its
+    position (most likely first) when the request asked for them."""
+
+    id: int
+    token: str
+    """The token's bytes as text (invalid UTF-8 as U+FFFD)."""
+    logprob: float
+    top: list[TopLogprob] | None = None
 
 
 class TokenEvent(_EventBase, tag="token", kw_only=True, gc=False):
@@ -283,6 +322,8 @@ class TokenEvent(_EventBase, tag="token", kw_only=True, gc=False):
     token: str
     token_ids: list[int] | None = None
     """The ids behind this text, when the request set `return_token_ids`."""
+    logprobs: list[TokenLogprob] | None = None
+    """One entry per token behind this text, when the request set `return_logprobs`."""
 
 
 class DoneEvent(_EventBase, tag="done", kw_only=True, gc=False):

@@ -54,9 +54,10 @@ from protocol import (
 )
 from worker.engine.prompt import PromptError, build_prompt, chat_template_for
 from worker.engine.resume import NEW, ResumePlan, plan_resume
-from worker.engine.sampling import SamplingParams, make_generator, sample
+from worker.engine.sampling import SamplingParams, make_generator, sample_step
 from worker.engine.scheduler import QueuedItem, RunningItem, plan_admission, plan_step
 from worker.engine.session import Session, SessionPool
+from worker.engine.structured import StructuredRows
 from worker.engine.text import TextStream
 from worker.models.step import StepInput
 
@@ -128,6 +129,7 @@ class Engine:
             prepare()  # decode-friendly weight layout (worker.device.cpu_gemv); else a no-op
         self.kv = self.model.make_kv_cache(config.max_sessions, config.max_context)
         self.pool = SessionPool(config.max_sessions)
+        self.structured = StructuredRows(self.tokenizer)  # grammars and logprobs per request
         self.prefix_ids = list(
             config.prefix_ids if config.prefix_ids is not None else self.tokenizer.prefix_ids
         )
@@ -270,6 +272,9 @@ class Engine:
             )
         except PromptError as exc:
             return [_error(rid, str(exc), exc.code, session_id=name)]
+        problem = self.structured.open(key, req)  # compile the constraint, if any
+        if problem is not None:
+            return [_error(rid, problem, ErrorCode.INVALID_REQUEST, session_id=name)]
         room = self.config.max_context - len(prompt_ids)
         max_new = room if req.max_new_tokens < 0 else min(req.max_new_tokens, room)
         if name is None:
@@ -361,18 +366,21 @@ class Engine:
             for i, (a, new) in enumerate(rows)
             if a.pending is not None or (a.fed + len(new) == len(a.prompt_ids) and a.max_new > 0)
         ]
+        # constrained rows: their masks are filled on a helper thread while the forward runs
+        token_mask = self.structured.token_mask([rows[i][0].key for i in sampling_rows])
         try:
             with torch.inference_mode():
                 logits = self.model(step, self.kv)  # [B, vocab] float32
                 sampled: list[int] = []
                 if sampling_rows:
                     picked = logits[sampling_rows] if len(sampling_rows) < len(rows) else logits
-                    ids = sample(
+                    sampled, row_logprobs = sample_step(  # the one host sync of the step
                         picked,
                         [rows[i][0].params for i in sampling_rows],
                         [rows[i][0].generator for i in sampling_rows],
+                        token_mask,
+                        self.structured.top_logprobs([rows[i][0].request for i in sampling_rows]),
                     )
-                    sampled = ids.tolist()  # the one host sync of the step
                 elif logits.is_cuda:
                     # nothing to sample (prefill-only chunks): still wait for the KV writes, so
                     # `done` means the session is ready and prefill_ms is the real time
@@ -401,7 +409,10 @@ class Engine:
             if a.t_first is None:
                 a.t_first = now
             if i in sampled_by_row:
-                events.extend(self._accept_token(a, sampled_by_row[i]))
+                token = sampled_by_row[i]
+                row_lp = row_logprobs[sampling_rows.index(i)]
+                self.structured.accept(a.key, a.request, token, row_lp, a.eos_ids)
+                events.extend(self._accept_token(a, token))
             else:  # max_new_tokens == 0: prefill only
                 events.extend(self._finish(a, "length"))
 
@@ -429,7 +440,8 @@ class Engine:
         ids = None
         if a.request.return_token_ids:
             ids, a.unreported_ids = a.unreported_ids, []
-        return TokenEvent(token=text, token_ids=ids, id=a.request.id)
+        logprobs = self.structured.take_logprobs(a.key) if a.request.return_logprobs else None
+        return TokenEvent(token=text, token_ids=ids, id=a.request.id, logprobs=logprobs)
 
     def _finish(self, a: _Active, reason: str) -> list[Event]:
         """End `a` with its `done` line; the session keeps exactly the fed tokens."""
@@ -478,6 +490,7 @@ class Engine:
 
     def _release(self, a: _Active) -> None:
         self._active.remove(a)
+        self.structured.close(a.key)
         if a.session.name is None:
             self.pool.give_back(a.session)
 

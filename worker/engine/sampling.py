@@ -8,6 +8,11 @@ randomness is counter-based: the draw number of its request's `NoiseStream` and 
 give the uniform, so a seeded request samples the same ids whatever shares its batch, eager
 or replayed from a CUDA graph.
 
+`sample_step` is the engine's call: it applies the grammar bitmask of constrained rows
+(`worker.engine.constraints`) on the device before sampling, computes the log-probabilities
+a request asked for from the same logits, and copies ids and log-probabilities to the host
+in one transfer.
+
 Logits a model returns may carry `presampled(params, streams) -> Tensor | None` (set by
 `worker.device.graphed_lm`): the ids its CUDA graph already drew for exactly these rows'
 settings and draw numbers, which `sample` then takes instead of drawing again.
@@ -16,7 +21,7 @@ settings and draw numbers, which `sample` then takes instead of drawing again.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,3 +86,70 @@ def sample(
         if s is not None and not p.greedy:
             s.draws += 1
     return ids
+
+
+@dataclass(frozen=True)
+class RowLogprobs:
+    """A sampled token's log-probability and the row's most likely tokens (most likely
+    first), from the temperature-scaled logits before filters and the grammar mask."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with -inf where `bitmask` [B, ceil(V / 32)] int32 (same device) has a 0
+    bit (bit j of word w: token 32 w + j). Returns a new tensor; no host sync."""
+    batch, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, words, 32]
+    allowed = bits.reshape(batch, -1)[:, :vocab].bool()  # [B, V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def sample_step(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    streams: Sequence[NoiseStream | None],
+    token_mask: Callable[[], torch.Tensor | None] | None = None,
+    top_logprobs: Sequence[int] | None = None,
+) -> tuple[list[int], list[RowLogprobs | None]]:
+    """Sample one token per row of logits [B, V] and read the ids (and log-probabilities)
+    to the host with one copy.
+
+    token_mask: called once the forward is launched (on the CPU path: done), it returns the
+    bitmask [B, words] int32 of the step's rows on the host (all ones for free rows), or
+    None. top_logprobs: per row, -1 for no log-probabilities, else how many top tokens."""
+    mask = token_mask() if token_mask is not None else None
+    sampled_from = logits
+    if mask is not None:
+        # a new tensor, without the graph's `presampled` (decode ahead drew before the mask)
+        sampled_from = apply_token_mask(logits, mask.to(logits.device, non_blocking=True))
+    streams_ids = sample(sampled_from, params, streams)
+    wants = [n for n in (top_logprobs or ()) if n >= 0]
+    if not wants:
+        return streams_ids.tolist(), [None] * len(params)  # the one host sync of the step
+    top_n = max(wants)
+    temperatures = torch.tensor(
+        [p.temperature if p.temperature > 0 else 1.0 for p in params],
+        dtype=torch.float32,
+    ).to(logits.device, non_blocking=True)
+    logprobs = torch.log_softmax(logits.float() / temperatures.unsqueeze(-1), dim=-1)  # [B, V]
+    chosen = logprobs.gather(1, streams_ids.unsqueeze(-1))  # [B, 1]
+    parts = [streams_ids.unsqueeze(-1).double(), chosen.double()]
+    if top_n:
+        values, ids = torch.topk(logprobs, top_n, dim=-1)  # [B, top_n], most likely first
+        parts += [ids.double(), values.double()]
+    packed = torch.cat(parts, dim=1).tolist()  # [B, 2 + 2 top_n]: the one host sync
+    ids_out: list[int] = []
+    rows: list[RowLogprobs | None] = []
+    assert top_logprobs is not None
+    for row, n in zip(packed, top_logprobs, strict=True):
+        ids_out.append(int(row[0]))
+        if n < 0:
+            rows.append(None)
+            continue
+        top_ids = [int(i) for i in row[2 : 2 + n]]
+        rows.append(RowLogprobs(row[1], top_ids, row[2 + top_n : 2 + top_n + n]))
+    return ids_out, rows

@@ -1,0 +1,174 @@
+"""Constrained decoding: a generate's `json_schema`, `json_object`, `regex` or `grammar`
+turned into a per-step token mask, with llguidance (BENCHMARKS.md, "Structured output", says
+why llguidance and not xgrammar).
+
+- `GrammarCache`: the constraint (`protocol.constraints` says what each field means as an
+  llguidance grammar) as a pristine matcher over this vocabulary, built once per (kind,
+  source) and cached by its hash; each request takes a `deep_copy`. Errors (invalid schema,
+  unsupported keyword, a grammar that does not parse) raise `ConstraintError` with
+  llguidance's message, before anything runs.
+- `Constraints`: the engine's per-request matchers, keyed by the engine's request key.
+  `start_masks(keys)` fills the next-token bitmasks of the given rows on a helper thread
+  (llguidance drops the GIL), so the mask of step t is computed while the device runs step
+  t's forward; `MaskJob.result()` joins. `accept(key, token)` advances a row's grammar.
+
+The bitmask is llguidance's layout: int32 words [rows, ceil(V / 32)], bit j of word w set
+when token 32 * w + j is allowed. EOS ids are allowed exactly when the grammar accepts.
+Rows without a constraint are all ones. `worker.engine.sampling.sample` applies it on the
+device (masked logits -> -inf) before sampling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from protocol import GenerateRequest
+from protocol.constraints import ConstraintError, grammar_text, request_constraint
+
+__all__ = ["ConstraintError", "Constraints", "GrammarCache", "llguidance_tokenizer"]
+
+
+def llguidance_tokenizer(tokenizer: Any) -> Any:
+    """An `llguidance.LLTokenizer` over the engine tokenizer's byte table: special and EOS
+    tokens (empty bytes) are marked special, so a grammar never produces them as text."""
+    import llguidance
+
+    vocab = int(tokenizer.vocab_size)
+    table = [tokenizer.token_bytes(i) for i in range(vocab)]
+    eos = sorted(tokenizer.eos_ids)
+
+    class _Gtok:
+        eos_token_id = eos[0] if eos else None
+        bos_token_id = tokenizer.bos_id
+        tokens = table
+        special_token_ids = [i for i, b in enumerate(table) if not b]
+
+        def __call__(self, data: bytes) -> list[int]:
+            return list(tokenizer.encode(data.decode("utf-8", errors="replace")))
+
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_Gtok()), n_vocab=vocab, eos_token=eos or None
+    )
+
+
+class GrammarCache:
+    """Pristine matchers by sha256 of (kind, source), least recently used dropped first."""
+
+    def __init__(self, tokenizer: Any, capacity: int = 256) -> None:
+        self._source_tokenizer = tokenizer
+        self._ll_tokenizer: Any = None
+        self._capacity = capacity
+        self._matchers: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.compiles = 0
+
+    @property
+    def ll_tokenizer(self) -> Any:
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance_tokenizer(self._source_tokenizer)
+        return self._ll_tokenizer
+
+    def matcher(self, kind: str, source: str) -> Any:
+        """A fresh matcher (initial state) for the constraint. Raises ConstraintError."""
+        import llguidance
+
+        key = hashlib.sha256(f"{kind}\0{source}".encode()).hexdigest()
+        with self._lock:
+            pristine = self._matchers.get(key)
+            if pristine is not None:
+                self._matchers.move_to_end(key)
+                self.hits += 1
+                return pristine.deep_copy()
+        grammar = grammar_text(kind, source)
+        pristine = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if pristine.is_error():
+            raise ConstraintError(f"{kind}: {pristine.get_error()}")
+        with self._lock:
+            self.compiles += 1
+            self._matchers[key] = pristine
+            while len(self._matchers) > self._capacity:
+                self._matchers.popitem(last=False)
+        return pristine.deep_copy()
+
+
+class MaskJob:
+    """The bitmask [rows, words] int32 (CPU) of one step's sampling rows, being filled."""
+
+    def __init__(self, future: Future[torch.Tensor] | None, mask: torch.Tensor | None) -> None:
+        self._future = future
+        self._mask = mask
+
+    def result(self) -> torch.Tensor | None:
+        """The filled mask, or None when no row of the step is constrained."""
+        if self._future is not None:
+            self._mask = self._future.result()
+            self._future = None
+        return self._mask
+
+
+NO_MASK = MaskJob(None, None)
+
+
+class Constraints:
+    """The grammar state of every constrained request in flight (keyed by engine key)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.vocab_size = int(tokenizer.vocab_size)
+        self.words = (self.vocab_size + 31) // 32
+        self.cache = GrammarCache(tokenizer)
+        # a row whose grammar failed (it never should: the mask allowed the token) may only end
+        self._eos_only = torch.zeros(self.words, dtype=torch.int32)
+        for eos in tokenizer.eos_ids:
+            word, bit = divmod(int(eos), 32)
+            self._eos_only[word] |= torch.tensor(1 << bit).to(torch.int32)
+        self._matchers: dict[int, Any] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._matchers)
+
+    def open(self, key: int, req: GenerateRequest) -> None:
+        """Compile (or take from the cache) the request's constraint. Raises ConstraintError."""
+        spec = request_constraint(req)
+        if spec is not None:
+            self._matchers[key] = self.cache.matcher(*spec)
+
+    def close(self, key: int) -> None:
+        self._matchers.pop(key, None)
+
+    def constrained(self, key: int) -> bool:
+        return key in self._matchers
+
+    def start_masks(self, keys: Sequence[int]) -> MaskJob:
+        """Start filling the bitmask of these sampling rows (in order); NO_MASK when none of
+        them is constrained."""
+        rows = [(i, self._matchers[k]) for i, k in enumerate(keys) if k in self._matchers]
+        if not rows:
+            return NO_MASK
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return MaskJob(self._pool.submit(self._fill, len(keys), rows), None)
+
+    def _fill(self, batch: int, rows: list[tuple[int, Any]]) -> torch.Tensor:
+        mask = torch.full((batch, self.words), -1, dtype=torch.int32)
+        for i, matcher in rows:
+            row = mask[i]
+            if matcher.is_error():
+                row.copy_(self._eos_only)
+            else:
+                matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
+        return mask
+
+    def accept(self, key: int, token: int) -> bool:
+        """Advance the row's grammar by a sampled token. False when the grammar rejects it
+        (it never should: the mask allowed it); the row's mask then allows only EOS."""
+        matcher = self._matchers.get(key)
+        return matcher is None or bool(matcher.consume_token(token))
