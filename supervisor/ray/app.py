@@ -9,6 +9,8 @@ ingress reserve no CPU.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,7 @@ from supervisor.openai.app import ServerConfig
 APP_NAME = "tokenpipe"
 REPLICA_DEPLOYMENT = "TokenpipeReplica"
 INGRESS_DEPLOYMENT = "TokenpipeIngress"
+LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 OBJECT_STORE_BYTES = 128 << 20  # events and request bodies are small; Ray's minimum is 75 MiB
 
 
@@ -41,9 +44,17 @@ class Deployment:
             raise ValueError("cpus_per_replica and gpus_per_replica must be >= 0")
 
 
-def connect(address: str | None, num_cpus: int | None = None) -> str:
-    """Join the cluster at `address`, or start a local one (this process is its head); the
-    cluster's address for `--address`."""
+def connect(address: str | None, num_cpus: int | None = None, node_ip: str = "127.0.0.1") -> str:
+    """Join the cluster at `address`, or start a local one (this process is its head, its
+    processes on `node_ip`: loopback unless other nodes must reach it); the cluster's
+    address for `--address`."""
+    loopback = node_ip.startswith("127.") if not address else address.startswith("127.")
+    if loopback:
+        # Ray resolves 127.0.0.1 to the machine's outward address, where every Ray process
+        # would listen, unless its "cluster" mode is off: then all of them stay on loopback.
+        os.environ[LOOPBACK_ONLY_ENV] = "0"
+        if "ray._private.ray_constants" in sys.modules:
+            sys.modules["ray._private.ray_constants"].ENABLE_RAY_CLUSTER = False
     import ray
 
     common: dict[str, Any] = {
@@ -55,7 +66,12 @@ def connect(address: str | None, num_cpus: int | None = None) -> str:
     if address:
         ray.init(address=address, **common)
     else:
-        ray.init(num_cpus=num_cpus, object_store_memory=OBJECT_STORE_BYTES, **common)
+        ray.init(
+            num_cpus=num_cpus,
+            object_store_memory=OBJECT_STORE_BYTES,
+            _node_ip_address=node_ip,
+            **common,
+        )
     return str(ray.get_runtime_context().gcs_address)
 
 

@@ -220,6 +220,7 @@ class Front:
         except Exception as exc:
             code = ErrorCode.WORKER_LOST if is_replica_lost(exc) else ErrorCode.INTERNAL_ERROR
             answer = error_event(code, f"{type(exc).__name__}: {exc}", op=request.get("op"))
+        answer.pop("id", None)  # the replica's own id for it
         if answer.get("event") != "error":
             if request.get("op") == "close":
                 self._mirror.drop(session)
@@ -233,6 +234,7 @@ class Front:
         except Exception as exc:
             code = ErrorCode.WORKER_LOST if is_replica_lost(exc) else ErrorCode.INTERNAL_ERROR
             answer = error_event(code, f"{type(exc).__name__}: {exc}", op=request.get("op"))
+        answer.pop("id", None)
         self._emit({**answer, **_id_of(request)})
 
 

@@ -80,7 +80,9 @@ class TokenpipeReplica:
 
     # -- protocol requests (the JSONL front end)
 
-    def ready_info(self) -> dict[str, Any]:
+    async def ready_info(self, session_key: str | None = None) -> dict[str, Any]:
+        """The supervisor's ready line and which replica this is (`session_key`: the router
+        picks the replica holding that session)."""
         return {
             **self._client.ready_info,
             "replica": self._tag,
