@@ -12,8 +12,10 @@ and pass `--connect SOCKET --session NAME` to each `generate`.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -117,6 +119,32 @@ def stream_reply(client: Client, request: GenerateRequest, as_json: bool = False
     raise TokenpipeError("internal_error", "the stream ended without a done line")
 
 
+def _constraint(json_schema_file: Path | None, regex: str | None) -> dict[str, Any]:
+    """The generate fields of `--json-schema FILE` / `--regex`, checked with llguidance.
+    Raises OSError (unreadable file) or ValueError (a message naming the problem)."""
+    from protocol.constraints import check_constraint
+
+    if json_schema_file is not None and regex is not None:
+        raise ValueError("use one of --json-schema and --regex")
+    if regex is not None:
+        check_constraint("regex", regex)
+        return {"regex": regex}
+    if json_schema_file is None:
+        return {}
+    text = json_schema_file.read_text()
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--json-schema {json_schema_file}: not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {json_schema_file}: a JSON Schema must be an object")
+    try:
+        check_constraint("json_schema", json.dumps(schema))
+    except ValueError as exc:
+        raise ValueError(f"--json-schema {json_schema_file}: {exc}") from None
+    return {"json_schema": schema}
+
+
 _CONTEXT = {
     "ignore_unknown_options": True,
     "allow_extra_args": True,
@@ -131,10 +159,25 @@ _CONTEXT = {
     "--session", default=None, help="Named session (kept across invocations only with --connect)."
 )
 @click.option("--raw", is_flag=True, help="Do not add the model's prompt prefix (BOS).")
+@click.option(
+    "--json-schema",
+    "json_schema_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Constrain the output to JSON valid against the JSON Schema in this file.",
+)
+@click.option("--regex", default=None, help="Constrain the output to match this regex.")
 @_sampling_options
 @click.pass_context
 def generate_command(
-    ctx: click.Context, prompt: str, as_json: bool, session: str | None, raw: bool, **kwargs: Any
+    ctx: click.Context,
+    prompt: str,
+    as_json: bool,
+    session: str | None,
+    raw: bool,
+    json_schema_file: Path | None,
+    regex: str | None,
+    **kwargs: Any,
 ) -> None:
     """Generate text for PROMPT (`-` reads it from stdin) and stream it to stdout.
 
@@ -142,8 +185,17 @@ def generate_command(
     """
     if prompt == "-":
         prompt = sys.stdin.read()
+    try:
+        constraint = _constraint(json_schema_file, regex)
+    except (OSError, ValueError) as exc:  # before any worker starts
+        click.echo(f"tokenpipe generate: {exc}", err=True)
+        sys.exit(2)
     request = GenerateRequest(
-        prompt=prompt, session_id=session, add_prefix=not raw, **_sampling(kwargs)
+        prompt=prompt,
+        session_id=session,
+        add_prefix=not raw,
+        **_sampling(kwargs),
+        **constraint,
     )
     try:
         client = open_client(kwargs, ctx.args)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from protocol import TokenLogprob
 
 from .tool_parsers import Piece, ToolCall
 
@@ -97,14 +100,19 @@ class ResponseHeader:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def chat_chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    def chat_chunk(
+        self,
+        delta: dict[str, Any],
+        finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "choices": [
-                {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+                {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
             ],
         }
 
@@ -119,7 +127,11 @@ class ResponseHeader:
         }
 
     def chat_body(
-        self, message: dict[str, Any], finish_reason: str, usage: dict[str, Any]
+        self,
+        message: dict[str, Any],
+        finish_reason: str,
+        usage: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -127,23 +139,73 @@ class ResponseHeader:
             "created": self.created,
             "model": self.model,
             "choices": [
-                {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": finish_reason,
+                    "logprobs": logprobs,
+                }
             ],
             "usage": usage,
         }
 
-    def text_chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    def text_chunk(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [
-                {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+                {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
             ],
         }
 
-    def text_body(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
-        body = self.text_chunk(text, finish_reason)
+    def text_body(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        body = self.text_chunk(text, finish_reason, logprobs)
         body["usage"] = usage
         return body
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+
+def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """Chat's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}], "refusal"}`."""
+    content = []
+    for entry in entries:
+        item = _token_entry(entry.token, entry.logprob)
+        item["top_logprobs"] = [_token_entry(t.token, t.logprob) for t in entry.top or ()]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """Completions' `logprobs`: parallel lists, `text_offset` counted from `offset` (the
+    characters of the text before these tokens)."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [
+            {t.token: t.logprob for t in e.top} if e.top is not None else None for e in entries
+        ],
+        "text_offset": offsets,
+    }

@@ -1,5 +1,11 @@
 """Request validation: an OpenAI request body -> frozen parameters, or an `APIError` (pure).
 
+Structured output: `response_format` `json_schema` / `json_object` and a forced tool call
+(`tool_choice` "required" or a named function) become the generate's `json_schema`,
+`json_object` or `grammar` (checked with llguidance here, so a bad schema is a 400 naming
+the problem before anything is sent); `logprobs` / `top_logprobs` become `return_logprobs` /
+`top_logprobs`.
+
 Honoured, accepted-and-ignored (`user`, `store`, `metadata`, `strict`, `reasoning_effort`,
 `parallel_tool_calls` and unknown keys) and rejected parameters: anything the server cannot
 do is rejected with 400 `unsupported_parameter`, never silently ignored; a bad value is 400
@@ -9,10 +15,13 @@ do is rejected with 400 `unsupported_parameter`, never silently ignored; a bad v
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 from protocol import chat_template
+from protocol.constraints import ConstraintError, check_constraint
 
 from .errors import APIError, invalid_value, unsupported
 
@@ -23,6 +32,7 @@ MAX_NESTING = 64
 """Deepest JSON nesting accepted anywhere in a request (tool schemas and call arguments
 included): deeper data would make rendering and `tojson` recurse toward Python's limit."""
 TOO_DEEP = f"the request is nested more than {MAX_NESTING} levels deep"
+MAX_TOP_LOGPROBS = 20
 # Protocol seeds are >= 1 (0 means "unset"); an OpenAI seed s maps to s + 1.
 SEED_OFFSET = 1
 
@@ -38,6 +48,11 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    grammar: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,9 @@ class ChatParams:
     parse_tools: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     session_id: str | None = None
+    forced_tools: tuple[str, ...] = ()
+    """`tool_choice` "required" (every tool) or a named function: the output must be one
+    call of one of these tools (`forced_call_grammar` builds the grammar)."""
 
 
 @dataclass(frozen=True)
@@ -157,13 +175,6 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
         raise unsupported("'n' other than 1 is not supported", "n")
     if body.get("logit_bias"):
         raise unsupported("'logit_bias' is not supported", "logit_bias")
-    if body.get("logprobs") or body.get("top_logprobs") is not None:
-        raise unsupported("'logprobs' is not supported", "logprobs")
-    response_format = body.get("response_format")
-    if response_format is not None and (
-        not isinstance(response_format, dict) or response_format.get("type") != "text"
-    ):
-        raise unsupported("'response_format' other than text is not supported", "response_format")
     # Penalties are not implemented: only their neutral values are accepted.
     for penalty, neutral in (
         ("presence_penalty", 0),
@@ -191,6 +202,7 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> Sam
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise invalid_value("'top_p' must be greater than 0", "top_p")
+    json_schema, json_object = _response_format(body)
     return SamplingParams(
         max_new_tokens=-1 if max_tokens is None else max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -199,7 +211,71 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> Sam
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=0 if seed is None else seed + SEED_OFFSET,
         stop=_stop(body),
+        json_schema=json_schema,
+        json_object=json_object,
     )
+
+
+def _response_format(body: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+    """(json_schema, json_object) of `response_format`; the schema checked by llguidance."""
+    response_format = body.get("response_format")
+    if response_format is None:
+        return None, False
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None, False
+    if kind == "json_object":
+        return None, True
+    if kind != "json_schema":
+        raise invalid_value(
+            "'response_format' must be {type: text}, {type: json_object} or "
+            "{type: json_schema, json_schema: {name, schema}}",
+            "response_format",
+        )
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise invalid_value(
+            "'response_format.json_schema.schema' must be a JSON Schema object",
+            "response_format",
+        )
+    _check("json_schema", orjson.dumps(schema).decode(), "response_format")
+    return schema, False
+
+
+def _check(kind: str, source: str, param: str) -> None:
+    try:
+        check_constraint(kind, source)
+    except ConstraintError as exc:
+        raise invalid_value(f"'{param}': {exc}", param) from None
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> tuple[bool, int]:
+    """(return_logprobs, top_logprobs). Chat: `logprobs` true and `top_logprobs` 0..20;
+    completions: `logprobs` an integer 0..20 (the top count; 0 is the sampled token only)."""
+    value = body.get("logprobs")
+    if chat:
+        wanted = _bool(body, "logprobs")
+        top = _integer(body, "top_logprobs", 0)
+        if top is not None and top > MAX_TOP_LOGPROBS:
+            raise invalid_value(
+                f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs"
+            )
+        if top and not wanted:
+            raise invalid_value("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return wanted, top or 0
+    if value is None or value is False:
+        return False, 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise invalid_value(
+            f"'logprobs' must be an integer between 0 and {MAX_TOP_LOGPROBS}", "logprobs"
+        )
+    return True, value
+
+
+def with_logprobs(sampling: SamplingParams, body: dict[str, Any], chat: bool) -> SamplingParams:
+    wanted, top = _logprobs(body, chat)
+    return replace(sampling, logprobs=wanted, top_logprobs=top)
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -250,15 +326,62 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def _tool_choice(body: dict[str, Any]) -> str:
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple[str, ...]:
+    """("auto",), ("none",), or the names of the tools a forced call may name."""
     choice = body.get("tool_choice")
     if choice is None:
-        return "auto"
+        return ("auto",)
     if choice in ("auto", "none"):
-        return str(choice)
-    if choice == "required" or isinstance(choice, dict):
-        raise unsupported("'tool_choice' must be 'auto' or 'none'", "tool_choice")
-    raise invalid_value("'tool_choice' must be 'auto' or 'none'", "tool_choice")
+        return (str(choice),)
+    names = [t["function"]["name"] for t in tools or ()]
+    if choice == "required":
+        if not names:
+            raise invalid_value("'tool_choice' 'required' needs 'tools'", "tool_choice")
+        return tuple(names)
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise invalid_value(
+            "'tool_choice' must be 'auto', 'none', 'required' or "
+            "{type: function, function: {name}}",
+            "tool_choice",
+        )
+    if name not in names:
+        raise invalid_value(f"'tool_choice' names '{name}', which is not in 'tools'", "tool_choice")
+    return (name,)
+
+
+def forced_call_grammar(tools: list[dict[str, Any]], names: tuple[str, ...], fmt: str) -> str:
+    """A Lark grammar (llguidance's, with inline `%json`) for exactly one call of one of
+    `names`, in the model's tool-call markup: only the `hermes` format
+    (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) so far."""
+    if fmt != "hermes":
+        raise unsupported(
+            f"'tool_choice' 'required' or a named function is not supported for the "
+            f"'{fmt}' tool-call format yet",
+            "tool_choice",
+        )
+    options = []
+    for tool in tools:
+        function = tool["function"]
+        if function["name"] not in names:
+            continue
+        parameters = function.get("parameters")
+        options.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": function["name"]},
+                    "arguments": parameters if isinstance(parameters, dict) else {},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    grammar = f'start: "<tool_call>" %json {orjson.dumps(schema).decode()} "</tool_call>"'
+    _check("grammar", grammar, "tools")
+    return grammar
 
 
 def _body_session(body: dict[str, Any]) -> str | None:
@@ -273,7 +396,8 @@ def parse_chat(body: Any) -> ChatParams:
     check_nesting(body)
     _reject_unsupported(body)
     tools = _tools(body)
-    choice = _tool_choice(body)
+    choice = _tool_choice(body, tools)
+    forced = () if choice in (("auto",), ("none",)) else choice
     kwargs = body.get("chat_template_kwargs")
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
@@ -281,13 +405,14 @@ def parse_chat(body: Any) -> ChatParams:
     return ChatParams(
         model=_model(body),
         messages=normalize_messages(body.get("messages")),
-        sampling=sampling_params(body, None),
+        sampling=with_logprobs(sampling_params(body, None), body, chat=True),
         stream=_bool(body, "stream"),
         include_usage=_include_usage(body),
         tools=tools,
-        parse_tools=tools is not None and choice == "auto",
+        parse_tools=tools is not None and choice != ("none",),
         template_kwargs=dict(kwargs),
         session_id=_body_session(body),
+        forced_tools=forced,
     )
 
 
@@ -319,7 +444,7 @@ def parse_completion(body: Any) -> CompletionParams:
     return CompletionParams(
         model=_model(body),
         prompt=prompt,
-        sampling=sampling_params(body, 16),
+        sampling=with_logprobs(sampling_params(body, 16), body, chat=False),
         stream=_bool(body, "stream"),
         include_usage=_include_usage(body),
         session_id=_body_session(body),

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import orjson
@@ -33,6 +33,7 @@ from .params import (
     SamplingParams,
     check_model,
     check_nesting,
+    forced_call_grammar,
     normalize_messages,
     parse_chat,
     parse_completion,
@@ -187,6 +188,15 @@ def generate_request(
         "stop": list(sampling.stop),
         "return_token_ids": return_token_ids,
     }
+    if sampling.json_schema is not None:
+        request["json_schema"] = sampling.json_schema
+    if sampling.json_object:
+        request["json_object"] = True
+    if sampling.grammar is not None:
+        request["grammar"] = sampling.grammar
+    if sampling.logprobs:
+        request["return_logprobs"] = True
+        request["top_logprobs"] = sampling.top_logprobs
     if session:
         request["session_id"] = session
     return request
@@ -212,9 +222,18 @@ def prepare_chat(
     model_id: str,
     turns: TurnStore,
     return_token_ids: bool,
+    tool_format: str = "hermes",
 ) -> PreparedChat:
     """Parse, render and splice a chat body into a generate request."""
     params = parse_chat(parse_json(body))
+    sampling = params.sampling
+    if params.forced_tools and params.tools:
+        if sampling.json_schema is not None or sampling.json_object:
+            raise invalid_value(
+                "'response_format' and a forced 'tool_choice' cannot be combined", "tool_choice"
+            )
+        grammar = forced_call_grammar(params.tools, params.forced_tools, tool_format)
+        sampling = replace(sampling, grammar=grammar)
     check_model(params.model, model_id)
     session = session_from_request(params.session_id, headers)
     check_deadline()
@@ -231,7 +250,7 @@ def prepare_chat(
         raise too_long() from None
     except ChatTemplateError as exc:
         raise APIError(400, "template_error", str(exc)) from exc
-    request = generate_request(rendered.segments, params.sampling, session, True, return_token_ids)
+    request = generate_request(rendered.segments, sampling, session, True, return_token_ids)
     check_line(request)
     check_deadline()
     return PreparedChat(

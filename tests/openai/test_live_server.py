@@ -236,7 +236,7 @@ def test_errors_and_their_codes(client: openai.OpenAI, model_id: str, server: Li
         400,
         "invalid_value",
     )
-    assert error_code(lambda: chat(model=model_id, messages=QUESTION, logprobs=True))[:2] == (
+    assert error_code(lambda: chat(model=model_id, messages=QUESTION, presence_penalty=1))[:2] == (
         400,
         "unsupported_parameter",
     )

@@ -98,11 +98,6 @@ def test_honoured_parameters() -> None:
     [
         {"n": 2},
         {"logit_bias": {"1": 5}},
-        {"response_format": {"type": "json_object"}},
-        {"logprobs": True},
-        {"top_logprobs": 2},
-        {"tool_choice": "required"},
-        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
         {"presence_penalty": 0.5},
     ],
 )

@@ -23,7 +23,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
 SUITE = json.loads((Path(__file__).parent.parent / "data" / "json_schemas.json").read_text())
-MAX_NEW = 160
+MAX_NEW = 128
 pytestmark = pytest.mark.slow
 
 

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from protocol import DoneEvent, ErrorEvent, Event, TokenEvent
+from protocol import DoneEvent, ErrorEvent, Event, TokenEvent, TokenLogprob
 
 from .. import chunks as ch
 from ..disconnect import EventStreamResponse, race_disconnect
@@ -31,6 +31,7 @@ async def chat(server: Server, request: Request) -> Response:
         model.model_id,
         server.turns,
         bool(model.marker_ids),
+        model.tool_format,
     )
     generate, session = prepared.request, prepared.session
     parser = OutputParser(
@@ -39,15 +40,19 @@ async def chat(server: Server, request: Request) -> Response:
         model.reasoning,
     )
     header = ch.ResponseHeader(ch.new_id("chatcmpl"), model.model_id)
+    logprobs = bool(generate.get("return_logprobs"))
     with server.using(session):
         generation, first = await server.start_generation(generate, request)
     if prepared.stream:
         return EventStreamResponse(
-            chat_stream(server, generation, first, parser, header, prepared.include_usage, session),
+            chat_stream(
+                server, generation, first, parser, header, prepared.include_usage, session,
+                logprobs,
+            ),
             on_disconnect=lambda: count_cancel(server),
-        )
+        )  # fmt: skip
     return await race_disconnect(
-        chat_whole(server, generation, first, parser, header, session), request.receive
+        chat_whole(server, generation, first, parser, header, session, logprobs), request.receive
     )
 
 
@@ -56,20 +61,21 @@ async def collect(
     first: Event | None,
     parser: OutputParser,
     model_markers: dict[int, str],
-) -> AsyncIterator[tuple[list[Piece], ErrorEvent | None]]:
-    """Parsed pieces per event; the last item carries the error, if one ended it."""
+) -> AsyncIterator[tuple[list[Piece], ErrorEvent | None, list[TokenLogprob]]]:
+    """Parsed pieces (and the event's token logprobs) per event; the last item carries the
+    error, if one ended it."""
     event = first
     while event is not None:
         if isinstance(event, TokenEvent):
-            yield parser.feed(event_text(event, model_markers)), None
+            yield parser.feed(event_text(event, model_markers)), None, event.logprobs or []
         elif isinstance(event, ErrorEvent):
-            yield parser.finish(), event
+            yield parser.finish(), event, []
             return
         elif isinstance(event, DoneEvent):
-            yield parser.finish(), None
+            yield parser.finish(), None, []
             return
         event = await generation.next_event()
-    yield parser.finish(), None
+    yield parser.finish(), None, []
 
 
 async def chat_whole(
@@ -79,12 +85,15 @@ async def chat_whole(
     parser: OutputParser,
     header: ch.ResponseHeader,
     session: str | None,
+    logprobs: bool = False,
 ) -> Response:
     _, model = server.ready()
     turn = ch.TurnAccumulator()
+    entries: list[TokenLogprob] = []
     try:
         with server.using(session):
-            async for pieces, error in collect(generation, first, parser, model.marker_ids):
+            async for pieces, error, lps in collect(generation, first, parser, model.marker_ids):
+                entries.extend(lps)
                 for piece in pieces:
                     turn.add(piece)
                 if error is not None:
@@ -96,7 +105,12 @@ async def chat_whole(
         raise APIError(500, "internal_error", "the generation ended without a result")
     server.remember_turn(session, turn, done)
     return json_response(
-        header.chat_body(turn.message(), turn.finish_reason(done.finish_reason), usage_of(done))
+        header.chat_body(
+            turn.message(),
+            turn.finish_reason(done.finish_reason),
+            usage_of(done),
+            ch.chat_logprobs(entries) if logprobs else None,
+        )
     )
 
 
@@ -108,17 +122,22 @@ async def chat_stream(
     header: ch.ResponseHeader,
     include_usage: bool,
     session: str | None,
+    logprobs: bool = False,
 ) -> AsyncIterator[bytes]:
     _, model = server.ready()
     turn = ch.TurnAccumulator()
+    held: list[TokenLogprob] = []  # tokens whose text the parser has not sent yet
     try:
         with server.using(session):
             yield ch.sse(header.chat_chunk({"role": "assistant", "content": ""}))
-            async for pieces, error in collect(generation, first, parser, model.marker_ids):
+            async for pieces, error, lps in collect(generation, first, parser, model.marker_ids):
+                held.extend(lps)
                 for piece in pieces:
                     delta = turn.add(piece)
                     if delta is not None:
-                        yield ch.sse(header.chat_chunk(delta))
+                        chunk_lps = ch.chat_logprobs(held) if logprobs and held else None
+                        held = [] if chunk_lps is not None else held
+                        yield ch.sse(header.chat_chunk(delta, logprobs=chunk_lps))
                 if error is not None:
                     api_error = from_worker_error(error.code, error.error)
                     yield ch.sse(api_error.body())
@@ -136,7 +155,8 @@ async def chat_stream(
                 yield ch.SSE_DONE
                 return
             server.remember_turn(session, turn, done)
-            yield ch.sse(header.chat_chunk({}, turn.finish_reason(done.finish_reason)))
+            tail_lps = ch.chat_logprobs(held) if logprobs and held else None
+            yield ch.sse(header.chat_chunk({}, turn.finish_reason(done.finish_reason), tail_lps))
             if include_usage:
                 yield ch.sse(header.usage_chunk("chat.completion.chunk", usage_of(done)))
             yield ch.SSE_DONE

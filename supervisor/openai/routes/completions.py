@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from protocol import DoneEvent, ErrorEvent, Event, TokenEvent
+from protocol import DoneEvent, ErrorEvent, Event, TokenEvent, TokenLogprob
 
 from .. import chunks as ch
 from ..disconnect import EventStreamResponse, race_disconnect
@@ -29,25 +29,28 @@ async def completions(server: Server, request: Request) -> Response:
     generate = server.generate_request(segments, params.sampling, session, add_prefix)
     generate["return_token_ids"] = False
     header = ch.ResponseHeader(ch.new_id("cmpl"), model.model_id)
+    logprobs = params.sampling.logprobs
     with server.using(session):
         generation, first = await server.start_generation(generate, request)
     if params.stream:
         return EventStreamResponse(
-            text_stream(generation, first, header, params.include_usage),
+            text_stream(generation, first, header, params.include_usage, logprobs),
             on_disconnect=lambda: count_cancel(server),
         )
-    return await race_disconnect(text_whole(generation, first, header), request.receive)
+    return await race_disconnect(text_whole(generation, first, header, logprobs), request.receive)
 
 
 async def text_whole(
-    generation: Generation, first: Event | None, header: ch.ResponseHeader
+    generation: Generation, first: Event | None, header: ch.ResponseHeader, logprobs: bool = False
 ) -> Response:
     parts: list[str] = []
+    entries: list[TokenLogprob] = []
     event = first
     try:
         while event is not None:
             if isinstance(event, TokenEvent):
                 parts.append(event.token)
+                entries.extend(event.logprobs or ())
             elif isinstance(event, ErrorEvent):
                 raise from_worker_error(event.code, event.error)
             elif isinstance(event, DoneEvent):
@@ -59,7 +62,8 @@ async def text_whole(
     if done is None:
         raise APIError(500, "internal_error", "the generation ended without a result")
     reason = "length" if done.finish_reason == "length" else "stop"
-    return json_response(header.text_body("".join(parts), reason, usage_of(done)))
+    lps = ch.text_logprobs(entries) if logprobs else None
+    return json_response(header.text_body("".join(parts), reason, usage_of(done), lps))
 
 
 async def text_stream(
@@ -67,13 +71,17 @@ async def text_stream(
     first: Event | None,
     header: ch.ResponseHeader,
     include_usage: bool,
+    logprobs: bool = False,
 ) -> AsyncIterator[bytes]:
     event = first
+    offset = 0  # characters sent so far (the chunks' text_offset)
     try:
         while event is not None:
             if isinstance(event, TokenEvent):
-                if event.token:
-                    yield ch.sse(header.text_chunk(event.token))
+                if event.token or event.logprobs:
+                    lps = ch.text_logprobs(event.logprobs or [], offset) if logprobs else None
+                    offset += len(event.token)
+                    yield ch.sse(header.text_chunk(event.token, logprobs=lps))
             elif isinstance(event, ErrorEvent):
                 yield ch.sse(from_worker_error(event.code, event.error).body())
                 yield ch.SSE_DONE
