@@ -2,8 +2,9 @@
 
 A replica runs `tokenpipe serve`'s starlette app without a socket: the ingress sends it the
 request's scope and whole body, and relays what the app sends (`http.response.start`, then
-`http.response.body` chunks). The app sees no disconnect until the caller stops reading:
-closing this stream cancels the app, which cancels the generation in the worker.
+`http.response.body` chunks), a batch of messages at a time. The app sees no disconnect
+until the caller stops reading: closing this stream cancels the app, which cancels the
+generation in the worker.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ def portable_scope(scope: MutableMapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def run_asgi(app: ASGIApp, scope: dict[str, Any], body: bytes) -> AsyncIterator[Message]:
-    """What `app` sends for one request with `body`, message by message."""
+async def run_asgi(
+    app: ASGIApp, scope: dict[str, Any], body: bytes
+) -> AsyncIterator[list[Message]]:
+    """What `app` sends for one request with `body`: the messages sent so far, in batches (a
+    whole response sent at once is one batch: one item across processes, not three)."""
     messages: asyncio.Queue[Message | None] = asyncio.Queue()
     body_given = False
     caller_gone = asyncio.Event()
@@ -69,8 +73,15 @@ async def run_asgi(app: ASGIApp, scope: dict[str, Any], body: bytes) -> AsyncIte
     task = asyncio.ensure_future(app(scope, receive, send))
     task.add_done_callback(lambda _: messages.put_nowait(None))
     try:
-        while (message := await messages.get()) is not None:
-            yield message
+        finished = False
+        while not finished:
+            batch = [await messages.get()]
+            while not messages.empty():
+                batch.append(messages.get_nowait())
+            finished = batch[-1] is None
+            sent = [m for m in batch if m is not None]
+            if sent:
+                yield sent
         await task  # its exception, if it failed
     finally:
         if not task.done():

@@ -35,6 +35,7 @@ from .affinity import is_replica_lost, request_session_key
 from .replica import NEED_RESIDENT, error_event
 from .router import SESSION_KEY
 
+LOST = "the replica serving this request was lost"
 LOST_RETRIES = 2  # a request lost before its first event goes again this many times
 SESSION_OPS = ("open", "close", "reset")
 LOCAL_OPS = ("info", "stats", "tokenize", "detokenize")
@@ -77,7 +78,14 @@ class Front:
         else:
             task = asyncio.ensure_future(self.generate(request))
             self._tasks[rid] = task
-            task.add_done_callback(lambda _: self._tasks.pop(rid, None))
+            task.add_done_callback(lambda _: self._forget(rid, task))
+
+    def _forget(self, client_id: Any, task: asyncio.Task[None] | None = None) -> None:
+        """The request's id is free again (before its last line goes out: the client may
+        reuse the id as soon as it reads that line)."""
+        if task is None or self._tasks.get(client_id) is task:
+            self._tasks.pop(client_id, None)
+            self._internal.pop(client_id, None)
 
     async def drain(self) -> None:
         """Finish everything submitted so far."""
@@ -131,42 +139,27 @@ class Front:
                             break
                         sent = True
                         self._answer(event, client_id, session, wants_resident)
+                        if event.get("event") != "token":
+                            return
                     else:
-                        if not sent:
-                            self._emit(
-                                error_event(
-                                    ErrorCode.INTERNAL_ERROR,
-                                    "the replica answered nothing",
-                                    **_id(client_id),
-                                )
-                            )
+                        self._fail(client_id, ErrorCode.INTERNAL_ERROR, "the answer ended early")
                         return
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
                     if not is_replica_lost(exc):
-                        self._emit(
-                            error_event(
-                                ErrorCode.INTERNAL_ERROR,
-                                f"{type(exc).__name__}: {exc}",
-                                **_id(client_id),
-                            )
-                        )
+                        problem = f"{type(exc).__name__}: {exc}"
+                        self._fail(client_id, ErrorCode.INTERNAL_ERROR, problem)
                         return
                     if sent or lost >= LOST_RETRIES:
-                        self._emit(
-                            error_event(
-                                ErrorCode.WORKER_LOST,
-                                "the replica serving this request was lost",
-                                **_id(client_id),
-                            )
-                        )
+                        self._fail(client_id, ErrorCode.WORKER_LOST, LOST)
                         return
                     lost += 1
                     await asyncio.sleep(0.2 * lost)
         except asyncio.CancelledError:
             # A cancel of a request without a session: its stream is closed (the replica
             # cancels it in its worker), and the answer is ours.
+            self._forget(client_id)
             self._emit(
                 {
                     "event": "done",
@@ -177,8 +170,10 @@ class Front:
                     **_id(client_id),
                 }
             )
-        finally:
-            self._internal.pop(client_id, None)
+
+    def _fail(self, client_id: Any, code: str, message: str) -> None:
+        self._forget(client_id)
+        self._emit(error_event(code, message, **_id(client_id)))
 
     def _answer(
         self, event: dict[str, Any], client_id: Any, session: str | None, wants_resident: bool
@@ -192,6 +187,8 @@ class Front:
             event.pop("id", None)
         else:
             event["id"] = client_id
+            if event.get("event") != "token":
+                self._forget(client_id)
         self._emit(event)
 
     def _cancel(self, client_id: Any) -> None:

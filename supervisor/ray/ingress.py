@@ -32,7 +32,11 @@ def _lost_body() -> dict[str, Any]:
 class RelayedResponse(Response):
     """A response whose start line and body chunks come from a replica's ASGI messages."""
 
-    def __init__(self, start: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> None:
+    def __init__(
+        self, first: list[dict[str, Any]], rest: AsyncIterator[list[dict[str, Any]]]
+    ) -> None:
+        start = first[0]
+        self._first_body = first[1:]
         self.status_code = int(start["status"])
         self.raw_headers = [(bytes(k), bytes(v)) for k, v in start.get("headers", ())]
         self._rest = rest
@@ -46,8 +50,10 @@ class RelayedResponse(Response):
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
         try:
-            async for message in self._rest:
-                if message.get("type") == "http.response.body":
+            for message in self._first_body:
+                await send(message)
+            async for messages in self._rest:
+                for message in messages:
                     await send(message)
         except Exception as exc:
             if not is_replica_lost(exc) or not self._is_stream:
@@ -75,14 +81,14 @@ class Ingress:
             portable_scope(request.scope), bytes(body), session_key=key
         )
         try:
-            start = await stream.__anext__()
+            first = await stream.__anext__()
         except StopAsyncIteration:
             return _json(error_body("no response", "server_error", "internal_error"), 500)
         except Exception as exc:
             if is_replica_lost(exc):
                 return _json(_lost_body(), 503)
             raise
-        return RelayedResponse(start, stream)
+        return RelayedResponse(first, stream)
 
 
 def _json(body: dict[str, Any], status: int) -> Response:

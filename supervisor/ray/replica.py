@@ -74,9 +74,9 @@ class TokenpipeReplica:
 
     async def asgi(
         self, scope: dict[str, Any], body: bytes, session_key: str | None = None
-    ) -> AsyncIterator[Message]:
-        async for message in run_asgi(self._app, scope, body):
-            yield message
+    ) -> AsyncIterator[list[Message]]:
+        async for messages in run_asgi(self._app, scope, body):
+            yield messages
 
     # -- protocol requests (the JSONL front end)
 
