@@ -87,8 +87,11 @@ def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
     while True:
         # Take every line that is already there; block only when there is nothing to do.
         while not eof:
+            block = engine.idle and not engine.shutting_down
+            if block and engine.idle_work():  # saved one session (--session-dir); look again
+                block = False
             try:
-                line = lines.get(block=engine.idle and not engine.shutting_down)
+                line = lines.get(block=block)
             except queue.Empty:
                 break
             if line is _EOF:
@@ -107,6 +110,7 @@ def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
             if engine.shutting_down and engine.idle:
                 break
         if engine.idle and (eof or engine.shutting_down):
+            engine.close()  # --session-dir: every named session saved
             return 0
         write(engine.step())
 
@@ -133,7 +137,7 @@ def _session_kv_bytes(model: Any, context: int) -> int:
     return int(kv.bytes_per_slot)
 
 
-def _memory_capped_context(model: Any, sessions: int, wanted: int) -> int:
+def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int = 0) -> int:
     """The largest context <= `wanted` whose KV for `sessions` slots fits the memory budget
     (80% of free device memory on CUDA; on the CPU `CPU_KV_BUDGET`, or what
     `CPU_MIN_CONTEXT` tokens need if more, and at most half the available RAM)."""
@@ -152,8 +156,8 @@ def _memory_capped_context(model: Any, sessions: int, wanted: int) -> int:
         per_token = max(1, int(getattr(probe, "bytes_per_slot", 0)) // probe_len)
         fixed = 0
         del probe
-    if device.type == "cuda":
-        budget = torch.cuda.mem_get_info(device)[0] * 0.8
+    if device.type == "cuda":  # less what the prefix cache may take (`reserved`)
+        budget = max(torch.cuda.mem_get_info(device)[0] * 0.8 - reserved, 0)
     else:
         floor = sessions * (fixed + per_token * CPU_MIN_CONTEXT)
         budget = min(psutil.virtual_memory().available * 0.5, max(CPU_KV_BUDGET, floor))
@@ -192,6 +196,10 @@ def build_engine(
     cuda_graphs: bool = True,
     quantize: str = "none",
     group_size: int | None = None,
+    max_resident: int | None = None,
+    host_cache_gb: float = 4.0,
+    session_dir: str | None = None,
+    prefix_cache_gb: float | None = None,
 ) -> object:
     """Load the model and build the engine (load progress on stderr)."""
     import torch
@@ -226,8 +234,16 @@ def build_engine(
         )
     model_context = int(getattr(loaded.config, "context_length", 0) or 4096)
     default_context = min(model_context, DEFAULT_CONTEXT)
+    if max_resident is not None and max_resident > max_sessions:
+        raise ValueError(f"--max-resident {max_resident} is above --max-sessions {max_sessions}")
+    resident = max_resident or max_sessions
+    if prefix_cache_gb is None:
+        prefix_cache_gb = 0.25 if on_cpu else 2.0
+    prefix_bytes = int(prefix_cache_gb * (1 << 30))
     if max_context is None:
-        default_context = _memory_capped_context(loaded.model, max_sessions, default_context)
+        default_context = _memory_capped_context(
+            loaded.model, resident, default_context, reserved=prefix_bytes
+        )
     if torch_device.type == "cuda":
         from worker.device.cuda_setup import prepare_model_for_device
 
@@ -241,11 +257,16 @@ def build_engine(
         prefill_chunk=prefill_chunk or (512 if on_cpu else 2048),
         warm_resume=warm_resume,
         prefix_ids=_parse_prefix_ids(prefix_ids),
+        max_resident=max_resident,
+        host_cache_bytes=int(host_cache_gb * (1 << 30)),
+        session_dir=session_dir,
+        prefix_cache_bytes=prefix_bytes,
     )
     with clock.step("KV cache and CUDA graphs" if torch_device.type == "cuda" else "KV cache"):
-        engine = Engine(loaded, config, torch_device)
+        engine = Engine(loaded, config, torch_device, log=log)
     log(
-        f"ready: {config.max_sessions} sessions x {config.max_context} tokens, "
+        f"ready: {config.max_sessions} sessions ({config.resident} on the device) x "
+        f"{config.max_context} tokens, "
         f"prefill chunk {config.prefill_chunk} ({clock.summary()})"
     )
     return engine
@@ -279,7 +300,33 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
             type=click.IntRange(min=1),
             default=8,
             show_default=True,
-            help="KV slots, the scratch session's included.",
+            help="Sessions, the scratch one included (see --max-resident).",
+        ),
+        click.option(
+            "--max-resident",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Sessions whose cache is on the device at once (KV slots; default: "
+            "--max-sessions). Idle ones beyond it wait in host memory, then --session-dir.",
+        ),
+        click.option(
+            "--host-cache-gb",
+            type=click.FloatRange(min=0),
+            default=4.0,
+            show_default=True,
+            help="Host memory for idle sessions' caches (pinned on CUDA).",
+        ),
+        click.option(
+            "--session-dir",
+            default=None,
+            help="Save named sessions here (when idle and at shutdown); restored at start.",
+        ),
+        click.option(
+            "--prefix-cache-gb",
+            type=click.FloatRange(min=0),
+            default=None,
+            help="Device memory for shared prompt blocks (default 0.25 on CPU, 2 on CUDA; "
+            "0 turns it off).",
         ),
         click.option(
             "--max-context",
@@ -352,6 +399,10 @@ def command(
     cuda_graphs: bool,
     quantize: str,
     group_size: int | None,
+    max_resident: int | None,
+    host_cache_gb: float,
+    session_dir: str | None,
+    prefix_cache_gb: float | None,
 ) -> None:
     """Run one worker process: JSONL requests on stdin, JSONL events on stdout."""
     try:
@@ -371,6 +422,10 @@ def command(
             cuda_graphs,
             quantize,
             group_size,
+            max_resident,
+            host_cache_gb,
+            session_dir,
+            prefix_cache_gb,
         )
     except Exception as exc:
         log(f"failed to start: {exc!r}")

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,13 +53,16 @@ from protocol import (
     TokenizeRequest,
     TokensEvent,
 )
+from worker.engine.prefix_cache import DEFAULT_BLOCK, PrefixCache, block_keys
 from worker.engine.prompt import PromptError, build_prompt, chat_template_for
 from worker.engine.resume import NEW, ResumePlan, plan_resume
 from worker.engine.sampling import SamplingParams, make_generator, sample_step
 from worker.engine.scheduler import QueuedItem, RunningItem, plan_admission, plan_step
 from worker.engine.session import Session, SessionPool
+from worker.engine.session_store import SessionStore, model_fingerprint
 from worker.engine.structured import StructuredRows
 from worker.engine.text import TextStream
+from worker.engine.tiers import SessionTiers
 from worker.models.step import StepInput
 
 
@@ -71,11 +75,27 @@ class EngineConfig:
     prefill_chunk: int = 512
     warm_resume: bool = True
     prefix_ids: tuple[int, ...] | None = None  # None: the tokenizer's own
+    max_resident: int | None = None  # device slots; None: max_sessions (no tiers)
+    host_cache_bytes: int = 4 << 30  # idle sessions' caches in host memory
+    session_dir: str | None = None  # idle sessions on disk, kept across restarts
+    prefix_cache_bytes: int = 0  # shared prompt blocks (0: off)
+    prefix_block: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_context", "prefill_chunk"):
+        for name in ("max_sessions", "max_context", "prefill_chunk", "prefix_block"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_resident is not None and not 1 <= self.max_resident <= self.max_sessions:
+            raise ValueError(
+                f"max_resident must be in [1, max_sessions={self.max_sessions}], "
+                f"got {self.max_resident}"
+            )
+        if self.host_cache_bytes < 0 or self.prefix_cache_bytes < 0:
+            raise ValueError("host_cache_bytes and prefix_cache_bytes must be >= 0")
+
+    @property
+    def resident(self) -> int:
+        return self.max_sessions if self.max_resident is None else self.max_resident
 
 
 @dataclass
@@ -96,6 +116,9 @@ class _Active:
     prompt_ids: list[int]
     fed: int  # index into prompt_ids of the next prompt token to feed
     plan: ResumePlan
+    reused: int  # prompt tokens not prefilled: the session's kept ones and shared blocks
+    block_keys: list[bytes]  # the prompt's full blocks (worker/engine/prefix_cache.py)
+    next_block: int  # the first block not yet offered to the prefix cache
     max_new: int
     params: SamplingParams
     generator: torch.Generator | None
@@ -117,7 +140,13 @@ class _Active:
 class Engine:
     """One model, one device, many sessions. Single-threaded: call from one thread."""
 
-    def __init__(self, loaded: Any, config: EngineConfig, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        loaded: Any,
+        config: EngineConfig,
+        device: torch.device | str,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
@@ -127,8 +156,22 @@ class Engine:
         prepare = getattr(self.model, "prepare_for_cpu", None)
         if self.device.type == "cpu" and callable(prepare):
             prepare()  # decode-friendly weight layout (worker.device.cpu_gemv); else a no-op
-        self.kv = self.model.make_kv_cache(config.max_sessions, config.max_context)
-        self.pool = SessionPool(config.max_sessions)
+        self.log = log or _stderr_log
+        self.kv = self.model.make_kv_cache(config.resident, config.max_context)
+        self.pool = SessionPool(config.max_sessions, config.resident)
+        self.tiers: SessionTiers | None = None
+        if hasattr(self.kv, "export_slot"):
+            store = None
+            if config.session_dir is not None:
+                fingerprint = model_fingerprint(self.model, self.tokenizer, self.kv.geometry())
+                store = SessionStore(config.session_dir, fingerprint, self.log)
+            self.tiers = SessionTiers(config.host_cache_bytes, store)
+        elif config.session_dir is not None:
+            raise ValueError("--session-dir: this model's cache cannot be saved")
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_cache_bytes > 0 and hasattr(self.kv, "read_span"):
+            self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_bytes, config.prefix_block)
+        self._clock = itertools.count(1)
         self.structured = StructuredRows(self.tokenizer)  # grammars and logprobs per request
         self.prefix_ids = list(
             config.prefix_ids if config.prefix_ids is not None else self.tokenizer.prefix_ids
@@ -142,6 +185,7 @@ class Engine:
         self._active: list[_Active] = []  # arrival order
         self._steps = 0
         self._generated_tokens = 0
+        self.restored_sessions = self._restore_sessions()
 
     # ------------------------------------------------------------------ public surface
 
@@ -154,6 +198,7 @@ class Engine:
             context_length=self.config.max_context,
             device=str(self.device),
             protocol_version=1,
+            max_resident=self.pool.max_resident,
         )
 
     @property
@@ -219,8 +264,9 @@ class Engine:
         is_generate = isinstance(req, GenerateRequest)
         if is_generate and session is None:
             needs_slot = True
-        elif isinstance(req, (GenerateRequest, OpenRequest)) and session is not None:
-            needs_slot = self.pool.get(session) is None and self.pool.can_create_named()
+        elif is_generate and session is not None:
+            known = self.pool.get(session)
+            needs_slot = known.slot is None if known else self.pool.can_create_named()
         else:
             needs_slot = False
         in_order = q.request is None or q.request.id is None
@@ -233,16 +279,19 @@ class Engine:
             RunningItem(a.key, a.session.name, a.request.id is None, a.prefill_remaining)
             for a in self._active
         ]
-        admitted = set(
-            plan_admission(
-                [self._queued_item(q) for q in self._queue], running, self.pool.free_slots
-            )
-        )
+        items = {q.key: self._queued_item(q) for q in self._queue}
+        slots = self.pool.free_slots + len(self._evictable(set()))
+        admitted = set(plan_admission(list(items.values()), running, slots))
         if not admitted:
             return
         starting = [q for q in self._queue if q.key in admitted]
         self._queue = [q for q in self._queue if q.key not in admitted]
+        keep_resident = {items[q.key].session for q in starting} - {None}
+        waiting: list[_Queued] = []
         for q in starting:
+            if items[q.key].needs_slot and not self._free_a_slot(keep_resident):
+                waiting.append(q)  # a slot this plan counted on is wanted by an item started
+                continue  # earlier in it; next step, once that one holds it
             try:
                 if q.deferred_error is not None:
                     events.append(q.deferred_error)
@@ -255,6 +304,123 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
                 rid = q.request.id if q.request is not None else None
                 events.append(_error(rid, f"internal error: {exc!r}", ErrorCode.INTERNAL_ERROR))
+        if waiting:
+            self._queue = sorted(waiting + self._queue, key=lambda q: q.key)
+
+    # -------------------------------------------------------------------------- the tiers
+
+    def _evictable(self, keep: set[str | None]) -> list[Session]:
+        """Idle named sessions holding a slot they may give up, least recently used first."""
+        if not self.pool.tiered:
+            return []
+        busy = {a.session.name for a in self._active} | keep
+        idle = [s for s in self.pool.named.values() if s.slot is not None and s.name not in busy]
+        return sorted(idle, key=lambda s: s.last_used)
+
+    def _free_a_slot(self, keep: set[str | None]) -> bool:
+        """Make sure a slot is free, moving the least recently used idle session's cache
+        to host memory (or dropping it) if needed; False when every slot is busy."""
+        if self.pool.free_slots > 0:
+            return True
+        candidates = self._evictable(keep)
+        if not candidates:
+            return False
+        self._offload(candidates[0])
+        return True
+
+    def _offload(self, session: Session) -> None:
+        assert session.slot is not None and session.name is not None
+        if self.tiers is None or not session.resident_ids or session.dirty:
+            session.clear()
+            self.pool.detach(session)
+            return
+        state = self.kv.export_slot(session.slot, len(session.resident_ids))
+        self.pool.detach(session)
+        lost = self.tiers.offload(session.name, state, session.resident_ids, session.version)
+        for name in lost:  # no room anywhere: those sessions will re-prefill
+            dropped = self.pool.get(name)
+            if dropped is not None and dropped.slot is None:
+                dropped.clear()
+
+    def _bring_in(self, session: Session) -> None:
+        """A named session without a slot gets one (free: admission made sure) and its
+        cache back from host memory or disk; without a usable copy it starts empty."""
+        assert session.name is not None
+        slot = self.pool.attach(session)
+        clear_slot = getattr(self.kv, "clear_slot", None)
+        if clear_slot is not None:
+            clear_slot(slot)
+        copy = self.tiers.take(session.name) if self.tiers is not None else None
+        if copy is None:
+            session.clear()
+            return
+        state, resident_ids = copy
+        try:
+            if state.tokens != len(resident_ids):
+                raise ValueError(f"{state.tokens} cached tokens for {len(resident_ids)} ids")
+            self.kv.import_slot(slot, state)
+        except Exception as exc:  # noqa: BLE001 - a bad copy: rebuild the slow way
+            self.log(
+                f"session {session.name!r}: its saved cache does not fit ({exc}); rebuilding it"
+            )
+            if clear_slot is not None:
+                clear_slot(slot)
+            session.clear()
+            return
+        session.resident_ids = list(resident_ids)
+        session.dirty = False
+
+    def _restore_sessions(self) -> int:
+        """Named sessions found in --session-dir at start: registered, their caches on disk."""
+        store = self.tiers.store if self.tiers is not None else None
+        if store is None:
+            return 0
+        restored = 0
+        for name, resident_ids, _mtime in store.scan():
+            if not self.pool.can_create_named():
+                self.log(
+                    f"session {name!r} in {store.directory} not restored: "
+                    f"{self.pool.max_named} named sessions already (--max-sessions)"
+                )
+                continue
+            session = self.pool.open_named(name)
+            session.resident_ids = resident_ids
+            store.set_version(name, session.version)
+            restored += 1
+        if restored:
+            self.log(f"restored {restored} session(s) from {store.directory}")
+        return restored
+
+    def idle_work(self) -> bool:
+        """With --session-dir, while nothing runs: hand one session whose cache changed since
+        it was last saved to the writer thread. True if there was one (call again)."""
+        store = self.tiers.store if self.tiers is not None else None
+        if store is None or not store.writable or not self.idle:
+            return False
+        for session in self.pool.named.values():
+            if session.dirty or not session.resident_ids or session.name is None:
+                continue
+            if store.has_version(session.name, session.version):
+                continue
+            if session.slot is not None:
+                state = self.kv.export_slot(session.slot, len(session.resident_ids))
+            else:
+                entry = self.tiers.host.entries.get(session.name) if self.tiers else None
+                if entry is None or entry.version != session.version:
+                    continue
+                state = entry.state
+            store.write(session.name, state, session.resident_ids, session.version)
+            return True
+        return False
+
+    def close(self) -> None:
+        """Shutdown: save every named session (--session-dir) and wait for the writes."""
+        store = self.tiers.store if self.tiers is not None else None
+        if store is None:
+            return
+        while self.idle_work():
+            pass
+        store.close()
 
     def _start_generate(self, key: int, req: GenerateRequest, t_arrival: float) -> list[Event]:
         rid = req.id
@@ -282,6 +448,8 @@ class Engine:
             plan = ResumePlan(0, NEW)
         else:
             session = self.pool.open_named(name)
+            if session.slot is None:
+                self._bring_in(session)
             plan = plan_resume(
                 session.resident_ids,
                 prompt_ids,
@@ -293,7 +461,17 @@ class Engine:
                 session.clear()
             else:
                 del session.resident_ids[plan.keep :]
+        session.last_used = next(self._clock)
         self._rewind_state(session, plan.keep, len(prompt_ids))
+        reused, keys = plan.keep, []
+        if self.prefix_cache is not None:
+            assert session.slot is not None
+            keys = block_keys(prompt_ids, self.prefix_cache.block)
+            shared = self.prefix_cache.plan(prompt_ids, keys, len(prompt_ids) - 1)
+            if shared.tokens > plan.keep:
+                self.prefix_cache.apply(shared, session.slot, plan.keep)
+                reused = shared.tokens
+                session.resident_ids.extend(prompt_ids[plan.keep : reused])
         params = SamplingParams(req.temperature, req.top_k, req.top_p, req.min_p, req.seed)
         generator = None if params.greedy else make_generator(req.seed, self.device)
         eos = frozenset(self.tokenizer.eos_ids) | frozenset(req.stop_token_ids)
@@ -303,8 +481,11 @@ class Engine:
                 request=req,
                 session=session,
                 prompt_ids=prompt_ids,
-                fed=plan.keep,
+                fed=reused,
                 plan=plan,
+                reused=reused,
+                block_keys=keys,
+                next_block=reused // self.prefix_cache.block if self.prefix_cache else 0,
                 max_new=max_new,
                 params=params,
                 generator=generator,
@@ -402,6 +583,11 @@ class Engine:
                 a.pending = None
             else:
                 a.fed += len(new)
+                if self.prefix_cache is not None and a.next_block < len(a.block_keys):
+                    assert a.session.slot is not None
+                    a.next_block = self.prefix_cache.insert(
+                        a.prompt_ids, a.block_keys, a.session.slot, a.next_block, a.fed
+                    )
         sampled_by_row = dict(zip(sampling_rows, sampled, strict=True))
         for i, (a, _) in enumerate(rows):
             if a.prefill_remaining > 0:
@@ -457,7 +643,7 @@ class Engine:
         t_first = a.t_first if a.t_first is not None else now
         prefill_s = t_first - a.t_start
         decode_s = now - t_first
-        prefilled = a.fed - a.plan.keep
+        prefilled = a.fed - a.reused
         n = len(a.generated)
         trimmed = a.text.stopped
         req = a.request
@@ -466,7 +652,7 @@ class Engine:
             prompt_tokens=len(a.prompt_ids),
             completion_tokens=n,
             finish_reason=reason,  # type: ignore[arg-type]
-            reused_prompt_tokens=a.plan.keep,
+            reused_prompt_tokens=a.reused,
             prefilled_prompt_tokens=prefilled,
             session_reset_reason=a.plan.reason,  # type: ignore[arg-type]
             prefill_ms=round(prefill_s * 1000, 3),
@@ -491,6 +677,7 @@ class Engine:
     def _release(self, a: _Active) -> None:
         self._active.remove(a)
         self.structured.close(a.key)
+        a.session.last_used = next(self._clock)
         if a.session.name is None:
             self.pool.give_back(a.session)
 
@@ -548,11 +735,15 @@ class Engine:
             return [OpenedEvent(session_id=name, id=rid)]
         if isinstance(req, CloseRequest):
             self.pool.close_named(req.session_id)
+            if self.tiers is not None:
+                self.tiers.forget(req.session_id, delete_file=True)
             return [ClosedEvent(session_id=req.session_id, id=rid)]
         if isinstance(req, ResetRequest):
             session = self.pool.get(req.session_id)
             if session is not None:
                 session.clear()
+                if self.tiers is not None:
+                    self.tiers.forget(req.session_id, delete_file=True)
             return [ResetEvent(session_id=req.session_id, id=rid)]
         return [_error(rid, f"op {req.op!r} is not handled here", ErrorCode.INVALID_REQUEST)]
 
@@ -578,6 +769,11 @@ class Engine:
             "max_sessions": self.config.max_sessions,
             "max_named_sessions": self.pool.max_named,
             "bytes_per_session": int(getattr(self.kv, "bytes_per_slot", 0)),
+            "max_resident": self.pool.max_resident,
+            "host_cache_bytes": self.config.host_cache_bytes,
+            "session_dir": self.config.session_dir,
+            "prefix_cache_bytes": self.config.prefix_cache_bytes if self.prefix_cache else 0,
+            "prefix_block": self.config.prefix_block,
             "prefill_chunk": self.config.prefill_chunk,
             "warm_resume": self.config.warm_resume,
             "device": str(self.device),
@@ -602,6 +798,10 @@ class Engine:
             "session_ids": sorted(self.pool.named),
             "free_slots": self.pool.free_slots,
             "max_sessions": self.config.max_sessions,
+            "max_resident": self.pool.max_resident,
+            "resident_sessions": sum(s.slot is not None for s in self.pool.named.values()),
+            "tiers": self._tier_stats(),
+            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else None,
             "steps": self._steps,
             "generated_tokens": self._generated_tokens,
             "rss_bytes": psutil.Process().memory_info().rss,
@@ -616,6 +816,20 @@ class Engine:
                 for a in self._active
             ],
         }
+
+    def _tier_stats(self) -> dict[str, Any] | None:
+        if self.tiers is None:
+            return None
+        store = self.tiers.store
+        return {
+            **self.tiers.stats(),
+            **(store.stats() if store is not None else {}),
+            "restored_sessions": self.restored_sessions,
+        }
+
+
+def _stderr_log(message: str) -> None:
+    print(f"[tokenpipe worker] {message}", file=sys.stderr, flush=True)
 
 
 def _error(

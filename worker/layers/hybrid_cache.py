@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from worker.layers.kv import DEFAULT_RING_SLACK, KVCache, LayerCache
+from worker.layers.slot_state import SlotState, to_host
 from worker.models.config import DeltaNetSpec, LayerSpec
 from worker.models.step import StepInput
 
@@ -225,3 +227,58 @@ class HybridCache:
         self._captures.clear()
         self._end_of_step.clear()
         self._step_lens.clear()
+
+    # -- one slot off the device and back (worker/engine/tiers.py) ------------------------------
+
+    def geometry(self) -> list[list[Any]]:
+        """The KV layers' geometry plus each DeltaNet layer's state shapes and snapshot count."""
+        extra: list[list[Any]] = [
+            ["deltanet", list(d.conv.shape[1:]), list(d.recurrent.shape[1:]), self.snapshots]
+            for d in self.deltanet_layers
+        ]
+        return self.kv.geometry() + extra
+
+    def export_slot(self, slot: int, tokens: int) -> SlotState:
+        """The KV entries of ``tokens`` tokens, the live DeltaNet state (describing
+        ``live_len``), every snapshot and the bookkeeping. Call between steps only."""
+        if self.live_len[slot] != tokens:
+            raise ValueError(
+                f"slot {slot}: exporting {tokens} tokens, the state holds {self.live_len[slot]}"
+            )
+        state = self.kv.export_slot(slot, tokens)
+        views: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, DeltaNetLayerCache):
+                views[f"conv{i}"] = layer.conv[slot]
+                views[f"recurrent{i}"] = layer.recurrent[slot]
+                views[f"snap_conv{i}"] = layer.snap_conv[slot]
+                views[f"snap_recurrent{i}"] = layer.snap_recurrent[slot]
+        state.tensors.update(to_host(views))
+        state.meta = {
+            "snapshot_lens": list(self.snapshot_lens[slot]),
+            "pending": sorted(self._pending[slot]),
+        }
+        return state
+
+    def import_slot(self, slot: int, state: SlotState) -> None:
+        self.kv.import_slot(slot, state)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, DeltaNetLayerCache):
+                layer.conv[slot].copy_(state.tensors[f"conv{i}"])
+                layer.recurrent[slot].copy_(state.tensors[f"recurrent{i}"])
+                layer.snap_conv[slot].copy_(state.tensors[f"snap_conv{i}"])
+                layer.snap_recurrent[slot].copy_(state.tensors[f"snap_recurrent{i}"])
+        lens = [int(n) for n in state.meta["snapshot_lens"]]
+        if len(lens) != self.snapshots:
+            raise ValueError(
+                f"{len(lens)} snapshots in a slot state, the cache keeps {self.snapshots}"
+            )
+        self.snapshot_lens[slot] = lens
+        self._pending[slot] = {int(n) for n in state.meta.get("pending", [])}
+        self.live_len[slot] = state.tokens
+
+    def clear_slot(self, slot: int) -> None:
+        """A slot given to a new session: nothing live, no snapshots."""
+        self.live_len[slot] = 0
+        self.snapshot_lens[slot] = [0] * self.snapshots
+        self._pending[slot].clear()

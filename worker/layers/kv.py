@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from worker.layers.slot_state import SlotState, to_host
 from worker.models.config import LayerSpec
 
 DEFAULT_RING_SLACK = 16
@@ -115,3 +117,104 @@ class KVCache:
         worker/device/decode_graphs.py) counts as that many more cached tokens."""
         rings = [(size - self.lookahead, window) for size, window in self.rings]
         return keepable_prefix_for(rings, cached_len, common_len)
+
+    # -- one slot off the device and back (worker/engine/tiers.py) ------------------------------
+
+    def geometry(self) -> list[list[Any]]:
+        """Each layer's [kind, kv_heads, capacity, head_dim, dtype]: two caches whose geometry
+        is equal can exchange slot states."""
+        return [
+            [
+                "linear" if layer.capacity == 0 else "full" if layer.window is None else "sliding",
+                layer.k.shape[1],
+                layer.capacity,
+                layer.k.shape[3],
+                str(layer.k.dtype).removeprefix("torch."),
+            ]
+            for layer in self.layers
+        ]
+
+    def export_slot(self, slot: int, tokens: int) -> SlotState:
+        """The entries describing the slot's first ``tokens`` tokens, copied to the host: a full
+        layer's positions [0, tokens), a sliding layer's ring indices [0, min(tokens, R)) (ring
+        index = position % R, so this is the ring exactly as the slot holds it)."""
+        views: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if layer.capacity == 0:
+                continue
+            n = min(tokens, layer.capacity)
+            views[f"k{i}"] = layer.k[slot, :, :n]
+            views[f"v{i}"] = layer.v[slot, :, :n]
+        return SlotState(tokens, to_host(views), {})
+
+    def import_slot(self, slot: int, state: SlotState) -> None:
+        """Put an exported state into ``slot`` (any slot of a cache of the same geometry)."""
+        for i, layer in enumerate(self.layers):
+            if layer.capacity == 0:
+                continue
+            k, v = state.tensors[f"k{i}"], state.tensors[f"v{i}"]
+            n = k.shape[1]
+            if n != min(state.tokens, layer.capacity) or k.shape != v.shape:
+                raise ValueError(f"layer {i}: a slot state of {n} entries for {state.tokens}")
+            layer.k[slot, :, :n].copy_(k, non_blocking=True)
+            layer.v[slot, :, :n].copy_(v, non_blocking=True)
+
+    # -- spans of positions (worker/engine/prefix_cache.py) -------------------------------------
+
+    @property
+    def min_ring(self) -> int | None:
+        """The smallest sliding ring (less the decode lookahead), None without sliding layers."""
+        sizes = [size - self.lookahead for size, _ in self.rings]
+        return min(sizes) if sizes else None
+
+    def read_span(
+        self, slot: int, start: int, end: int, sliding: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Copies of positions [start, end) of the slot, per layer ([kv_heads, end - start,
+        head_dim] each): the full layers, or with ``sliding`` the sliding layers (the caller
+        checked the ring still holds them); None for the others."""
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for layer in self.layers:
+            if layer.capacity == 0 or (layer.window is not None) != sliding:
+                out.append(None)
+            elif layer.window is None:
+                out.append(
+                    (layer.k[slot, :, start:end].clone(), layer.v[slot, :, start:end].clone())
+                )
+            else:
+                index = _ring_index(start, end, layer.capacity, layer.k.device)
+                out.append(
+                    (layer.k[slot].index_select(1, index), layer.v[slot].index_select(1, index))
+                )
+        return out
+
+    def write_span(
+        self,
+        slot: int,
+        start: int,
+        end: int,
+        span: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+        sliding: bool,
+        offset: int = 0,
+    ) -> None:
+        """Write positions [start, end) of the slot from a span read at ``offset`` (its first
+        position). The full layers at their index, or with ``sliding`` the sliding layers at
+        position % R (only the last R positions of the range)."""
+        for layer, kv in zip(self.layers, span, strict=True):
+            if layer.capacity == 0 or (layer.window is not None) != sliding:
+                continue
+            if kv is None:
+                raise ValueError("a span without this layer's entries")
+            k, v = kv
+            if layer.window is None:
+                layer.k[slot, :, start:end] = k[:, start - offset : end - offset]
+                layer.v[slot, :, start:end] = v[:, start - offset : end - offset]
+                continue
+            first = max(start, end - layer.capacity)
+            index = _ring_index(first, end, layer.capacity, layer.k.device)
+            layer.k[slot].index_copy_(1, index, k[:, first - offset : end - offset])
+            layer.v[slot].index_copy_(1, index, v[:, first - offset : end - offset])
+
+
+def _ring_index(start: int, end: int, ring: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, end, device=device) % ring

@@ -1,0 +1,364 @@
+"""Named sessions on disk (``--session-dir``): one file per session, written off the step loop.
+
+File layout (little endian)::
+
+    b"TPSESS1\\n"  u64 header length  header (JSON, UTF-8)  u32 crc32 of the header  payload
+
+The header holds the session id, the model fingerprint, the resident ids, the slot state's
+metadata, each tensor's name, dtype, shape and byte range, and the payload's length and crc32.
+A file is used only when every check passes (magic, lengths, both checksums, fingerprint,
+session id); any other file is ignored with one log line naming it, and the session is
+rebuilt the slow way (its next prompt prefilled).
+
+Writes go through one writer thread, in the order they were asked for (a ``close`` after a
+write deletes the file the write made). Each write goes to ``<file>.tmp``, is fsynced and then
+renamed over the old file, so a crash while writing leaves the previous good copy. A write
+that fails (read-only or full disk) logs one line and leaves the previous copy; the engine
+never waits for the disk except to read a session back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker.layers.slot_state import SlotState
+
+MAGIC = b"TPSESS1\n"
+SUFFIX = ".tpsession"
+FORMAT_VERSION = 1
+_SAMPLE = 1024  # elements hashed at each end of every weight tensor
+
+
+def model_fingerprint(model: torch.nn.Module, tokenizer: Any, geometry: Any) -> str:
+    """What a cache depends on: every parameter and buffer's name, dtype and shape and a
+    sample of its values (quantized weights are buffers of their own format), the tokenizer
+    (size, special ids, the bytes of a spread of ids) and the cache's layout."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(geometry).encode())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        flat = t.detach().reshape(-1)
+        if flat.numel() and flat.device.type != "meta":
+            sample = torch.cat([flat[:_SAMPLE], flat[-_SAMPLE:]]).cpu().contiguous()
+            h.update(sample.view(torch.uint8).numpy().tobytes())
+    vocab = int(tokenizer.vocab_size)
+    h.update(f"{vocab}:{tokenizer.bos_id}:{sorted(tokenizer.eos_ids)}".encode())
+    for token_id in range(0, vocab, max(1, vocab // 4096)):
+        h.update(tokenizer.token_bytes(token_id) + b"\0")
+    return h.hexdigest()
+
+
+@dataclass
+class StoredSession:
+    session_id: str
+    resident_ids: list[int]
+    state: SlotState
+
+
+@dataclass
+class _Write:
+    name: str
+    state: SlotState
+    resident_ids: list[int]
+    version: int
+
+
+@dataclass
+class _Delete:
+    name: str
+
+
+_STOP = object()
+
+
+class SessionStore:
+    """One directory of session files for one model (``fingerprint``)."""
+
+    def __init__(self, directory: str | Path, fingerprint: str, log: Callable[[str], None]):
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self.log = log
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--session-dir {self.directory}: cannot create it: {exc}") from exc
+        if not self.directory.is_dir():
+            raise ValueError(f"--session-dir {self.directory}: not a directory")
+        self.writable = self._probe()
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Write] = {}  # asked for, not yet on disk
+        self._versions: dict[str, int] = {}  # name -> version on disk (or pending)
+        self._on_disk: set[str] = set()
+        self.writes = self.write_errors = self.read_errors = self.bytes_written = 0
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread = threading.Thread(target=self._writer, name="session-writer", daemon=True)
+        self._thread.start()
+
+    def _probe(self) -> bool:
+        probe = self.directory / f".probe-{os.getpid()}.tmp"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+            return True
+        except OSError as exc:
+            self.log(
+                f"session dir {self.directory} is not writable ({exc}): sessions are read "
+                "from it but not saved"
+            )
+            return False
+
+    def path_for(self, name: str) -> Path:
+        return self.directory / (hashlib.sha256(name.encode()).hexdigest()[:32] + SUFFIX)
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def scan(self) -> list[tuple[str, list[int], float]]:
+        """(session id, resident ids, mtime) of every valid file, newest first; stale temporary
+        files are removed; invalid ones are logged once each and left alone."""
+        found: list[tuple[str, list[int], float]] = []
+        for path in sorted(self.directory.iterdir()):
+            if path.name.endswith(SUFFIX + ".tmp") and self.writable:
+                path.unlink(missing_ok=True)  # a write that a crash interrupted
+                continue
+            if not path.name.endswith(SUFFIX):
+                continue
+            try:
+                with path.open("rb") as f:
+                    header, _ = self._read_header(f, path)
+            except (OSError, ValueError) as exc:
+                self.log(f"ignoring session file {path}: {exc}")
+                continue
+            name = header["session_id"]
+            if self.path_for(name) != path:
+                self.log(f"ignoring session file {path}: named for another session id")
+                continue
+            found.append((name, [int(i) for i in header["resident_ids"]], path.stat().st_mtime))
+            self._on_disk.add(name)
+            self._versions[name] = 0
+        found.sort(key=lambda item: -item[2])
+        return found
+
+    # -- what is where -------------------------------------------------------------------------
+
+    def holds(self, name: str) -> bool:
+        with self._lock:
+            return name in self._pending or name in self._on_disk
+
+    def has_version(self, name: str, version: int) -> bool:
+        with self._lock:
+            return self._versions.get(name) == version
+
+    def set_version(self, name: str, version: int) -> None:
+        """A session restored from its file: that file is its copy at ``version``."""
+        with self._lock:
+            if name in self._on_disk:
+                self._versions[name] = version
+
+    # -- writes (asynchronous) -----------------------------------------------------------------
+
+    def write(self, name: str, state: SlotState, resident_ids: list[int], version: int) -> None:
+        if not self.writable:
+            return
+        item = _Write(name, state, list(resident_ids), version)
+        with self._lock:
+            self._pending[name] = item
+            self._versions[name] = version
+        self._queue.put(item)
+
+    def delete(self, name: str) -> None:
+        with self._lock:
+            self._pending.pop(name, None)
+            self._versions.pop(name, None)
+            self._on_disk.discard(name)
+        self._queue.put(_Delete(name))
+
+    def flush(self) -> None:
+        """Wait until every write asked for so far is on disk (or failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(_STOP)
+        self._thread.join(timeout=60)
+
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                if isinstance(item, _Delete):
+                    self.path_for(item.name).unlink(missing_ok=True)
+                    continue
+                with self._lock:
+                    if self._pending.get(item.name) is not item:
+                        continue  # superseded by a newer write or a delete
+                try:
+                    self.bytes_written += self._write_file(item)
+                    self.writes += 1
+                    with self._lock:
+                        if self._pending.get(item.name) is item:
+                            self._on_disk.add(item.name)
+                except Exception as exc:  # noqa: BLE001 - a full or read-only disk, logged
+                    self.write_errors += 1
+                    with self._lock:
+                        if self._versions.get(item.name) == item.version:
+                            self._versions.pop(item.name, None)
+                    self.log(
+                        f"could not save session {item.name!r} to {self.path_for(item.name)}: {exc}"
+                    )
+                finally:
+                    with self._lock:
+                        if self._pending.get(item.name) is item:
+                            del self._pending[item.name]
+            finally:
+                self._queue.task_done()
+
+    def _write_file(self, item: _Write) -> int:
+        chunks: list[memoryview] = []
+        specs: list[dict[str, Any]] = []
+        offset = 0
+        crc = 0
+        for name, t in item.state.tensors.items():
+            raw = memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            specs.append(
+                {
+                    "name": name,
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "offset": offset,
+                    "nbytes": raw.nbytes,
+                }
+            )
+            crc = zlib.crc32(raw, crc)
+            chunks.append(raw)
+            offset += raw.nbytes
+        header = json.dumps(
+            {
+                "format": FORMAT_VERSION,
+                "session_id": item.name,
+                "fingerprint": self.fingerprint,
+                "tokens": item.state.tokens,
+                "resident_ids": item.resident_ids,
+                "meta": item.state.meta,
+                "tensors": specs,
+                "payload_bytes": offset,
+                "payload_crc32": crc,
+            }
+        ).encode()
+        path = self.path_for(item.name)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            with tmp.open("wb") as f:
+                f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+                f.write(struct.pack("<I", zlib.crc32(header)))
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return len(header) + offset
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def _read_header(self, f: Any, path: Path) -> tuple[dict[str, Any], int]:
+        """The checked header and the payload's start; ValueError names what is wrong."""
+        if f.read(len(MAGIC)) != MAGIC:
+            raise ValueError("not a tokenpipe session file")
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ValueError("truncated header")
+        (length,) = struct.unpack("<Q", raw_len)
+        size = path.stat().st_size
+        if length > size:
+            raise ValueError("truncated header")
+        raw = f.read(length)
+        raw_crc = f.read(4)
+        if len(raw) != length or len(raw_crc) != 4:
+            raise ValueError("truncated header")
+        if struct.unpack("<I", raw_crc)[0] != zlib.crc32(raw):
+            raise ValueError("header checksum mismatch")
+        header = json.loads(raw)
+        if header.get("format") != FORMAT_VERSION:
+            raise ValueError(f"format {header.get('format')!r}, expected {FORMAT_VERSION}")
+        if header.get("fingerprint") != self.fingerprint:
+            raise ValueError("written for another model, dtype, quantization or tokenizer")
+        start = len(MAGIC) + 8 + length + 4
+        if size != start + int(header["payload_bytes"]):
+            raise ValueError(
+                f"size {size} bytes, expected {start + int(header['payload_bytes'])} (truncated)"
+            )
+        return header, start
+
+    def read(self, name: str) -> StoredSession | None:
+        """The session's newest copy (a pending write's state, else its file), or None."""
+        with self._lock:
+            pending = self._pending.get(name)
+            on_disk = name in self._on_disk
+        if pending is not None:
+            return StoredSession(name, list(pending.resident_ids), pending.state)
+        if not on_disk:
+            return None
+        path = self.path_for(name)
+        try:
+            with path.open("rb") as f:
+                header, _ = self._read_header(f, path)
+                payload = bytearray(int(header["payload_bytes"]))
+                if f.readinto(payload) != len(payload):
+                    raise ValueError("truncated payload")
+            if zlib.crc32(payload) != header["payload_crc32"]:
+                raise ValueError("payload checksum mismatch")
+            if header["session_id"] != name:
+                raise ValueError(f"holds session {header['session_id']!r}")
+            tensors: dict[str, torch.Tensor] = {}
+            for spec in header["tensors"]:
+                dtype = getattr(torch, spec["dtype"])
+                raw = (
+                    torch.frombuffer(
+                        payload, dtype=torch.uint8, count=spec["nbytes"], offset=spec["offset"]
+                    )
+                    if spec["nbytes"]
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+                tensors[spec["name"]] = raw.view(dtype).reshape(spec["shape"])
+            state = SlotState(int(header["tokens"]), tensors, dict(header["meta"]))
+            return StoredSession(name, [int(i) for i in header["resident_ids"]], state)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            self.read_errors += 1
+            self.log(f"ignoring session file {path} ({name!r}): {exc}; rebuilding it")
+            with self._lock:
+                self._on_disk.discard(name)
+                self._versions.pop(name, None)
+            return None
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            on_disk = len(self._on_disk | set(self._pending))
+        return {
+            "disk_sessions": on_disk,
+            "disk_writes": self.writes,
+            "disk_write_errors": self.write_errors,
+            "disk_read_errors": self.read_errors,
+            "disk_bytes_written": self.bytes_written,
+            "disk_writable": self.writable,
+        }
