@@ -162,3 +162,91 @@ def test_no_bleed_64_sessions_8_slots(loaded: Any, tmp_path: Path) -> None:
     for sid, turns in log.items():
         assert [g for _, _, g in turns] == alone[sid], sid
     print(f"{TURNS} turns: {t_play:.1f} s interleaved, {time.perf_counter() - t0:.1f} s in all")
+
+
+def one_turn(engine: Engine, sid: str | None, prompt: list[int], n: int = 3) -> DoneEvent:
+    request = GenerateRequest(
+        prompt_segments=[IdsSegment(ids=prompt)],
+        add_prefix=False,
+        max_new_tokens=n,
+        session_id=sid,
+        id="t",
+    )
+    return done_of(drive(engine, request), "t")
+
+
+def test_restart_restores_sessions_and_bad_files_rebuild(loaded: Any, tmp_path: Path) -> None:
+    rng = random.Random(3)
+    first = make_engine(loaded, max_sessions=4, session_dir=str(tmp_path))
+    bos = first.prefix_ids
+    prompt = bos + words(rng, 60)  # wraps the 40-entry rings
+    generated = one_turn(first, "chat", prompt).generated_token_ids or []
+    follow = prompt + generated + words(rng, 5)
+    first.close()  # shutdown: saved
+    path = first.tiers.store.path_for("chat")  # type: ignore[union-attr]
+    assert path.exists()
+    expected = one_turn(first, "chat", follow)  # the first worker, continuing in memory
+
+    logs: list[str] = []
+    second = make_engine(loaded, max_sessions=4, session_dir=str(tmp_path))
+    second.log = second.tiers.store.log = logs.append  # type: ignore[union-attr]
+    assert second.restored_sessions == 1 and second.stats()["sessions"] == 1
+    done = one_turn(second, "chat", follow)
+    assert done.session_reset_reason == "exact_prefix"
+    assert done.reused_prompt_tokens == len(prompt) + len(generated) - 1
+    assert done.generated_token_ids == expected.generated_token_ids
+    assert not logs
+
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF  # a corrupt payload: found at start (header fine), refused at use
+    path.write_bytes(bytes(raw))
+    third = make_engine(loaded, max_sessions=4, session_dir=str(tmp_path))
+    third.log = third.tiers.store.log = logs.append  # type: ignore[union-attr]
+    done = one_turn(third, "chat", follow)
+    assert done.session_reset_reason == "new" and done.reused_prompt_tokens == 0
+    assert done.generated_token_ids == expected.generated_token_ids
+    assert len(logs) == 1 and str(path) in logs[0] and "checksum" in logs[0]
+
+    drive(third, CloseRequest(session_id="chat"))
+    third.close()
+    assert not path.exists()  # close deletes the session's file
+
+
+def test_shared_prefix_blocks_equal_a_cold_prefill(loaded: Any) -> None:
+    rng = random.Random(5)
+    shared = make_engine(loaded, max_sessions=4, max_context=700, prefix_cache_bytes=256 << 20)
+    cold = make_engine(loaded, max_sessions=4, max_context=700)
+    system = shared.prefix_ids + words(rng, 560)
+    one_turn(shared, "a", system + words(rng, 8))
+    stats = shared.stats()["prefix_cache"]
+    assert stats["blocks"] == 2 and stats["hits"] == 0
+    for sid in ("b", None):  # a named session and a scratch request
+        prompt = system + words(rng, 8)
+        done = one_turn(shared, sid, prompt)
+        assert done.reused_prompt_tokens == 512, done
+        assert done.prefilled_prompt_tokens == len(prompt) - 512
+        assert done.generated_token_ids == one_turn(cold, sid, prompt).generated_token_ids
+    diverged = system[:300] + words(rng, 20)  # diverges inside block 1
+    done = one_turn(shared, "c", diverged)
+    assert done.reused_prompt_tokens == 256
+    assert done.generated_token_ids == one_turn(cold, "c", diverged).generated_token_ids
+    stats = shared.stats()["prefix_cache"]
+    assert stats["hits"] == 5 and stats["hit_tokens"] == 2 * 512 + 256, stats
+
+    # one 600-token prefill chunk: the rings lost the blocks' tails, nothing reusable
+    big_chunk = make_engine(
+        loaded, max_sessions=4, max_context=700, prefill_chunk=700, prefix_cache_bytes=64 << 20
+    )
+    one_turn(big_chunk, "a", system + words(rng, 8))
+    done = one_turn(big_chunk, "b", system + words(rng, 8))
+    assert done.reused_prompt_tokens == 0 and done.session_reset_reason == "truncated"
+    assert big_chunk.stats()["prefix_cache"]["truncated"] == 1
+
+    # LRU by block under a budget of 3 blocks
+    assert shared.prefix_cache is not None
+    block_bytes = next(iter(shared.prefix_cache.blocks.values())).nbytes
+    tight = make_engine(loaded, max_sessions=4, max_context=700, prefix_cache_bytes=3 * block_bytes)
+    one_turn(tight, "a", system + words(rng, 8))
+    one_turn(tight, "b", shared.prefix_ids + words(rng, 560))
+    stats = tight.stats()["prefix_cache"]
+    assert stats["blocks"] == 3 and stats["evictions"] == 1, stats

@@ -55,7 +55,7 @@ from protocol import (
 )
 from worker.engine.prefix_cache import DEFAULT_BLOCK, PrefixCache, block_keys
 from worker.engine.prompt import PromptError, build_prompt, chat_template_for
-from worker.engine.resume import NEW, ResumePlan, plan_resume
+from worker.engine.resume import NEW, TRUNCATED, ResumePlan, plan_resume
 from worker.engine.sampling import SamplingParams, make_generator, sample_step
 from worker.engine.scheduler import QueuedItem, RunningItem, plan_admission, plan_step
 from worker.engine.session import Session, SessionPool
@@ -472,6 +472,9 @@ class Engine:
                 self.prefix_cache.apply(shared, session.slot, plan.keep)
                 reused = shared.tokens
                 session.resident_ids.extend(prompt_ids[plan.keep : reused])
+            if shared.truncated and shared.tokens >= plan.keep:  # a ring had lost the blocks
+                plan = ResumePlan(plan.keep, TRUNCATED)
+                self.prefix_cache.truncations += 1
         params = SamplingParams(req.temperature, req.top_k, req.top_p, req.min_p, req.seed)
         generator = None if params.greedy else make_generator(req.seed, self.device)
         eos = frozenset(self.tokenizer.eos_ids) | frozenset(req.stop_token_ids)

@@ -6,16 +6,19 @@ the previous block's key and the block's ids, so a key names the block's ids *an
 before it (hence its position). The entry also keeps its ids and parent key, compared on a
 hit, so a hash collision can never hand out another prompt's KV.
 
-An entry holds the block's KV in every full layer, and in the sliding layers when the slot's
-ring still held the block when it was copied (prefill chunks longer than a ring overwrite the
-start of the chunk). A session reusing L tokens needs full-layer KV for [0, L) and, for its
-sliding rings to be exactly what a prefill would have left, sliding-layer KV for
-[L - R, L) (R: the smallest ring): ``plan`` cuts L back to the last block end where that
-holds. Entries are read only; a session copies them into its own slot (the fixed-slot KV
-layout has no shared pages), which costs a device copy of the reused KV instead of a prefill.
-A session that diverges inside a block copies the block's head up to the divergence and
-prefills the rest, so the shared block is never written. Eviction is LRU by block; a hit
-touches a chain from its last block to its first, so a chain's descendants go before it.
+An entry holds the block's KV in every full layer and, in the sliding layers, its last
+min(B, R) positions (its *tail*; R: the largest ring) when the slot's rings still held them
+when the block was copied (a prefill chunk longer than a ring overwrites the start of the
+chunk). A session reusing L tokens (L a block end) needs full-layer KV for [0, L) and, for its
+rings to be exactly what a prefill would have left, sliding-layer KV for [L - R, L): the tail
+of the last block, and when R > B whole earlier blocks. ``plan`` cuts L back to the last
+block end where that holds and says ``truncated`` when it had to.
+
+Entries are read only; a session copies them into its own slot (the fixed-slot KV layout has
+no shared pages), which costs a device copy of the reused KV instead of a prefill. A session
+that diverges inside a block reuses the blocks before it and prefills from there, so a shared
+block is never written. Eviction is LRU by block; a hit touches a chain from its last block
+to its first, so a chain's descendants go before it.
 
 Block size: 256 tokens (``DEFAULT_BLOCK``). Agents' prompts share a long system prompt and
 tools (1-20k tokens) and diverge at the first user message; a block is reused whole or not
@@ -59,7 +62,7 @@ class Block:
     ids: tuple[int, ...]
     parent: bytes
     full: Span  # per layer: (k, v) [kv_heads, B, head_dim] for full layers, else None
-    sliding: Span | None  # per layer for sliding layers, None when the ring had lost it
+    sliding: Span | None  # sliding layers' tail [kv_heads, tail, head_dim]; None: ring lost it
     nbytes: int
 
 
@@ -87,7 +90,11 @@ class PrefixCache:
         self.kv = kv
         self.block = block
         self.budget_bytes = budget_bytes
-        self.ring = kv.min_ring  # None: no sliding layers
+        rings = [size for size, _ in kv.rings]
+        self.ring = max(rings) if rings else None  # None: no sliding layers
+        # positions [cached - ring_kept, cached) are still in every ring of a slot
+        self.ring_kept = min(rings) - kv.lookahead if rings else 0
+        self.tail = min(block, self.ring) if self.ring is not None else 0
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()
         self.nbytes = 0
         self.hits = 0  # blocks reused
@@ -110,18 +117,18 @@ class PrefixCache:
                 break
             chain.append(key)
             parent = key
-        reach = min(len(chain) * self.block, limit)
+        reach = min(len(chain) * self.block, limit) // self.block * self.block
         tokens = reach
         while tokens > 0 and not self._rings_covered(chain, tokens):
-            tokens = (tokens - 1) // self.block * self.block  # back to the previous block end
-        used = -(-tokens // self.block)
+            tokens -= self.block
+        used = tokens // self.block
         return PrefixPlan(tokens, tuple(chain[:used]), truncated=tokens < reach)
 
     def _rings_covered(self, chain: Sequence[bytes], tokens: int) -> bool:
         if self.ring is None:
             return True
         first = max(0, tokens - self.ring) // self.block
-        last = (tokens - 1) // self.block
+        last = tokens // self.block - 1
         return all(self.blocks[chain[b]].sliding is not None for b in range(first, last + 1))
 
     def apply(self, plan: PrefixPlan, slot: int, keep: int) -> None:
@@ -137,13 +144,12 @@ class PrefixCache:
             if self.ring is not None and end > ring_start:
                 assert entry.sliding is not None
                 self.kv.write_span(
-                    slot, max(start, ring_start), end, entry.sliding, True, offset=start
+                    slot, max(start, ring_start), end, entry.sliding, True, offset=end - self.tail
                 )
         for key in reversed(plan.keys):
             self.blocks.move_to_end(key)
         self.hits += len(plan.keys)
         self.hit_tokens += tokens - keep
-        self.truncations += plan.truncated
 
     # -- insertion -----------------------------------------------------------------------------
 
@@ -157,20 +163,19 @@ class PrefixCache:
         parent = keys[b - 1] if b > 0 else _ROOT
         while b < len(keys) and (b + 1) * self.block <= cached:
             start, end = b * self.block, (b + 1) * self.block
-            in_ring = self.ring is None or start >= cached - self.ring
+            has_tail = self.ring is not None and end - self.tail >= cached - self.ring_kept
             entry = self.blocks.get(keys[b])
             if entry is None:
                 full = self.kv.read_span(slot, start, end, False)
-                has_rings = in_ring and self.ring is not None
-                sliding = self.kv.read_span(slot, start, end, True) if has_rings else None
+                sliding = self.kv.read_span(slot, end - self.tail, end, True) if has_tail else None
                 nbytes = _span_bytes(full) + _span_bytes(sliding)
                 ids = tuple(prompt[start:end])
                 self.blocks[keys[b]] = Block(ids, parent, full, sliding, nbytes)
                 self.nbytes += nbytes
                 self.inserts += 1
             else:
-                if entry.sliding is None and in_ring and self.ring is not None:
-                    entry.sliding = self.kv.read_span(slot, start, end, True)
+                if entry.sliding is None and has_tail:
+                    entry.sliding = self.kv.read_span(slot, end - self.tail, end, True)
                     extra = _span_bytes(entry.sliding)
                     entry.nbytes += extra
                     self.nbytes += extra
