@@ -82,6 +82,10 @@ def too_long(what: str = "messages") -> APIError:
 
 
 JOB_SWITCH_INTERVAL_S = 0.0005
+# Under a steady stream of overlapping jobs the collector would stay off for good: a young
+# collection (cheap: only objects allocated since the last one) runs at a job's end once the
+# collector has been off this long, so cyclic garbage cannot pile up without bound.
+GC_OFF_AT_MOST_S = 5.0
 
 
 class _JobMode:
@@ -96,6 +100,7 @@ class _JobMode:
         self._running = 0
         self._was_enabled = False
         self._interval = sys.getswitchinterval()
+        self._off_since = 0.0
 
     def __enter__(self) -> None:
         with self._lock:
@@ -104,6 +109,7 @@ class _JobMode:
                 self._interval = sys.getswitchinterval()
                 gc.disable()
                 sys.setswitchinterval(min(self._interval, JOB_SWITCH_INTERVAL_S))
+                self._off_since = time.monotonic()
             self._running += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -113,6 +119,9 @@ class _JobMode:
                 sys.setswitchinterval(self._interval)
                 if self._was_enabled:
                     gc.enable()
+            elif self._was_enabled and time.monotonic() - self._off_since > GC_OFF_AT_MOST_S:
+                gc.collect(1)
+                self._off_since = time.monotonic()
 
 
 _JOB_MODE = _JobMode()

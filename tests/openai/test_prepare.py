@@ -89,3 +89,29 @@ async def test_health_says_overloaded_when_every_queue_is_full() -> None:
     assert health.status_code == 503 and health.json()["status"] == "overloaded"
     fake.active = 3
     assert (await http.get("/health")).status_code == 200
+
+
+def test_collector_runs_under_a_steady_stream_of_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Overlapping jobs keep the cyclic collector off, but never for longer than
+    GC_OFF_AT_MOST_S: a young collection runs at a job's end past that."""
+    import gc
+
+    from supervisor.openai import prepare
+
+    now = [100.0]
+    collected: list[int] = []
+    monkeypatch.setattr(prepare.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(prepare.gc, "collect", lambda generation=2: collected.append(generation))
+    mode = prepare._JobMode()
+    assert gc.isenabled()
+    mode.__enter__()  # job A
+    assert not gc.isenabled()
+    mode.__enter__()  # job B overlaps A
+    mode.__exit__()  # B ends early: nothing to do yet
+    assert collected == []
+    mode.__enter__()  # C overlaps A
+    now[0] += prepare.GC_OFF_AT_MOST_S + 1
+    mode.__exit__()  # C ends with the collector off too long: a young collection
+    assert collected == [1] and not gc.isenabled()
+    mode.__exit__()  # A ends: the collector is back
+    assert gc.isenabled()
