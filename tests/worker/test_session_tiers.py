@@ -5,7 +5,7 @@ The model's sliding window is shrunk to 24 (a ring of 40 entries) so that short
 conversations wrap their rings, and a slot state has to carry a wrapped ring exactly. Both
 runs (interleaved, and each conversation replayed alone) use that same model.
 
-`TOKENPIPE_NO_BLEED_TURNS` sets the number of turns (CI: 160; the issue's 1,000 takes about
+`TOKENPIPE_NO_BLEED_TURNS` sets the number of turns (CI: 100; the issue's 1,000 takes about
 six times as long).
 """
 
@@ -35,7 +35,7 @@ from worker.engine.engine import Engine, EngineConfig
 
 WINDOW = 24
 MAX_CONTEXT = 96
-TURNS = int(os.environ.get("TOKENPIPE_NO_BLEED_TURNS", "160"))
+TURNS = int(os.environ.get("TOKENPIPE_NO_BLEED_TURNS", "100"))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,69 @@
+"""Tiers and --session-dir through a real worker process on the default model: sessions
+beyond --max-resident come back warm, and after a kill -9 a new worker on the same directory
+resumes them instead of re-prefilling (what the supervisor's rebuild then finds)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_worker_process import Worker
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def worker(session_dir: Path) -> Worker:
+    return Worker(
+        [sys.executable, "-m", "worker.main", "--threads", "1", "--max-sessions", "6",
+         "--max-resident", "2", "--max-context", "256", "--prefill-chunk", "64",
+         "--session-dir", str(session_dir)]
+    )  # fmt: skip
+
+
+def turn(w: Worker, sid: str, ids: list[int], rid: str) -> dict:
+    _, done, _ = w.run(
+        {"id": rid, "prompt_segments": [{"ids": ids}], "add_prefix": False,
+         "max_new_tokens": 3, "session_id": sid}
+    )  # fmt: skip
+    assert "done" in done, done
+    return done
+
+
+def test_tiers_and_restart_from_session_dir(tmp_path: Path) -> None:
+    w = worker(tmp_path)
+    assert w.ready["max_sessions"] == 6 and w.ready["max_resident"] == 2
+    history: dict[str, list[int]] = {}
+    for i, sid in enumerate("abc"):
+        prompt = [2] + [1000 + 37 * i + j for j in range(40)]
+        done = turn(w, sid, prompt, f"{sid}1")
+        history[sid] = prompt + done["generated_token_ids"]
+    # a was pushed out of the device by c; it comes back with its cache
+    done = turn(w, "a", history["a"] + [4000, 4001], "a2")
+    assert done["session_reset_reason"] == "exact_prefix"
+    assert done["reused_prompt_tokens"] == len(history["a"]) - 1
+    history["a"] += [4000, 4001] + done["generated_token_ids"]
+    w.send({"op": "stats", "id": "s"})
+    stats = w.read()["stats"]
+    assert stats["tiers"]["offloads"] >= 2 and stats["tiers"]["reloads"] >= 1, stats
+    # idle: every session is saved by the writer thread
+    for _ in range(100):
+        if len(list(tmp_path.glob("*.tpsession"))) == 3:
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)
+    w.proc.kill()  # a crash
+    w.proc.wait()
+
+    w2 = worker(tmp_path)
+    assert any(b"restored 3 session(s)" in line for line in w2.stderr), w2.tail()
+    for sid in "abc":
+        done = turn(w2, sid, history[sid] + [5000], f"{sid}3")
+        assert done["session_reset_reason"] == "exact_prefix", (sid, done)
+        assert done["reused_prompt_tokens"] == len(history[sid]) - 1
+    w2.send({"op": "close", "session_id": "b", "id": "c"})
+    assert w2.read()["closed"] is True
+    assert w2.close() == 0  # EOF: the remaining sessions are saved, then exit 0
+    assert len(list(tmp_path.glob("*.tpsession"))) == 2
+    assert not list(tmp_path.glob("*.tmp"))
