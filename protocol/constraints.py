@@ -38,8 +38,9 @@ def grammar_text(kind: str, source: str) -> str:
     """llguidance's grammar for a constraint: kind "json_schema" (source: the schema as
     JSON text), "regex", or "grammar" (Lark, or GBNF converted). Raises ConstraintError.
 
-    JSON output is compact: no free whitespace between tokens (shorter output, no whitespace
-    loops in a small model); a schema's own "x-guidance" options still apply."""
+    JSON output is compact: no whitespace between tokens (shorter output, no whitespace
+    loops; with `, ` / `: ` separators the default model looped on the digits of numbers far
+    more often); a schema's own "x-guidance" options still apply."""
     import llguidance
 
     try:

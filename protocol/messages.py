@@ -123,8 +123,8 @@ class GenerateRequest(_RequestBase, tag="generate", kw_only=True, gc=False):
     """End the rendered chat with the assistant's turn header (with `messages`)."""
     json_schema: dict[str, Any] | None = None
     """Constrain the output to JSON valid against this JSON Schema (llguidance's supported
-    subset; compact JSON, no free whitespace). At most one of `json_schema`, `json_object`,
-    `regex`, `grammar`."""
+    subset; compact: no whitespace between tokens). At most one of `json_schema`,
+    `json_object`, `regex`, `grammar`."""
     json_object: bool = False
     """Constrain the output to one JSON object (any keys)."""
     regex: str | None = None

@@ -131,6 +131,11 @@ class Constraints:
             self._eos_only[word] |= torch.tensor(1 << bit).to(torch.int32)
         self._matchers: dict[int, Any] = {}
         self._pool: ThreadPoolExecutor | None = None
+        # two host buffers, used in turn: step t's copy to the device is done (its ids were
+        # read) before step t + 2 refills the buffer. Pinned with CUDA (an async copy).
+        self._pinned = torch.cuda.is_available()
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
 
     def __bool__(self) -> bool:
         return bool(self._matchers)
@@ -157,8 +162,19 @@ class Constraints:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         return MaskJob(self._pool.submit(self._fill, len(keys), rows), None)
 
+    def _buffer(self, batch: int) -> torch.Tensor:
+        self._turn ^= 1
+        if len(self._buffers) < 2 or self._buffers[self._turn].shape[0] < batch:
+            rows = max(batch, self._buffers[0].shape[0] if self._buffers else 0)
+            self._buffers = [
+                torch.empty((rows, self.words), dtype=torch.int32, pin_memory=self._pinned)
+                for _ in range(2)
+            ]
+        return self._buffers[self._turn][:batch]
+
     def _fill(self, batch: int, rows: list[tuple[int, Any]]) -> torch.Tensor:
-        mask = torch.full((batch, self.words), -1, dtype=torch.int32)
+        mask = self._buffer(batch)
+        mask.fill_(-1)
         for i, matcher in rows:
             row = mask[i]
             if matcher.is_error():
