@@ -80,6 +80,8 @@ def _flags(threaded: bool) -> list[str]:
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
     if set(AVX512) <= _cpu_flags() and os.environ.get("TOKENPIPE_CPU_AVX512", "1") != "0":
         flags += [f"-m{name}" for name in AVX512]
+        if {"avx512_vnni", "avx512vbmi"} <= _cpu_flags():  # cpu_quant's int8 x q8 GEMV
+            flags += ["-mavx512vnni", "-mavx512vbmi"]
     return flags + (["-pthread", "-DTP_POOL"] if threaded else [])
 
 
@@ -138,6 +140,9 @@ def load_library(threaded: bool) -> ctypes.CDLL:
     quant.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     quant.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     quant.argtypes += [ctypes.c_int64, ctypes.c_int]
+    q8act = lib.tp_quant_gemv_q8act
+    q8act.restype = ctypes.c_int
+    q8act.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tp_vector_rows.restype = ctypes.c_int
     lib.tp_vector_rows.argtypes = []
     return lib

@@ -172,4 +172,84 @@ int tp_quant_gemm(int64_t M, const float *x, const void *w, const uint16_t *scal
     run_split(offsets ? q4_part : q8_part, &args, N / VW, V1, bytes, threads);
     return 0;
 }
+
+/* ---- one input row against int8 weights with AVX512-VNNI: the row quantized to int8 per
+   weight group (scale amax / 127, as llama.cpp's q8 activations), 64 products per vpdpbusd.
+   Four k of sixteen rows (64 bytes, k-major in the packed layout) are permuted to row-major
+   quads; the weights go in as unsigned (w + 128), so each group's sum is corrected by
+   128 * sum(xq). Each group's int32 sum is scaled by w_scale * x_scale into an fp32 chain. */
+#include <stdlib.h>
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+struct q8act_args {
+    int64_t K, N, gs;
+    const int8_t *xq;
+    const float *xs;
+    const int32_t *xsum;
+    const int8_t *w;
+    const uint16_t *scales;
+    float *out;
+};
+
+static void q8act_part(const void *ctx, int64_t j0, int64_t j1) {
+    const struct q8act_args *a = ctx;
+    const int64_t K = a->K, gs = a->gs, ngroups = K / gs;
+    uint8_t order[64];
+    for (int r = 0; r < 16; r++)
+        for (int q = 0; q < 4; q++) order[4 * r + q] = (uint8_t)(16 * q + r);
+    const __m512i perm = _mm512_loadu_si512(order), flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t j = j0; j < j1; j++) {
+        const int8_t *w = a->w + j * K * 16;
+        const uint16_t *s = a->scales + j * ngroups * 16;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ngroups; g++) {
+            __m512i sum = _mm512_setzero_si512();
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += 4) {
+                __m512i quads = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(w + k * 16));
+                int32_t x4;
+                memcpy(&x4, a->xq + k, 4);
+                sum = _mm512_dpbusd_epi32(sum, _mm512_xor_si512(quads, flip),
+                                          _mm512_set1_epi32(x4));
+            }
+            sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a->xsum[g]));
+            const __m512 scale = _mm512_mul_ps(load_h(s + g * 16), _mm512_set1_ps(a->xs[g]));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
+        }
+        _mm512_storeu_ps(a->out + j * 16, acc);
+    }
+}
+
+/* out [N] = x [K] @ dequantized(w)^T, int8 w, x quantized per group; 0 on success, 2 where
+   the kernel was built without VNNI/VBMI. N % 16 == 0, K % gs == 0, gs % 4 == 0. */
+int tp_quant_gemv_q8act(const float *x, const void *w, const uint16_t *scales, float *out,
+                        int64_t K, int64_t N, int64_t gs, int threads) {
+    if (N % 16 || gs < 4 || gs % 4 || K % gs || threads < 1) return 1;
+    const int64_t ngroups = K / gs;
+    int8_t *xq = malloc(K);
+    float *xs = malloc(ngroups * sizeof(float));
+    int32_t *xsum = malloc(ngroups * sizeof(int32_t));
+    if (!xq || !xs || !xsum) { free(xq); free(xs); free(xsum); return 3; }
+    for (int64_t g = 0; g < ngroups; g++) {
+        float amax = 0.0f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) amax = fmaxf(amax, fabsf(x[k]));
+        const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t total = 0;
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+            xq[k] = (int8_t)nearbyintf(x[k] * inverse);
+            total += xq[k];
+        }
+        xs[g] = scale;
+        xsum[g] = total;
+    }
+    const struct q8act_args args = {K, N, gs, xq, xs, xsum, w, scales, out};
+    run_split(q8act_part, &args, N / 16, 1, N * K, threads);
+    free(xq); free(xs); free(xsum);
+    return 0;
+}
+#else
+int tp_quant_gemv_q8act(const float *x, const void *w, const uint16_t *scales, float *out,
+                        int64_t K, int64_t N, int64_t gs, int threads) {
+    (void)x; (void)w; (void)scales; (void)out; (void)K; (void)N; (void)gs; (void)threads;
+    return 2;
+}
+#endif
 """
