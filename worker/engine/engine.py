@@ -172,6 +172,7 @@ class Engine:
         if config.prefix_cache_bytes > 0 and hasattr(self.kv, "read_span"):
             self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_bytes, config.prefix_block)
         self._clock = itertools.count(1)
+        self._unsaved: set[str] = set()  # named sessions used since --session-dir saved them
         self.structured = StructuredRows(self.tokenizer)  # grammars and logprobs per request
         self.prefix_ids = list(
             config.prefix_ids if config.prefix_ids is not None else self.tokenizer.prefix_ids
@@ -397,9 +398,11 @@ class Engine:
         store = self.tiers.store if self.tiers is not None else None
         if store is None or not store.writable or not self.idle:
             return False
-        for session in self.pool.named.values():
-            if session.dirty or not session.resident_ids or session.name is None:
+        while self._unsaved:
+            session = self.pool.get(self._unsaved.pop())
+            if session is None or session.dirty or not session.resident_ids:
                 continue
+            assert session.name is not None
             if store.has_version(session.name, session.version):
                 continue
             if session.slot is not None:
@@ -683,6 +686,8 @@ class Engine:
         a.session.last_used = next(self._clock)
         if a.session.name is None:
             self.pool.give_back(a.session)
+        elif self.tiers is not None:
+            self._unsaved.add(a.session.name)
 
     # ------------------------------------------------------------------ other requests
 
