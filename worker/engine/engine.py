@@ -335,6 +335,7 @@ class Engine:
             session.clear()
             self.pool.detach(session)
             return
+        self._settle_slots()
         state = self.kv.export_slot(session.slot, len(session.resident_ids))
         self.pool.detach(session)
         lost = self.tiers.offload(session.name, state, session.resident_ids, session.version)
@@ -348,6 +349,7 @@ class Engine:
         cache back from host memory or disk; without a usable copy it starts empty."""
         assert session.name is not None
         slot = self.pool.attach(session)
+        self._settle_slots()
         clear_slot = getattr(self.kv, "clear_slot", None)
         if clear_slot is not None:
             clear_slot(slot)
@@ -370,6 +372,14 @@ class Engine:
             return
         session.resident_ids = list(resident_ids)
         session.dirty = False
+
+    def _settle_slots(self) -> None:
+        """Before a slot's cache is copied out or replaced between steps: no decode step
+        launched ahead (CUDA, worker/device/graphed_lm.py) may still write to the slot, or be
+        taken later as the next step of the session that now holds it."""
+        drop_ahead = getattr(self.model, "_drop_ahead", None)
+        if callable(drop_ahead):
+            drop_ahead()
 
     def _restore_sessions(self) -> int:
         """Named sessions found in --session-dir at start: registered, their caches on disk."""
@@ -472,6 +482,7 @@ class Engine:
             keys = block_keys(prompt_ids, self.prefix_cache.block)
             shared = self.prefix_cache.plan(prompt_ids, keys, len(prompt_ids) - 1)
             if shared.tokens > plan.keep:
+                self._settle_slots()
                 self.prefix_cache.apply(shared, session.slot, plan.keep)
                 reused = shared.tokens
                 session.resident_ids.extend(prompt_ids[plan.keep : reused])
