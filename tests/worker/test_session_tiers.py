@@ -144,6 +144,7 @@ def replay_alone(engine: Engine, log: dict[str, list[Any]]) -> dict[str, list[li
     return out
 
 
+@pytest.mark.timeout(max(300, 2 * TURNS))  # the full 1,000 turns run past the default 300 s
 def test_no_bleed_64_sessions_8_slots(loaded: Any, tmp_path: Path) -> None:
     """64 sessions on 8 slots, a host tier for a few of them and the rest on disk: every
     continuation equals the same conversation replayed alone."""
