@@ -188,35 +188,37 @@ def test_int8_search_finds_a_coarser_grid_exactly() -> None:
     assert float((Q.dequantize(Q.quantize_int8(w, 32, search=False)) - w).abs().max()) > 0.0
 
 
-def _q8_activations(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x [1, K] quantized to int8 per group (amax / 127) and back, as the VNNI kernel does."""
+def _int_activations(x: torch.Tensor, group: int, bits: int) -> torch.Tensor:
+    """x [1, K] quantized per group (amax / (2^(bits-1) - 1)) and back, as the VNNI kernels do."""
     grouped = x.reshape(-1, group)
-    scale = grouped.abs().amax(-1, keepdim=True) / 127
+    scale = grouped.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     return (torch.round(grouped / safe) * scale).reshape(x.shape)
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize(("n", "k", "group"), [(256, 640, 32), (640, 2048, 16), (48, 128, 128)])
-def test_int8_gemv_with_q8_activations(
-    monkeypatch: pytest.MonkeyPatch, n: int, k: int, group: int
+def test_int8_gemv_with_integer_activations(
+    monkeypatch: pytest.MonkeyPatch, n: int, k: int, group: int, bits: int
 ) -> None:
     w = _weight(n, k, seed=5)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
     x[0, 3] = 40.0  # an outlier channel, as Gemma's residual stream has
     qw = Q.quantize_int8(w, group)
     packed = cpu_quant.pack(qw)
-    monkeypatch.setattr(cpu_quant, "Q8_ACTIVATIONS", True)
     lib = cpu_gemv.kernel()
     assert lib is not None
     probe = torch.empty(1, n)
-    status = lib.tp_quant_gemv_q8act(
+    gemv = lib.tp_quant_gemv_q8act if bits == 8 else lib.tp_quant_gemv_q16act
+    status = gemv(
         x.data_ptr(), packed.data.data_ptr(), packed.scales.data_ptr(), probe.data_ptr(),
         k, n, group, 1,
     )  # fmt: skip
     if status == 2:
         pytest.skip("kernel built without AVX512-VNNI/VBMI")
-    expected = _q8_activations(x, group) @ Q.dequantize(qw).T
+    monkeypatch.setattr(cpu_quant, "ACTIVATION_BITS", bits)
+    expected = _int_activations(x, group, bits) @ Q.dequantize(qw).T
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):

@@ -143,6 +143,8 @@ def load_library(threaded: bool) -> ctypes.CDLL:
     q8act = lib.tp_quant_gemv_q8act
     q8act.restype = ctypes.c_int
     q8act.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tp_quant_gemv_q16act.restype = ctypes.c_int
+    lib.tp_quant_gemv_q16act.argtypes = q8act.argtypes
     lib.tp_vector_rows.restype = ctypes.c_int
     lib.tp_vector_rows.argtypes = []
     return lib

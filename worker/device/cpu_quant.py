@@ -29,12 +29,12 @@ from worker.device import cpu_gemv
 from worker.layers.quant import INT4, INT8, QuantizedWeight, unpack_nibbles
 
 ROW_BLOCK = 16  # weight rows interleaved together
-# TOKENPIPE_CPU_Q8_ACTIVATIONS=1: one-row matmuls on int8 weights quantize the input row to int8
-# per weight group and multiply with AVX512-VNNI (as llama.cpp's q8 activations). Off: it changes
-# the numbers, and on the default model it broke the greedy equality with the float path on 1 of
-# the 4 reference prompts at 24 tokens (2 of 4 with the LM head alone). 2.2x the fp32-activation
-# kernel on a 2048 x 640 weight in cache.
-Q8_ACTIVATIONS = os.environ.get("TOKENPIPE_CPU_Q8_ACTIVATIONS", "0") == "1"
+# TOKENPIPE_CPU_ACTIVATION_BITS=8 or 16: one-row matmuls on int8 weights quantize the input row to
+# int8 (as llama.cpp's q8 activations) or int16 per weight group and multiply with AVX512-VNNI
+# (vpdpbusd / vpdpwssd). Both change the numbers; on the default model, 8 broke the greedy
+# equality with the float path on 1 of the 4 reference prompts at 24 tokens (2 of 4 with the LM
+# head alone). Per 2048 x 640 weight in cache: 20 us (8), 33 us (16), 47 us (fp32 activations).
+ACTIVATION_BITS = int(os.environ.get("TOKENPIPE_CPU_ACTIVATION_BITS", "32"))
 
 
 @dataclass
@@ -113,13 +113,14 @@ def matmul(x: torch.Tensor, packed: PackedQuant) -> torch.Tensor:
     n, k = packed.shape
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0] == 1 and packed.kind == INT8 and packed.group_size % 4 == 0 and Q8_ACTIVATIONS:
-        status = lib.tp_quant_gemv_q8act(
+    if x.shape[0] == 1 and packed.kind == INT8 and ACTIVATION_BITS in (8, 16):
+        gemv = lib.tp_quant_gemv_q8act if ACTIVATION_BITS == 8 else lib.tp_quant_gemv_q16act
+        status = gemv(
             x.data_ptr(), packed.data.data_ptr(), packed.scales.data_ptr(), out.data_ptr(),
             k, n, packed.group_size, torch.get_num_threads(),
         )  # fmt: skip
         if status == 0:
-            return out  # else (2: built without VNNI) the fp32-activation kernel below
+            return out  # else (2: no VNNI; 1: group size) the fp32-activation kernel below
     offsets = None if packed.offsets is None else packed.offsets.data_ptr()
     status = lib.tp_quant_gemm(
         x.shape[0], x.data_ptr(), packed.data.data_ptr(), packed.scales.data_ptr(), offsets,

@@ -252,4 +252,73 @@ int tp_quant_gemv_q8act(const float *x, const void *w, const uint16_t *scales, f
     return 2;
 }
 #endif
+
+/* ---- the same with the row quantized to int16 per group (scale amax / 32767) and vpdpwssd
+   (two k per lane, the weights widened to int16): 256x finer activations than q8, half the
+   products per instruction. The sums stay within int32: |w x| <= 127 * 32767 per product. */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+struct q16act_args {
+    int64_t K, N, gs;
+    const int16_t *xq;
+    const float *xs;
+    const int8_t *w;
+    const uint16_t *scales;
+    float *out;
+};
+
+static void q16act_part(const void *ctx, int64_t j0, int64_t j1) {
+    const struct q16act_args *a = ctx;
+    const int64_t K = a->K, gs = a->gs, ngroups = K / gs;
+    uint8_t order[32];
+    for (int r = 0; r < 16; r++)
+        for (int q = 0; q < 2; q++) order[2 * r + q] = (uint8_t)(16 * q + r);
+    const __m256i perm = _mm256_loadu_si256((const __m256i *)order);
+    for (int64_t j = j0; j < j1; j++) {
+        const int8_t *w = a->w + j * K * 16;
+        const uint16_t *s = a->scales + j * ngroups * 16;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ngroups; g++) {
+            __m512i sum = _mm512_setzero_si512();
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+                const __m256i pairs = _mm256_permutexvar_epi8(
+                    perm, _mm256_loadu_si256((const __m256i *)(w + k * 16)));
+                int32_t x2;
+                memcpy(&x2, a->xq + k, 4);
+                sum = _mm512_dpwssd_epi32(sum, _mm512_cvtepi8_epi16(pairs), _mm512_set1_epi32(x2));
+            }
+            const __m512 scale = _mm512_mul_ps(load_h(s + g * 16), _mm512_set1_ps(a->xs[g]));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
+        }
+        _mm512_storeu_ps(a->out + j * 16, acc);
+    }
+}
+
+/* as tp_quant_gemv_q8act with int16 activations; gs % 2 == 0 */
+int tp_quant_gemv_q16act(const float *x, const void *w, const uint16_t *scales, float *out,
+                         int64_t K, int64_t N, int64_t gs, int threads) {
+    if (N % 16 || gs < 2 || gs % 2 || K % gs || threads < 1) return 1;
+    const int64_t ngroups = K / gs;
+    int16_t *xq = malloc(K * sizeof(int16_t));
+    float *xs = malloc(ngroups * sizeof(float));
+    if (!xq || !xs) { free(xq); free(xs); return 3; }
+    for (int64_t g = 0; g < ngroups; g++) {
+        float amax = 0.0f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) amax = fmaxf(amax, fabsf(x[k]));
+        const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++)
+            xq[k] = (int16_t)nearbyintf(x[k] * inverse);
+        xs[g] = amax / 32767.0f;
+    }
+    const struct q16act_args args = {K, N, gs, xq, xs, w, scales, out};
+    run_split(q16act_part, &args, N / 16, 1, N * K, threads);
+    free(xq); free(xs);
+    return 0;
+}
+#else
+int tp_quant_gemv_q16act(const float *x, const void *w, const uint16_t *scales, float *out,
+                         int64_t K, int64_t N, int64_t gs, int threads) {
+    (void)x; (void)w; (void)scales; (void)out; (void)K; (void)N; (void)gs; (void)threads;
+    return 2;
+}
+#endif
 """
