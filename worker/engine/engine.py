@@ -171,6 +171,14 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache_bytes > 0 and hasattr(self.kv, "read_span"):
             self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_bytes, config.prefix_block)
+        self.prefill_chunk = config.prefill_chunk
+        if self.prefix_cache is not None and self.prefix_cache.ring is not None:
+            # block-aligned chunks no longer than the rings: every block's tail is still in
+            # them when its chunk ends, so it can be shared (worker/engine/prefix_cache.py)
+            block = self.prefix_cache.block
+            fits = self.prefix_cache.ring_kept // block * block
+            if fits >= block:
+                self.prefill_chunk = min(self.prefill_chunk, fits)
         self._clock = itertools.count(1)
         self._unsaved: set[str] = set()  # named sessions used since --session-dir saved them
         self.structured = StructuredRows(self.tokenizer)  # grammars and logprobs per request
@@ -246,7 +254,7 @@ class Engine:
                 RunningItem(a.key, a.session.name, a.request.id is None, a.prefill_remaining)
                 for a in self._active
             ],
-            self.config.prefill_chunk,
+            self.prefill_chunk,
         )
         if not plan.empty:
             self._run_forward(plan.decode, plan.prefill, events)
@@ -793,7 +801,7 @@ class Engine:
             "session_dir": self.config.session_dir,
             "prefix_cache_bytes": self.config.prefix_cache_bytes if self.prefix_cache else 0,
             "prefix_block": self.config.prefix_block,
-            "prefill_chunk": self.config.prefill_chunk,
+            "prefill_chunk": self.prefill_chunk,
             "warm_resume": self.config.warm_resume,
             "device": str(self.device),
             "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
