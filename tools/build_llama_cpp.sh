@@ -36,7 +36,13 @@ if [ ! -d "$src/.git" ]; then
 fi
 echo "llama.cpp source: $(git -C "$src" log -1 --format='%h %cd' --date=short)"
 
+# ggml's AMX matmul (compiled in by -march=native on a CPU with AMX) segfaulted in llama-bench's
+# first prompt on the dev VM (Xeon with amx_int8, 2026-12-01): AMX off; the rest stays native.
+# gcc and clang let an explicit -mno-* win over -march=native whatever the order.
+flags=""
+if [ "$(uname -m)" = x86_64 ]; then flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_OPENMP=OFF \
+    -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
     -DBUILD_SHARED_LIBS=OFF >/dev/null
 cmake --build "$src/build" --target llama-bench -j "$jobs"
