@@ -5,6 +5,7 @@
     python tools/bench_cpu_peers.py                # 5 rounds, 1 and 2 threads, --quantize auto
     python tools/bench_cpu_peers.py --rounds 9 --quantize auto --quantize none --json out.json
     python tools/bench_cpu_peers.py --rounds 1 --decode-tokens 16 --prompt-tokens 64   # smoke
+    python tools/bench_cpu_peers.py --activation-bits 16   # + workers with int16 activations
 
 Per round and thread count, the engines run one after another, the order flipped every round
 (A, B, then B, A): llama.cpp as `llama-bench -p P -n N -r 1` (its own warm-up, one repetition
@@ -126,10 +127,11 @@ def run_llama(binary: Path, gguf: Path, threads: int, prompt: int, decode: int) 
 class OurWorker:
     """A resident `tokenpipe worker` (GGUF path, threads, --quantize mode)."""
 
-    def __init__(self, gguf: Path, threads: int, mode: str, context: int) -> None:
+    def __init__(self, gguf: Path, threads: int, mode: str, context: int, bits: int) -> None:
         from bench_worker import WorkerPipe
 
-        argv = [sys.executable, "-m", "worker.main", "--model", str(gguf), "--device", "cpu",
+        env = [] if bits == 32 else ["env", f"TOKENPIPE_CPU_ACTIVATION_BITS={bits}"]
+        argv = env + [sys.executable, "-m", "worker.main", "--model", str(gguf), "--device", "cpu",
                 "--dtype", "float32", "--threads", str(threads), "--quantize", mode,
                 "--max-sessions", "2", "--max-context", str(context)]  # fmt: skip
         self.pipe = WorkerPipe(argv)
@@ -176,6 +178,13 @@ def _load(values: list[float]) -> str:
 @click.option("--quantize", "modes", multiple=True, default=("auto",), show_default=True,
               type=click.Choice(["auto", "none", "int8", "int4"]),
               help="Our worker's --quantize; repeat for several workers.")  # fmt: skip
+@click.option(
+    "--activation-bits",
+    "bit_widths",
+    multiple=True,
+    type=click.Choice(["8", "16"]),
+    help="Also our workers with TOKENPIPE_CPU_ACTIVATION_BITS (int8 weights, VNNI).",
+)
 @click.option("--decode-tokens", type=int, default=128, show_default=True)
 @click.option("--prompt-tokens", type=int, default=512, show_default=True)
 @click.option("--model", "model_path", default=None, help="GGUF file (default: the default model).")
@@ -185,6 +194,7 @@ def main(
     rounds: int,
     thread_counts: tuple[int, ...],
     modes: tuple[str, ...],
+    bit_widths: tuple[str, ...],
     decode_tokens: int,
     prompt_tokens: int,
     model_path: str | None,
@@ -203,12 +213,14 @@ def main(
     if len(passage) < prompt_tokens + rounds:
         raise click.ClickException(f"the passage has fewer than {prompt_tokens} tokens")
     context = max(prompt_tokens + 64, len(short_ids) + decode_tokens + 64)
-    engines = ["llama.cpp"] + [f"tokenpipe {mode}" for mode in modes]
+    variants = [(mode, 32) for mode in modes] + [(m, int(b)) for m in modes for b in bit_widths]
+    names = {v: f"tokenpipe {v[0]}" + ("" if v[1] == 32 else f" a{v[1]}") for v in variants}
+    engines = ["llama.cpp"] + list(names.values())
     series = {(engine, t): Series() for engine in engines for t in thread_counts}
-    print(f"llama-bench: {binary}\nmodel: {gguf}\nstarting {len(modes) * len(thread_counts)} "
+    print(f"llama-bench: {binary}\nmodel: {gguf}\nstarting {len(variants) * len(thread_counts)} "
           "worker(s)...", flush=True)  # fmt: skip
-    workers = {(f"tokenpipe {m}", t): OurWorker(gguf, t, m, context)
-               for m in modes for t in thread_counts}  # fmt: skip
+    workers = {(names[v], t): OurWorker(gguf, t, v[0], context, v[1])
+               for v in variants for t in thread_counts}  # fmt: skip
     try:
         for worker in workers.values():  # warm-up: first calls, kernels compiled and loaded
             worker.decode(short_ids, 8)
@@ -251,12 +263,14 @@ def main(
             s = series[(engine, threads)]
             print(f"| {engine} | {threads} | {_summary(s.decode)} | {_load(s.others_decode)} | "
                   f"{_summary(s.prompt)} | {_load(s.others_prompt)} |")  # fmt: skip
+    print()
+    for threads in thread_counts:
         llama = series[("llama.cpp", threads)]
         for engine in engines[1:]:
             ours = series[(engine, threads)]
             decode = statistics.median(ours.decode) / statistics.median(llama.decode)
             prompt = statistics.median(ours.prompt) / statistics.median(llama.prompt)
-            print(f"  {engine} / llama.cpp, {threads} thread(s): decode {decode:.2f}x, "
+            print(f"{engine} / llama.cpp, {threads} thread(s): decode {decode:.2f}x, "
                   f"prompt {prompt:.2f}x")  # fmt: skip
     if json_path:
         data = {f"{engine} t{threads}": vars(s) for (engine, threads), s in series.items()}
