@@ -20,6 +20,7 @@ from supervisor.openai.app import ServerConfig
 APP_NAME = "tokenpipe"
 REPLICA_DEPLOYMENT = "TokenpipeReplica"
 INGRESS_DEPLOYMENT = "TokenpipeIngress"
+AUTH_TOKEN_FILE = "~/.ray/auth_token"  # where Ray keeps this machine's cluster token
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 OBJECT_STORE_BYTES = 128 << 20  # events and request bodies are small; Ray's minimum is 75 MiB
 
@@ -55,6 +56,11 @@ def connect(address: str | None, num_cpus: int | None = None, node_ip: str = "12
         os.environ[LOOPBACK_ONLY_ENV] = "0"
         if "ray._private.ray_constants" in sys.modules:
             sys.modules["ray._private.ray_constants"].ENABLE_RAY_CLUSTER = False
+    if address and os.path.exists(os.path.expanduser(AUTH_TOKEN_FILE)):
+        # Ray >= 2.5x starts clusters with token authentication, and its process sets
+        # RAY_AUTH_MODE=token for its children only: a separate caller must set it too
+        # (before Ray is imported: it reads it once).
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     common: dict[str, Any] = {
