@@ -292,6 +292,38 @@ def kernel_bench(device: str) -> list[str]:
     return notes
 
 
+def prefix_ttft(worker: WorkerProcess, prompt: int, shared: int, vocab: int, timeout: float,
+                repeat: int = 3) -> dict[str, float]:  # fmt: skip
+    """Time to first token of a new session whose `prompt`-token prompt starts with `shared`
+    tokens another session prefilled (the shared-prefix cache), against the same length
+    cold; the median of `repeat` runs each, every run on fresh ids."""
+    out: dict[str, float] = {}
+    for name in ("shared", "cold"):
+        runs: list[tuple[float, float]] = []
+        for i in range(repeat):
+            head = random_ids(shared, vocab, 2000 + i)
+            if name == "shared":  # another request (the scratch session) prefills it first
+                worker.generate([{"max_new_tokens": 0, "prompt_segments":
+                                  [{"ids": head + random_ids(prompt - shared, vocab, 3000 + i)}]}],
+                                timeout)  # fmt: skip
+            else:
+                head = random_ids(shared, vocab, 4000 + i)
+            sid = f"prefix-{name}-{i}"
+            worker.ask({"op": "open", "session_id": sid})
+            ids = head + random_ids(prompt - shared, vocab, 5000 + i)
+            req = {"session_id": sid, "prompt_segments": [{"ids": ids}], "max_new_tokens": 1}
+            t0, lines = worker.generate([req], timeout)
+            req_lines = next(iter(lines.values()))
+            first = next((ln.t for ln in req_lines if ln.msg.get("event") == "token"), None)
+            reused = float(req_lines[-1].msg.get("reused_prompt_tokens", -1))
+            runs.append(((first or req_lines[-1].t) - t0, reused))
+            worker.ask({"op": "close", "session_id": sid})
+        runs.sort()
+        out[f"{name}_s"], out[f"{name}_reused"] = runs[len(runs) // 2]
+        out[f"{name}_runs_s"] = [round(r[0], 4) for r in runs]  # type: ignore[assignment]
+    return out
+
+
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:
     import random
 
@@ -359,14 +391,16 @@ def prefill_rate(worker: WorkerProcess, n: int, vocab: int, timeout: float) -> d
 def ttft(worker: WorkerProcess, resident: int, extra: int, vocab: int, timeout: float,
          repeat: int = 3) -> dict[str, float]:  # fmt: skip
     """Time to the first new token for `extra` new prompt tokens on a resident session
-    (warm) and the same prompt on a fresh session (cold), the median of `repeat` runs each;
-    max_new_tokens 1, so the `done` line ends the first token."""
-    base = random_ids(resident, vocab, 7)
-    more = random_ids(extra, vocab, 8)
+    (warm) and a prompt of the same length on a fresh session (cold: ids no session or prefix
+    block has seen, so the shared-prefix cache cannot serve any of it), the median of `repeat`
+    runs each; max_new_tokens 1, so the `done` line ends the first token."""
     out: dict[str, float] = {}
     for name in ("warm", "cold"):
         runs: list[dict[str, float]] = []
         for i in range(repeat):
+            seed = 7 if name == "warm" else 1000 + i
+            base = random_ids(resident, vocab, seed)
+            more = random_ids(extra, vocab, seed + 1)
             sid = f"ttft-{name}-{i}"
             worker.ask({"op": "open", "session_id": sid})
             if name == "warm":
@@ -521,6 +555,16 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds the whole run may take; the torch.compile phase uses what is left",
     )
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--prefix-prompt", type=int, default=8192,
+                   help="shared-prefix TTFT: prompt length (0 = skip)")  # fmt: skip
+    p.add_argument("--prefix-shared", type=int, default=7936,
+                   help="shared-prefix TTFT: tokens shared with another session")  # fmt: skip
+    p.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra flag for the main worker, as `tokenpipe run` takes it (repeat)",
+    )
     args = p.parse_args(argv)
     started = time.perf_counter()
 
@@ -570,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # worker 1: 33 slots x the full context (the 32 x 8192 case), everything but big batches
     w = WorkerProcess(common + ["--max-sessions", str(max(small + [1]) + 1),
-                                "--max-context", str(args.context)])  # fmt: skip
+                                "--max-context", str(args.context), *args.worker_arg])  # fmt: skip
     try:
         ready = w.wait_ready(args.timeout * 3)
         info = w.ask({"op": "info"})["info"]
@@ -597,6 +641,12 @@ def main(argv: list[str] | None = None) -> int:
                 w, args.resident, args.extra, vocab, args.timeout, args.ttft_repeat
             )
             log(f"ttft: {results['ttft']}")
+            if args.prefix_prompt:
+                prompt = min(args.prefix_prompt, args.context - 1)
+                results["prefix_ttft"] = prefix_ttft(
+                    w, prompt, args.prefix_shared, vocab, args.timeout, args.ttft_repeat
+                )
+                log(f"prefix ttft: {results['prefix_ttft']}")
     finally:
         w.close()
     if big:
@@ -660,6 +710,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         res.add(f"TTFT cold, {args.resident}+{args.extra}", t["cold_s"] * 1000, None, None, "ms",
                 f"prefilled {t['cold_prefilled']:.0f} tokens")  # fmt: skip
+    pt = results.get("prefix_ttft", {})
+    if pt:
+        ratio = pt["shared_s"] / pt["cold_s"] if pt.get("cold_s") else None
+        res.add(f"TTFT new session, {args.prefix_prompt} tokens sharing {args.prefix_shared}",
+                pt["shared_s"] * 1000, None, None, "ms",
+                f"reused {pt['shared_reused']:.0f}; shared/cold = {fmt(ratio, 3)}; cold "
+                f"{pt['cold_s'] * 1000:.1f} ms (reused {pt['cold_reused']:.0f})")  # fmt: skip
     per_session = res.meta.get("bytes_per_session")
     if per_session:
         need = weight_bytes + 32 * per_session * 8192 / args.context
