@@ -238,7 +238,10 @@ def build_engine(
         raise ValueError(f"--max-resident {max_resident} is above --max-sessions {max_sessions}")
     resident = max_resident or max_sessions
     if prefix_cache_gb is None:
-        prefix_cache_gb = 0.25 if on_cpu else 2.0
+        # Off by default on CUDA until its GPU path pays: on one H200 (Gemma 4 31B shape,
+        # BENCHMARKS.md) it cost 19% of a 2,048-token prefill and reused only 2,304 of 7,936
+        # shared tokens, the 2,048-token chunks losing the sliding tails of most blocks.
+        prefix_cache_gb = 0.25 if on_cpu else 0.0
     prefix_bytes = int(prefix_cache_gb * (1 << 30))
     if max_context is None:
         default_context = _memory_capped_context(
@@ -325,8 +328,8 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
             "--prefix-cache-gb",
             type=click.FloatRange(min=0),
             default=None,
-            help="Device memory for shared prompt blocks (default 0.25 on CPU, 2 on CUDA; "
-            "0 turns it off).",
+            help="Device memory for shared prompt blocks (default 0.25 on CPU, 0 (off) on CUDA "
+            "for now; 0 turns it off).",
         ),
         click.option(
             "--max-context",
