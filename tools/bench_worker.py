@@ -176,7 +176,10 @@ def bench_ours(
         # 3. warm resume vs cold prefill
         w.generate(req("conv", conv_ids, 0, session_id="conv"))
         warm = w.generate(req("warm", conv_ids + turn_ids, 1, session_id="conv"))
-        cold = w.generate(req("cold", conv_ids + turn_ids, 1))
+        # cold: the same length with its second token changed, so no shared-prefix block of
+        # the conversation above can serve it (the prefix cache is on by default on the CPU)
+        cold_ids = conv_ids[:1] + turn_ids[-1:] + conv_ids[2:] + turn_ids
+        cold = w.generate(req("cold", cold_ids, 1))
         warm_ttft = warm["first"] - warm["sent"]
         cold_ttft = cold["first"] - cold["sent"]
         return {
