@@ -408,3 +408,23 @@ def test_random_weights_on_device_follow_the_cpu_recipe(family: str) -> None:
     for norm in (m for m in models[0].modules() if isinstance(m, RMSNorm)):
         if norm.weight is not None:  # every style's scale is 1: the norm is the identity
             assert torch.equal(norm.float_scale().cpu(), torch.ones(norm.weight.shape)), norm
+
+
+def test_sampling_kernel_top_k_over_several_count_blocks(sampling_kernel: ModuleType) -> None:
+    """A row longer than the kernel's counting block (1,024): the multi-pivot top-k search
+    sums its counts over blocks and lands on the same k-th value as torch.topk."""
+    RowSampling = sampling_kernel.RowSampling
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2500, generator=gen) * 2.0  # continuous: no ties at the k-th value
+    rows = [RowSampling(temperature=0.9, top_k=k, seed=31 + k) for k in (2, 40, 700, 2499)]
+    draws = 6
+    batch = [r for r in rows for _ in range(draws)]
+    counters = [i % draws for i in range(len(batch))]
+    tensors = sampling_kernel.sampling_tensors(batch, counters, "cpu")
+    big = logits[None].expand(len(batch), -1).contiguous()
+    want = sampling_kernel.sample_rows_torch(big, *tensors)
+    dev = _kernel_device()
+    got = sampling_kernel.sample_rows_triton(big.to(dev), *(t.to(dev) for t in tensors))
+    assert got.cpu().tolist() == want.tolist()
+    top2 = set(torch.topk(logits, 2).indices.tolist())
+    assert set(got[:draws].tolist()) <= top2  # top_k 2 never leaves the two largest
