@@ -3,7 +3,7 @@ Python loop over rows on the device, no host sync, no `torch.Generator`, so it r
 captured CUDA graph.
 
 The kept set of a row (temperature-scaled logits s, max m) is a threshold set:
-- top-k (0 = off): s >= the k-th largest s (a multi-pivot search on the value: counts only);
+- top-k (0 = off): s >= the k-th largest s (found by bisection on the value: counts only);
 - min-p (0 = off): s >= m + log(min_p), i.e. p >= min_p * p_max;
 - top-p (1 = off), on the distribution left by the first two: a token is kept when the mass
   of the tokens above it is < top_p (keeps >= 1 token).
@@ -125,8 +125,7 @@ def sample_rows_triton(
     block = 4096 if vocab >= 4096 else max(16, 1 << (vocab - 1).bit_length())
     sample_kernel[(batch,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, counters, out,
-        vocab, BLOCK=block, MAX_TRIES=MAX_ATTEMPTS, KBLOCK=min(block, 1024), PIVOTS=8,
-        num_warps=8 if block >= 2048 else 4,
+        vocab, BLOCK=block, MAX_TRIES=MAX_ATTEMPTS, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return out
 

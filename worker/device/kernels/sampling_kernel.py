@@ -28,8 +28,7 @@ def row_key(seed, counter):
 @triton.jit
 def sample_kernel(
     logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, counter_ptr,
-    out_ptr, vocab, BLOCK: tl.constexpr, MAX_TRIES: tl.constexpr, KBLOCK: tl.constexpr,
-    PIVOTS: tl.constexpr,
+    out_ptr, vocab, BLOCK: tl.constexpr, MAX_TRIES: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
@@ -62,33 +61,22 @@ def sample_kernel(
     if sampling:
         floor = tl.where(min_p > 0.0, top + tl.log(tl.maximum(min_p, 1e-30)), -float("inf"))
         if (top_k > 0) & (top_k < vocab):
-            # the k-th largest value, by a search that cuts [lo, hi) at PIVOTS points per pass
-            # over the row (one pass narrows it PIVOTS + 1 times, where bisection halves it);
-            # invariant: count(s >= lo) >= k > count(s >= hi). It ends on a pivot whose count
-            # is k, or when lo and hi are adjacent floats (ties at the k-th value).
+            # bisection for the k-th largest value: count(s >= lo) >= k > count(s >= hi)
             lo = tl.maximum(floor, low)
             hi = top + 1.0
-            piv_at = (tl.arange(0, PIVOTS) + 1).to(tl.float32) * (1.0 / (PIVOTS + 1))
-            kofs = tl.arange(0, KBLOCK)
-            done = zero_i
+            count = top_k + 1  # unknown: != top_k
             tries = zero_i
-            while (done == 0) & (tries < 64):
-                piv = lo + (hi - lo) * piv_at  # [PIVOTS], ascending
-                counts = tl.zeros([PIVOTS], dtype=tl.int32)
-                for start in range(0, vocab, KBLOCK):
-                    idx = start + kofs
+            while (count != top_k) & (tries < 64):
+                mid = lo + (hi - lo) * 0.5
+                count = top_k * 0
+                for start in range(0, vocab, BLOCK):
+                    idx = start + offs
                     s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-                    s = s.to(tl.float32) * inv_t
-                    counts += tl.sum((s[:, None] >= piv[None, :]).to(tl.int32), 0)
-                enough = counts >= top_k  # a prefix of the pivots (counts fall as they rise)
-                new_lo = tl.max(tl.where(enough, piv, lo), 0)
-                new_hi = tl.min(tl.where(enough, hi, piv), 0)
-                exact = tl.sum((counts == top_k).to(tl.int32), 0) > 0
-                stuck = (new_lo == lo) & (new_hi == hi)  # no float strictly between them
-                lo = new_lo
-                hi = new_hi
-                done = tl.where(exact | stuck, 1, 0)
-                tries += 1
+                    count += tl.sum((s.to(tl.float32) * inv_t >= mid).to(tl.int32), 0)
+                stuck = (mid <= lo) | (mid >= hi)  # no float between lo and hi
+                lo = tl.where(count >= top_k, mid, lo)
+                hi = tl.where(count >= top_k, hi, mid)
+                tries = tl.where(stuck, 64, tries + 1)
             floor = tl.maximum(floor, lo)
         total = total_all
         if floor > -float("inf"):
