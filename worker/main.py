@@ -126,15 +126,9 @@ CPU_MIN_CONTEXT = 4096
 
 
 def _session_kv_bytes(model: Any, context: int) -> int:
-    """One session's KV bytes at `context`, laid out on the meta device (nothing allocated)."""
-    import torch
-
-    from worker.layers.kv import KVCache
-
-    config = model.config
-    dtype = next(iter(model.parameters())).dtype
-    kv = KVCache(config.layers, config.sliding_window, 1, context, torch.device("meta"), dtype)
-    return int(kv.bytes_per_slot)
+    """One session's cache bytes at `context` (the family's own cache: KV, and recurrent state
+    and snapshots for hybrid models), laid out on the meta device (nothing allocated)."""
+    return int(model.make_kv_cache(1, context, device="meta").bytes_per_slot)
 
 
 def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int = 0) -> int:
@@ -148,9 +142,9 @@ def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int
     device = next(iter(model.parameters())).device
     try:  # marginal cost per token past the sliding rings, and the rings' fixed cost
         long = max(wanted, 2 * probe_len)
-        per_token = max(1, (_session_kv_bytes(model, 2 * long) - _session_kv_bytes(model, long)))
-        per_token = max(1, per_token // long)
-        fixed = max(0, _session_kv_bytes(model, long) - per_token * long)
+        at_long = _session_kv_bytes(model, long)
+        per_token = max(1, (_session_kv_bytes(model, 2 * long) - at_long) // long)
+        fixed = max(0, at_long - per_token * long)
     except (AttributeError, TypeError, RuntimeError):  # a model without the usual layout
         probe = model.make_kv_cache(1, probe_len)
         per_token = max(1, int(getattr(probe, "bytes_per_slot", 0)) // probe_len)

@@ -60,3 +60,23 @@ def test_big_model_keeps_the_old_floor(monkeypatch: pytest.MonkeyPatch) -> None:
     }
     model = _meta_model(config)
     assert _memory_capped_context(model, 8, 32768) == CPU_MIN_CONTEXT
+
+
+def test_hybrid_state_counts_in_the_session_cost() -> None:
+    """The memory cap sizes a session by the family's own cache: for Qwen3.5-MoE that is the
+    full layers' KV plus the DeltaNet state and its snapshots, a fixed cost per session."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from worker.main import _session_kv_bytes
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    root = Path(__file__).resolve().parents[2]
+    config = json.loads((root / "examples" / "qwen3_5_moe" / "config.json").read_text())
+    model = build_model(ModelConfig.from_hf(config), "meta", torch.bfloat16)
+    small, large = _session_kv_bytes(model, 256), _session_kv_bytes(model, 512)
+    per_token = (large - small) // 256
+    assert small - 256 * per_token > 100 << 20  # > 100 MiB of state before any token

@@ -56,7 +56,13 @@ from protocol import (
 from worker.engine.prefix_cache import DEFAULT_BLOCK, PrefixCache, block_keys
 from worker.engine.prompt import PromptError, build_prompt, chat_template_for
 from worker.engine.resume import NEW, TRUNCATED, ResumePlan, plan_resume
-from worker.engine.sampling import SamplingParams, make_generator, sample_step
+from worker.engine.sampling import (
+    NoiseStream,
+    RowLogprobs,
+    SamplingParams,
+    make_generator,
+    sample_step,
+)
 from worker.engine.scheduler import QueuedItem, RunningItem, plan_admission, plan_step
 from worker.engine.session import Session, SessionPool
 from worker.engine.session_store import SessionStore, model_fingerprint
@@ -121,7 +127,7 @@ class _Active:
     next_block: int  # the first block not yet offered to the prefix cache
     max_new: int
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: NoiseStream | None  # its draws (None: greedy)
     eos_ids: frozenset[int]
     text: TextStream
     t_arrival: float  # when the request line was read (total_ms counts from here)
@@ -578,6 +584,7 @@ class Engine:
             with torch.inference_mode():
                 logits = self.model(step, self.kv)  # [B, vocab] float32
                 sampled: list[int] = []
+                row_logprobs: list[RowLogprobs | None] = []
                 if sampling_rows:
                     picked = logits[sampling_rows] if len(sampling_rows) < len(rows) else logits
                     sampled, row_logprobs = sample_step(  # the one host sync of the step
@@ -613,15 +620,15 @@ class Engine:
                     a.next_block = self.prefix_cache.insert(
                         a.prompt_ids, a.block_keys, a.session.slot, a.next_block, a.fed
                     )
-        sampled_by_row = dict(zip(sampling_rows, sampled, strict=True))
+        drawn = zip(sampled, row_logprobs, strict=True)  # (token, its log-probabilities)
+        sampled_by_row = dict(zip(sampling_rows, drawn, strict=True))
         for i, (a, _) in enumerate(rows):
             if a.prefill_remaining > 0:
                 continue
             if a.t_first is None:
                 a.t_first = now
             if i in sampled_by_row:
-                token = sampled_by_row[i]
-                row_lp = row_logprobs[sampling_rows.index(i)]
+                token, row_lp = sampled_by_row[i]
                 self.structured.accept(a.key, a.request, token, row_lp, a.eos_ids)
                 events.extend(self._accept_token(a, token))
             else:  # max_new_tokens == 0: prefill only

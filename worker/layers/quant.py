@@ -258,6 +258,31 @@ def concat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     )  # fmt: skip
 
 
+def _loaded(
+    name: str,
+    value: torch.Tensor | QuantizedWeight,
+    shape: tuple[int, int],
+    fmt: QuantFormat,
+    owner: str,
+    search: bool,
+) -> QuantizedWeight:
+    """`value` as this module's weight: an already quantized one checked against the module's
+    shape and format, a float one checked and quantized to the format."""
+    if isinstance(value, QuantizedWeight):
+        if value.shape != shape or value.format != fmt:
+            raise ValueError(
+                f"tensor {name!r}: {value.format.describe()} {list(value.shape)} does "
+                f"not match the {owner} {fmt.describe()} {list(shape)}"
+            )
+        return value
+    if tuple(value.shape) != shape:
+        raise ValueError(
+            f"tensor {name!r}: checkpoint shape {tuple(value.shape)} does not "
+            f"match model shape {shape}"
+        )
+    return quantize(value, fmt, search=search)
+
+
 class QuantLinear(nn.Module):
     """A linear layer (bias optional, float) over a quantized weight. Built empty with its
     format (``load`` fills it from a float tensor, quantizing, or from a ``QuantizedWeight``
@@ -290,20 +315,7 @@ class QuantLinear(nn.Module):
     def load(self, value: torch.Tensor | QuantizedWeight) -> None:
         """Fill the weight: a float tensor is quantized to this layer's format."""
         shape = (self.out_features, self.in_features)
-        if isinstance(value, QuantizedWeight):
-            if value.shape != shape or value.format != self.format:
-                raise ValueError(
-                    f"tensor {self.name!r}: {value.format.describe()} {list(value.shape)} does "
-                    f"not match the layer's {self.format.describe()} {list(shape)}"
-                )
-            self.quantized = value
-        else:
-            if tuple(value.shape) != shape:
-                raise ValueError(
-                    f"tensor {self.name!r}: checkpoint shape {tuple(value.shape)} does not "
-                    f"match model shape {shape}"
-                )
-            self.quantized = quantize(value, self.format)
+        self.quantized = _loaded(self.name, value, shape, self.format, "layer's", search=True)
         self.cpu_packed = None
 
     @property
@@ -340,22 +352,8 @@ class QuantEmbedding(nn.Module):
 
     def load(self, value: torch.Tensor | QuantizedWeight) -> None:
         shape = (self.num_embeddings, self.embedding_dim)
-        if isinstance(value, QuantizedWeight):
-            if value.shape != shape or value.format != self.format:
-                raise ValueError(
-                    f"tensor {self.name!r}: {value.format.describe()} {list(value.shape)} does "
-                    f"not match the embedding's {self.format.describe()} {list(shape)}"
-                )
-            self.quantized = value
-        else:
-            if tuple(value.shape) != shape:
-                raise ValueError(
-                    f"tensor {self.name!r}: checkpoint shape {tuple(value.shape)} does not "
-                    f"match model shape {shape}"
-                )
-            self.quantized = quantize(
-                value, self.format, search=False
-            )  # 168M weights: too many to search
+        # 168M weights in the default model's table: too many to search for scales
+        self.quantized = _loaded(self.name, value, shape, self.format, "embedding's", search=False)
         self.cpu_packed = None
 
     @property

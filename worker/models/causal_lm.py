@@ -106,14 +106,18 @@ class CausalLM(nn.Module):
         return self.model.norm.weight.device  # the embedding may be packed (prepare_for_cpu)
 
     def make_kv_cache(
-        self, num_slots: int, max_context: int, ring_slack: int = DEFAULT_RING_SLACK
+        self,
+        num_slots: int,
+        max_context: int,
+        ring_slack: int = DEFAULT_RING_SLACK,
+        device: torch.device | str | None = None,  # "meta": sizes without allocating
     ) -> KVCache:
         return KVCache(
             self.config.layers,
             self.config.sliding_window,
             num_slots,
             max_context,
-            self.device,
+            self.device if device is None else torch.device(device),
             self.model.norm.weight.dtype,
             ring_slack=ring_slack,
         )

@@ -93,6 +93,7 @@ class Qwen35MoeForCausalLM(CausalLM):
         max_context: int,
         ring_slack: int = DEFAULT_RING_SLACK,
         snapshots: int = DEFAULT_SNAPSHOTS,
+        device: torch.device | str | None = None,  # "meta": sizes without allocating
     ) -> HybridCache:
         norm = self.model.norm.weight
         assert self.config.deltanet is not None and norm is not None
@@ -101,7 +102,7 @@ class Qwen35MoeForCausalLM(CausalLM):
             self.config.deltanet,
             num_slots,
             max_context,
-            self.device,
+            self.device if device is None else torch.device(device),
             norm.dtype,
             snapshots=snapshots,
             ring_slack=ring_slack,
