@@ -340,6 +340,13 @@ async def _listen(supervisor: Supervisor, path: str, ready: dict[str, Any]) -> a
     help="Serve on this unix socket instead of stdin (for `generate --connect`).",
 )
 @click.option(
+    "--ray",
+    "ray_address",
+    default=None,
+    metavar="ADDRESS",
+    help="Start no workers: forward to the replicas of `tokenpipe ray up` on this Ray cluster.",
+)
+@click.option(
     "--worker-command",
     default=None,
     hidden=True,
@@ -359,13 +366,20 @@ def command(
     heartbeat_timeout: float,
     heartbeat_interval: float,
     listen: str | None,
+    ray_address: str | None,
     worker_command: str | None,
 ) -> None:
     """Serve JSONL on stdin/stdout through one worker per GPU (one CPU worker without GPUs).
 
     Other options (--dtype, --prefill-chunk, --prefix-ids, --no-warm-resume, --threads, ...)
     are passed through to every worker.
+
+    With --ray ADDRESS the same protocol goes to the replicas on a Ray cluster instead (the
+    same front end as `tokenpipe ray run --address ADDRESS`).
     """
+    if ray_address is not None:
+        _run_ray_front(ctx, ray_address, listen)
+        return
     try:
         config = SupervisorConfig(
             model=model,
@@ -384,3 +398,18 @@ def command(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     sys.exit(eventloop.run(serve(config, listen)))
+
+
+def _run_ray_front(ctx: click.Context, address: str, listen: str | None) -> None:
+    """`tokenpipe run --ray ADDRESS`: JSONL on stdio, forwarded to the Ray replicas (their
+    workers are configured by `tokenpipe ray up`, so worker options do not apply here)."""
+    if listen is not None:
+        raise click.UsageError("--listen cannot be combined with --ray")
+    if ctx.args:
+        raise click.UsageError(
+            f"worker options ({' '.join(ctx.args)}) do not apply with --ray: "
+            "`tokenpipe ray up` configures the replicas' workers"
+        )
+    from supervisor.ray.cli import run_front
+
+    run_front(address)

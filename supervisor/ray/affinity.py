@@ -14,6 +14,10 @@ import orjson
 
 from supervisor.openai.sessions import SESSION_HEADERS
 
+SESSION_KEY = "session_key"
+"""The keyword argument of a replica call that names its session (the router reads it).
+Defined here, not in router.py, so the front ends import no Ray before they connect."""
+
 
 def http_session_key(headers: Mapping[str, str], body: bytes) -> str | None:
     """The session an OpenAI request names, or None (routed to the least-loaded replica)."""

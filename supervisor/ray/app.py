@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,9 @@ APP_NAME = "tokenpipe"
 REPLICA_DEPLOYMENT = "TokenpipeReplica"
 INGRESS_DEPLOYMENT = "TokenpipeIngress"
 AUTH_TOKEN_FILE = "~/.ray/auth_token"  # where Ray keeps this machine's cluster token
+AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
+AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 OBJECT_STORE_BYTES = 128 << 20  # events and request bodies are small; Ray's minimum is 75 MiB
 
@@ -56,11 +60,8 @@ def connect(address: str | None, num_cpus: int | None = None, node_ip: str = "12
         os.environ[LOOPBACK_ONLY_ENV] = "0"
         if "ray._private.ray_constants" in sys.modules:
             sys.modules["ray._private.ray_constants"].ENABLE_RAY_CLUSTER = False
-    if address and os.path.exists(os.path.expanduser(AUTH_TOKEN_FILE)):
-        # Ray >= 2.5x starts clusters with token authentication, and its process sets
-        # RAY_AUTH_MODE=token for its children only: a separate caller must set it too
-        # (before Ray is imported: it reads it once).
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if address:
+        use_cluster_token()
     import ray
 
     common: dict[str, Any] = {
@@ -79,6 +80,35 @@ def connect(address: str | None, num_cpus: int | None = None, node_ip: str = "12
             **common,
         )
     return str(ray.get_runtime_context().gcs_address)
+
+
+def has_cluster_token(env: Mapping[str, str] | None = None) -> bool:
+    """True when this machine holds a Ray cluster token: `RAY_AUTH_TOKEN`, the file at
+    `RAY_AUTH_TOKEN_PATH`, or `~/.ray/auth_token` (where a new local cluster writes it)."""
+    env = os.environ if env is None else env
+    if env.get(AUTH_TOKEN_ENV):
+        return True
+    path = env.get(AUTH_TOKEN_PATH_ENV) or os.path.expanduser(AUTH_TOKEN_FILE)
+    return os.path.isfile(path)
+
+
+def use_cluster_token() -> None:
+    """Join a cluster with token authentication when a token is at hand.
+
+    Ray >= 2.5x starts local clusters with token authentication and sets RAY_AUTH_MODE=token
+    in its own process (its children inherit it), but a process that joins with an explicit
+    address never turns it on by itself: it connects without the token and is refused
+    (`InvalidAuthToken`). So a token found here turns token mode on, unless RAY_AUTH_MODE was
+    set explicitly. Ray's C++ config reads the mode once, when `ray._raylet` is imported:
+    when that already happened, the config is read again (as Ray's own `ray.init` does).
+    A cluster without authentication ignores the token.
+    """
+    if os.environ.get(AUTH_MODE_ENV) is not None or not has_cluster_token():
+        return
+    os.environ[AUTH_MODE_ENV] = "token"
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is not None:
+        raylet.Config.initialize("")
 
 
 def application(spec: Deployment) -> Any:

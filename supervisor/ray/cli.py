@@ -124,7 +124,13 @@ def _hold_until_signal() -> None:
 @command.command("run")
 @click.option("--address", required=True, help="The cluster `tokenpipe ray up` printed.")
 def run_command(address: str) -> None:
-    """JSONL on stdin/stdout (as `tokenpipe run`), forwarded to the replicas."""
+    """JSONL on stdin/stdout (as `tokenpipe run`), forwarded to the replicas. The same as
+    `tokenpipe run --ray ADDRESS`."""
+    run_front(address)
+
+
+def run_front(address: str) -> None:
+    """The JSONL front end on this process's stdio, until EOF or `shutdown`."""
     _require_ray()
     from .front import serve_stdio
 

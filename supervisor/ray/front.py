@@ -31,9 +31,8 @@ from protocol import MAX_LINE_BYTES, ErrorCode, ProtocolError, decode_request, l
 from supervisor.lines import LineSplitter, TooLong
 from supervisor.mirror import SessionMirror
 
-from .affinity import is_replica_lost, request_session_key
+from .affinity import SESSION_KEY, is_replica_lost, request_session_key
 from .replica import NEED_RESIDENT, error_event
-from .router import SESSION_KEY
 
 LOST = "the replica serving this request was lost"
 LOST_RETRIES = 2  # a request lost before its first event goes again this many times

@@ -14,10 +14,10 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from .affinity import SESSION_KEY
 from .ring import HashRing
 
-SESSION_KEY = "session_key"
-"""The keyword argument of a replica call that names its session."""
+__all__ = ["SESSION_KEY", "SessionAffinityRouter", "ring_name"]
 
 
 def ring_name(replica: RunningReplica) -> str:

@@ -1,5 +1,6 @@
 """tokenpipe on Ray's local cluster (issue 19's CPU targets): two replicas of one CPU worker
-each, the default model, driven through the JSONL front end (`tokenpipe ray run`).
+each, the default model, driven through the JSONL front end (`tokenpipe run --ray`, the same
+as `tokenpipe ray run`).
 
 - 8 sessions x 3 turns: every session stays on its replica and resumes warm from turn 2.
 - A replica's process killed mid-stream: that request gets one `worker_lost`, the sessions of
@@ -92,13 +93,18 @@ def cluster() -> Iterator[str]:
 
 
 class Front:
-    """`tokenpipe ray run` as a child process, its answer lines sorted by request id."""
+    """`tokenpipe run --ray` as a child process, its answer lines sorted by request id.
+
+    Its environment lacks the RAY_AUTH_MODE that starting the cluster set in this process, as
+    a user's other terminal would: it must find the cluster's token by itself."""
 
     def __init__(self, address: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
         self.process = subprocess.Popen(
-            [*run_command(), "ray", "run", "--address", address],
+            [*run_command(), "run", "--ray", address],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env=env,
         )
         self.lines: dict[Any, queue.Queue[dict[str, Any]]] = {}
         self._lock = threading.Lock()
