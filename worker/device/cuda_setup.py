@@ -86,8 +86,14 @@ def _install_gemv(inner: Any) -> None:
     if not triton_available() or not hasattr(inner, "model"):
         return
     from worker.device.kernels.gemv import choose_config, install_decode_gemv
+    from worker.layers.quant import QuantLinear
 
     chosen = install_decode_gemv(inner)
+    if isinstance(inner.lm_head, QuantLinear):  # quantized: quant_matmul's kernels
+        faster = sum(c is not None for c in chosen.values())
+        _log(f"cuda_setup: Triton GEMV for {faster} of {len(chosen)} float matrix shapes; the "
+             "quantized matmuls run the W4A16/W8A16 kernels")  # fmt: skip
+        return
     head = inner.model.embed_tokens.weight if inner.lm_head is None else inner.lm_head.weight
     shape = (head.shape[0], head.shape[1])
     if shape not in chosen:  # a tied embedding is no nn.Linear

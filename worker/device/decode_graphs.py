@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from worker.device.kernels.attention import decode_attention_op, store_kv_op
 from worker.device.kernels.batched_sampling import RowSampling, sample_rows
+from worker.layers.quant import QuantLinear
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -114,6 +115,10 @@ def rows_logits(
     if last is not None:
         x = x.index_select(0, last)
     last_hidden = model.model.norm(x)
+    if isinstance(model.lm_head, QuantLinear):  # its own kernels (quant_matmul)
+        logits = model.lm_head(last_hidden).float()
+        cap = model.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
     weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     gemv = getattr(model, "_decode_lm_head_gemv", None)  # set by worker/device/cuda_setup.py
     if gemv is not None:

@@ -76,6 +76,10 @@ class QuantizedWeight:
         return QuantFormat(self.kind, self.group_size)
 
     @property
+    def device(self) -> torch.device:
+        return self.qdata.device
+
+    @property
     def nbytes(self) -> int:
         parts = [self.qdata, self.scales] + ([self.offsets] if self.offsets is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
@@ -114,6 +118,13 @@ INT8_DIVISORS = tuple(range(64, 128))
 # (llama.cpp's make_qkx2 idea, vectorised). Squared error -26% vs min/max round-to-nearest.
 INT4_STEP_DELTAS = tuple(d / 10 for d in range(-10, 11))
 SEARCH_ROWS = 512  # rows per chunk of a search: bounds its temporaries to a few MB
+SEARCH_ELEMENTS_GPU = 1 << 24  # on a GPU, chunks of ~16M weights: few launches, ~400 MB
+
+
+def _search_rows(weight: torch.Tensor) -> int:
+    if weight.device.type == "cpu":
+        return SEARCH_ROWS
+    return max(SEARCH_ROWS, SEARCH_ELEMENTS_GPU // max(1, weight.shape[1]))
 
 
 def quantize_int8(
@@ -124,14 +135,16 @@ def quantize_int8(
     n, k = weight.shape
     group = group_size or k
     QuantFormat(INT8, group).check("weight", (n, k))
-    grouped = _groups(weight, group)
     divisors = INT8_DIVISORS if search else (127,)
-    scales = torch.cat([
-        _int8_scales(grouped[start : start + SEARCH_ROWS], divisors)
-        for start in range(0, n, SEARCH_ROWS)
-    ])  # fmt: skip
-    safe = torch.where(scales == 0, torch.ones_like(scales), scales).float().unsqueeze(-1)
-    q = torch.round(grouped / safe).clamp_(-127, 127).to(torch.int8).reshape(n, k)
+    rows = _search_rows(weight)
+    scales, codes = [], []
+    for start in range(0, n, rows):  # chunks bound the fp32 temporaries
+        grouped = _groups(weight[start : start + rows], group)
+        scale = _int8_scales(grouped, divisors)
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
+        codes.append(torch.round(grouped / safe).clamp_(-127, 127).to(torch.int8).flatten(1))
+        scales.append(scale)
+    q, scales = torch.cat(codes), torch.cat(scales)
     return QuantizedWeight(INT8, (n, k), group, q, scales)
 
 
@@ -161,17 +174,18 @@ def quantize_int4(
     INT4_STEP_DELTAS' fits (``search`` False: min/max, scale = (max - min) / 15, offset = min)."""
     n, k = weight.shape
     QuantFormat(INT4, group_size).check("weight", (n, k))
-    grouped = _groups(weight, group_size)
-    parts = [
-        _int4_params(grouped[start : start + SEARCH_ROWS], search)
-        for start in range(0, n, SEARCH_ROWS)
-    ]
-    scales = torch.cat([scale for scale, _ in parts])
-    offsets = torch.cat([offset for _, offset in parts])
-    safe = torch.where(scales == 0, torch.ones_like(scales), scales).float().unsqueeze(-1)
-    q = torch.round((grouped - offsets.float().unsqueeze(-1)) / safe).clamp_(0, 15)
-    return QuantizedWeight(INT4, (n, k), group_size, pack_nibbles(q.to(torch.uint8).reshape(n, k)),
-                           scales, offsets)  # fmt: skip
+    rows = _search_rows(weight)
+    scales, offsets, packed = [], [], []
+    for start in range(0, n, rows):  # chunks bound the fp32 temporaries
+        grouped = _groups(weight[start : start + rows], group_size)
+        scale, offset = _int4_params(grouped, search)
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
+        q = torch.round((grouped - offset.float().unsqueeze(-1)) / safe).clamp_(0, 15)
+        packed.append(pack_nibbles(q.to(torch.uint8).flatten(1)))
+        scales.append(scale)
+        offsets.append(offset)
+    return QuantizedWeight(INT4, (n, k), group_size, torch.cat(packed), torch.cat(scales),
+                           torch.cat(offsets))  # fmt: skip
 
 
 def _int4_params(grouped: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,10 +343,24 @@ class QuantLinear(nn.Module):
             out = cpu_quant.matmul(x, self.cpu_packed)
             return out if self.bias is None else out + self.bias
         assert self.quantized is not None, f"{self.name}: weight not loaded"
+        if _device_kernels(x, self.quantized):
+            from worker.device.kernels.quant_matmul import quant_linear
+
+            return quant_linear(x, self.quantized, self.bias)
         return F.linear(x, self.quantized.dequantize(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.format.describe()}"
+
+
+def _device_kernels(x: torch.Tensor, qw: QuantizedWeight) -> bool:
+    """True where the Triton kernels of ``worker.device.kernels.quant_matmul`` serve ``x``
+    against ``qw``: CUDA (or the tests' interpreter) and a power-of-two group size (Triton's
+    blocks; other groups, such as a per-channel int8 row, take the torch reference)."""
+    from worker.device.kernels.attention import use_triton
+
+    group = qw.group_size
+    return group & (group - 1) == 0 and group >= 2 and use_triton(x)
 
 
 class QuantEmbedding(nn.Module):

@@ -192,22 +192,31 @@ def load_model(
     )
     device = torch.device(device)
     phases["files"] = time.monotonic() - started
-    model = build_model(config, device, dtype)
+    # on the meta device first: the quantized modules go in before any storage is given, so
+    # a planned weight never has a float copy on the device (a 31B model into 24 GB)
+    model = build_model(config, "meta", dtype)
+    if not random_weights:
+        check_shapes(checkpoint, model)
+    # `quantize` (a QuantizeOptions): quantized layers planned and installed here, before
+    # any weight is read; a GGUF kept quantized is its own tensor source
+    quantized = begin_load(model, quantize, None if random_weights else gguf_source, device, dtype)
+    model = model.to_empty(device=device).eval()
     weights_started = time.monotonic()
     phases["allocate"] = weights_started - started - phases["files"]
     if random_weights:
         draw_random_weights(model, device, seed)
+        if quantized is not None:
+            quantized.draw_random(model, seed)
     else:
-        check_shapes(checkpoint, model)
-        # `quantize` (a QuantizeOptions): quantized layers planned and installed here, before
-        # any weight is read; a GGUF kept quantized is its own tensor source
-        quantized = begin_load(model, quantize, gguf_source, device, dtype)
         targets = model.state_dict(keep_vars=True)
         pairs: Iterable[tuple[str, Any]]
         if quantized is not None and quantized.pairs is not None:
             pairs = quantized.pairs
         elif device.type == "cuda":
-            pairs = staged_tensors(checkpoint.text_tensors(), targets)
+            transient = quantized.transient_names(model) if quantized is not None else None
+            pairs = staged_tensors(
+                checkpoint.text_tensors(), targets, transient=transient, device=device
+            )
         else:
             pairs = checkpoint.iter_tensors(device=device, dtype=dtype, targets=targets)
         total = len(checkpoint.text_tensors())
@@ -216,8 +225,9 @@ def load_model(
             model.load_weights(_with_progress(pairs, total, label, progress and total > 0))
         except ValueError as exc:
             raise ModelLoadError(f"{checkpoint.path}: {exc}") from exc
-        if quantized is not None:
-            quantized.finish(model)
+    if quantized is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the float temporaries of the quantization
     weights_seconds = phases["weights"] = time.monotonic() - weights_started
     parameters = sum(p.numel() for p in model.parameters())
     meta: dict[str, Any] = {

@@ -14,9 +14,11 @@ the formats agree). Norms, biases and small vectors stay float. The plan is made
 modules for empty quantized ones that ``CausalLM.load_weights`` fills tensor by tensor, so a
 float checkpoint is quantized as it streams in.
 
-On CUDA the quantized kernels are not written yet: int8/int4 weights are quantized and
-dequantized back to the compute dtype at load (``QuantizedLoad.finish``, a log line says so),
-and ``auto`` reads a GGUF from its dequantized cache as before.
+On CUDA the model is built on the meta device, the quantized modules installed, and only then
+given storage, so no float copy of a planned weight is ever allocated: a float checkpoint
+streams through per-tensor device temporaries (``staged_tensors``' transient targets) and is
+quantized there, tensor by tensor; the matmuls run the Triton kernels of
+``worker.device.kernels.quant_matmul``.
 """
 
 from __future__ import annotations
@@ -163,33 +165,58 @@ def _nbytes(tensor: torch.Tensor) -> int:
 @dataclass
 class QuantizedLoad:
     """What ``load_model`` does differently for a quantized load: the (name, tensor) source
-    (None: the checkpoint's own) and the step after ``load_weights``."""
+    (None: the checkpoint's own) and the planned modules, installed already."""
 
     plan: Plan
     pairs: Iterator[tuple[str, Any]] | None
     device: torch.device
     dtype: torch.dtype
 
-    def finish(self, model: nn.Module) -> None:
-        """On CUDA (no quantized kernels yet) each planned float weight is replaced in place by
-        its quantized-then-dequantized values: the format's quality, the float model's memory."""
-        if self.device.type == "cpu" or not self.plan:
-            return
-        count = 0
-        with torch.no_grad():
-            for path, fmt in self.plan.items():
-                module = model.get_submodule(path) if path != HEAD or model.lm_head else None
-                weight = getattr(module, "weight", None)
-                if weight is None:
-                    continue  # a tied head: the embedding's weight
-                search = path not in (EMBEDDING, HEAD)  # as on the CPU: tables to nearest
-                weight.copy_(quantize(weight.detach(), fmt, search).dequantize(weight.dtype))
-                count += 1
-        log(
-            f"{count} weights quantized and dequantized back to "
-            f"{str(self.dtype).removeprefix('torch.')} on {self.device}: the CUDA int4/int8 "
-            "kernels are not written yet, so memory and speed are the float model's"
-        )
+    def transient_names(self, model: nn.Module) -> dict[str, torch.dtype]:
+        """HF weight name -> float dtype of every weight that is quantized as it loads (the
+        staged CUDA load gives each a device temporary of its own)."""
+        return {
+            f"{path}.weight": self.dtype
+            for path in self.plan
+            if isinstance(_find(model, path), (QuantLinear, QuantEmbedding))
+        }
+
+    @torch.no_grad()
+    def draw_random(self, model: nn.Module, seed: int) -> None:
+        """``--random-weights`` for the quantized modules: each weight drawn as a float
+        N(0, INIT_STD) on its device, then quantized to nearest (no scale search: seconds for a
+        31B model); a tied head shares the embedding's table when the formats agree."""
+        from worker.loading.random_init import INIT_STD
+
+        generator = torch.Generator(self.device).manual_seed(seed + 1)
+        embedding = _find(model, EMBEDDING)
+        head = _find(model, HEAD)
+        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        for module in model.modules():
+            if not isinstance(module, (QuantLinear, QuantEmbedding)):
+                continue
+            share = tied and module is head and isinstance(embedding, QuantEmbedding)
+            if share and embedding.format == module.format:  # type: ignore[union-attr]
+                continue  # set below, from the embedding's table
+            if isinstance(module, QuantLinear):
+                shape = (module.out_features, module.in_features)
+            else:
+                shape = (module.num_embeddings, module.embedding_dim)
+            weight = torch.empty(shape, device=self.device, dtype=self.dtype)
+            weight.normal_(0.0, INIT_STD, generator=generator)
+            module.quantized = quantize(weight, module.format, search=False)
+            module.cpu_packed = None
+            del weight
+        if tied and isinstance(head, QuantLinear) and head.quantized is None:
+            assert isinstance(embedding, QuantEmbedding)
+            head.quantized = embedding.quantized
+
+
+def _find(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def log(message: str) -> None:
@@ -212,9 +239,6 @@ def begin_load(
     try:
         if options.mode == "auto" and gguf_source is not None:
             plan = plan_for_gguf(gguf_source)
-            if device.type != "cpu":  # today's path: the dequantized cache
-                log(f"GGUF kept quantized only on the CPU for now; {device} loads it dequantized")
-                return None
             install(model, plan)
             from worker.loading.gguf_quant import gguf_formats, iter_gguf_tensors
 
@@ -227,8 +251,7 @@ def begin_load(
             module = model.get_submodule(path) if path != HEAD or model.lm_head else None
             shape = _module_shape(module if module is not None else model.get_submodule(EMBEDDING))
             fmt.check(f"{path}.weight", shape)
-        if device.type == "cpu":
-            install(model, plan)
+        install(model, plan)
         return QuantizedLoad(plan, None, device, dtype)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc

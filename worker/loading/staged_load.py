@@ -183,7 +183,7 @@ def _read_batch(
 def _issue_copies(
     pieces: Sequence[Piece],
     entries: Sequence[TensorEntry],
-    targets: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor | None],
     staging: torch.Tensor,
 ) -> None:
     """Copy every piece from the staging buffer into its target (asynchronous on CUDA)."""
@@ -191,6 +191,7 @@ def _issue_copies(
         if piece.length == 0:
             continue
         target = targets[piece.tensor]
+        assert target is not None
         source = staging[piece.staging_offset : piece.staging_offset + piece.length]
         stored = SAFETENSORS_DTYPES[entries[piece.tensor].dtype][0]
         if target.dtype == stored:
@@ -218,26 +219,42 @@ def staged_tensors(
     entries: Mapping[str, TensorEntry],
     targets: Mapping[str, torch.Tensor],
     config: StagingConfig | None = None,
+    transient: Mapping[str, torch.dtype] | None = None,
+    device: torch.device | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, target)` for every entry (name -> where its bytes are), after its bytes
     were issued into `targets[name]` (all on one device). See the module docstring.
 
     Entries without a usable target (none, or another shape) are yielded as meta tensors of
-    the stored dtype and shape. On CUDA the copies are ordered on the current stream, and
-    the generator synchronises it before it finishes.
+    the stored dtype and shape, except the names in `transient` (name -> dtype): each of
+    those gets a tensor of its own on `device` when its first bytes are issued, dropped here
+    once yielded (a weight quantized as it streams in: only the tensors in flight are ever
+    float on the device). On CUDA the copies are ordered on the current stream, and the
+    generator synchronises it before it finishes.
     """
     config = config or StagingConfig.from_env()
+    transient = transient or {}
     ordered = sorted(entries.items(), key=lambda kv: (str(kv[1].file), kv[1].begin))
-    names = [name for name, entry in ordered if _usable(entry, targets.get(name))]
-    skipped = [(name, entry) for name, entry in ordered if not _usable(entry, targets.get(name))]
+
+    def loads(name: str, entry: TensorEntry) -> bool:
+        return _usable(entry, targets.get(name)) or (name in transient and name not in targets)
+
+    names = [name for name, entry in ordered if loads(name, entry)]
+    skipped = [(name, entry) for name, entry in ordered if not loads(name, entry)]
     for name, entry in skipped:
         stored = SAFETENSORS_DTYPES[entry.dtype][0]
         yield name, torch.empty(entry.shape, dtype=stored, device="meta")
     if not names:
         return
     load_entries = [entries[name] for name in names]
-    load_targets = [targets[name].detach() for name in names]
-    device = load_targets[0].device
+    load_targets: list[torch.Tensor | None] = [
+        None if name in transient and name not in targets else targets[name].detach()
+        for name in names
+    ]
+    known = next((t.device for t in load_targets if t is not None), None)
+    device = known or device
+    if device is None:
+        raise ValueError("staged_tensors: transient targets need a device")
     on_cuda = device.type == "cuda"
     batches = plan_batches(load_entries, config.buffer_bytes)
     largest = max(sum(p.length for p in batch) for batch in batches)
@@ -270,6 +287,12 @@ def staged_tensors(
                 )
             reads[index].result()
             slot = index % buffer_count
+            for piece in batch:
+                if load_targets[piece.tensor] is None:  # a transient target's first bytes
+                    entry, name = load_entries[piece.tensor], names[piece.tensor]
+                    load_targets[piece.tensor] = torch.empty(
+                        entry.shape, dtype=transient[name], device=device
+                    )
             _issue_copies(batch, load_entries, load_targets, staging[slot])
             if stream is not None:
                 event = torch.cuda.Event()
@@ -277,7 +300,14 @@ def staged_tensors(
                 copied[slot] = event
             for piece in batch:
                 if piece.last:
-                    yield names[piece.tensor], targets[names[piece.tensor]]
+                    name = names[piece.tensor]
+                    if name in targets:
+                        yield name, targets[name]
+                        continue
+                    tensor = load_targets[piece.tensor]
+                    load_targets[piece.tensor] = None
+                    assert tensor is not None
+                    yield name, tensor
         if stream is not None:
             stream.synchronize()
     finally:

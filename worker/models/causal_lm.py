@@ -254,6 +254,8 @@ class CausalLM(nn.Module):
                     continue  # tied: the embedding is the head
                 layer = quantized.get(name)
                 if layer is not None:
+                    if tensor.device != self.device:  # a GGUF's blocks, read on the host
+                        tensor = tensor.to(self.device)
                     layer.load(tensor)  # a float tensor is quantized here, one at a time
                     if tied_head and name == "model.embed_tokens.weight":
                         self._load_tied_head(layer, tensor)

@@ -1,0 +1,173 @@
+"""The quantized matmul kernels of worker/device/kernels/quant_matmul.py (Triton's CPU
+interpreter here, CUDA on the GPU box) against the torch reference (``dequantize``, then
+``F.linear``), and the quantized load that the CUDA path uses: built on the meta device,
+float checkpoints streamed through transient targets, random weights drawn quantized. Every
+test needs the `triton_ready` fixture (tests/conftest.py: a skip without triton, a failure in
+CI)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.layers import quant as Q
+
+pytestmark = pytest.mark.usefixtures("triton_ready")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _qw(kind: str, group: int, n: int, k: int, seed: int = 0) -> Q.QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    return Q.quantize(weight, Q.QuantFormat(kind, group), search=False).to(DEVICE)
+
+
+FORMATS = [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 16)]
+
+
+@pytest.mark.parametrize(("kind", "group"), FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 40, 70])
+def test_quant_linear_matches_the_reference(kind: str, group: int, rows: int) -> None:
+    from worker.device.kernels.quant_matmul import quant_linear
+
+    # N not a multiple of any tile; K a multiple of the group but not of the GEMM's K tile
+    qw = _qw(kind, group, n=70, k=group * 5, seed=rows)
+    x = torch.randn(rows, group * 5, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    want = x @ qw.dequantize().T
+    got = quant_linear(x, qw)
+    assert got.shape == (rows, 70) and got.dtype == x.dtype
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_each_path_and_the_dequantize_kernel() -> None:
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw("int4", 32, n=48, k=256)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want = x @ qw.dequantize().T
+    torch.testing.assert_close(qm.qgemv(x, qw, config=(8, 2, 4)), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(qm.qgemm(x, qw, config=(16, 64, 4)), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(qm.dequantize_triton(qw, torch.float32), qw.dequantize())
+    bias = torch.arange(48, dtype=torch.float32).to(DEVICE)
+    torch.testing.assert_close(
+        qm.quant_linear(x.view(2, 2, 256), qw, bias), (want + bias).view(2, 2, 48),
+        rtol=1e-4, atol=1e-4,
+    )  # fmt: skip
+    with pytest.raises(ValueError):
+        qm.qgemv(torch.randn(5, 256).to(DEVICE), qw)
+    with pytest.raises(ValueError):
+        qm.qgemm(torch.randn(2, 128).to(DEVICE), qw)
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """QuantLinear dispatches to the kernels for CPU tensors too (the interpreter)."""
+    monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
+    yield
+
+
+def test_quant_linear_module_goes_through_the_kernels(
+    triton_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw("int4", 32, n=40, k=64)
+    layer = Q.QuantLinear.from_weight(qw)
+    calls: list[int] = []
+    real = qm.quant_linear
+    monkeypatch.setattr(qm, "quant_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(3, 64).to(DEVICE)
+    torch.testing.assert_close(layer(x), x @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
+    assert calls
+    per_channel = Q.QuantLinear.from_weight(_qw("int8", 0, n=8, k=48))  # group 48: reference
+    calls.clear()
+    per_channel(torch.randn(2, 48).to(DEVICE))
+    assert not calls
+
+
+def test_quantized_model_logits_kernels_equal_reference(
+    triton_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny model loaded --quantize int4 with random weights: the kernels' logits (prefill
+    and decode rows) equal the torch reference's."""
+    from tiny_models import byte_level_tokenizer_json, tiny_config
+
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+    from worker.models.step import StepInput
+
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        (directory / "config.json").write_text(json.dumps(tiny_config("llama", 263)))
+        (directory / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+        loaded = load_model(
+            directory, DEVICE, torch.float32, random_weights=True, progress=False,
+            quantize=QuantizeOptions("int4", 32),
+        )  # fmt: skip
+    model = loaded.model
+    assert any(isinstance(m, Q.QuantLinear) for m in model.modules())
+    assert isinstance(model.model.embed_tokens, Q.QuantEmbedding)
+    prompt = StepInput.single(list(range(5, 14)), 0, 0, device=DEVICE)
+    one = StepInput.single([20], 0, 9, device=DEVICE)
+    kv = model.make_kv_cache(1, 32)
+    fast = [model(prompt, kv), model(one, kv)]
+    monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "0")
+    kv = model.make_kv_cache(1, 32)
+    slow = [model(prompt, kv), model(one, kv)]
+    for got, want in zip(fast, slow, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_staged_quantized_load_equals_the_plain_one(tiny_checkpoint_factory) -> None:
+    """The CUDA load path, run on the CPU: a float checkpoint streamed through transient
+    targets (no float copy of a planned weight in the model) quantizes to the same bytes as
+    the plain read."""
+    from worker.loading.checkpoint import open_checkpoint
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions, begin_load
+    from worker.loading.staged_load import StagingConfig, staged_tensors
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    directory = tiny_checkpoint_factory(dtype=torch.bfloat16, shards=2)
+    options = QuantizeOptions("int4", 32)
+    plain = load_model(directory, "cpu", torch.float32, progress=False, quantize=options).model
+    checkpoint = open_checkpoint(directory)
+    model = build_model(ModelConfig.from_hf(checkpoint.config), "meta", torch.float32)
+    load = begin_load(model, options, None, torch.device("cpu"), torch.float32)
+    assert load is not None
+    model = model.to_empty(device="cpu")
+    transient = load.transient_names(model)
+    assert "model.layers.0.mlp.up_proj.weight" in transient
+    targets = model.state_dict(keep_vars=True)
+    assert not set(transient) & set(targets)  # no float storage for a planned weight
+    config = StagingConfig(buffer_bytes=1000, buffers=3, readers=2)  # tensors cut in pieces
+    pairs = staged_tensors(checkpoint.text_tensors(), targets, config, transient, "cpu")
+    report = model.load_weights(pairs)
+    assert not report.missing and not report.unexpected
+    want = dict(plain.named_modules())
+    for name, module in model.named_modules():
+        if isinstance(module, (Q.QuantLinear, Q.QuantEmbedding)):
+            mine, theirs = module.quantized, want[name].quantized  # type: ignore[union-attr]
+            assert mine is not None and theirs is not None
+            assert torch.equal(mine.qdata, theirs.qdata), name
+            assert torch.equal(mine.scales, theirs.scales), name
+
+
+def test_transient_targets_need_a_device(tiny_checkpoint_factory) -> None:
+    from worker.loading.checkpoint import open_checkpoint
+    from worker.loading.staged_load import staged_tensors
+
+    checkpoint = open_checkpoint(tiny_checkpoint_factory())
+    entries = checkpoint.text_tensors()
+    transient = dict.fromkeys(entries, torch.float32)
+    with pytest.raises(ValueError, match="device"):
+        list(staged_tensors(entries, {}, None, transient))
+    loaded = dict(staged_tensors(entries, {}, None, transient, torch.device("cpu")))
+    assert set(loaded) == set(entries)
+    assert not any(t.is_meta for t in loaded.values())
