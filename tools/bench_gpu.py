@@ -559,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="shared-prefix TTFT: prompt length (0 = skip)")  # fmt: skip
     p.add_argument("--prefix-shared", type=int, default=7936,
                    help="shared-prefix TTFT: tokens shared with another session")  # fmt: skip
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="our workers' weights (transformers stays bf16)")  # fmt: skip
+    p.add_argument("--group-size", type=int, default=None)
     p.add_argument(
         "--worker-arg",
         action="append",
@@ -607,7 +610,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown --sampling case(s) {unknown}; known: {list(SAMPLING_CASES)}")
     prefills = [int(s) for s in args.prefill.split(",") if s]
     common = ["--model", str(model_dir), "--tokenizer_path", str(model_dir / "tokenizer.json"),
-              "--random-weights", "--device", args.device, "--dtype", dtype]  # fmt: skip
+              "--random-weights", "--device", args.device, "--dtype", dtype,
+              "--quantize", args.quantize]  # fmt: skip
+    if args.group_size:
+        common += ["--group-size", str(args.group_size)]
+    res.meta["quantize"] = args.quantize
     results: dict[str, Any] = {}
     small = [s for s in sessions if s <= 32]
     big = [s for s in sessions if s > 32]
@@ -667,6 +674,12 @@ def main(argv: list[str] | None = None) -> int:
     meta_model = build_model(ModelConfig.from_hf(config), "meta", torch.bfloat16)
     params = sum(p.numel() for p in meta_model.parameters())
     weight_bytes = params * (2 if dtype == "bfloat16" else 4)
+    if args.quantize != "none":  # the bytes a decode step reads, as `tokenpipe info` counts
+        from worker.loading.quantize import QuantizeOptions, describe_weights, plan_for_model
+
+        options = QuantizeOptions(args.quantize, args.group_size)
+        plan = plan_for_model(meta_model, options)
+        weight_bytes = describe_weights(meta_model, plan, torch.bfloat16)["decode_bytes_per_step"]
     res.meta.update(parameters=params, weight_bytes=weight_bytes)
     hf: dict[str, float] = {}
     if not args.skip_hf:

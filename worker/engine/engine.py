@@ -157,6 +157,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.meta: dict[str, Any] = dict(getattr(loaded, "meta", None) or {})
+        self._formats: dict[str, dict[str, int]] | None = None  # info["weights"], on demand
         self.config = config
         self.device = torch.device(device)
         prepare = getattr(self.model, "prepare_for_cpu", None)
@@ -200,7 +201,8 @@ class Engine:
         self._active: list[_Active] = []  # arrival order
         self._steps = 0
         self._generated_tokens = 0
-        self.restored_sessions = self._restore_sessions()
+        self.restored_names = self._restore_sessions()  # open at start from --session-dir
+        self.restored_sessions = len(self.restored_names)
 
     # ------------------------------------------------------------------ public surface
 
@@ -214,6 +216,7 @@ class Engine:
             device=str(self.device),
             protocol_version=1,
             max_resident=self.pool.max_resident,
+            restored_sessions=list(self.restored_names) or None,
         )
 
     @property
@@ -395,12 +398,13 @@ class Engine:
         if callable(drop_ahead):
             drop_ahead()
 
-    def _restore_sessions(self) -> int:
-        """Named sessions found in --session-dir at start: registered, their caches on disk."""
+    def _restore_sessions(self) -> list[str]:
+        """Named sessions found in --session-dir at start: registered, their caches on disk.
+        Their names, newest first."""
         store = self.tiers.store if self.tiers is not None else None
         if store is None:
-            return 0
-        restored = 0
+            return []
+        restored: list[str] = []
         for name, resident_ids, _mtime in store.scan():
             if not self.pool.can_create_named():
                 self.log(
@@ -411,9 +415,9 @@ class Engine:
             session = self.pool.open_named(name)
             session.resident_ids = resident_ids
             store.set_version(name, session.version)
-            restored += 1
+            restored.append(name)
         if restored:
-            self.log(f"restored {restored} session(s) from {store.directory}")
+            self.log(f"restored {len(restored)} session(s) from {store.directory}")
         return restored
 
     def idle_work(self) -> bool:
@@ -812,7 +816,16 @@ class Engine:
             "warm_resume": self.config.warm_resume,
             "device": str(self.device),
             "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
+            "weights": self._weight_formats(),
         }
+
+    def _weight_formats(self) -> dict[str, dict[str, int]]:
+        """Format -> tensors and bytes of the loaded weights (``quantize.summary``), once."""
+        if self._formats is None:
+            from worker.loading.quantize import summary
+
+            self._formats = summary(getattr(self.model, "inner", self.model))
+        return self._formats
 
     def stats(self) -> dict[str, Any]:
         import psutil

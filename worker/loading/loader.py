@@ -225,9 +225,18 @@ def load_model(
             model.load_weights(_with_progress(pairs, total, label, progress and total > 0))
         except ValueError as exc:
             raise ModelLoadError(f"{checkpoint.path}: {exc}") from exc
-    if quantized is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # the float temporaries of the quantization
+    if quantized is not None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # the float temporaries of the quantization
+        if progress:
+            from worker.loading.quantize import summary
+
+            parts = ", ".join(
+                f"{key} {entry['tensors']} tensors {entry['bytes'] / 1e9:.2f} GB"
+                for key, entry in summary(model).items()
+            )
+            print(f"[tokenpipe quantize] weights on {device}: {parts}", file=sys.stderr)
     weights_seconds = phases["weights"] = time.monotonic() - weights_started
     parameters = sum(p.numel() for p in model.parameters())
     meta: dict[str, Any] = {

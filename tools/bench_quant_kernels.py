@@ -1,0 +1,174 @@
+"""Quantized matmuls on the Gemma 4 31B matrix shapes (after the q/k/v and gate/up merge),
+side by side in one run: bf16 cuBLAS and our bf16 GEMV (the float baseline), our Triton
+W4A16 / W8A16 kernels (worker/device/kernels/quant_matmul.py; a config sweep for the GEMV),
+torch's built-in int4 kernel ``aten._weight_int4pack_mm`` (tinygemm: what torchao's
+Int4WeightOnlyConfig runs on CUDA) and, when importable, torchao's own int8 weight-only path.
+Times are CUDA-graph replays (the way decode runs); GB/s is the weight bytes read per second.
+CUDA only.
+
+    python tools/bench_quant_kernels.py [--rows 1,2,4,8,16,32,64,2048] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from worker.device.kernels import quant_matmul as qm  # noqa: E402
+from worker.device.kernels.gemv import gemv_triton  # noqa: E402
+from worker.device.kernels.gemv import graph_seconds as graph_time  # noqa: E402
+from worker.layers import quant as Q  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+GEMV_SWEEP = [(b, g, w) for b in (8, 16, 32) for g in (4, 8, 16) for w in (4, 8)]
+GEMM_SWEEP = [(64, 128, 4), (32, 128, 4), (128, 64, 4), (64, 64, 4), (128, 128, 8)]
+
+
+def model_shapes(config_path: Path) -> list[tuple[str, int, int, int]]:
+    """(name, N, K, count per model) of every distinct matrix of the merged model, head too."""
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    model = build_model(config, "meta", torch.bfloat16)
+    model.fuse_projections()
+    counts: dict[tuple[str, int, int], int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            key = (name.rsplit(".", 1)[-1], *module.weight.shape)
+            counts[key] = counts.get(key, 0) + 1
+    emb = model.model.embed_tokens.weight
+    counts[("lm_head", emb.shape[0], emb.shape[1])] = 1
+    return [(name, n, k, c) for (name, n, k), c in counts.items()]
+
+
+def seconds(fn: Any) -> float:
+    try:
+        return graph_time(fn)
+    except Exception:  # noqa: BLE001 - some paths cannot be captured: plain timing
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / 20
+
+
+def tinygemm(weight: torch.Tensor, qw: Q.QuantizedWeight) -> Any:
+    """torch's int4 kernel over the same codes: dequant (q - 8) * s + z with z = offset + 8 s,
+    bf16 scales and zeros (tinygemm's only format)."""
+    n, k = qw.shape
+    codes = Q.unpack_nibbles(qw.qdata).to(torch.int32)  # [N, K]
+    packed_in = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)  # aten's own packing
+    packed = torch.ops.aten._convert_weight_to_int4pack(packed_in, 8)
+    scales = qw.scales.to(torch.bfloat16)
+    zeros = (qw.offsets.float() + 8 * qw.scales.float()).to(torch.bfloat16)  # type: ignore[union-attr]
+    sz = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()  # [K / g, N, 2]
+    del weight
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm(x, packed, qw.group_size, sz)
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(REPO / "examples" / "gemma4_31b" / "config.json"))
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,512,2048")
+    p.add_argument("--group", type=int, default=32)
+    p.add_argument("--sweep", action="store_true", help="sweep GEMV/GEMM tile configs")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    shapes = model_shapes(Path(args.model))
+    table: list[dict[str, Any]] = []
+    best_gemv: dict[str, tuple[float, tuple[int, int, int]]] = {}
+    for name, n, k, count in shapes:
+        weight = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+        int4 = Q.quantize(weight, Q.QuantFormat("int4", args.group), search=False)
+        int8 = Q.quantize(weight, Q.QuantFormat("int8", args.group), search=False)
+        try:
+            tiny = tinygemm(weight, int4)
+        except Exception as exc:  # noqa: BLE001
+            print(f"tinygemm unavailable: {exc!r}", file=sys.stderr)
+            tiny = None
+        for m in rows_list:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref4 = F.linear(x, int4.dequantize(torch.bfloat16))
+            row: dict[str, Any] = {"matrix": name, "N": n, "K": k, "count": count, "M": m}
+            row["bf16_cublas_us"] = seconds(lambda: F.linear(x, weight)) * 1e6
+            if m <= 4:
+                row["bf16_gemv_us"] = seconds(lambda: gemv_triton(x, weight)) * 1e6
+            row["int4_ours_us"] = seconds(lambda: qm.quant_linear(x, int4)) * 1e6
+            row["int8_ours_us"] = seconds(lambda: qm.quant_linear(x, int8)) * 1e6
+            got = qm.quant_linear(x, int4).float()
+            row["int4_ours_maxerr"] = (got - ref4.float()).abs().max().item()
+            if tiny is not None:
+                row["int4_tinygemm_us"] = seconds(lambda: tiny(x)) * 1e6
+                row["int4_tinygemm_maxerr"] = (tiny(x).float() - ref4.float()).abs().max().item()
+            if m > qm.GEMV_MAX_ROWS and m <= qm.GEMM_MAX_ROWS:
+                row["int4_dequant_cublas_us"] = seconds(
+                    lambda: F.linear(x, qm.dequantize_triton(int4, torch.bfloat16))
+                ) * 1e6  # fmt: skip
+            if m >= 512:
+                row["int4_qgemm_us"] = seconds(lambda: qm.qgemm(x, int4)) * 1e6
+            if args.sweep and m <= qm.GEMV_MAX_ROWS:
+                for kind, qw in (("int4", int4), ("int8", int8)):
+                    for cfg in GEMV_SWEEP:
+                        try:
+                            t = seconds(lambda c=cfg, q=qw: qm.qgemv(x, q, c))
+                        except Exception:  # noqa: BLE001
+                            continue
+                        key = f"{kind} {name} M{m}"
+                        if key not in best_gemv or t < best_gemv[key][0]:
+                            best_gemv[key] = (t, cfg)
+                    row[f"{kind}_best_gemv_us"] = best_gemv[f"{kind} {name} M{m}"][0] * 1e6
+                    row[f"{kind}_best_gemv_cfg"] = best_gemv[f"{kind} {name} M{m}"][1]
+            if args.sweep and qm.GEMV_MAX_ROWS < m <= qm.GEMM_MAX_ROWS:
+                best = min(
+                    (seconds(lambda c=cfg: qm.qgemm(x, int4, c)), cfg) for cfg in GEMM_SWEEP
+                )
+                row["int4_best_gemm_us"], row["int4_best_gemm_cfg"] = best[0] * 1e6, best[1]
+            for key in ("bf16_cublas_us", "int4_ours_us", "int8_ours_us", "int4_tinygemm_us"):
+                if key in row:
+                    stored = {"bf16": 2.0, "int4": 0.5 + 4 / args.group, "int8": 1 + 2 / args.group}
+                    row[key.replace("_us", "_GBps")] = (
+                        n * k * stored[key.split("_")[0]] / (row[key] * 1e-6) / 1e9
+                    )
+            table.append(row)
+            print(json.dumps(row), flush=True)
+        del weight, int4, int8, tiny
+        torch.cuda.empty_cache()
+    # per decode step (M rows): every matrix once per layer that has it
+    summary = {}
+    for m in rows_list:
+        for key in ("bf16_cublas_us", "bf16_gemv_us", "int4_ours_us", "int8_ours_us",
+                    "int4_tinygemm_us", "int4_best_gemv_us", "int8_best_gemv_us"):  # fmt: skip
+            rows = [r for r in table if r["M"] == m]
+            if rows and all(key in r for r in rows):
+                summary[f"M{m} {key}"] = sum(r[key] * r["count"] for r in rows) / 1e3
+    print("\nper-step matmul time (ms), all layers:", file=sys.stderr)
+    for key, ms in summary.items():
+        print(f"  {key:32s} {ms:8.2f}", file=sys.stderr)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quant_kernels.json").write_text(json.dumps({"rows": table, "summary": summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
