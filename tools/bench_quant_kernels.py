@@ -65,7 +65,7 @@ def seconds(fn: Any) -> float:
         return (time.perf_counter() - start) / 20
 
 
-def tinygemm(weight: torch.Tensor, qw: Q.QuantizedWeight) -> Any:
+def tinygemm(qw: Q.QuantizedWeight) -> Any:
     """torch's int4 kernel over the same codes: dequant (q - 8) * s + z with z = offset + 8 s,
     bf16 scales and zeros (tinygemm's only format)."""
     n, k = qw.shape
@@ -75,12 +75,71 @@ def tinygemm(weight: torch.Tensor, qw: Q.QuantizedWeight) -> Any:
     scales = qw.scales.to(torch.bfloat16)
     zeros = (qw.offsets.float() + 8 * qw.scales.float()).to(torch.bfloat16)  # type: ignore[union-attr]
     sz = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()  # [K / g, N, 2]
-    del weight
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm(x, packed, qw.group_size, sz)
 
     return run
+
+
+def bench_shape(
+    name: str, n: int, k: int, count: int, rows_list: list[int], group: int, sweep: bool
+) -> list[dict[str, Any]]:
+    """Every path on one [n, k] matrix at each M in `rows_list`; one row per M."""
+    dev = torch.device("cuda")
+    weight = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+    int4 = Q.quantize(weight, Q.QuantFormat("int4", group), search=False)
+    int8 = Q.quantize(weight, Q.QuantFormat("int8", group), search=False)
+    try:
+        tiny = tinygemm(int4)
+    except Exception as exc:  # noqa: BLE001
+        print(f"tinygemm unavailable: {exc!r}", file=sys.stderr)
+        tiny = None
+    stored = {"bf16": 2.0, "int4": 0.5 + 4 / group, "int8": 1 + 2 / group}
+    out = []
+    for m in rows_list:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        ref4 = F.linear(x, int4.dequantize(torch.bfloat16)).float()
+        row: dict[str, Any] = {"matrix": name, "N": n, "K": k, "count": count, "M": m}
+        paths: dict[str, Any] = {
+            "bf16_cublas": lambda x=x: F.linear(x, weight),
+            "int4_ours": lambda x=x: qm.quant_linear(x, int4),
+            "int8_ours": lambda x=x: qm.quant_linear(x, int8),
+        }
+        if m <= 4:
+            paths["bf16_gemv"] = lambda x=x: gemv_triton(x, weight)
+        if tiny is not None:
+            paths["int4_tinygemm"] = lambda x=x: tiny(x)
+        if qm.GEMV_MAX_ROWS < m <= qm.GEMM_MAX_ROWS:
+            paths["int4_dequant_cublas"] = lambda x=x: F.linear(
+                x, qm.dequantize_triton(int4, torch.bfloat16)
+            )
+        if m >= 512:
+            paths["int4_qgemm"] = lambda x=x: qm.qgemm(x, int4)
+        for key, fn in paths.items():
+            row[f"{key}_us"] = seconds(fn) * 1e6
+            if key.startswith("int4"):
+                row[f"{key}_maxerr"] = (fn().float() - ref4).abs().max().item()
+            kind = key.split("_")[0]
+            row[f"{key}_GBps"] = n * k * stored[kind] / (row[f"{key}_us"] * 1e-6) / 1e9
+        if sweep and m <= qm.GEMV_MAX_ROWS:
+            for kind, qw in (("int4", int4), ("int8", int8)):
+                timed = []
+                for cfg in GEMV_SWEEP:
+                    try:
+                        timed.append((seconds(lambda c=cfg, q=qw, x=x: qm.qgemv(x, q, c)), cfg))
+                    except Exception:  # noqa: BLE001 - a config this GPU cannot run
+                        continue
+                best = min(timed)
+                row[f"{kind}_best_gemv_us"], row[f"{kind}_best_gemv_cfg"] = best[0] * 1e6, best[1]
+        if sweep and qm.GEMV_MAX_ROWS < m <= qm.GEMM_MAX_ROWS:
+            best = min(
+                (seconds(lambda c=cfg, x=x: qm.qgemm(x, int4, c)), cfg) for cfg in GEMM_SWEEP
+            )
+            row["int4_best_gemm_us"], row["int4_best_gemm_cfg"] = best[0] * 1e6, best[1]
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,66 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    dev = torch.device("cuda")
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = model_shapes(Path(args.model))
     table: list[dict[str, Any]] = []
-    best_gemv: dict[str, tuple[float, tuple[int, int, int]]] = {}
     for name, n, k, count in shapes:
-        weight = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
-        int4 = Q.quantize(weight, Q.QuantFormat("int4", args.group), search=False)
-        int8 = Q.quantize(weight, Q.QuantFormat("int8", args.group), search=False)
-        try:
-            tiny = tinygemm(weight, int4)
-        except Exception as exc:  # noqa: BLE001
-            print(f"tinygemm unavailable: {exc!r}", file=sys.stderr)
-            tiny = None
-        for m in rows_list:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref4 = F.linear(x, int4.dequantize(torch.bfloat16))
-            row: dict[str, Any] = {"matrix": name, "N": n, "K": k, "count": count, "M": m}
-            row["bf16_cublas_us"] = seconds(lambda: F.linear(x, weight)) * 1e6
-            if m <= 4:
-                row["bf16_gemv_us"] = seconds(lambda: gemv_triton(x, weight)) * 1e6
-            row["int4_ours_us"] = seconds(lambda: qm.quant_linear(x, int4)) * 1e6
-            row["int8_ours_us"] = seconds(lambda: qm.quant_linear(x, int8)) * 1e6
-            got = qm.quant_linear(x, int4).float()
-            row["int4_ours_maxerr"] = (got - ref4.float()).abs().max().item()
-            if tiny is not None:
-                row["int4_tinygemm_us"] = seconds(lambda: tiny(x)) * 1e6
-                row["int4_tinygemm_maxerr"] = (tiny(x).float() - ref4.float()).abs().max().item()
-            if m > qm.GEMV_MAX_ROWS and m <= qm.GEMM_MAX_ROWS:
-                row["int4_dequant_cublas_us"] = seconds(
-                    lambda: F.linear(x, qm.dequantize_triton(int4, torch.bfloat16))
-                ) * 1e6  # fmt: skip
-            if m >= 512:
-                row["int4_qgemm_us"] = seconds(lambda: qm.qgemm(x, int4)) * 1e6
-            if args.sweep and m <= qm.GEMV_MAX_ROWS:
-                for kind, qw in (("int4", int4), ("int8", int8)):
-                    for cfg in GEMV_SWEEP:
-                        try:
-                            t = seconds(lambda c=cfg, q=qw: qm.qgemv(x, q, c))
-                        except Exception:  # noqa: BLE001
-                            continue
-                        key = f"{kind} {name} M{m}"
-                        if key not in best_gemv or t < best_gemv[key][0]:
-                            best_gemv[key] = (t, cfg)
-                    row[f"{kind}_best_gemv_us"] = best_gemv[f"{kind} {name} M{m}"][0] * 1e6
-                    row[f"{kind}_best_gemv_cfg"] = best_gemv[f"{kind} {name} M{m}"][1]
-            if args.sweep and qm.GEMV_MAX_ROWS < m <= qm.GEMM_MAX_ROWS:
-                best = min(
-                    (seconds(lambda c=cfg: qm.qgemm(x, int4, c)), cfg) for cfg in GEMM_SWEEP
-                )
-                row["int4_best_gemm_us"], row["int4_best_gemm_cfg"] = best[0] * 1e6, best[1]
-            for key in ("bf16_cublas_us", "int4_ours_us", "int8_ours_us", "int4_tinygemm_us"):
-                if key in row:
-                    stored = {"bf16": 2.0, "int4": 0.5 + 4 / args.group, "int8": 1 + 2 / args.group}
-                    row[key.replace("_us", "_GBps")] = (
-                        n * k * stored[key.split("_")[0]] / (row[key] * 1e-6) / 1e9
-                    )
-            table.append(row)
-            print(json.dumps(row), flush=True)
-        del weight, int4, int8, tiny
+        table.extend(bench_shape(name, n, k, count, rows_list, args.group, args.sweep))
         torch.cuda.empty_cache()
     # per decode step (M rows): every matrix once per layer that has it
     summary = {}
