@@ -271,15 +271,6 @@ def test_cpu_packed_weights_match_hf(pair: Pair) -> None:
     check_batched_step(twin)
 
 
-def test_cuda_path_refuses_the_family(pair: Pair) -> None:
-    from types import SimpleNamespace
-
-    from worker.device.cuda_setup import prepare_model_for_device
-
-    with pytest.raises(ValueError, match="qwen3_5_moe: the CUDA path is not implemented"):
-        prepare_model_for_device(SimpleNamespace(model=pair.ours), "cuda")
-
-
 @pytest.mark.parametrize(
     "key, value, match",
     [

@@ -7,6 +7,11 @@ graph for the sequences that decode one token and for a short prefill of one seq
 resume's new turn, a short prompt), and runs the eager model for the rest (long prefill
 chunks; every row when the decoders exceed the largest bucket). See the class for decode
 ahead.
+
+A hybrid cache (qwen3_5_moe: recurrent DeltaNet state next to the KV, ``begin_step`` /
+``end_step`` around each forward) gets decode graphs only: no decode ahead (a step launched
+ahead would advance a recurrent state that cannot be rewound) and no prefill graphs; each
+replay is framed by the cache's ``begin_step`` / ``end_step`` as the eager forward is.
 """
 
 from __future__ import annotations
@@ -99,6 +104,8 @@ class GraphedCausalLM:
 
     def make_kv_cache(self, num_slots: int, max_context: int, **kwargs: Any) -> Any:
         kv = self.inner.make_kv_cache(num_slots, max_context, **kwargs)
+        if _is_hybrid(kv):  # see the module doc
+            self._decode_ahead, self._prefill_graphs = False, False
         lanes = 2 if self._decode_ahead else 1
         self._lanes = [
             DecodeGraphRunner(self.inner, kv, num_slots, use_graphs=self._use_graphs)
@@ -148,8 +155,8 @@ class GraphedCausalLM:
             self._drop_ahead()
             return self._prefill(step, kv)
         if not other:
-            return self._decode(step)
-        decode_logits_ = self._decode(sub_step(step, decode))  # [len(decode), vocab]
+            return self._framed_decode(step, kv)
+        decode_logits_ = self._framed_decode(sub_step(step, decode), kv)  # [len(decode), vocab]
         prefill_logits = self._prefill(sub_step(step, other), kv)  # [len(other), vocab]
         out = torch.empty(
             (len(step.slots), decode_logits_.shape[1]),
@@ -180,6 +187,15 @@ class GraphedCausalLM:
                 self._wait(self._ahead)
             return self.prefill.logits(step)
         return self.inner(step, kv)
+
+    def _framed_decode(self, step: Any, kv: Any) -> torch.Tensor:
+        """`_decode`, inside the hybrid cache's step bookkeeping when it has one."""
+        if not _is_hybrid(kv):
+            return self._decode(step)
+        kv.begin_step(step)
+        logits = self._decode(step)
+        kv.end_step()
+        return logits
 
     # -- decode ahead ----------------------------------------------------------------------
 
@@ -290,3 +306,8 @@ class GraphedCausalLM:
             self._wait(self._ahead)
             self.ahead_misses += 1
             self._ahead = None
+
+
+def _is_hybrid(kv: Any) -> bool:
+    """Whether the cache keeps per-step state bookkeeping (worker.layers.hybrid_cache)."""
+    return callable(getattr(kv, "begin_step", None))

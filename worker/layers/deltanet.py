@@ -14,9 +14,18 @@ an RMS norm gated by silu(z) (``in_proj_z``), then ``out_proj``. Key heads are s
 Two forms of the same recurrence, both plain torch (any device): ``chunked_gated_delta_rule``
 for prefill (chunks of 64 tokens solved with one triangular system each, the state carried from
 chunk to chunk) and ``recurrent_gated_delta_rule`` for a batch of decoding sequences (one token
-each). The state is float32 whatever the model's dtype. A CUDA kernel (chunked prefill, fused
-recurrent decode, causal conv with state) would slot in behind the device check in
-``GatedDeltaNet._core`` as ``worker.layers.attention`` does for attention; none exists yet.
+each). The state is float32 whatever the model's dtype.
+
+On CUDA (``use_triton``): decode rows go through two Triton kernels that update each row's conv
+and recurrent state in place in its slot (``worker.device.kernels.deltanet_decode``: no gather
+or scatter of states, padding rows with slot -1 write nothing, so the step can be captured in a
+CUDA graph); a bf16/fp16 prefill goes through flash-linear-attention's
+``chunk_gated_delta_rule`` (the ``fla-core`` package) when it imports, else the torch form. An
+fp32 model keeps the torch prefill (the reference the tests compare against). The conv of a
+prefill chunk is ``F.conv1d`` on every device. TOKENPIPE_NO_FLA=1 turns fla off.
+
+A tensor-only plan (``worker.device.decode_graphs.FusedDecodePlan``: ``plan.slots`` [T] int64,
+one new token per row) is the decode graphs' step: every row decodes.
 
 Hidden states are flattened [T, hidden] with the sequences of one step concatenated; the state of
 each sequence lives in its slot of a ``DeltaNetLayerCache`` (``worker.layers.hybrid_cache``).
@@ -24,12 +33,16 @@ each sequence lives in its slot of a ``DeltaNetLayerCache`` (``worker.layers.hyb
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.device.kernels.attention import use_triton
 from worker.layers.attention import AttentionPlan
 from worker.layers.blocks import LLAMA_NORM, RMSNorm
 from worker.layers.hybrid_cache import DeltaNetLayerCache
@@ -148,6 +161,22 @@ def recurrent_gated_delta_rule(
     return torch.einsum("bhkv,bhk->bhv", s, q), s
 
 
+@functools.cache
+def fla_chunk_rule() -> Any:
+    """flash-linear-attention's ``chunk_gated_delta_rule`` when ``fla`` imports (and
+    TOKENPIPE_NO_FLA is not 1), else None."""
+    if os.environ.get("TOKENPIPE_NO_FLA") == "1":
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # ImportError, or an install that does not run here
+        return None
+    return chunk_gated_delta_rule
+
+
+_fla_broken: list[str] = []  # the error of fla's first failed call: the torch form from then on
+
+
 class GatedRMSNorm(RMSNorm):
     """weight * rms_norm(x) (llama style), then * silu(gate) in float32."""
 
@@ -194,20 +223,47 @@ class GatedDeltaNet(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos_sin: object,  # unused: no positions in a recurrence
         cache: DeltaNetLayerCache,
-        plan: AttentionPlan,
+        plan: Any,  # AttentionPlan, or a tensor-only decode plan (module doc)
     ) -> torch.Tensor:
         del cos_sin
         t = x.shape[0]
         mixed = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x).view(t, self.num_v_heads, self.dv)
-        beta = self.in_proj_b(x).float().sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        out = torch.empty(t, self.num_v_heads, self.dv, dtype=torch.float32, device=x.device)
+        a, b = self.in_proj_a(x), self.in_proj_b(x)  # [T, Hv] each
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        if plan.decode:
-            self._decode_group(mixed, g, beta, weight, cache, plan, out)
+        if not isinstance(plan, AttentionPlan):
+            out = self._decode_rows(mixed, a, b, weight, cache, plan.slots, padded=True)
+        else:
+            out = torch.empty(t, self.num_v_heads, self.dv, dtype=torch.float32, device=x.device)
+            if plan.decode:
+                rows, slots = plan.decode_rows, plan.decode_slots
+                assert rows is not None and slots is not None
+                out[rows] = self._decode_rows(
+                    mixed[rows], a[rows], b[rows], weight, cache, slots, padded=False
+                )
+            if plan.prefill:
+                self._prefill(mixed, self._decay(a), b.float().sigmoid(), weight, cache, plan, out)
+        normed = self.norm(out.to(x.dtype), z)  # [T, Hv, Dv]
+        result: torch.Tensor = self.out_proj(normed.reshape(t, self.value_dim))
+        return result
+
+    def _decay(self, a: torch.Tensor) -> torch.Tensor:
+        """a [N, Hv] -> g = -exp(A_log) * softplus(a + dt_bias) [N, Hv] float32 (log decay)."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
+    def _prefill(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        weight: torch.Tensor,
+        cache: DeltaNetLayerCache,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+    ) -> None:
+        """Each prefill sequence from its slot's state (or zeros), split where a snapshot is
+        asked for inside the chunk."""
         for seq in plan.prefill:
-            # a snapshot asked for strictly inside this chunk splits it there
             split = cache.captures.get(seq.slot, seq.cached) - seq.cached
             bounds = [0, split, seq.new] if 0 < split < seq.new else [0, seq.new]
             conv = None if seq.cached == 0 else cache.conv[seq.slot]
@@ -221,9 +277,6 @@ class GatedDeltaNet(nn.Module):
             assert conv is not None and state is not None
             cache.conv[seq.slot] = conv
             cache.recurrent[seq.slot] = state
-        normed = self.norm(out.to(x.dtype), z)  # [T, Hv, Dv]
-        result: torch.Tensor = self.out_proj(normed.reshape(t, self.value_dim))
-        return result
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv output [N, conv_dim] -> q, k [N, Hv, Dk] (normalised, heads shared, q scaled),
@@ -245,28 +298,79 @@ class GatedDeltaNet(nn.Module):
         state: torch.Tensor | None,  # [Hv, Dk, Dv] float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (out [n, Hv, Dv] float32, state after the n tokens)."""
+        rule = fla_chunk_rule() if conv_out.is_cuda and conv_out.dtype != torch.float32 else None
+        if rule is not None and not _fla_broken:
+            try:
+                return self._fla_prefill(rule, conv_out, g, beta, state)
+            except Exception as exc:  # noqa: BLE001 - the torch form computes the same
+                _fla_broken.append(repr(exc))
+                print(f"deltanet: fla failed ({exc!r}); torch prefill", file=sys.stderr)
         q, k, v = self._split_qkv(conv_out)
         out, state = chunked_gated_delta_rule(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.T, beta.T, state
         )
         return out.transpose(0, 1), state
 
-    def _decode_group(
+    def _fla_prefill(
         self,
-        mixed: torch.Tensor,
+        rule: Any,
+        conv_out: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
+        state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_core_prefill`` through fla: q/k [1, n, Hk, Dk] (normalised in the kernel, key
+        heads shared by value heads there too), v [1, n, Hv, Dv] in the model's dtype."""
+        n = conv_out.shape[0]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        out, final = rule(
+            q.reshape(1, n, self.num_k_heads, self.dk),
+            k.reshape(1, n, self.num_k_heads, self.dk),
+            v.reshape(1, n, self.num_v_heads, self.dv),
+            g[None],
+            beta[None],
+            scale=self.dk**-0.5,
+            initial_state=None if state is None else state[None],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        return out[0].float(), final[0]
+
+    def _decode_rows(
+        self,
+        mixed: torch.Tensor,  # [B, conv_dim]
+        a: torch.Tensor,  # [B, Hv]
+        b: torch.Tensor,  # [B, Hv]
         weight: torch.Tensor,
         cache: DeltaNetLayerCache,
-        plan: AttentionPlan,
-        out: torch.Tensor,
-    ) -> None:
-        """Every decoding sequence (one new token each) in one batched update."""
-        rows, slots = plan.decode_rows, plan.decode_slots
-        assert rows is not None and slots is not None
-        conv_out, conv = causal_conv1d_step(mixed[rows], cache.conv[slots], weight)
+        slots: torch.Tensor,  # [B] int64, -1: padding (nothing stored)
+        padded: bool,  # whether some slot may be -1
+    ) -> torch.Tensor:
+        """One new token per row, each continuing its slot's state -> out [B, Hv, Dv]
+        float32."""
+        if use_triton(mixed):
+            from worker.device.kernels.deltanet_decode import (
+                conv_step_triton,
+                gated_delta_step_triton,
+            )
+
+            conv_out = conv_step_triton(mixed, cache.conv, weight, slots)
+            return gated_delta_step_triton(
+                conv_out, a, b, self.A_log, self.dt_bias, cache.recurrent, slots,
+                num_key_heads=self.num_k_heads, key_dim=self.dk,
+            )  # fmt: skip
+        if padded:  # the live rows only (a host sync: the torch path, not in a graph)
+            out = torch.zeros(mixed.shape[0], self.num_v_heads, self.dv, device=mixed.device)
+            live = torch.nonzero(slots >= 0).flatten()
+            if live.numel():
+                out[live] = self._decode_rows(
+                    mixed[live], a[live], b[live], weight, cache, slots[live], padded=False
+                )
+            return out
+        conv_out, conv = causal_conv1d_step(mixed, cache.conv[slots], weight)
         q, k, v = self._split_qkv(conv_out)
-        o, state = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], cache.recurrent[slots])
-        out[rows] = o
+        g, beta = self._decay(a), b.float().sigmoid()
+        out, state = recurrent_gated_delta_rule(q, k, v, g, beta, cache.recurrent[slots])
         cache.conv[slots] = conv
         cache.recurrent[slots] = state
+        return out

@@ -8,7 +8,8 @@ Like ``worker.layers.blocks.Attention`` with q/k RMS norms, plus:
   them), the rest pass through; the cos/sin tables are ``rotary_dim`` wide.
 
 Attention itself is ``worker.layers.attention.attend`` over the KV cache (its CUDA kernels
-included), so the layer has no device code of its own.
+included), or the plan's own ``attend`` for a tensor-only decode plan (the CUDA decode graphs'
+``FusedDecodePlan``), so the layer has no device code of its own.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class GatedAttention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, rotary_dim]
         cache: LayerCache,
-        plan: AttentionPlan,
+        plan: AttentionPlan,  # or a plan with its own `attend` (module doc)
     ) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         query_gate = self.q_proj(x).view(t, h, 2 * d)
@@ -69,7 +70,10 @@ class GatedAttention(nn.Module):
         cos, sin = cos_sin
         q = apply_partial_rotary(self.q_norm(q), cos, sin)
         k = apply_partial_rotary(self.k_norm(k), cos, sin)
-        o = attend(q, k, v.contiguous(), cache, plan, self.scale)  # [T, H, D]
+        if isinstance(plan, AttentionPlan):
+            o = attend(q, k, v.contiguous(), cache, plan, self.scale)  # [T, H, D]
+        else:
+            o = plan.attend(q, k, v, cache, self.scale)
         o = o * torch.sigmoid(gate)
         out: torch.Tensor = self.o_proj(o.reshape(t, h * d))
         return out

@@ -8,8 +8,9 @@ The experts are stored fused as transformers 5 does: ``experts.gate_up_proj`` [E
 rows first) and ``experts.down_proj`` [E, H, I]. The (token, expert) pairs of a step are sorted by
 expert so each expert that was hit runs one matmul over its tokens, contiguous rows. On the CPU
 that is a Python loop over the experts actually hit (at most T * k of them, 8 for a decode
-token), never over all E; a grouped-GEMM kernel (one launch per matrix for all experts) belongs
-behind the device check in ``SparseMoE._experts`` for CUDA, and does not exist yet.
+token), never over all E. On CUDA (``use_triton``, SiLU experts) it is one grouped-GEMM launch
+per matrix for every expert hit, with no host sync, so a decode step can be captured in a CUDA
+graph (``worker.device.kernels.moe``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.device.kernels.attention import use_triton
 from worker.layers.blocks import GatedMLP, activation
 from worker.models.config import ModelConfig
 
@@ -54,6 +56,7 @@ class SparseMoE(nn.Module):
         self.shared_expert = GatedMLP(shared, **factory)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **factory)
         self.act = activation(config.hidden_act)
+        self.act_name = config.hidden_act
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
@@ -70,6 +73,12 @@ class SparseMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), tokens grouped by expert."""
+        if self.act_name == "silu" and use_triton(x):
+            from worker.device.kernels.moe import fused_moe_triton
+
+            return fused_moe_triton(
+                x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids
+            )
         t, k = ids.shape
         flat = ids.reshape(-1)  # [T * k]
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within

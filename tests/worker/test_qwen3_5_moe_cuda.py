@@ -1,0 +1,170 @@
+"""qwen3_5_moe's CUDA path: the decode-graph body over the hybrid cache (padding rows, step
+bookkeeping) against the eager model on the CPU; the model through its Triton kernels (Triton's
+CPU interpreter here) against the torch path; and, on a GPU, the fp32 CUDA path (decode graphs,
+grouped-GEMM MoE, in-place DeltaNet decode) against the CPU path, and fla's bf16 prefill
+against the torch form. No transformers needed: the weights are seeded random values."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from test_models_qwen3_5_moe import TINY
+
+from worker.device.graphed_lm import GraphedCausalLM
+from worker.layers.hybrid_cache import HybridCache
+from worker.models.config import ModelConfig
+from worker.models.registry import build_model
+from worker.models.step import StepInput
+
+torch.set_num_threads(2)
+CUDA = torch.cuda.is_available()
+
+
+def _config(**overrides: Any) -> ModelConfig:
+    raw = {**TINY, "architectures": ["Qwen3_5MoeForCausalLM"], **overrides}
+    return ModelConfig.from_hf(raw)
+
+
+def _model(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
+    """The tiny model with seeded weights of a realistic scale (identical on every device)."""
+    model = build_model(_config(), "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+            elif param.dim() >= 2:
+                fan_in = param.shape[-1] if "conv1d" not in name else param.shape[-1]
+                param.copy_(torch.randn(param.shape, generator=gen) * fan_in**-0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    if device == "cpu" and dtype == torch.float32:
+        return model
+    out = build_model(_config(), device, dtype)
+    out.load_state_dict(model.state_dict())
+    return out
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
+
+
+def _decode_step(tokens: list[int], lens: list[int], slots: list[int], device: Any) -> StepInput:
+    return StepInput(
+        input_ids=torch.tensor(tokens, device=device),
+        positions=torch.tensor(lens, device=device),
+        slots=list(slots), cached_lens=list(lens), new_lens=[1] * len(slots),
+    )  # fmt: skip
+
+
+def _run_side_by_side(
+    ref: Any, ours: Any, ours_device: Any, steps: int, tolerance: float, chunk: int = 29
+) -> HybridCache:
+    """Prompts prefilled in chunks (slot 0 in one shot), then `steps` greedy decode steps of 3
+    sequences (a padded bucket of 4); every step's logits within `tolerance` (relative) and the
+    same greedy tokens. Returns ours's cache."""
+    kv_ref, kv_ours = ref.make_kv_cache(5, 256), ours.make_kv_cache(5, 256)
+    prompts = {4: _ids(5, 1), 0: _ids(70, 2), 2: _ids(90, 3)}
+    for slot, ids in prompts.items():
+        size = len(ids) if slot == 0 else chunk
+        for start in range(0, len(ids), size):
+            piece = ids[start : start + size]
+            want = ref(StepInput.single(piece, slot, start), kv_ref)
+            got = ours(StepInput.single(piece, slot, start, device=ours_device), kv_ours)
+            assert _rel(got, want) < tolerance
+    slots = [2, 4, 0]
+    lens = [len(prompts[s]) for s in slots]
+    tokens = [prompts[s][-1] for s in slots]
+    for _ in range(steps):
+        want = ref(_decode_step(tokens, lens, slots, "cpu"), kv_ref)
+        got = ours(_decode_step(tokens, lens, slots, ours_device), kv_ours).clone()
+        assert _rel(got, want) < tolerance
+        tokens = want.argmax(dim=-1).tolist()
+        assert got.argmax(dim=-1).tolist() == tokens
+        lens = [n + 1 for n in lens]
+    assert [kv_ours.live_len[s] for s in slots] == lens  # the replays kept the bookkeeping
+    return kv_ours  # type: ignore[no-any-return]
+
+
+def test_graph_decode_body_equals_eager_model_on_cpu() -> None:
+    """The body a CUDA graph captures (tensor-only plan, bucket padding with slot -1) gives
+    the eager model's logits; padding rows leave the unused slots' DeltaNet state alone."""
+    model = _model()
+    graphed = GraphedCausalLM(model, use_graphs=False, capture=False)
+    kv = _run_side_by_side(model, graphed, "cpu", steps=6, tolerance=1e-5)
+    assert graphed.runner is not None and len(graphed._lanes) == 1  # no decode ahead
+    assert graphed.prefill is None  # no prefill graphs over a hybrid cache
+    for layer in kv.deltanet_layers:
+        for unused in (1, 3):
+            assert not layer.conv[unused].any() and not layer.recurrent[unused].any()
+
+
+def test_fused_kernels_qwen3_5_moe_match_torch_path(
+    triton_ready: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model with every Triton kernel on (the grouped-GEMM MoE, the in-place DeltaNet
+    decode step, norms, attention; in the CPU interpreter here) through the graph body, against
+    the torch path."""
+    ref = _model()
+    fast = _model()
+    monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
+    graphed = GraphedCausalLM(fast, use_graphs=False, capture=False)
+
+    class TorchPath:
+        """The reference model with Triton off for its own calls."""
+
+        def make_kv_cache(self, *args: Any) -> Any:
+            return ref.make_kv_cache(*args)
+
+        def __call__(self, step: StepInput, kv: Any) -> torch.Tensor:
+            monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "0")
+            try:
+                return ref(step, kv)  # type: ignore[no-any-return]
+            finally:
+                monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
+
+    _run_side_by_side(TorchPath(), graphed, "cpu", steps=3, tolerance=1e-4, chunk=45)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fp32_path_equals_cpu_path() -> None:
+    """fp32 on the GPU through the worker's CUDA set-up (merged projections, Triton kernels,
+    decode graphs captured) against the CPU path."""
+    from worker.device.cuda_setup import prepare_model_for_device
+
+    ref = _model()
+    gpu = prepare_model_for_device(SimpleNamespace(model=_model("cuda")), "cuda")
+    assert isinstance(gpu, GraphedCausalLM)
+    _run_side_by_side(ref, gpu, "cuda", steps=16, tolerance=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_bf16_fla_prefill_close_to_torch_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16: flash-linear-attention's chunked prefill against the torch form (over a cached
+    prefix too), then a decode step from each state."""
+    import worker.layers.deltanet as deltanet
+
+    if deltanet.fla_chunk_rule() is None:
+        pytest.skip("fla does not import")
+    model = _model("cuda", torch.bfloat16)
+    ids = _ids(200, 5)
+    results = []
+    for use_fla in (True, False):
+        if not use_fla:
+            monkeypatch.setattr(deltanet, "fla_chunk_rule", lambda: None)
+        kv = model.make_kv_cache(1, 256)
+        first = model(StepInput.single(ids[:130], 0, 0, device="cuda"), kv)
+        second = model(StepInput.single(ids[130:], 0, 130, device="cuda"), kv)
+        third = model(StepInput.single([int(second.argmax())], 0, 200, device="cuda"), kv)
+        results.append((first, second, third))
+    assert not deltanet._fla_broken, deltanet._fla_broken
+    for with_fla, without in zip(*results, strict=True):
+        assert _rel(with_fla, without) < 3e-2

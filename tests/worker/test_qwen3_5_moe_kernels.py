@@ -1,0 +1,149 @@
+"""The CUDA kernels of qwen3_5_moe (Triton's CPU interpreter here, CUDA on the GPU box) against
+the layers' torch paths: the grouped-GEMM MoE against the per-expert loop, the in-place
+DeltaNet decode step (conv + gated delta rule) against the batched torch step, padding rows
+included; and the pair alignment (plain torch). The Triton tests need the `triton_ready`
+fixture (tests/conftest.py: a skip without triton, a failure in CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.layers.deltanet import causal_conv1d_step, l2_normalize, recurrent_gated_delta_rule
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """[T, k] distinct expert ids per token, some experts unused, one expert crowded."""
+    scores = torch.rand(tokens, experts, generator=gen)
+    scores[:, 0] += 0.5  # expert 0 picked by most tokens: several blocks
+    return torch.topk(scores, top_k, dim=-1).indices
+
+
+@pytest.mark.parametrize("tokens,block_m", [(1, 16), (7, 4), (40, 16)])
+def test_align_pairs_groups_each_expert_in_whole_blocks(tokens: int, block_m: int) -> None:
+    pytest.importorskip("triton")
+    from worker.device.kernels.moe import align_pairs, padded_length
+
+    gen = torch.Generator().manual_seed(tokens)
+    experts, top_k = 8, 2
+    ids = _routing(tokens, experts, top_k, gen)
+    aligned = align_pairs(ids, experts, block_m)
+    pairs = tokens * top_k
+    sorted_pairs = aligned.sorted_pairs.tolist()
+    assert len(sorted_pairs) == padded_length(pairs, experts, block_m)
+    assert sorted(p for p in sorted_pairs if p < pairs) == list(range(pairs))  # each pair once
+    flat = ids.reshape(-1).tolist()
+    for block, expert in enumerate(aligned.block_expert.tolist()):
+        rows = sorted_pairs[block * block_m : (block + 1) * block_m]
+        real = [p for p in rows if p < pairs]
+        if expert >= experts:
+            assert not real  # blocks past the used ones hold padding only
+        else:
+            assert real and all(flat[p] == expert for p in real)
+            assert real == sorted(real)  # token order kept within an expert
+            assert rows[: len(real)] == real  # padding at the end of a run
+
+
+def _experts_loop(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """worker.layers.moe's CPU path (the per-expert loop), as a function."""
+    from worker.layers.moe import SparseMoE
+
+    moe = SparseMoE.__new__(SparseMoE)
+    torch.nn.Module.__init__(moe)
+    moe.experts = torch.nn.Module()
+    moe.experts.gate_up_proj = gate_up  # type: ignore[assignment]
+    moe.experts.down_proj = down  # type: ignore[assignment]
+    moe.experts.num_experts = gate_up.shape[0]  # type: ignore[assignment]
+    moe.experts.inner = down.shape[2]  # type: ignore[assignment]
+    moe.act = F.silu
+    return moe._experts(x, weights, ids)
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,inner", [(1, 64, 24), (5, 64, 32), (70, 48, 24), (3, 32, 16)]
+)
+def test_fused_moe_matches_expert_loop(
+    triton_ready: None, tokens: int, hidden: int, inner: int
+) -> None:
+    from worker.device.kernels.moe import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(tokens * 1000 + hidden)
+    experts, top_k = 8, 2
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up = torch.randn(experts, 2 * inner, hidden, generator=gen) * hidden**-0.5
+    down = torch.randn(experts, hidden, inner, generator=gen) * inner**-0.5
+    ids = _routing(tokens, experts, top_k, gen)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    want = _experts_loop(x, gate_up, down, weights, ids)
+    args = [t.to(DEVICE) for t in (x, gate_up, down, weights, ids)]
+    got = fused_moe_triton(*args).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _decode_inputs(
+    gen: torch.Generator, batch: int, slots_total: int
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    hk, hv, dk, dv, kernel = 2, 4, 8, 12, 4
+    conv_dim = 2 * hk * dk + hv * dv
+    tensors = {
+        "x": torch.randn(batch, conv_dim + 5, generator=gen)[:, :conv_dim],  # strided rows
+        "conv_state": torch.randn(slots_total, conv_dim, kernel - 1, generator=gen),
+        "weight": torch.randn(conv_dim, kernel, generator=gen),
+        "a": torch.randn(batch, hv, generator=gen) * 3,
+        "b": torch.randn(batch, hv, generator=gen),
+        "a_log": torch.randn(hv, generator=gen),
+        "dt_bias": torch.randn(hv, generator=gen),
+        "state": torch.randn(slots_total, hv, dk, dv, generator=gen),
+    }
+    return tensors, {"hk": hk, "hv": hv, "dk": dk, "dv": dv}
+
+
+def test_deltanet_decode_step_matches_torch_step(triton_ready: None) -> None:
+    from worker.device.kernels.deltanet_decode import conv_step_triton, gated_delta_step_triton
+
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.tensor([2, -1, 0, -1])  # rows 1 and 3: padding
+    t, dims = _decode_inputs(gen, len(slots), slots_total=4)
+    live = slots >= 0
+    live_slots = slots[live]
+    hk, hv, dk, dv = dims["hk"], dims["hv"], dims["dk"], dims["dv"]
+
+    # the torch step over the live rows
+    conv_out, conv_state = causal_conv1d_step(
+        t["x"][live], t["conv_state"][live_slots], t["weight"]
+    )
+    q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q = l2_normalize(q.reshape(-1, hk, dk)).repeat_interleave(hv // hk, dim=1) * dk**-0.5
+    k = l2_normalize(k.reshape(-1, hk, dk)).repeat_interleave(hv // hk, dim=1)
+    g = -t["a_log"].exp() * F.softplus(t["a"][live] + t["dt_bias"])
+    beta = t["b"][live].sigmoid()
+    want_out, want_state = recurrent_gated_delta_rule(
+        q, k, v.reshape(-1, hv, dv), g, beta, t["state"][live_slots]
+    )
+
+    dev = {name: tensor.to(DEVICE) for name, tensor in t.items()}
+    dev_slots = slots.to(DEVICE)
+    conv_before, state_before = t["conv_state"].clone(), t["state"].clone()
+    got_conv = conv_step_triton(dev["x"], dev["conv_state"], dev["weight"], dev_slots)
+    got_out = gated_delta_step_triton(
+        got_conv, dev["a"], dev["b"], dev["a_log"], dev["dt_bias"], dev["state"], dev_slots,
+        num_key_heads=hk, key_dim=dk,
+    )  # fmt: skip
+    torch.testing.assert_close(got_conv.cpu()[live], conv_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_out.cpu()[live], want_out, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got_out).all()  # padding rows too
+    new_conv, new_state = dev["conv_state"].cpu(), dev["state"].cpu()
+    torch.testing.assert_close(new_conv[live_slots], conv_state, rtol=0, atol=0)
+    torch.testing.assert_close(new_state[live_slots], want_state, rtol=1e-5, atol=1e-5)
+    untouched = [1, 3]  # no live row's slot: padding rows wrote nothing
+    assert torch.equal(new_conv[untouched], conv_before[untouched])
+    assert torch.equal(new_state[untouched], state_before[untouched])
