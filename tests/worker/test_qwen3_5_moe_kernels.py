@@ -65,6 +65,7 @@ def _experts_loop(
     moe.experts.num_experts = gate_up.shape[0]  # type: ignore[assignment]
     moe.experts.inner = down.shape[2]  # type: ignore[assignment]
     moe.act = F.silu
+    moe.act_name = "silu"  # CPU tensors: the loop (use_triton is off)
     return moe._experts(x, weights, ids)
 
 
