@@ -291,6 +291,9 @@ class ReadyEvent(_EventBase, tag="ready", kw_only=True):
     max_resident: int | None = None
     """Sessions whose cache is on the device at once (a worker writes it); the others of
     `max_sessions` wait in host memory or on disk. Equal to `max_sessions` without tiers."""
+    restored_sessions: list[str] | None = None
+    """Named sessions open at start because `--session-dir` held them (their caches on
+    disk); a supervisor lists those of all its workers and routes each to its holder."""
 
 
 class TopLogprob(msgspec.Struct, kw_only=True, gc=False):

@@ -3,7 +3,7 @@ specs derived from it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from supervisor.pool import (
     WorkerSpec,
@@ -12,6 +12,7 @@ from supervisor.pool import (
     plan_devices,
     worker_specs,
 )
+from supervisor.session_dirs import SESSION_DIR_FLAG, split_session_dir, worker_session_dir
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class SupervisorConfig:
     # timeout must exceed the longest forward step (a worker answers pings between steps).
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 120.0
+    # Saved named sessions: worker i gets <session_dir>/worker-<i> (supervisor/session_dirs.py).
+    # A --session-dir among worker_args means the same.
+    session_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -51,6 +55,12 @@ class SupervisorConfig:
             raise ValueError("heartbeat_timeout must be >= 0 and heartbeat_interval positive")
 
 
+def session_root(config: SupervisorConfig) -> str | None:
+    """The shared --session-dir root: the config's, else one among the worker flags."""
+    found, _ = split_session_dir(config.worker_args)
+    return config.session_dir or found
+
+
 def build_worker_args(config: SupervisorConfig) -> list[str]:
     args: list[str] = []
     if config.model is not None:
@@ -59,7 +69,8 @@ def build_worker_args(config: SupervisorConfig) -> list[str]:
         args += ["--max-sessions", str(config.max_sessions)]
     if config.max_context is not None:
         args += ["--max-context", str(config.max_context)]
-    return args + list(config.worker_args)
+    _, rest = split_session_dir(config.worker_args)
+    return args + list(rest)
 
 
 def plan_specs(config: SupervisorConfig) -> list[WorkerSpec]:
@@ -67,6 +78,12 @@ def plan_specs(config: SupervisorConfig) -> list[WorkerSpec]:
     devices = plan_devices(config.gpus, config.workers, visible)
     command = config.worker_command or default_worker_command()
     specs = worker_specs(command, build_worker_args(config), devices)
+    root = session_root(config)
+    if root is not None:
+        specs = [
+            replace(s, argv=(*s.argv, SESSION_DIR_FLAG, str(worker_session_dir(root, s.index))))
+            for s in specs
+        ]
     if config.env:
         specs = [
             WorkerSpec(s.index, s.argv, {**s.env, **dict(config.env)}, s.device) for s in specs

@@ -30,11 +30,12 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.errors import ErrorCode
-from supervisor.config import SupervisorConfig, build_worker_args, plan_specs
+from supervisor.config import SupervisorConfig, build_worker_args, plan_specs, session_root
 from supervisor.dispatch import Channel, Emit, cancel_flight
-from supervisor.pool import StderrSink
+from supervisor.pool import StderrSink, log
 from supervisor.recovery import fail_all, heartbeat, spawn_worker
 from supervisor.router import WorkerState
+from supervisor.session_dirs import prepare_root
 from supervisor.state import SupervisorState, WorkerSlot
 
 __all__ = ["Supervisor", "SupervisorConfig", "WorkerSlot", "build_worker_args", "plan_specs"]
@@ -80,6 +81,10 @@ class Supervisor:
         event. Raises WorkerStartError (naming the worker, with its last stderr lines)."""
         state = self.state
         state.slots = [WorkerSlot(spec) for spec in plan_specs(self.config)]
+        root = session_root(self.config)
+        if root is not None:
+            for problem in await asyncio.to_thread(prepare_root, root, len(state.slots)):
+                log(problem)
         results = await asyncio.gather(
             *(spawn_worker(state, slot) for slot in state.slots), return_exceptions=True
         )
@@ -116,6 +121,9 @@ class Supervisor:
         for key in ("model", "architecture", "context_length", "protocol_version"):
             if key in first:
                 ready[key] = first[key]
+        restored = list(self.state.placements)  # so far: what --session-dir held, newest first
+        if restored:
+            ready["restored_sessions"] = restored
         ready["device"] = ",".join(sorted({w["device"] for w in per_worker}))
         return ready
 

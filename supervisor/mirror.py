@@ -19,8 +19,14 @@ class SessionMirror:
         return self._resident.get(session_id, [])
 
     def apply(self, session_id: str, keep: int, append: list[int]) -> None:
-        """The worker's session is now `old[:keep] + append`."""
+        """The worker's session is now `old[:keep] + append`. When the mirror holds fewer than
+        `keep` ids (a session the worker restored from its --session-dir: its ids were never
+        seen here), the ids are unknown: the mirror forgets them rather than keep a wrong
+        list (a rebuild from it would replace the worker's good saved copy)."""
         old = self._resident.get(session_id, [])
+        if keep > len(old):
+            self._resident.pop(session_id, None)
+            return
         self._resident[session_id] = old[:keep] + list(append)
 
     def clear(self, session_id: str) -> None:

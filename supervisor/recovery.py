@@ -40,9 +40,34 @@ async def spawn_worker(state: SupervisorState, slot: WorkerSlot) -> None:
     slot.state = WorkerState.READY
     slot.last_heard = time.monotonic()
     slot.ping_sent_at = None
+    adopt_restored(state, slot)
     held, slot.held = slot.held, []
     for flight, line in held:
         state.write(slot, flight, line)
+
+
+def adopt_restored(state: SupervisorState, slot: WorkerSlot) -> None:
+    """Place the sessions the worker restored from its --session-dir (its ready line names
+    them) on it, so their requests go where the cache is. A session placed elsewhere meanwhile
+    keeps its placement, and this worker's stale copy is closed (its file deleted)."""
+    restored = slot.ready_info.get("restored_sessions")
+    if not isinstance(restored, list):
+        return
+    for session_id in restored:
+        if not isinstance(session_id, str) or not session_id:
+            continue
+        placed = state.placements.get(session_id)
+        if placed is None:
+            state.placements[session_id] = slot.index
+            slot.named.add(session_id)
+        elif placed != slot.index:
+            log(
+                f"worker {slot.index} restored session {session_id!r}, which lives on worker "
+                f"{placed} now: closing its stale copy"
+            )
+            request = {"op": "close", "session_id": session_id}
+            flight = state.internal(slot, request, session_id, lambda _event: None)
+            state.send(slot, flight, dict(request))
 
 
 def on_worker_death(state: SupervisorState, slot: WorkerSlot, process: WorkerProcess) -> None:

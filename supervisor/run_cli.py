@@ -340,6 +340,13 @@ async def _listen(supervisor: Supervisor, path: str, ready: dict[str, Any]) -> a
     help="Serve on this unix socket instead of stdin (for `generate --connect`).",
 )
 @click.option(
+    "--session-dir",
+    default=None,
+    metavar="DIR",
+    help="Save named sessions here (each worker in DIR/worker-N) and restore them at start: "
+    "a session resumes warm on its worker after a restart.",
+)
+@click.option(
     "--ray",
     "ray_address",
     default=None,
@@ -366,6 +373,7 @@ def command(
     heartbeat_timeout: float,
     heartbeat_interval: float,
     listen: str | None,
+    session_dir: str | None,
     ray_address: str | None,
     worker_command: str | None,
 ) -> None:
@@ -378,6 +386,8 @@ def command(
     same front end as `tokenpipe ray run --address ADDRESS`).
     """
     if ray_address is not None:
+        if session_dir is not None:
+            raise click.UsageError("--session-dir is for `tokenpipe ray up` with --ray")
         _run_ray_front(ctx, ray_address, listen)
         return
     try:
@@ -394,6 +404,7 @@ def command(
             drain_timeout=drain_timeout,
             heartbeat_timeout=heartbeat_timeout,
             heartbeat_interval=heartbeat_interval,
+            session_dir=session_dir,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

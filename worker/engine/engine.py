@@ -471,7 +471,7 @@ class Engine:
             return [_error(rid, str(exc), exc.code, session_id=name)]
         problem = self.structured.open(key, req)  # compile the constraint, if any
         if problem is not None:
-            return [_error(rid, problem, ErrorCode.INVALID_REQUEST, session_id=name)]
+            return [_error(rid, str(problem), problem.code, session_id=name)]
         room = self.config.max_context - len(prompt_ids)
         max_new = room if req.max_new_tokens < 0 else min(req.max_new_tokens, room)
         if name is None:
