@@ -33,6 +33,7 @@ class ErrorCode:
     EMPTY_PROMPT: Final = "empty_prompt"
     INVALID_TOKEN_ID: Final = "invalid_token_id"
     TEMPLATE_ERROR: Final = "template_error"
+    UNSATISFIABLE_CONSTRAINT: Final = "unsatisfiable_constraint"
     # The process (worker, supervisor).
     OVERLOADED: Final = "overloaded"
     WORKER_LOST: Final = "worker_lost"
@@ -73,6 +74,10 @@ ERROR_CODES: Final[dict[str, str]] = {
     ErrorCode.INVALID_TOKEN_ID: "A token id is not below the model's vocabulary size.",
     ErrorCode.TEMPLATE_ERROR: (
         "`messages` could not be rendered: no chat template, or the template raised."
+    ),
+    ErrorCode.UNSATISFIABLE_CONSTRAINT: (
+        "The structured-output constraint compiles, but no output can satisfy it; the message "
+        "says why. Nothing was generated or changed."
     ),
     ErrorCode.OVERLOADED: "The request queue is full; retry later.",
     ErrorCode.WORKER_LOST: (

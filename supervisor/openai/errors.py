@@ -57,6 +57,7 @@ WORKER_CODE_STATUS = {
     "invalid_token_id": 400,
     "empty_prompt": 400,
     "template_error": 400,
+    "unsatisfiable_constraint": 400,
     "capacity_exhausted": 429,
     "overloaded": 429,
     "session_busy": 409,

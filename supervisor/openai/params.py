@@ -3,7 +3,8 @@
 Structured output: `response_format` `json_schema` / `json_object` and a forced tool call
 (`tool_choice` "required" or a named function) become the generate's `json_schema`,
 `json_object` or `grammar` (checked with llguidance here, so a bad schema is a 400 naming
-the problem before anything is sent); `logprobs` / `top_logprobs` become `return_logprobs` /
+the problem before anything is sent, and one no output can satisfy a 400
+`unsatisfiable_constraint`); `logprobs` / `top_logprobs` become `return_logprobs` /
 `top_logprobs`.
 
 Honoured, accepted-and-ignored (`user`, `store`, `metadata`, `strict`, `reasoning_effort`,
@@ -71,7 +72,7 @@ class ChatParams:
     session_id: str | None = None
     forced_tools: tuple[str, ...] = ()
     """`tool_choice` "required" (every tool) or a named function: the output must be one
-    call of one of these tools (`forced_call_grammar` builds the grammar)."""
+    call of one of these tools (`forced_calls.forced_call_grammar` builds the grammar)."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,8 @@ def _check(kind: str, source: str, param: str) -> None:
     try:
         check_constraint(kind, source)
     except ConstraintError as exc:
+        if exc.unsatisfiable:
+            raise APIError(400, exc.code, f"'{param}': {exc}", param=param) from None
         raise invalid_value(f"'{param}': {exc}", param) from None
 
 
@@ -349,39 +352,6 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> tu
     if name not in names:
         raise invalid_value(f"'tool_choice' names '{name}', which is not in 'tools'", "tool_choice")
     return (name,)
-
-
-def forced_call_grammar(tools: list[dict[str, Any]], names: tuple[str, ...], fmt: str) -> str:
-    """A Lark grammar (llguidance's, with inline `%json`) for exactly one call of one of
-    `names`, in the model's tool-call markup: only the `hermes` format
-    (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) so far."""
-    if fmt != "hermes":
-        raise unsupported(
-            f"'tool_choice' 'required' or a named function is not supported for the "
-            f"'{fmt}' tool-call format yet",
-            "tool_choice",
-        )
-    options = []
-    for tool in tools:
-        function = tool["function"]
-        if function["name"] not in names:
-            continue
-        parameters = function.get("parameters")
-        options.append(
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": function["name"]},
-                    "arguments": parameters if isinstance(parameters, dict) else {},
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-        )
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    grammar = f'start: "<tool_call>" %json {orjson.dumps(schema).decode()} "</tool_call>"'
-    _check("grammar", grammar, "tools")
-    return grammar
 
 
 def _body_session(body: dict[str, Any]) -> str | None:

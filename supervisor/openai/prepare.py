@@ -27,13 +27,13 @@ import orjson
 from protocol import MAX_LINE_BYTES
 
 from .errors import APIError, invalid_value
+from .forced_calls import forced_call_grammar
 from .params import (
     TOO_DEEP,
     CompletionParams,
     SamplingParams,
     check_model,
     check_nesting,
-    forced_call_grammar,
     normalize_messages,
     parse_chat,
     parse_completion,
@@ -232,6 +232,7 @@ def prepare_chat(
     turns: TurnStore,
     return_token_ids: bool,
     tool_format: str = "hermes",
+    marker_ids: Mapping[int, str] | None = None,
 ) -> PreparedChat:
     """Parse, render and splice a chat body into a generate request."""
     params = parse_chat(parse_json(body))
@@ -241,7 +242,7 @@ def prepare_chat(
             raise invalid_value(
                 "'response_format' and a forced 'tool_choice' cannot be combined", "tool_choice"
             )
-        grammar = forced_call_grammar(params.tools, params.forced_tools, tool_format)
+        grammar = forced_call_grammar(params.tools, params.forced_tools, tool_format, marker_ids)
         sampling = replace(sampling, grammar=grammar)
     check_model(params.model, model_id)
     session = session_from_request(params.session_id, headers)

@@ -235,15 +235,20 @@ def parse_qwen_call(markup: str, tools: ToolSchemas) -> list[ToolCall] | None:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """A tool-call markup: (start marker, end marker) pairs and the body parser."""
+    """A tool-call markup: (start marker, end marker) pairs and the body parser; `inner`:
+    markup inside a call that a tokenizer may write as one special token (put back into the
+    text like the markers, `state.event_text`)."""
 
     name: str
     markers: tuple[tuple[str, str], ...]
     parse: BodyParser
+    inner: tuple[str, ...] = ()
 
 
 FORMATS: dict[str, ToolFormat] = {
-    "gemma4": ToolFormat("gemma4", (("<|tool_call>", "<tool_call|>"),), parse_gemma4_call),
+    "gemma4": ToolFormat(
+        "gemma4", (("<|tool_call>", "<tool_call|>"),), parse_gemma4_call, (GEMMA4_STRING,)
+    ),
     "hermes": ToolFormat("hermes", (("<tool_call>", "</tool_call>"),), parse_hermes_call),
     "qwen": ToolFormat(
         "qwen", (("<tool_call>", "</tool_call>"), ("<function=", "</function>")), parse_qwen_call

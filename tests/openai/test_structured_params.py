@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from supervisor.openai.errors import APIError
-from supervisor.openai.params import forced_call_grammar, parse_chat, parse_completion
+from supervisor.openai.forced_calls import forced_call_grammar
+from supervisor.openai.params import parse_chat, parse_completion
 from supervisor.openai.prepare import generate_request
 
 pytest.importorskip("llguidance")
@@ -88,10 +89,11 @@ def test_forced_tool_call_grammar() -> None:
     )
     assert named.forced_tools == ("get_weather",)
     grammar = forced_call_grammar(TOOLS, named.forced_tools, "hermes")
-    assert grammar.startswith('start: "<tool_call>" %json ')
-    schema = json.loads(grammar.split("%json ", 1)[1].rsplit(' "</tool_call>"', 1)[0])
-    assert schema["properties"]["name"] == {"const": "get_weather"}
-    assert schema["properties"]["arguments"] == SCHEMA
+    assert grammar.startswith('start: "<tool_call>" call "</tool_call>"')
+    assert '{\\"name\\":\\"get_weather\\",\\"arguments\\":' in grammar
+    schema = json.loads(grammar.split("%json ", 1)[1].rsplit(' "}"', 1)[0])
+    assert schema.pop("x-guidance") == {"whitespace_flexible": False}
+    assert schema == SCHEMA
     with pytest.raises(APIError) as info:
-        forced_call_grammar(TOOLS, named.forced_tools, "gemma4")
+        forced_call_grammar(TOOLS, named.forced_tools, "no-such-format")
     assert info.value.code == "unsupported_parameter"

@@ -6,7 +6,8 @@ why llguidance and not xgrammar).
   llguidance grammar) as a pristine matcher over this vocabulary, built once per (kind,
   source) and cached by its hash; each request takes a `deep_copy`. Errors (invalid schema,
   unsupported keyword, a grammar that does not parse) raise `ConstraintError` with
-  llguidance's message, before anything runs.
+  llguidance's message, before anything runs; so does a constraint no output can satisfy
+  (`protocol.constraints.unsatisfiable_reason`, `unsatisfiable` set).
 - `Constraints`: the engine's per-request matchers, keyed by the engine's request key.
   `start_masks(keys)` fills the next-token bitmasks of the given rows on a helper thread
   (llguidance drops the GIL), so the mask of step t is computed while the device runs step
@@ -30,7 +31,12 @@ from typing import Any
 import torch
 
 from protocol import GenerateRequest
-from protocol.constraints import ConstraintError, grammar_text, request_constraint
+from protocol.constraints import (
+    ConstraintError,
+    grammar_text,
+    request_constraint,
+    unsatisfiable_reason,
+)
 
 __all__ = ["ConstraintError", "Constraints", "GrammarCache", "llguidance_tokenizer"]
 
@@ -91,6 +97,9 @@ class GrammarCache:
         pristine = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if pristine.is_error():
             raise ConstraintError(f"{kind}: {pristine.get_error()}")
+        reason = unsatisfiable_reason(kind, source, grammar)
+        if reason is not None:
+            raise ConstraintError(f"{kind}: {reason}", unsatisfiable=True)
         with self._lock:
             self.compiles += 1
             self._matchers[key] = pristine

@@ -2,7 +2,7 @@
 (`worker.engine.constraints`) and their log-probabilities. The engine's hooks, keyed by the
 engine's request key:
 
-    open(key, req)            at admission: compile the constraint (an error message or None)
+    open(key, req)            at admission: compile the constraint (a ConstraintError or None)
     token_mask(keys)          before the forward: start the step's bitmask (None: no row is
                               constrained); `worker.engine.sampling.sample_step` joins it
     top_logprobs(reqs)        per sampling row: -1, or how many top tokens to report
@@ -33,7 +33,7 @@ class StructuredRows:
         self._pending: dict[int, list[TokenLogprob]] = {}
         self._text: dict[int, str] = {}
 
-    def open(self, key: int, req: GenerateRequest) -> str | None:
+    def open(self, key: int, req: GenerateRequest) -> ConstraintError | None:
         if req.json_schema is None and not req.json_object and not req.regex and not req.grammar:
             return None
         if self._constraints is None:
@@ -41,7 +41,7 @@ class StructuredRows:
         try:
             self._constraints.open(key, req)
         except ConstraintError as exc:
-            return str(exc)
+            return exc
         return None
 
     def close(self, key: int) -> None:

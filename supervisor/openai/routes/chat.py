@@ -32,6 +32,7 @@ async def chat(server: Server, request: Request) -> Response:
         server.turns,
         bool(model.marker_ids),
         model.tool_format,
+        model.marker_ids,
     )
     generate, session = prepared.request, prepared.session
     parser = OutputParser(
