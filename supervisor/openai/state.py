@@ -113,6 +113,7 @@ async def load_model_state(client: GenerateClient, config: ServerConfig) -> Mode
     tool_format = config.tool_parser or default_tool_format(family)
     reasoning = REASONING_MARKERS.get(family)
     markers = [m for pair in FORMATS[tool_format].markers for m in pair]
+    markers += FORMATS[tool_format].inner
     if reasoning is not None:
         markers += [reasoning[0], reasoning[1]]
     marker_ids: dict[int, str] = {}
