@@ -1,0 +1,261 @@
+"""qwen3_5_moe's CUDA kernels alone, one layer of the 35B-A3B shape, bf16 (an H200 run):
+
+- Gated DeltaNet prefill of one sequence (2,048 tokens): the torch chunked form against
+  flash-linear-attention's ``chunk_gated_delta_rule`` (time, and the relative difference of
+  their outputs and final states);
+- Gated DeltaNet decode step at batch 1 and 32 (CUDA graphs): the torch step (gather the slots'
+  states, update, scatter back), fla's ``fused_recurrent_gated_delta_rule`` with the same
+  gather/scatter, and the in-place Triton step (``worker.device.kernels.deltanet_decode``);
+- the routed experts at 1, 32 and 2,048 tokens: the grouped-GEMM Triton MoE against the
+  per-expert loop, with the bandwidth of the expert weights it reads.
+
+    python tools/bench_qwen3_5_moe_kernels.py [--out DIR]
+
+Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+HIDDEN, HK, HV, DK, DV, KERNEL = 2048, 16, 32, 128, 128, 4
+EXPERTS, TOP_K, INNER = 256, 8, 512
+CONV_DIM = 2 * HK * DK + HV * DV
+results: dict[str, Any] = {}
+
+
+def log(key: str, value: Any, note: str = "") -> None:
+    results[key] = value
+    print(f"{key}: {value} {note}", flush=True)
+
+
+def graph_time(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Seconds per call of fn replayed from a CUDA graph (after a warm-up)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return replay_time(graph.replay, reps)
+
+
+def replay_time(fn: Callable[[], Any], reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / reps
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def deltanet_prefill(n: int = 2048) -> None:
+    from worker.layers.deltanet import chunked_gated_delta_rule, fla_chunk_rule, l2_normalize
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    conv = torch.randn(n, CONV_DIM, device="cuda", generator=gen).bfloat16()
+    g = -torch.rand(n, HV, device="cuda", generator=gen) * 0.5
+    beta = torch.rand(n, HV, device="cuda", generator=gen)
+    state = torch.randn(HV, DK, DV, device="cuda", generator=gen) * 0.1
+
+    def torch_form() -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = torch.split(conv.float(), [HK * DK, HK * DK, HV * DV], dim=-1)
+        q = l2_normalize(q.reshape(n, HK, DK)).repeat_interleave(HV // HK, 1) * DK**-0.5
+        k = l2_normalize(k.reshape(n, HK, DK)).repeat_interleave(HV // HK, 1)
+        out, final = chunked_gated_delta_rule(
+            q.transpose(0, 1), k.transpose(0, 1), v.reshape(n, HV, DV).transpose(0, 1),
+            g.T, beta.T, state,
+        )  # fmt: skip
+        return out.transpose(0, 1), final
+
+    want = torch_form()
+    log(f"deltanet_prefill_{n}_torch_ms", round(replay_time(torch_form, 5) * 1e3, 3))
+    rule = fla_chunk_rule()
+    if rule is None:
+        log("fla", "does not import")
+        return
+
+    def fla_form() -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = torch.split(conv, [HK * DK, HK * DK, HV * DV], dim=-1)
+        out, final = rule(
+            q.reshape(1, n, HK, DK), k.reshape(1, n, HK, DK), v.reshape(1, n, HV, DV),
+            g[None], beta[None], scale=DK**-0.5, initial_state=state[None],
+            output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        return out[0], final[0]
+
+    got = fla_form()
+    log(f"deltanet_prefill_{n}_fla_ms", round(replay_time(fla_form, 5) * 1e3, 3))
+    log("fla_vs_torch_rel_out", round(rel(got[0], want[0]), 5))
+    log("fla_vs_torch_rel_state", round(rel(got[1], want[1]), 5))
+
+
+def deltanet_decode(batch: int, slots_total: int = 40) -> None:
+    from worker.device.kernels.deltanet_decode import conv_step_triton, gated_delta_step_triton
+    from worker.layers.deltanet import (
+        causal_conv1d_step,
+        l2_normalize,
+        recurrent_gated_delta_rule,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    mixed = torch.randn(batch, CONV_DIM, device="cuda", generator=gen).bfloat16()
+    a = torch.randn(batch, HV, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(batch, HV, device="cuda", generator=gen).bfloat16()
+    a_log, dt_bias = torch.randn(HV, device="cuda"), torch.randn(HV, device="cuda")
+    weight = torch.randn(CONV_DIM, KERNEL, device="cuda").bfloat16()
+    conv_state = torch.randn(slots_total, CONV_DIM, KERNEL - 1, device="cuda").bfloat16()
+    state = torch.randn(slots_total, HV, DK, DV, device="cuda") * 0.1
+    slots = torch.arange(batch, device="cuda") * (slots_total // batch)
+
+    def split(conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = torch.split(conv_out.float(), [HK * DK, HK * DK, HV * DV], dim=-1)
+        q = l2_normalize(q.reshape(batch, HK, DK)).repeat_interleave(HV // HK, 1) * DK**-0.5
+        k = l2_normalize(k.reshape(batch, HK, DK)).repeat_interleave(HV // HK, 1)
+        return q, k, v.reshape(batch, HV, DV)
+
+    def gates() -> tuple[torch.Tensor, torch.Tensor]:
+        g = -a_log.exp() * F.softplus(a.float() + dt_bias)
+        return g, b.float().sigmoid()
+
+    def torch_step() -> torch.Tensor:
+        conv_out, conv = causal_conv1d_step(mixed, conv_state[slots], weight)
+        q, k, v = split(conv_out)
+        o, new = recurrent_gated_delta_rule(q, k, v, *gates(), state[slots])
+        conv_state[slots] = conv
+        state[slots] = new
+        return o
+
+    def triton_step() -> torch.Tensor:
+        conv_out = conv_step_triton(mixed, conv_state, weight, slots)
+        return gated_delta_step_triton(
+            conv_out, a, b, a_log, dt_bias, state, slots, num_key_heads=HK, key_dim=DK
+        )
+
+    for name, fn in (("torch", torch_step), ("triton_inplace", triton_step)):
+        log(f"deltanet_decode_b{batch}_{name}_us", round(graph_time(fn) * 1e6, 1))
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except Exception as exc:  # noqa: BLE001
+        log("fla_fused_recurrent", repr(exc))
+        return
+
+    def fla_step() -> torch.Tensor:
+        conv_out, conv = causal_conv1d_step(mixed, conv_state[slots], weight)
+        q, k, v = torch.split(conv_out, [HK * DK, HK * DK, HV * DV], dim=-1)
+        g, beta = gates()
+        o, new = fused_recurrent_gated_delta_rule(
+            q.reshape(batch, 1, HK, DK), k.reshape(batch, 1, HK, DK),
+            v.reshape(batch, 1, HV, DV), g[:, None], beta[:, None], scale=DK**-0.5,
+            initial_state=state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        conv_state[slots] = conv
+        state[slots] = new
+        return o
+
+    log(f"deltanet_decode_b{batch}_fla_gather_us", round(graph_time(fla_step) * 1e6, 1))
+    # the same step from the same state: the three agree
+    saved = (conv_state.clone(), state.clone())
+    outs = []
+    for fn in (torch_step, triton_step, fla_step):
+        conv_state.copy_(saved[0])
+        state.copy_(saved[1])
+        outs.append(fn().float().reshape(batch, HV, DV))
+    log(f"deltanet_decode_b{batch}_rel_triton", round(rel(outs[1], outs[0]), 6))
+    log(f"deltanet_decode_b{batch}_rel_fla", round(rel(outs[2], outs[0]), 6))
+
+
+def moe(tokens: int) -> None:
+    from worker.device.kernels.moe import fused_moe_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    gate_up = (torch.randn(EXPERTS, 2 * INNER, HIDDEN, device="cuda") * 0.02).bfloat16()
+    down = (torch.randn(EXPERTS, HIDDEN, INNER, device="cuda") * 0.04).bfloat16()
+    probs = torch.softmax(torch.randn(tokens, EXPERTS, device="cuda", generator=gen), -1)
+    weights, ids = torch.topk(probs, TOP_K, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+
+    def loop() -> torch.Tensor:
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = order // TOP_K
+        counts = torch.bincount(flat, minlength=EXPERTS)
+        hit = torch.nonzero(counts).flatten()
+        gathered = x[tok]
+        out = torch.empty_like(gathered)
+        start = 0
+        for expert, size in zip(hit.tolist(), counts[hit].tolist(), strict=True):
+            rows = slice(start, start + size)
+            h = F.linear(gathered[rows], gate_up[expert])
+            out[rows] = F.linear(F.silu(h[:, :INNER]) * h[:, INNER:], down[expert])
+            start += size
+        out = out * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, tok, out)
+
+    def fused() -> torch.Tensor:
+        return fused_moe_triton(x, gate_up, down, weights, ids)
+
+    hit = int(torch.unique(ids).numel())
+    weight_bytes = hit * 3 * INNER * HIDDEN * 2
+    t_fused = graph_time(fused) if tokens <= 64 else replay_time(fused, 10)
+    t_loop = replay_time(loop, 3)
+    log(f"moe_t{tokens}_triton_us", round(t_fused * 1e6, 1),
+        f"({hit} experts, {weight_bytes / t_fused / 1e12:.2f} TB/s of expert weights, "
+        f"{2 * tokens * TOP_K * 3 * INNER * HIDDEN / t_fused / 1e12:.1f} TFLOP/s)")  # fmt: skip
+    log(f"moe_t{tokens}_loop_us", round(t_loop * 1e6, 1))
+    log(f"moe_t{tokens}_rel", round(rel(fused(), loop()), 5))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    log("gpu", torch.cuda.get_device_name())
+    log("torch", torch.__version__)
+    started = time.perf_counter()
+    for name, fn in (
+        ("deltanet_prefill", deltanet_prefill),
+        ("deltanet_decode_1", lambda: deltanet_decode(1)),
+        ("deltanet_decode_32", lambda: deltanet_decode(32)),
+        ("moe_1", lambda: moe(1)),
+        ("moe_32", lambda: moe(32)),
+        ("moe_2048", lambda: moe(2048)),
+    ):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            log(f"{name}_failed", repr(exc))
+        torch.cuda.empty_cache()
+    log("seconds", round(time.perf_counter() - started, 1))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_qwen3_5_moe_kernels.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
