@@ -44,13 +44,26 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    yield from serve(tmp_path_factory, [])
+
+
+@pytest.fixture(scope="module", params=["gemma4", "qwen"])
+def format_client(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, openai.OpenAI]]:
+    """serve with another family's tool-call format (the default model has none of its own)."""
+    for api in serve(tmp_path_factory, ["--tool-parser", request.param]):
+        yield request.param, api
+
+
+def serve(tmp_path_factory: pytest.TempPathFactory, extra: list[str]) -> Iterator[openai.OpenAI]:
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENPIPE_THREADS": "2"}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [*run_command(), "serve", "--port", str(port), "--max-context", "1024",
-             "--max-sessions", "4", "--log-level", "warning"],
+             "--max-sessions", "4", "--log-level", "warning", *extra],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
         )  # fmt: skip
         try:
@@ -139,6 +152,78 @@ def test_forced_tool_call(client: openai.OpenAI) -> None:
         assert calls and calls[0].function.name == "get_weather", response
         assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
         assert response.choices[0].finish_reason == "tool_calls"
+
+
+TOOLS: Any = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                       "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "days", "unit"], "additionalProperties": False,
+    }}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
+        "required": ["zone"], "additionalProperties": False,
+    }}},
+]  # fmt: skip
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+
+
+def test_forced_tool_call_in_every_format(format_client: tuple[str, openai.OpenAI]) -> None:
+    """gemma4 and qwen markup: the grammar's output comes back as one call whose arguments
+    validate, whole and streamed, greedy and sampled."""
+    fmt, api = format_client
+    model = api.models.list().data[0].id
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for choice, extra in (
+        ("required", {"temperature": 0}),
+        ({"type": "function", "function": {"name": "get_time"}}, {"temperature": 1, "seed": 3}),
+    ):
+        response = api.chat.completions.create(
+            model=model, tools=TOOLS, tool_choice=choice, max_tokens=96, messages=ASK_WEATHER,
+            **extra,
+        )  # fmt: skip
+        message = response.choices[0].message
+        assert response.choices[0].finish_reason == "tool_calls", (fmt, message)
+        assert message.tool_calls and len(message.tool_calls) == 1 and not message.content
+        call = message.tool_calls[0].function
+        if choice != "required":
+            assert call.name == "get_time"
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    stream = api.chat.completions.create(
+        model=model, tools=TOOLS, tool_choice="required", max_tokens=96, messages=ASK_WEATHER,
+        temperature=0, stream=True,
+    )  # fmt: skip
+    streamed = [
+        delta
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].delta.tool_calls
+        for delta in chunk.choices[0].delta.tool_calls
+    ]
+    assert streamed and streamed[0].function and streamed[0].function.name
+    arguments = "".join(d.function.arguments or "" for d in streamed if d.function)
+    jsonschema.validate(json.loads(arguments), schemas[streamed[0].function.name])
+
+
+def test_unsatisfiable_constraints_are_a_400_before_generation(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    loop = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
+    bad_format: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": loop}}
+    empty_tool: Any = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 1}},
+        "required": ["n"]}}}]  # fmt: skip
+    for kwargs in (
+        {"response_format": bad_format},
+        {"tools": empty_tool, "tool_choice": "required"},
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, messages=ASK, max_tokens=4, **kwargs)
+        body: Any = info.value.body
+        assert body["code"] == "unsatisfiable_constraint", body
+    # the server serves on, unchanged
+    ok = client.chat.completions.create(model=model, messages=ASK, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
 
 
 def test_logprobs_chat_and_completions(client: openai.OpenAI) -> None:
