@@ -86,6 +86,26 @@ import click
 @click.option("--max-context", default=None, type=click.IntRange(1), help="Context per session.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1))
 @click.option(
+    "--max-resident",
+    default=None,
+    type=click.IntRange(1),
+    help="Per worker: sessions whose cache is on the device at once (the others of "
+    "--max-sessions wait in host memory, then --session-dir).",
+)
+@click.option(
+    "--host-cache-gb",
+    default=None,
+    type=click.FloatRange(0),
+    help="Per worker: host memory for idle sessions' caches (worker default: 4).",
+)
+@click.option(
+    "--session-dir",
+    default=None,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Save named sessions (and the turns spliced into them) here; after a restart they "
+    "resume warm on the worker that saved them.",
+)
+@click.option(
     "--worker-arg",
     "worker_args",
     multiple=True,
@@ -117,6 +137,9 @@ def command(
     max_sessions: int | None,
     max_context: int | None,
     max_queue: int,
+    max_resident: int | None,
+    host_cache_gb: float | None,
+    session_dir: Path | None,
     worker_args: tuple[str, ...],
     log_level: str,
 ) -> None:
@@ -124,10 +147,13 @@ def command(
     import uvicorn
 
     from supervisor.client import AsyncClient
+    from supervisor.config import session_root
     from supervisor.core import SupervisorConfig
 
     from .app import Server, ServerConfig, create_app
     from .connections import guarded_protocol
+    from .sessions import TurnStore
+    from .turn_files import TurnFiles
 
     logging.basicConfig(
         stream=sys.stderr,
@@ -142,7 +168,8 @@ def command(
             max_sessions=max_sessions,
             max_context=max_context,
             max_queue=max_queue,
-            worker_args=tuple(worker_args),
+            worker_args=tiers_args(max_resident, host_cache_gb) + tuple(worker_args),
+            session_dir=str(session_dir) if session_dir is not None else None,
         )
         server_config = ServerConfig(
             model_id=model_id,
@@ -162,7 +189,11 @@ def command(
     async def start_client() -> AsyncClient:
         return await AsyncClient.in_process(supervisor_config)
 
-    server = Server(server_config, start_client)
+    turns = TurnStore()
+    root = session_root(supervisor_config)
+    if root is not None:
+        turns = TurnStore(files=TurnFiles(turns_dir(root), turns.max_turns))
+    server = Server(server_config, start_client, turns=turns)
     uvicorn.run(
         create_app(server),
         host=host,
@@ -173,3 +204,19 @@ def command(
         timeout_keep_alive=keep_alive_timeout,
         limit_concurrency=max_connections + 1,  # uvicorn answers 503 at >= the limit
     )
+
+
+def tiers_args(max_resident: int | None, host_cache_gb: float | None) -> tuple[str, ...]:
+    """The worker flags of the session tiers given on `serve`'s command line."""
+    args: tuple[str, ...] = ()
+    if max_resident is not None:
+        args += ("--max-resident", str(max_resident))
+    if host_cache_gb is not None:
+        args += ("--host-cache-gb", str(host_cache_gb))
+    return args
+
+
+def turns_dir(session_dir: str) -> Path:
+    """Where the remembered turns of the sessions saved under `session_dir` are kept (next
+    to the workers' `worker-N` directories)."""
+    return Path(session_dir) / "openai-turns"

@@ -21,6 +21,7 @@ from typing import Any
 
 from .params import validate_session_id
 from .templates import ChatTemplate
+from .turn_files import TurnFiles
 
 SESSION_HEADERS = ("x-session-affinity", "session_id", "x-tokenpipe-session-id")
 """Headers that name a session, after the body's `session_id` (first match wins)."""
@@ -70,16 +71,39 @@ class TurnStore:
 
     Bounded twice: at most `max_sessions` session keys (least recently used dropped) and
     `max_turns` turns per session. The scratch session has the key "".
+
+    With `files` (`--session-dir`), named sessions' turns are also kept on disk
+    (turn_files.py) and read back the first time a session is looked up, so a session the
+    workers restored after a restart is spliced as before, and resumes warm.
     """
 
     max_sessions: int = 1024
     max_turns: int = 64
+    files: TurnFiles | None = None
     _turns: OrderedDict[str, OrderedDict[str, tuple[int, ...]]] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def remember(self, session: str, fingerprint: str, ids: list[int]) -> None:
+        if self.files is not None and session:
+            self._load(session)
         with self._lock:
             self._remember(session, fingerprint, ids)
+            current = list(self._turns[session].items())
+        if self.files is not None and session:
+            self.files.append(session, fingerprint, ids, current)
+
+    def _load(self, session: str) -> None:
+        """The session's saved turns into memory, the first time it is seen."""
+        assert self.files is not None
+        with self._lock:
+            if session in self._turns:
+                return
+        saved = self.files.load(session)
+        with self._lock:
+            if session not in self._turns:
+                self._turns[session] = OrderedDict(saved)
+                while len(self._turns) > self.max_sessions:
+                    self._turns.popitem(last=False)
 
     def _remember(self, session: str, fingerprint: str, ids: list[int]) -> None:
         turns = self._turns.setdefault(session, OrderedDict())
@@ -92,6 +116,8 @@ class TurnStore:
             self._turns.popitem(last=False)
 
     def lookup(self, session: str, fingerprint: str) -> tuple[int, ...] | None:
+        if self.files is not None and session:
+            self._load(session)
         with self._lock:
             turns = self._turns.get(session)
             if turns is None:
@@ -102,6 +128,8 @@ class TurnStore:
     def forget(self, session: str) -> None:
         with self._lock:
             self._turns.pop(session, None)
+        if self.files is not None and session:
+            self.files.delete(session)
 
 
 def _sentinel(index: int) -> str:

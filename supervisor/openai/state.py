@@ -215,6 +215,9 @@ class Server:
         try:
             client = await self.client_factory()
             self.client = client
+            ready_info = getattr(client, "ready_info", None) or {}
+            for session in reversed(ready_info.get("restored_sessions") or ()):
+                self.open_sessions.setdefault(session, 0)  # --session-dir's, oldest first
             self.model = await load_model_state(client, self.config)
             log.info("serving %s (context %d)", self.model.model_id, self.model.context_length)
         except Exception as exc:  # reported by /health and every request
