@@ -148,6 +148,38 @@ def test_bad_constraints_answered_before_generation(
 
 
 @pytest.mark.parametrize(
+    "fields",
+    [
+        {"json_schema": {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}},
+        {"json_schema": {"type": "integer", "minimum": 2, "maximum": 1}},
+        {"regex": r"[^\s\S]"},
+        {"grammar": 'start: "a" B\nB: /[0-9]/ & /[a-z]/'},
+    ],
+)
+def test_unsatisfiable_constraint_is_an_error_line_that_changes_nothing(
+    engine: Any, fields: dict[str, Any]
+) -> None:
+    from protocol import OpenRequest
+
+    drive(engine, [OpenRequest(session_id="kept")])
+    turn = GenerateRequest(id="turn", prompt="Hello", max_new_tokens=3, session_id="kept")
+    drive(engine, [turn])
+    before = list(engine.pool.get("kept").resident_ids)
+    bad = GenerateRequest(id="bad", prompt="Goodbye", max_new_tokens=4, session_id="kept", **fields)
+    events = drive(engine, [bad])
+    assert len(events) == 1 and isinstance(events[0], ErrorEvent), events
+    assert events[0].code == "unsatisfiable_constraint", events[0]
+    assert engine.pool.get("kept").resident_ids == before
+    follow = decode_request(
+        json.dumps({"id": "follow", "prompt_segments": [{"ids": [*before, 108]}],
+                    "add_prefix": False, "max_new_tokens": 1, "session_id": "kept"}).encode()
+    )  # fmt: skip
+    assert isinstance(follow, GenerateRequest)
+    done = outputs(drive(engine, [follow]))["follow"][1]
+    assert isinstance(done, DoneEvent) and done.reused_prompt_tokens == len(before)
+
+
+@pytest.mark.parametrize(
     ("line", "message"),
     [
         (b'{"prompt":"x","regex":"a","grammar":"start: \\"a\\""}', "at most one of"),

@@ -32,6 +32,7 @@ import torch
 
 from protocol import GenerateRequest
 from protocol.constraints import (
+    UNSATISFIABLE_PREFIX,
     ConstraintError,
     grammar_text,
     request_constraint,
@@ -96,7 +97,8 @@ class GrammarCache:
         grammar = grammar_text(kind, source)
         pristine = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if pristine.is_error():
-            raise ConstraintError(f"{kind}: {pristine.get_error()}")
+            problem = str(pristine.get_error())
+            raise ConstraintError(f"{kind}: {problem}", UNSATISFIABLE_PREFIX in problem)
         reason = unsatisfiable_reason(kind, source, grammar)
         if reason is not None:
             raise ConstraintError(f"{kind}: {reason}", unsatisfiable=True)
