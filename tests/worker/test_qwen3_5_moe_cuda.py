@@ -110,11 +110,15 @@ def test_graph_decode_body_equals_eager_model_on_cpu() -> None:
 def test_fused_kernels_qwen3_5_moe_match_torch_path(
     triton_ready: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The model with every Triton kernel on (the grouped-GEMM MoE, the in-place DeltaNet
-    decode step, norms, attention; in the CPU interpreter here) through the graph body, against
-    the torch path."""
+    """The model as CUDA runs it (merged projections; every Triton kernel on: router, pair
+    alignment and grouped-GEMM MoE, the in-place DeltaNet decode step, its gated norm, norms,
+    attention; in the CPU interpreter here) through the graph body, against the torch path."""
+    import worker.layers.deltanet as deltanet
+
     ref = _model()
     fast = _model()
+    monkeypatch.setattr(deltanet, "FUSED_PROJECTION_DEVICES", ("cuda", "cpu"))
+    assert fast.fuse_projections() == 8 + 6  # shared experts, DeltaNet input matmuls
     monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
     graphed = GraphedCausalLM(fast, use_graphs=False, capture=False)
 

@@ -47,6 +47,32 @@ def test_align_pairs_groups_each_expert_in_whole_blocks(tokens: int, block_m: in
             assert rows[: len(real)] == real  # padding at the end of a run
 
 
+@pytest.mark.parametrize("tokens,block_m", [(1, 16), (7, 4), (40, 16), (700, 64)])
+def test_align_kernel_equals_torch_alignment(triton_ready: None, tokens: int, block_m: int) -> None:
+    from worker.device.kernels.moe import align_pairs, align_pairs_triton
+
+    experts, top_k = 8 if tokens < 700 else 48, 2
+    ids = _routing(tokens, experts, top_k, torch.Generator().manual_seed(tokens))
+    want = align_pairs(ids, experts, block_m)
+    got = align_pairs_triton(ids.to(DEVICE), experts, block_m)
+    blocks = got.block_expert.cpu()
+    assert torch.equal(blocks, want.block_expert)
+    used = int((blocks < experts).sum()) * block_m  # rows past the used blocks are unset
+    assert torch.equal(got.sorted_pairs.cpu()[:used], want.sorted_pairs[:used])
+
+
+def test_route_kernel_equals_router(triton_ready: None) -> None:
+    from worker.device.kernels.moe import route_triton
+
+    logits = torch.randn(9, 40, generator=torch.Generator().manual_seed(4)) * 3
+    probs = torch.softmax(logits, dim=-1)
+    want_weights, want_ids = torch.topk(probs, 6, dim=-1)
+    want_weights = want_weights / want_weights.sum(dim=-1, keepdim=True)
+    weights, ids = route_triton(logits.to(DEVICE), 6)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-6, atol=1e-6)
+
+
 def _experts_loop(
     x: torch.Tensor,
     gate_up: torch.Tensor,

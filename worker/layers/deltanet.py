@@ -44,11 +44,12 @@ from torch import nn
 
 from worker.device.kernels.attention import use_triton
 from worker.layers.attention import AttentionPlan
-from worker.layers.blocks import LLAMA_NORM, RMSNorm
+from worker.layers.blocks import LLAMA_NORM, RMSNorm, _concat_linears
 from worker.layers.hybrid_cache import DeltaNetLayerCache
 from worker.models.config import ModelConfig
 
 CHUNK = 64  # tokens per chunk of the chunked form
+FUSED_PROJECTION_DEVICES = ("cuda",)  # where fuse_projections merges the input matmuls
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -217,6 +218,35 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, **factory))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, LLAMA_NORM, **factory)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False, **factory)
+        self.in_proj_all: nn.Linear | None = None  # set by fuse_projections (CUDA)
+
+    def fuse_projections(self) -> None:
+        """On CUDA: ``in_proj_qkv``, ``_z``, ``_b`` and ``_a`` become one matmul
+        (``in_proj_all``, rows in that order; the HF names are gone afterwards). The CPU path
+        packs each weight on its own (``CausalLM.prepare_for_cpu``) and keeps them apart."""
+        device = self.in_proj_qkv.weight.device.type
+        if self.in_proj_all is not None or device not in FUSED_PROJECTION_DEVICES:
+            return
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        fused = _concat_linears(parts)
+        if fused is None:
+            return
+        self.in_proj_all = fused
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def _project(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> mixed [T, conv_dim], z [T, Hv, Dv], a, b [T, Hv] (views of one
+        matmul's output once fused)."""
+        t = x.shape[0]
+        if self.in_proj_all is None:
+            z = self.in_proj_z(x).view(t, self.num_v_heads, self.dv)
+            return self.in_proj_qkv(x), z, self.in_proj_a(x), self.in_proj_b(x)
+        proj = self.in_proj_all(x)
+        widths = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        mixed, z, b, a = torch.split(proj, widths, dim=-1)
+        return mixed, z.view(t, self.num_v_heads, self.dv), a, b
 
     def forward(
         self,
@@ -227,9 +257,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         del cos_sin
         t = x.shape[0]
-        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
-        z = self.in_proj_z(x).view(t, self.num_v_heads, self.dv)
-        a, b = self.in_proj_a(x), self.in_proj_b(x)  # [T, Hv] each
+        mixed, z, a, b = self._project(x)  # [T, conv_dim], [T, Hv, Dv], [T, Hv], [T, Hv]
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         if not isinstance(plan, AttentionPlan):
             out = self._decode_rows(mixed, a, b, weight, cache, plan.slots, padded=True)
@@ -243,7 +271,12 @@ class GatedDeltaNet(nn.Module):
                 )
             if plan.prefill:
                 self._prefill(mixed, self._decay(a), b.float().sigmoid(), weight, cache, plan, out)
-        normed = self.norm(out.to(x.dtype), z)  # [T, Hv, Dv]
+        if use_triton(x) and self.norm.weight is not None:
+            from worker.device.kernels.deltanet_decode import gated_rms_norm_triton
+
+            normed = gated_rms_norm_triton(out, z, self.norm.weight, self.norm.eps, x.dtype)
+        else:
+            normed = self.norm(out.to(x.dtype), z)  # [T, Hv, Dv]
         result: torch.Tensor = self.out_proj(normed.reshape(t, self.value_dim))
         return result
 

@@ -60,6 +60,10 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
+        if use_triton(x):
+            from worker.device.kernels.moe import route_triton
+
+            return route_triton(self.gate(x), self.top_k)  # the lines below, one launch
         probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)

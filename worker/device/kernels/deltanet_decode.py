@@ -11,6 +11,9 @@ slot pool: no gather of each row's state before the step, no scatter after it.
   ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``, then the delta-rule
   update of ``state[slot]`` and ``o = S^T q`` (``recurrent_gated_delta_rule``).
 
+- `gated_rms_norm_triton(x, gate, weight, eps, dtype)`: the layer's output norm
+  (``worker.layers.deltanet.GatedRMSNorm`` of ``x.to(dtype)``) in one launch, any step.
+
 Rows whose slot is negative are padding (the decode graphs' unused rows): they read a zero
 state, write nothing, and their outputs are finite and ignored. Slots are int64 tensors, so
 both kernels run inside a captured CUDA graph.
@@ -138,4 +141,42 @@ def gated_delta_step_triton(
         HK=num_key_heads, HV=heads_v, DK=dk, DV=dv,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=2,
     )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, gate_ptr, w_ptr, out_ptr, HEADS, stride_gate_row, eps,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)  # (token, head)
+    token, head = row // HEADS, row % HEADS
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    out_ty = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(out_ty).to(tl.float32)
+    normed = x / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    normed = normed.to(out_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scaled = (w * normed).to(out_ty).to(tl.float32)
+    gate = tl.load(gate_ptr + token * stride_gate_row + head * D + offs, mask=mask, other=0.0)
+    gate = gate.to(tl.float32)
+    out = scaled * (gate / (1.0 + tl.exp(-gate)))
+    tl.store(out_ptr + row * D + offs, out.to(out_ty), mask=mask)
+
+
+def gated_rms_norm_triton(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """x [T, H, D] (float32, contiguous); gate [T, H, D] (rows may be strided, heads packed);
+    weight [D] -> (weight * rms_norm(x.to(dtype))) * silu(gate) [T, H, D] in dtype, rounded
+    where the torch path rounds."""
+    tokens, heads, dim = x.shape
+    assert x.is_contiguous() and gate.stride(2) == 1 and gate.stride(1) == dim
+    out = torch.empty(tokens, heads, dim, dtype=dtype, device=x.device)
+    if tokens:
+        _gated_rms_norm_kernel[(tokens * heads,)](
+            x, gate, weight, out, heads, gate.stride(0), eps,
+            D=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()), num_warps=1,
+        )  # fmt: skip
     return out

@@ -1,13 +1,14 @@
 """Fused mixture-of-experts on the GPU: the (token, expert) pairs of a step grouped by expert
 and run as one grouped GEMM per matrix, with no host sync (capturable in a CUDA graph).
 
-    plan = align_pairs(ids, num_experts, block_m)      # torch ops, static shapes
+    plan = align_pairs(ids, num_experts, block_m)      # one launch, static shapes
     hidden = gate_up: silu(x W_g^T) * (x W_u^T)         # one launch, every expert hit
     out = down: (hidden W_d^T) * routing weight         # one launch
     y[t] = sum over t's k pairs of out                  # [T, k, H] -> [T, H]
 
 ``align_pairs`` sorts the T * k pairs by expert and pads each expert's run to a multiple of
-``block_m`` (vLLM's ``moe_align_block_size``, in plain torch): row r of the padded order holds a
+``block_m`` (vLLM's ``moe_align_block_size``; plain torch here, one Triton launch in
+``align_pairs_triton``, which the GPU path uses): row r of the padded order holds a
 pair id (``pairs`` marks padding), and block b of ``block_m`` rows belongs to one expert
 (``num_experts`` past the last used block: the kernels return at once there). The bound on the
 padded length depends only on T, k, E and ``block_m``, so the grid is fixed for a given T.
@@ -69,6 +70,111 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPai
     block_starts = torch.arange(0, length, block_m, device=device)
     block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
     return AlignedPairs(sorted_pairs, block_expert, pairs, block_m)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, PAIRS, E, NUM_BLOCKS,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr, TAIL: tl.constexpr,
+):  # fmt: skip
+    """``align_pairs`` in one launch: program e counts every expert's pairs (so it knows
+    where its run starts), then writes its own pairs in pair order, its run's padding and its
+    blocks' expert; program 0 also marks the unused blocks."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(0, PAIRS, CHUNK):
+        idx = start + offs
+        expert = tl.load(ids_ptr + idx, mask=idx < PAIRS, other=BINS - 1).to(tl.int32)
+        counts += tl.histogram(expert, BINS)
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < E, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    mine = bins == e
+    run_end = tl.sum(tl.where(mine, ends, 0), 0)
+    run_len = tl.sum(tl.where(mine, padded, 0), 0)
+    count = tl.sum(tl.where(mine, counts, 0), 0)
+    run_start = run_end - run_len
+    written = tl.sum(tl.zeros([CHUNK], dtype=tl.int32), 0)
+    for start in range(0, PAIRS, CHUNK):
+        idx = start + offs
+        expert = tl.load(ids_ptr + idx, mask=idx < PAIRS, other=-1).to(tl.int32)
+        hit = expert == e
+        pos = run_start + written + tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(sorted_ptr + pos, idx, mask=hit)
+        written += tl.sum(hit.to(tl.int32), 0)
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + run_start + count + pad, PAIRS + pad * 0, mask=count + pad < run_len)
+    tail = tl.arange(0, TAIL)
+    for b0 in range(0, run_len // BLOCK_M, TAIL):
+        block = b0 + tail
+        tl.store(block_expert_ptr + run_start // BLOCK_M + block, e + block * 0,
+                 mask=block < run_len // BLOCK_M)  # fmt: skip
+    if e == 0:
+        for b0 in range(tl.sum(padded, 0) // BLOCK_M, NUM_BLOCKS, TAIL):
+            block = b0 + tail
+            tl.store(block_expert_ptr + block, E + block * 0, mask=block < NUM_BLOCKS)
+
+
+def align_pairs_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
+    """``align_pairs`` in one kernel launch; rows past the used blocks are left unset (the
+    GEMM kernels never read them: their blocks' expert is ``num_experts``)."""
+    flat = ids.reshape(-1)
+    pairs = flat.shape[0]
+    length = padded_length(pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(length, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(length // block_m, dtype=torch.int32, device=flat.device)
+    _align_kernel[(num_experts,)](
+        flat, sorted_pairs, block_expert, pairs, num_experts, length // block_m,
+        BLOCK_M=block_m, CHUNK=1024, BINS=1 << num_experts.bit_length(), TAIL=64,
+        num_warps=4,
+    )  # fmt: skip
+    return AlignedPairs(sorted_pairs, block_expert, pairs, block_m)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, E, stride_row,
+    TOP_K: tl.constexpr, E_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One token: softmax over the experts (float32), the top k (lowest index on ties),
+    renormalised to sum 1, rounded to the weights' dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_BLOCK)
+    logit = tl.load(logits_ptr + row * stride_row + offs, mask=offs < E, other=-float("inf"))
+    logit = logit.to(tl.float32)
+    numer = tl.exp(logit - tl.max(logit, 0))
+    probs = numer / tl.sum(numer, 0)
+    probs = tl.where(offs < E, probs, -1.0)
+    slots = tl.arange(0, K_BLOCK)
+    picked = tl.zeros([K_BLOCK], dtype=tl.float32)
+    picked_ids = tl.zeros([K_BLOCK], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        best_id = tl.min(tl.where(probs == best, offs, E_BLOCK), 0)
+        picked = tl.where(slots == j, best, picked)
+        picked_ids = tl.where(slots == j, best_id.to(tl.int64), picked_ids)
+        probs = tl.where(offs == best_id, -1.0, probs)
+    picked = picked / tl.sum(picked, 0)
+    out = row * TOP_K + slots
+    tl.store(weights_ptr + out, picked.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+    tl.store(ids_ptr + out, picked_ids, mask=slots < TOP_K)
+
+
+def route_triton(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (the router's output) -> (weights [T, k] in logits' dtype, ids [T, k]
+    int64): ``SparseMoE.route`` after its matmul, in one launch."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](
+            logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
+            E_BLOCK=max(16, 1 << (experts - 1).bit_length()),
+            K_BLOCK=max(2, 1 << (top_k - 1).bit_length()), num_warps=4,
+        )  # fmt: skip
+    return weights, ids
 
 
 @triton.jit
@@ -215,7 +321,7 @@ def fused_moe_triton(
     assert gate_up.is_contiguous() and down.is_contiguous() and down.shape[1:] == (hidden, inner)
     x = x.contiguous()
     blocks = blocks or choose_blocks(tokens, hidden, inner)
-    aligned = align_pairs(ids, num_experts, blocks.block_m)
+    aligned = align_pairs_triton(ids, num_experts, blocks.block_m)
     pairs = aligned.pairs
     num_blocks = aligned.block_expert.shape[0]
     ieee = x.dtype == torch.float32
