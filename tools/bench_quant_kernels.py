@@ -30,8 +30,10 @@ from worker.device.kernels.gemv import graph_seconds as graph_time  # noqa: E402
 from worker.layers import quant as Q  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-GEMV_SWEEP = [(b, g, w) for b in (8, 16, 32) for g in (4, 8, 16) for w in (4, 8)]
-GEMM_SWEEP = [(64, 128, 4), (32, 128, 4), (128, 64, 4), (64, 64, 4), (128, 128, 8)]
+GEMV_SWEEP = [
+    (n, k, w, s) for n in (32, 64, 128) for k in (128, 256) for w in (4, 8) for s in (1, 3)
+]
+GEMM_SWEEP = [(n, k, w, s) for n in (64, 128) for k in (128, 256) for w in (4, 8) for s in (2, 3)]
 
 
 def model_shapes(config_path: Path) -> list[tuple[str, int, int, int]]:
@@ -88,10 +90,11 @@ def bench_shape(
     """Every path on one [n, k] matrix at each M in `rows_list`; one row per M."""
     dev = torch.device("cuda")
     weight = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
-    int4 = Q.quantize(weight, Q.QuantFormat("int4", group), search=False)
-    int8 = Q.quantize(weight, Q.QuantFormat("int8", group), search=False)
+    canonical = Q.quantize(weight, Q.QuantFormat("int4", group), search=False)
+    int4 = qm.KMajorWeight.pack(canonical)
+    int8 = qm.KMajorWeight.pack(Q.quantize(weight, Q.QuantFormat("int8", group), search=False))
     try:
-        tiny = tinygemm(int4)
+        tiny = tinygemm(canonical)
     except Exception as exc:  # noqa: BLE001
         print(f"tinygemm unavailable: {exc!r}", file=sys.stderr)
         tiny = None
@@ -99,7 +102,7 @@ def bench_shape(
     out = []
     for m in rows_list:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        ref4 = F.linear(x, int4.dequantize(torch.bfloat16)).float()
+        ref4 = F.linear(x, canonical.dequantize(torch.bfloat16)).float()
         row: dict[str, Any] = {"matrix": name, "N": n, "K": k, "count": count, "M": m}
         paths: dict[str, Any] = {
             "bf16_cublas": lambda x=x: F.linear(x, weight),
@@ -112,7 +115,7 @@ def bench_shape(
             paths["int4_tinygemm"] = lambda x=x: tiny(x)
         if qm.GEMV_MAX_ROWS < m <= qm.GEMM_MAX_ROWS:
             paths["int4_dequant_cublas"] = lambda x=x: F.linear(
-                x, qm.dequantize_triton(int4, torch.bfloat16)
+                x, qm.dequantize_triton(int4, torch.bfloat16).t()
             )
         if m >= 512:
             paths["int4_qgemm"] = lambda x=x: qm.qgemm(x, int4)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,68 +32,84 @@ FORMATS = [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 16)]
 @pytest.mark.parametrize(("kind", "group"), FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 40, 70])
 def test_quant_linear_matches_the_reference(kind: str, group: int, rows: int) -> None:
-    from worker.device.kernels.quant_matmul import quant_linear
+    from worker.device.kernels.quant_matmul import KMajorWeight, quant_linear
 
-    # N not a multiple of any tile; K a multiple of the group but not of the GEMM's K tile
+    # N not a multiple of any tile; K a multiple of the group but not of the K tiles
     qw = _qw(kind, group, n=70, k=group * 5, seed=rows)
     x = torch.randn(rows, group * 5, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     want = x @ qw.dequantize().T
-    got = quant_linear(x, qw)
+    got = quant_linear(x, KMajorWeight.pack(qw))
     assert got.shape == (rows, 70) and got.dtype == x.dtype
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_each_path_and_the_dequantize_kernel() -> None:
+@pytest.mark.parametrize(("kind", "group"), FORMATS)
+def test_k_major_rows_and_dequantize_match_the_reference(kind: str, group: int) -> None:
+    from worker.device.kernels.quant_matmul import KMajorWeight, dequantize_triton
+
+    qw = _qw(kind, group, n=37, k=group * 3)
+    packed = KMajorWeight.pack(qw)
+    assert packed.words.dtype == torch.int32 and packed.nbytes == qw.nbytes
+    ids = torch.tensor([0, 36, 5, 5]).to(DEVICE)
+    torch.testing.assert_close(packed.rows(ids, torch.float32), qw.rows(ids).dequantize())
+    torch.testing.assert_close(dequantize_triton(packed, torch.float32), qw.dequantize().T)
+
+
+def test_each_path_and_bad_inputs() -> None:
     from worker.device.kernels import quant_matmul as qm
 
     qw = _qw("int4", 32, n=48, k=256)
+    packed = qm.KMajorWeight.pack(qw)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     want = x @ qw.dequantize().T
-    torch.testing.assert_close(qm.qgemv(x, qw, config=(8, 2, 4)), want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(qm.qgemm(x, qw, config=(16, 64, 4)), want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(qm.dequantize_triton(qw, torch.float32), qw.dequantize())
+    torch.testing.assert_close(qm.qgemv(x, packed, (16, 64, 4, 1)), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(qm.qgemm(x, packed, (16, 128, 4, 1)), want, rtol=1e-4, atol=1e-4)
     bias = torch.arange(48, dtype=torch.float32).to(DEVICE)
     torch.testing.assert_close(
-        qm.quant_linear(x.view(2, 2, 256), qw, bias), (want + bias).view(2, 2, 48),
+        qm.quant_linear(x.view(2, 2, 256), packed, bias), (want + bias).view(2, 2, 48),
         rtol=1e-4, atol=1e-4,
     )  # fmt: skip
     with pytest.raises(ValueError):
-        qm.qgemv(torch.randn(5, 256).to(DEVICE), qw)
+        qm.qgemv(torch.randn(5, 256).to(DEVICE), packed)
     with pytest.raises(ValueError):
-        qm.qgemm(torch.randn(2, 128).to(DEVICE), qw)
+        qm.qgemm(torch.randn(2, 128).to(DEVICE), packed)
+    with pytest.raises(ValueError, match="power-of-two"):
+        qm.KMajorWeight.pack(_qw("int8", 0, n=8, k=48))  # per channel: group 48
 
 
-@pytest.fixture
-def triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """QuantLinear dispatches to the kernels for CPU tensors too (the interpreter)."""
-    monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
-    yield
-
-
-def test_quant_linear_module_goes_through_the_kernels(
-    triton_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+def test_pack_for_device_routes_layers_and_shares_a_tied_table(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from worker.device.kernels import quant_matmul as qm
 
-    qw = _qw("int4", 32, n=40, k=64)
-    layer = Q.QuantLinear.from_weight(qw)
+    qw = _qw("int8", 32, n=40, k=64)
+    model = torch.nn.ModuleDict({
+        "embed": Q.QuantEmbedding(40, 64, Q.QuantFormat("int8", 32), torch.float32),
+        "head": Q.QuantLinear.from_weight(qw),
+        "odd": Q.QuantLinear.from_weight(_qw("int8", 0, n=8, k=48)),  # stays canonical
+    })  # fmt: skip
+    model["embed"].quantized = qw  # tied: one table
+    want_rows = qw.rows(torch.tensor([3, 1]).to(DEVICE)).dequantize()
+    x = torch.randn(3, 64).to(DEVICE)
+    want = x @ qw.dequantize().T
+    assert Q.pack_for_device(model) == (1, 1)
+    head, embed = model["head"], model["embed"]
+    assert head.quantized is None and embed.quantized is None
+    assert head.device_packed is embed.device_packed is not None
+    assert model["odd"].quantized is not None and model["odd"].device_packed is None
     calls: list[int] = []
     real = qm.quant_linear
     monkeypatch.setattr(qm, "quant_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
-    x = torch.randn(3, 64).to(DEVICE)
-    torch.testing.assert_close(layer(x), x @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(head(x), want, rtol=1e-4, atol=1e-4)
     assert calls
-    per_channel = Q.QuantLinear.from_weight(_qw("int8", 0, n=8, k=48))  # group 48: reference
-    calls.clear()
-    per_channel(torch.randn(2, 48).to(DEVICE))
-    assert not calls
+    torch.testing.assert_close(embed(torch.tensor([3, 1]).to(DEVICE)), want_rows)
+    model["odd"](torch.randn(2, 48).to(DEVICE))  # the reference: no kernel call
+    assert len(calls) == 1
 
 
-def test_quantized_model_logits_kernels_equal_reference(
-    triton_on_cpu: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A tiny model loaded --quantize int4 with random weights: the kernels' logits (prefill
-    and decode rows) equal the torch reference's."""
+def test_quantized_model_logits_kernels_equal_reference() -> None:
+    """A tiny model loaded --quantize int4 with random weights: after pack_for_device (the
+    CUDA set-up's step) the kernels' logits (prefill and decode rows) equal the reference's."""
     from tiny_models import byte_level_tokenizer_json, tiny_config
 
     from worker.loading.loader import load_model
@@ -110,15 +125,16 @@ def test_quantized_model_logits_kernels_equal_reference(
             quantize=QuantizeOptions("int4", 32),
         )  # fmt: skip
     model = loaded.model
-    assert any(isinstance(m, Q.QuantLinear) for m in model.modules())
     assert isinstance(model.model.embed_tokens, Q.QuantEmbedding)
     prompt = StepInput.single(list(range(5, 14)), 0, 0, device=DEVICE)
     one = StepInput.single([20], 0, 9, device=DEVICE)
     kv = model.make_kv_cache(1, 32)
-    fast = [model(prompt, kv), model(one, kv)]
-    monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "0")
-    kv = model.make_kv_cache(1, 32)
     slow = [model(prompt, kv), model(one, kv)]
+    model.fuse_projections()
+    packed, left = Q.pack_for_device(model)
+    assert packed > 0 and left == 0
+    kv = model.make_kv_cache(1, 32)
+    fast = [model(prompt, kv), model(one, kv)]
     for got, want in zip(fast, slow, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

@@ -65,6 +65,11 @@ def prepare_model_for_device(
             merged = inner.fuse_projections()
             torch.cuda.empty_cache()
         _log(f"cuda_setup: merged the projections of {merged} modules")
+    with clock.step("cuda_setup: quantized weights packed"):
+        packed, left = _pack_quantized(inner)
+    if packed or left:
+        _log(f"cuda_setup: {packed} quantized weights in the K-major layout of the W4A16/W8A16 "
+             f"kernels, {left} left to the torch reference")  # fmt: skip
     if os.environ.get("TOKENPIPE_NO_GEMV") != "1":
         with clock.step("cuda_setup: GEMV timing"):
             _install_gemv(inner)
@@ -73,6 +78,21 @@ def prepare_model_for_device(
     if cuda_graphs and os.environ.get("TOKENPIPE_NO_GRAPHS") != "1":
         return GraphedCausalLM(model)
     return model
+
+
+def _pack_quantized(inner: Any) -> tuple[int, int]:
+    """Quantized linears into the Triton kernels' layout (``worker.layers.quant``
+    ``pack_for_device``); (0, 0) without quantized weights or without Triton."""
+    from worker.device.kernels import triton_available
+    from worker.layers.quant import QuantLinear, pack_for_device
+
+    if not any(isinstance(m, QuantLinear) for m in inner.modules()):
+        return 0, 0
+    if not triton_available():
+        raise ValueError("quantized weights on CUDA need Triton (pip install triton)")
+    result = pack_for_device(inner)
+    torch.cuda.empty_cache()
+    return result
 
 
 def _install_gemv(inner: Any) -> None:

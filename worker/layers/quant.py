@@ -317,6 +317,9 @@ class QuantLinear(nn.Module):
             nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         )
         self.cpu_packed: object | None = None  # worker.device.cpu_quant.PackedQuant
+        # worker.device.kernels.quant_matmul.KMajorWeight (the GPU's layout; `quantized` is
+        # dropped once it is set: see pack_for_device)
+        self.device_packed: object | None = None
 
     @staticmethod
     def from_weight(qw: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantLinear:
@@ -334,7 +337,8 @@ class QuantLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.quantized is None else self.quantized.nbytes
+        store = self.device_packed or self.quantized
+        return 0 if store is None else int(store.nbytes)  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
         if self.cpu_packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
@@ -342,25 +346,15 @@ class QuantLinear(nn.Module):
 
             out = cpu_quant.matmul(x, self.cpu_packed)
             return out if self.bias is None else out + self.bias
-        assert self.quantized is not None, f"{self.name}: weight not loaded"
-        if _device_kernels(x, self.quantized):
+        if self.device_packed is not None:  # worker.device.kernels.quant_matmul (CUDA)
             from worker.device.kernels.quant_matmul import quant_linear
 
-            return quant_linear(x, self.quantized, self.bias)
+            return quant_linear(x, self.device_packed, self.bias)  # type: ignore[arg-type]
+        assert self.quantized is not None, f"{self.name}: weight not loaded"
         return F.linear(x, self.quantized.dequantize(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.format.describe()}"
-
-
-def _device_kernels(x: torch.Tensor, qw: QuantizedWeight) -> bool:
-    """True where the Triton kernels of ``worker.device.kernels.quant_matmul`` serve ``x``
-    against ``qw``: CUDA (or the tests' interpreter) and a power-of-two group size (Triton's
-    blocks; other groups, such as a per-channel int8 row, take the torch reference)."""
-    from worker.device.kernels.attention import use_triton
-
-    group = qw.group_size
-    return group & (group - 1) == 0 and group >= 2 and use_triton(x)
 
 
 class QuantEmbedding(nn.Module):
@@ -377,6 +371,7 @@ class QuantEmbedding(nn.Module):
         self.name = name
         self.quantized: QuantizedWeight | None = None
         self.cpu_packed: object | None = None  # rows are gathered from it when set
+        self.device_packed: object | None = None  # a K-major table shared with the LM head
 
     def load(self, value: torch.Tensor | QuantizedWeight) -> None:
         shape = (self.num_embeddings, self.embedding_dim)
@@ -389,9 +384,42 @@ class QuantEmbedding(nn.Module):
         return 0 if self.quantized is None else self.quantized.nbytes
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [T] -> [T, dim]
+        if self.device_packed is not None:
+            return self.device_packed.rows(ids, self.dtype)  # type: ignore[attr-defined]
         if self.cpu_packed is not None:
             from worker.device import cpu_quant
 
             return cpu_quant.packed_rows(self.cpu_packed, ids).to(self.dtype)
         assert self.quantized is not None, f"{self.name}: weight not loaded"
         return self.quantized.rows(ids).dequantize(self.dtype)
+
+
+def pack_for_device(model: nn.Module) -> tuple[int, int]:
+    """Every quantized linear of ``model`` into the GPU kernels' K-major layout
+    (``worker.device.kernels.quant_matmul.KMajorWeight``), its canonical copy dropped; an
+    embedding whose table a packed LM head shares gathers its rows from the packed table (one
+    copy). Weights whose group the kernels cannot take stay canonical (the torch reference).
+    Returns (packed, left canonical). Imports Triton."""
+    from worker.device.kernels.quant_matmul import KMajorWeight
+
+    packed: dict[int, KMajorWeight] = {}
+    left = 0
+    for module in model.modules():
+        if not isinstance(module, QuantLinear) or module.quantized is None:
+            continue
+        if not KMajorWeight.supports(module.quantized):
+            left += 1
+            continue
+        key = id(module.quantized)
+        if key not in packed:
+            packed[key] = KMajorWeight.pack(module.quantized)
+        module.device_packed = packed[key]
+    for module in model.modules():
+        if isinstance(module, QuantEmbedding) and module.quantized is not None:
+            shared = packed.get(id(module.quantized))
+            if shared is not None:
+                module.device_packed = shared
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)) and module.device_packed is not None:
+            module.quantized = None
+    return len(packed), left

@@ -142,7 +142,7 @@ def summary(model: nn.Module) -> dict[str, dict[str, int]]:
 
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
-            store = module.cpu_packed if module.cpu_packed is not None else module.quantized
+            store = module.cpu_packed or module.device_packed or module.quantized
             if store is None or id(store) in seen:
                 continue
             seen.add(id(store))

@@ -1,177 +1,242 @@
 """Triton matmuls over weight-only quantized weights (W4A16 / W8A16) on CUDA.
 
-    y = quant_linear(x, qw)      # x [M, K] bf16/fp16/fp32, qw a QuantizedWeight [N, K]
+    packed = KMajorWeight.pack(qw)     # once, at start-up (worker/device/cuda_setup.py)
+    y = quant_linear(x, packed)        # x [M, K] bf16/fp16/fp32 -> [M, N]
 
-The weights stay in the canonical layout of ``worker.layers.quant`` (int4: uint8 [N, K / 2],
-low nibble the even k; int8: int8 [N, K]; fp16 scale (and int4 offset) per group of ``g``
-along K), so the CPU reference, the GGUF repacking and these kernels read the same bytes.
+The canonical layout of ``worker.layers.quant`` (row-major codes) is repacked for the GPU
+into a **K-major** one: codes in int32 words [K / P, N], word (w, n) holding the P codes of
+k = P*w .. P*w + P - 1 of output n (int4: P = 8 nibbles, code i at bits 4i..4i+3; int8:
+P = 4 signed bytes), and the fp16 scales (and int4 offsets) transposed to [K / g, N].
+Consecutive threads read consecutive outputs (coalesced along N); each loaded word feeds P
+multiply-adds against one shared x value each, so a weight costs an extract, a convert and
+an FMA; a group's scale and offset apply once per word row, to the sums
+``sum code * x`` and ``sum x`` (``w = code * scale + offset``). A first version walked the
+row-major codes and reached only 0.9-1.5 TB/s on an H200 (instruction-bound on unpacking
+and strided x loads: BENCHMARKS.md).
+
 Three paths, by the number of rows M:
 
-- **GEMV, M <= 4** (batch-1..4 decode): each program owns BLOCK_N output rows and walks K a
-  few groups at a time, loading a [BLOCK_N, GROUPS, bytes-per-group] block of codes (16-byte
-  loads), and per group sums ``code * x`` and ``x``: the group's scale multiplies the first
-  sum and its offset the second, so the per-weight work is unpack + convert + FMA.
-- **GEMM, 4 < M <= GEMM_MAX_ROWS** (decode batches): tiles of x against tiles of the codes
-  dequantized in registers to x's dtype, ``tl.dot`` on the tensor cores.
-- **Longer inputs** (prefill chunks): the weight dequantized into a scratch of x's dtype by
-  one kernel, then cuBLAS; the dequantization costs ~2.5 bytes per weight per chunk, small
-  against a chunk's matmul.
+- **GEMV, M <= 4** (batch-1..4 decode): CUDA cores, fp32 accumulation, every row of x
+  against each loaded word.
+- **GEMM, 4 < M <= GEMM_MAX_ROWS** (decode batches): per code position p of the word, the
+  [BLOCK_K / P, BLOCK_N] weights dequantized in registers to x's dtype and multiplied on the
+  tensor cores against x's columns P*w + p (``tl.dot``), so no interleave is ever built.
+- **Longer inputs** (prefill chunks): the weight dequantized into a [K, N] scratch of x's
+  dtype by one kernel, then cuBLAS; the dequantization costs ~2.5 bytes per weight per
+  chunk, small against a chunk's matmul.
 
-Accumulation is fp32; each weight is ``code * scale (+ offset)`` in fp32 as in the reference
+Each weight is ``code * scale (+ offset)`` in fp32 as in the reference
 (``worker.layers.quant.dequantize``). This module imports Triton: import it only after
 ``worker.device.kernels.triton_available()``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from worker.layers.quant import INT4, QuantizedWeight
+from worker.layers.quant import INT4, QuantizedWeight, unpack_nibbles
 
 GEMV_MAX_ROWS = 4
 GEMM_MAX_ROWS = 64
-# (BLOCK_N, GROUPS per step, num_warps): a start; tools/bench_quant_kernels.py sweeps them
-GEMV_CONFIG = (16, 8, 4)
-GEMM_CONFIG = (64, 128, 4)  # (BLOCK_N, BLOCK_K, num_warps); BLOCK_M from M
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); tools/bench_quant_kernels.py --sweep
+GEMV_CONFIG = (64, 256, 4, 3)
+GEMM_CONFIG = (64, 128, 4, 3)  # BLOCK_M from M
+PACK_ROWS = 4096  # rows repacked at a time: bounds the int32 temporaries
+
+
+@dataclass
+class KMajorWeight:
+    """A quantized [N, K] weight in the GPU's K-major layout (module docstring)."""
+
+    kind: str
+    shape: tuple[int, int]
+    group_size: int
+    words: torch.Tensor  # int32 [K / P, N]
+    scales: torch.Tensor  # fp16 [K / g, N]
+    offsets: torch.Tensor | None  # fp16 [K / g, N], int4 only
+
+    @property
+    def per_word(self) -> int:
+        return 8 if self.kind == INT4 else 4
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.words, self.scales] + ([self.offsets] if self.offsets is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    @staticmethod
+    def supports(qw: QuantizedWeight) -> bool:
+        """Groups of a power of two from 8 up (a word never straddles two groups)."""
+        group = qw.group_size
+        return group >= 8 and group & (group - 1) == 0
+
+    @staticmethod
+    def pack(qw: QuantizedWeight) -> KMajorWeight:
+        n, k = qw.shape
+        if not KMajorWeight.supports(qw):
+            group = qw.group_size
+            raise ValueError(f"K-major packing needs a power-of-two group >= 8, got {group}")
+        per_word = 8 if qw.kind == INT4 else 4
+        columns = []
+        for start in range(0, n, PACK_ROWS):
+            if qw.kind == INT4:
+                codes = unpack_nibbles(qw.qdata[start : start + PACK_ROWS]).to(torch.int32)
+                bits = 4
+            else:
+                codes = qw.qdata[start : start + PACK_ROWS].to(torch.int32) & 0xFF
+                bits = 8
+            codes = codes.view(codes.shape[0], k // per_word, per_word)
+            word = torch.zeros(codes.shape[:2], dtype=torch.int32, device=codes.device)
+            for position in range(per_word):
+                word |= codes[:, :, position] << (bits * position)
+            columns.append(word.t())
+        words = torch.cat(columns, dim=1).contiguous()  # [K / P, N]
+        offsets = None if qw.offsets is None else qw.offsets.t().contiguous()
+        return KMajorWeight(
+            qw.kind, qw.shape, qw.group_size, words, qw.scales.t().contiguous(), offsets
+        )
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` [T] of the dequantized weight -> [T, K] (an embedding lookup from a
+        table shared with the LM head; plain torch ops over the T columns)."""
+        n, k = self.shape
+        words = self.words[:, ids]  # [K / P, T]
+        bits = 32 // self.per_word
+        shifts = torch.arange(self.per_word, device=words.device, dtype=torch.int32) * bits
+        if self.kind == INT4:
+            codes = (words.unsqueeze(1) >> shifts.view(1, -1, 1)) & 0xF
+        else:  # signed bytes: shift each to the top, then arithmetic shift down
+            codes = (words.unsqueeze(1) << (24 - shifts).view(1, -1, 1)) >> 24
+        codes = codes.reshape(k, -1).t().float()  # [T, K]
+        group = self.group_size
+        scales = self.scales[:, ids].t().float().repeat_interleave(group, dim=1)
+        out = codes * scales
+        if self.offsets is not None:
+            out = out + self.offsets[:, ids].t().float().repeat_interleave(group, dim=1)
+        return out.to(dtype)
 
 
 @triton.jit
-def _group_dot(
-    x_row, codes, mask_g, gs, offs_b,
-    GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
-):  # fmt: skip
-    """One row of x against a block of codes [BN, GPB, B] -> (sum code * x, sum x) per group
-    ([BN, GPB] and [GPB]), fp32."""
+def _extract(word, position: tl.constexpr, INT4_KIND: tl.constexpr):
+    """Code ``position`` of each int32 word, as fp32."""
     if INT4_KIND:
-        k_even = gs[:, None] * GROUP + 2 * offs_b[None, :]  # [GPB, B]
-        xe = tl.load(x_row + k_even, mask=mask_g[:, None], other=0.0).to(tl.float32)
-        xo = tl.load(x_row + k_even + 1, mask=mask_g[:, None], other=0.0).to(tl.float32)
-        lo = (codes & 15).to(tl.float32)
-        hi = (codes >> 4).to(tl.float32)
-        dot = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
-        xsum = tl.sum(xe + xo, axis=1)
-    else:
-        ks = gs[:, None] * GROUP + offs_b[None, :]
-        xk = tl.load(x_row + ks, mask=mask_g[:, None], other=0.0).to(tl.float32)
-        dot = tl.sum(codes.to(tl.float32) * xk[None, :, :], axis=2)
-        xsum = tl.sum(xk, axis=1)
-    return dot, xsum
+        return ((word >> (4 * position)) & 15).to(tl.float32)
+    return ((word << (24 - 8 * position)) >> 24).to(tl.float32)
 
 
 @triton.jit
 def _qgemv_kernel(
-    x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, N, K, stride_xm, stride_ym,
+    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, N, K, stride_xm, stride_ym,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, GPB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    P: tl.constexpr = 8 if INT4_KIND else 4
+    BW: tl.constexpr = BLOCK_K // P  # word rows per step
+    WPG: tl.constexpr = GROUP // P  # word rows per group
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    n64 = offs_n.to(tl.int64)
-    BYTES: tl.constexpr = GROUP // 2 if INT4_KIND else GROUP
-    groups = K // GROUP
-    row_bytes = groups * BYTES
-    offs_g = tl.arange(0, GPB)
-    offs_b = tl.arange(0, BYTES)
-    acc0 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
-    for g0 in range(0, groups, GPB):
-        gs = g0 + offs_g
-        mask_g = gs < groups
-        mask_ng = mask_n[:, None] & mask_g[None, :]
-        code_ptrs = (
-            q_ptr + n64[:, None, None] * row_bytes + gs[None, :, None] * BYTES
-            + offs_b[None, None, :]
-        )  # fmt: skip
-        codes = tl.load(code_ptrs, mask=mask_ng[:, :, None], other=0)
-        meta = n64[:, None] * groups + gs[None, :]
-        scale = tl.load(s_ptr + meta, mask=mask_ng, other=0.0).to(tl.float32)
-        offset = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
+    words_k = K // P
+    acc0 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    for w0 in range(0, words_k, BW):
+        rows = w0 + tl.arange(0, BW)
+        mask_w = rows < words_k
+        mask = mask_w[:, None] & mask_n[None, :]
+        word = tl.load(w_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
+                       other=0)  # fmt: skip
+        meta = (rows // WPG)[:, None] * N + offs_n[None, :]
+        scale = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        offset = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
         if INT4_KIND:
-            offset = tl.load(o_ptr + meta, mask=mask_ng, other=0.0).to(tl.float32)
-        dot, xsum = _group_dot(x_ptr, codes, mask_g, gs, offs_b, GROUP, INT4_KIND)
-        acc0 += dot * scale + offset * xsum[None, :]
+            offset = tl.load(o_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        dot0 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+        dot1 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+        dot2 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+        dot3 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+        xs0 = tl.zeros([BW], dtype=tl.float32)
+        xs1 = tl.zeros([BW], dtype=tl.float32)
+        xs2 = tl.zeros([BW], dtype=tl.float32)
+        xs3 = tl.zeros([BW], dtype=tl.float32)
+        ks = rows * P
+        for p in tl.static_range(P):
+            code = _extract(word, p, INT4_KIND)
+            x0 = tl.load(x_ptr + ks + p, mask=mask_w, other=0.0).to(tl.float32)
+            dot0 += code * x0[:, None]
+            xs0 += x0
+            if ROWS > 1:
+                x1 = tl.load(x_ptr + stride_xm + ks + p, mask=mask_w, other=0.0).to(tl.float32)
+                dot1 += code * x1[:, None]
+                xs1 += x1
+            if ROWS > 2:
+                x2 = tl.load(x_ptr + 2 * stride_xm + ks + p, mask=mask_w, other=0.0)
+                x2 = x2.to(tl.float32)
+                dot2 += code * x2[:, None]
+                xs2 += x2
+            if ROWS > 3:
+                x3 = tl.load(x_ptr + 3 * stride_xm + ks + p, mask=mask_w, other=0.0)
+                x3 = x3.to(tl.float32)
+                dot3 += code * x3[:, None]
+                xs3 += x3
+        acc0 += dot0 * scale + offset * xs0[:, None]
         if ROWS > 1:
-            dot, xsum = _group_dot(x_ptr + stride_xm, codes, mask_g, gs, offs_b, GROUP, INT4_KIND)
-            acc1 += dot * scale + offset * xsum[None, :]
+            acc1 += dot1 * scale + offset * xs1[:, None]
         if ROWS > 2:
-            dot, xsum = _group_dot(
-                x_ptr + 2 * stride_xm, codes, mask_g, gs, offs_b, GROUP, INT4_KIND
-            )
-            acc2 += dot * scale + offset * xsum[None, :]
+            acc2 += dot2 * scale + offset * xs2[:, None]
         if ROWS > 3:
-            dot, xsum = _group_dot(
-                x_ptr + 3 * stride_xm, codes, mask_g, gs, offs_b, GROUP, INT4_KIND
-            )
-            acc3 += dot * scale + offset * xsum[None, :]
+            acc3 += dot3 * scale + offset * xs3[:, None]
     out_ty = y_ptr.dtype.element_ty
-    tl.store(y_ptr + offs_n, tl.sum(acc0, axis=1).to(out_ty), mask=mask_n)
+    tl.store(y_ptr + offs_n, tl.sum(acc0, axis=0).to(out_ty), mask=mask_n)
     if ROWS > 1:
-        tl.store(y_ptr + stride_ym + offs_n, tl.sum(acc1, axis=1).to(out_ty), mask=mask_n)
+        tl.store(y_ptr + stride_ym + offs_n, tl.sum(acc1, axis=0).to(out_ty), mask=mask_n)
     if ROWS > 2:
-        tl.store(y_ptr + 2 * stride_ym + offs_n, tl.sum(acc2, axis=1).to(out_ty), mask=mask_n)
+        tl.store(y_ptr + 2 * stride_ym + offs_n, tl.sum(acc2, axis=0).to(out_ty), mask=mask_n)
     if ROWS > 3:
-        tl.store(y_ptr + 3 * stride_ym + offs_n, tl.sum(acc3, axis=1).to(out_ty), mask=mask_n)
-
-
-@triton.jit
-def _dequant_tile(
-    q_ptr, s_ptr, o_ptr, offs_n, mask_n, k0, K,
-    GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Weights [BLOCK_N, BLOCK_K] (k from k0) dequantized to fp32; zero past K."""
-    n64 = offs_n.to(tl.int64)
-    groups = K // GROUP
-    GPB: tl.constexpr = BLOCK_K // GROUP
-    gs = k0 // GROUP + tl.arange(0, GPB)
-    mask_ng = mask_n[:, None] & (gs < groups)[None, :]
-    meta = n64[:, None] * groups + gs[None, :]
-    scale = tl.load(s_ptr + meta, mask=mask_ng, other=0.0).to(tl.float32)
-    if INT4_KIND:
-        offs_h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        mask = mask_n[:, None] & (offs_h < K // 2)[None, :]
-        codes = tl.load(q_ptr + n64[:, None] * (K // 2) + offs_h[None, :], mask=mask, other=0)
-        w = tl.reshape(tl.join(codes & 15, codes >> 4), [BLOCK_N, BLOCK_K]).to(tl.float32)
-        offset = tl.load(o_ptr + meta, mask=mask_ng, other=0.0).to(tl.float32)
-        w3 = tl.reshape(w, [BLOCK_N, GPB, GROUP])
-        w3 = w3 * scale[:, :, None] + offset[:, :, None]
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = mask_n[:, None] & (offs_k < K)[None, :]
-        codes = tl.load(q_ptr + n64[:, None] * K + offs_k[None, :], mask=mask, other=0)
-        w3 = tl.reshape(codes.to(tl.float32), [BLOCK_N, GPB, GROUP]) * scale[:, :, None]
-    return tl.reshape(w3, [BLOCK_N, BLOCK_K])
+        tl.store(y_ptr + 3 * stride_ym + offs_n, tl.sum(acc3, axis=0).to(out_ty), mask=mask_n)
 
 
 @triton.jit
 def _qgemm_kernel(
-    x_ptr, q_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    P: tl.constexpr = 8 if INT4_KIND else 4
+    BW: tl.constexpr = BLOCK_K // P
+    WPG: tl.constexpr = GROUP // P
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    words_k = K // P
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-            mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0,
-        )  # fmt: skip
-        w = _dequant_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n, k0, K, GROUP, INT4_KIND,
-                          BLOCK_N, BLOCK_K)  # fmt: skip
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
+    for w0 in range(0, words_k, BW):
+        rows = w0 + tl.arange(0, BW)
+        mask_w = rows < words_k
+        mask = mask_w[:, None] & mask_n[None, :]
+        word = tl.load(w_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
+                       other=0)  # fmt: skip
+        meta = (rows // WPG)[:, None] * N + offs_n[None, :]
+        scale = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        offset = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+        if INT4_KIND:
+            offset = tl.load(o_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        x_mask = mask_m[:, None] & mask_w[None, :]
+        for p in tl.static_range(P):
+            x = tl.load(x_rows + (rows * P + p)[None, :], mask=x_mask, other=0.0)  # [BM, BW]
+            weight = _extract(word, p, INT4_KIND) * scale + offset  # [BW, BN]
+            acc += tl.dot(x, weight.to(x.dtype), input_precision=PRECISION)
     out_ty = y_ptr.dtype.element_ty
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(out_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -179,108 +244,116 @@ def _qgemm_kernel(
 
 @triton.jit
 def _dequant_kernel(
-    q_ptr, s_ptr, o_ptr, w_ptr, N, K,
-    GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    w_ptr, s_ptr, o_ptr, out_ptr, N, K,
+    GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_N: tl.constexpr, BW: tl.constexpr,
 ):  # fmt: skip
+    """out [K, N] (x's dtype) = the dequantized weight, transposed."""
+    P: tl.constexpr = 8 if INT4_KIND else 4
+    WPG: tl.constexpr = GROUP // P
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_w = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    k0 = pid_k * BLOCK_K
-    w = _dequant_tile(q_ptr, s_ptr, o_ptr, offs_n, mask_n, k0, K, GROUP, INT4_KIND,
-                      BLOCK_N, BLOCK_K)  # fmt: skip
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-    tl.store(ptrs, w.to(w_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_k < K)[None, :])
+    rows = pid_w * BW + tl.arange(0, BW)
+    mask = (rows < K // P)[:, None] & (offs_n < N)[None, :]
+    word = tl.load(w_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
+    meta = (rows // WPG)[:, None] * N + offs_n[None, :]
+    scale = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+    offset = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    if INT4_KIND:
+        offset = tl.load(o_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    for p in tl.static_range(P):
+        weight = _extract(word, p, INT4_KIND) * scale + offset
+        ptrs = out_ptr + (rows * P + p)[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(ptrs, weight.to(out_ty), mask=mask)
 
 
-def _check(x: torch.Tensor, qw: QuantizedWeight) -> None:
-    if x.dim() != 2 or x.shape[1] != qw.shape[1] or x.stride(1) != 1:
-        raise ValueError(f"quantized matmul: x {tuple(x.shape)} against {list(qw.shape)}")
+def _check(x: torch.Tensor, packed: KMajorWeight) -> None:
+    if x.dim() != 2 or x.shape[1] != packed.shape[1] or x.stride(1) != 1:
+        raise ValueError(f"quantized matmul: x {tuple(x.shape)} against {list(packed.shape)}")
 
 
-def _offsets(qw: QuantizedWeight) -> torch.Tensor:
-    return qw.offsets if qw.offsets is not None else qw.scales  # int8: never read
+def _offsets(packed: KMajorWeight) -> torch.Tensor:
+    return packed.offsets if packed.offsets is not None else packed.scales  # int8: never read
+
+
+def _block_k(packed: KMajorWeight, wanted: int) -> int:
+    """A K tile of whole words, at least 16 word rows' worth for tl.dot's K >= 16."""
+    return max(wanted, 16 * packed.per_word)
 
 
 def qgemv(
-    x: torch.Tensor, qw: QuantizedWeight, config: tuple[int, int, int] | None = None
+    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, int, int, int] | None = None
 ) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_ROWS) @ dequantize(qw)^T -> [M, N] in x's dtype."""
-    _check(x, qw)
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ W^T -> [M, N] in x's dtype."""
+    _check(x, packed)
     rows = x.shape[0]
     if rows > GEMV_MAX_ROWS:
         raise ValueError(f"qgemv serves at most {GEMV_MAX_ROWS} rows, got {rows}")
-    n, k = qw.shape
-    block_n, gpb, num_warps = config or GEMV_CONFIG
+    n, k = packed.shape
+    block_n, block_k, num_warps, num_stages = config or GEMV_CONFIG
     y = torch.empty((rows, n), device=x.device, dtype=x.dtype)
     _qgemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qw.qdata, qw.scales, _offsets(qw), y, n, k, x.stride(0), y.stride(0),
-        GROUP=qw.group_size, INT4_KIND=qw.kind == INT4, ROWS=rows, BLOCK_N=block_n, GPB=gpb,
-        num_warps=num_warps,
+        x, packed.words, packed.scales, _offsets(packed), y, n, k, x.stride(0), y.stride(0),
+        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, ROWS=rows,
+        BLOCK_N=block_n, BLOCK_K=max(block_k, packed.per_word),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
 
 
-def _block_k(qw: QuantizedWeight, wanted: int) -> int:
-    """A K tile: a multiple of the group (at least one group), at least 16 for tl.dot."""
-    group = qw.group_size
-    return max(group, 16) if wanted <= group else wanted - wanted % group
-
-
 def qgemm(
-    x: torch.Tensor, qw: QuantizedWeight, config: tuple[int, int, int] | None = None
+    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, int, int, int] | None = None
 ) -> torch.Tensor:
-    """x [M, K] @ dequantize(qw)^T -> [M, N], dequantizing tiles in registers (tl.dot)."""
-    _check(x, qw)
+    """x [M, K] @ W^T -> [M, N], weights dequantized in registers for ``tl.dot``."""
+    _check(x, packed)
     m = x.shape[0]
-    n, k = qw.shape
-    block_n, block_k, num_warps = config or GEMM_CONFIG
-    block_k = _block_k(qw, block_k)
+    n, k = packed.shape
+    block_n, block_k, num_warps, num_stages = config or GEMM_CONFIG
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _qgemm_kernel[grid](
-        x, qw.qdata, qw.scales, _offsets(qw), y, m, n, k, x.stride(0), y.stride(0),
-        GROUP=qw.group_size, INT4_KIND=qw.kind == INT4,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        x, packed.words, packed.scales, _offsets(packed), y, m, n, k, x.stride(0), y.stride(0),
+        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(packed, block_k),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
 
 
-def dequantize_triton(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The whole weight [N, K] in ``dtype`` (one kernel; the prefill path's scratch)."""
-    n, k = qw.shape
-    out = torch.empty((n, k), device=qw.qdata.device, dtype=dtype)
-    block_n, block_k = 32, _block_k(qw, 128)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+def dequantize_triton(packed: KMajorWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight, transposed: [K, N] in ``dtype`` (the prefill path's scratch)."""
+    n, k = packed.shape
+    out = torch.empty((k, n), device=packed.words.device, dtype=dtype)
+    block_n, bw = 128, 16
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k // packed.per_word, bw))
     _dequant_kernel[grid](
-        qw.qdata, qw.scales, _offsets(qw), out, n, k,
-        GROUP=qw.group_size, INT4_KIND=qw.kind == INT4, BLOCK_N=block_n, BLOCK_K=block_k,
+        packed.words, packed.scales, _offsets(packed), out, n, k,
+        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_N=block_n, BW=bw,
         num_warps=4,
     )  # fmt: skip
     return out
 
 
 def quant_linear(
-    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor, packed: KMajorWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear(x, dequantize(qw), bias)`` for x [..., K], by the path that suits M."""
+    """``F.linear(x, W, bias)`` for x [..., K], by the path that suits M."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     m = flat.shape[0]
     if m == 0:
-        y = flat.new_empty((0, qw.shape[0]))
+        y = flat.new_empty((0, packed.shape[0]))
     elif m <= GEMV_MAX_ROWS:
-        y = qgemv(flat, qw)
+        y = qgemv(flat, packed)
     elif m <= GEMM_MAX_ROWS:
-        y = qgemm(flat, qw)
+        y = qgemm(flat, packed)
     else:
-        y = F.linear(flat, dequantize_triton(qw, flat.dtype))
+        y = F.linear(flat, dequantize_triton(packed, flat.dtype).t())
     if bias is not None:
         y = y + bias
-    return y.reshape(*lead, qw.shape[0])
+    return y.reshape(*lead, packed.shape[0])
