@@ -7,6 +7,7 @@ A protocol request's key is its `session_id`.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,9 +15,24 @@ import orjson
 
 from supervisor.openai.sessions import SESSION_HEADERS
 
+from .ring import HashRing
+
 SESSION_KEY = "session_key"
 """The keyword argument of a replica call that names its session (the router reads it).
 Defined here, not in router.py, so the front ends import no Ray before they connect."""
+
+
+def session_digest(session: str) -> str:
+    """A short, fixed-size name of a session for replica metadata (a replica lists the
+    sessions its --session-dir held at start; the router sends them there)."""
+    return hashlib.blake2b(session.encode(), digest_size=8).hexdigest()
+
+
+def session_owner(key: str, saved: Mapping[str, str], ring: HashRing) -> str | None:
+    """The ring name of the replica for session `key`: the live one whose --session-dir held
+    the session when it started (`saved`: digest -> ring name), else the ring's owner."""
+    holder = saved.get(session_digest(key)) if saved else None
+    return holder if holder is not None and holder in ring.nodes else ring.owner(key)
 
 
 def http_session_key(headers: Mapping[str, str], body: bytes) -> str | None:

@@ -45,6 +45,12 @@ def command() -> None:
 @click.option("--max-context", default=None, type=click.IntRange(1), help="Context per session.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1))
 @click.option("--worker-arg", "worker_args", multiple=True, help="An extra worker flag.")
+@click.option(
+    "--session-dir",
+    default=None,
+    help="Save named sessions here (a directory per replica rank, DIR/rank-R, on the "
+    "replica's node); a replacement replica, or the next deployment, resumes them warm.",
+)
 @click.option("--api-key", default=None, envvar="TOKENPIPE_API_KEY", help="Require this key.")
 @click.option("--no-http", is_flag=True, help="Replicas only, for `tokenpipe ray run`.")
 def up_command(
@@ -61,6 +67,7 @@ def up_command(
     max_context: int | None,
     max_queue: int,
     worker_args: tuple[str, ...],
+    session_dir: str | None,
     api_key: str | None,
     no_http: bool,
 ) -> None:
@@ -85,6 +92,7 @@ def up_command(
                 max_context=max_context,
                 max_queue=max_queue,
                 worker_args=worker_args,
+                session_dir=session_dir,
             ),
             server=ServerConfig(
                 model_id=model_id, api_key=api_key, max_queue=max_queue, bind_host=host

@@ -16,16 +16,24 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from protocol import ErrorCode, ErrorEvent
 from supervisor.client import AsyncClient, TokenpipeError
+from supervisor.config import session_root
 from supervisor.core import SupervisorConfig
 from supervisor.mirror import rebuild_request
 from supervisor.openai.app import Server, ServerConfig, create_app
+from supervisor.openai.cli import turns_dir
+from supervisor.openai.sessions import TurnStore
+from supervisor.openai.turn_files import TurnFiles
+from supervisor.session_dirs import split_session_dir
 
+from .affinity import session_digest
 from .asgi_bridge import Message, run_asgi
 
 log = logging.getLogger("tokenpipe.ray")
@@ -38,16 +46,37 @@ def error_event(code: str, message: str, **extra: Any) -> dict[str, Any]:
     return {"event": "error", "code": code, "error": message, **extra}
 
 
+def replica_config(supervisor: SupervisorConfig, rank: int | None, tag: str) -> SupervisorConfig:
+    """The replica's supervisor: with --session-dir, a directory of its own per rank
+    (`<root>/rank-<r>`; Ray gives a replacement its predecessor's rank, so it finds the
+    sessions its predecessor saved), which its supervisor splits per worker."""
+    root = session_root(supervisor)
+    if root is None:
+        return supervisor
+    _, worker_args = split_session_dir(supervisor.worker_args)
+    mine = Path(root) / (f"rank-{rank}" if rank is not None else f"replica-{tag}")
+    return replace(supervisor, session_dir=str(mine), worker_args=worker_args)
+
+
 class TokenpipeReplica:
     """The Serve deployment class (options are set in app.py)."""
 
     async def __init__(self, supervisor: SupervisorConfig, server: ServerConfig) -> None:
         from ray import serve
 
+        context = serve.get_replica_context()
+        self._rank = int(context.rank.rank) if context.rank is not None else None
+        self._tag = context.replica_id.unique_id
+        supervisor = replica_config(supervisor, self._rank, self._tag)
+
         async def start_client() -> AsyncClient:
             return await AsyncClient.in_process(supervisor)
 
-        self._server = Server(server, start_client)
+        turns = TurnStore()
+        if supervisor.session_dir is not None:
+            files = TurnFiles(turns_dir(supervisor.session_dir), turns.max_turns)
+            turns = TurnStore(files=files)
+        self._server = Server(server, start_client, turns=turns)
         await self._server.start()
         await self._server.wait_ready()
         if self._server.load_error is not None:
@@ -56,16 +85,23 @@ class TokenpipeReplica:
         assert isinstance(client, AsyncClient)
         self._client = client
         self._app = create_app(self._server)  # its lifespan is not run: the server is started
-        self._sessions: set[str] = set()  # named sessions opened here by protocol callers
-        context = serve.get_replica_context()
-        self._rank = int(context.rank.rank) if context.rank is not None else None
-        self._tag = context.replica_id.unique_id
-        log.info("tokenpipe replica %s (rank %s) ready", self._tag, self._rank)
+        # named sessions opened here by protocol callers, or restored from --session-dir
+        restored = client.ready_info.get("restored_sessions") or []
+        self._sessions: set[str] = set(restored)
+        self._saved = [session_digest(s) for s in restored]
+        log.info(
+            "tokenpipe replica %s (rank %s) ready, %d session(s) restored",
+            self._tag,
+            self._rank,
+            len(restored),
+        )
 
     # -- what Ray Serve asks
 
     def record_replica_metadata(self) -> dict[str, Any]:
-        return {"rank": self._rank, "pid": os.getpid()}
+        """Read once, when the replica is up: its ring name, and the sessions its
+        --session-dir held (the router sends those here)."""
+        return {"rank": self._rank, "pid": os.getpid(), "sessions": self._saved}
 
     async def __del__(self) -> None:
         await self._server.stop()

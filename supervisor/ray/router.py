@@ -1,6 +1,9 @@
 """Ray Serve's request routing for tokenpipe replicas: a request that names a session goes to
 the replica that holds it, every other request to the least-loaded replica.
 
+Which replica holds a session: the one whose --session-dir held it when the replica started
+(replica metadata lists those sessions' digests), else its owner on a consistent-hash ring.
+
 It runs inside each caller (the HTTP ingress, the JSONL front end): Ray Serve hands it the
 live replicas and the pending call, whose `session_key` keyword is the session to stick to.
 A replica's ring name is its Serve rank (`record_replica_metadata` in replica.py), not its
@@ -14,7 +17,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from .affinity import SESSION_KEY
+from .affinity import SESSION_KEY, session_owner
 from .ring import HashRing
 
 __all__ = ["SESSION_KEY", "SessionAffinityRouter", "ring_name"]
@@ -26,17 +29,32 @@ def ring_name(replica: RunningReplica) -> str:
     return f"rank-{rank}" if rank is not None else replica.replica_id.unique_id
 
 
+def saved_sessions(replica: RunningReplica) -> frozenset[str]:
+    """Digests of the sessions the replica's --session-dir held when it started."""
+    listed = replica.replica_metadata.get("sessions")
+    return frozenset(listed) if isinstance(listed, list) else frozenset()
+
+
 class SessionAffinityRouter(RequestRouter):
-    """Consistent hashing for named sessions; least ongoing requests for the rest."""
+    """Named sessions: to the live replica whose --session-dir held the session when it
+    started, else by consistent hashing; least ongoing requests for the rest."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._ring = HashRing(())
         self._by_name: dict[str, RunningReplica] = {}
+        self._saved: dict[str, str] = {}  # session digest -> ring name of its holder
+        self._saved_from: frozenset[str] = frozenset()  # the replica ids `_saved` was made of
 
     def _ring_for(self, candidates: list[RunningReplica]) -> HashRing:
         names = {ring_name(r): r for r in candidates}
         if names.keys() != self._ring.nodes:
             self._ring = HashRing(names)
+        replicas = frozenset(r.replica_id.unique_id for r in candidates)
+        if replicas != self._saved_from:  # a replica came, went or was replaced
+            self._saved_from = replicas
+            self._saved = {
+                digest: name for name, r in names.items() for digest in saved_sessions(r)
+            }
         self._by_name = names
         return self._ring
 
@@ -47,7 +65,7 @@ class SessionAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         key = pending_request.kwargs.get(SESSION_KEY) if pending_request is not None else None
         if key:
-            owner = self._ring_for(candidate_replicas).owner(key)
+            owner = session_owner(key, self._saved, self._ring_for(candidate_replicas))
             if owner is not None:
                 return [[self._by_name[owner]]]
         # One rank of every replica: the base class takes the lowest queue length.

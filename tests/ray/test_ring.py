@@ -46,3 +46,18 @@ def test_removing_a_replica_moves_only_its_sessions() -> None:
             assert after[key] == before[key]
         else:
             assert after[key] != "rank-2"
+
+
+def test_a_session_saved_by_a_replica_goes_back_to_it() -> None:
+    from supervisor.ray.affinity import session_digest, session_owner
+
+    ring = HashRing(["rank-0", "rank-1", "rank-2"])
+    key = next(k for k in KEYS if ring.owner(k) == "rank-0")
+    saved = {session_digest(key): "rank-2"}  # rank-2's --session-dir held it at its start
+    assert session_owner(key, saved, ring) == "rank-2"
+    assert session_owner(key, {}, ring) == "rank-0"
+    other = next(k for k in KEYS if k != key)
+    assert session_owner(other, saved, ring) == ring.owner(other)
+    # the holder is gone: the ring decides
+    smaller = HashRing(["rank-0", "rank-1"])
+    assert session_owner(key, saved, smaller) == smaller.owner(key)
