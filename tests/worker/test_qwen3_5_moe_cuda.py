@@ -107,6 +107,7 @@ def test_graph_decode_body_equals_eager_model_on_cpu() -> None:
             assert not layer.conv[unused].any() and not layer.recurrent[unused].any()
 
 
+@pytest.mark.skipif(CUDA, reason="CPU tensors through the interpreter; CUDA: the fp32 test")
 def test_fused_kernels_qwen3_5_moe_match_torch_path(
     triton_ready: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

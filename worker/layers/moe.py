@@ -71,6 +71,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden] -> [T, hidden]
         weights, ids = self.route(x)
+        if self.act_name == "silu" and use_triton(x):  # routed + shared in the kernels
+            from worker.device.kernels.moe import fused_moe_triton
+
+            return fused_moe_triton(
+                x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                shared=self.shared_expert(x), shared_gate=self.shared_expert_gate(x),
+            )  # fmt: skip
         routed = self._experts(x, weights, ids)
         shared: torch.Tensor = self.shared_expert(x)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared

@@ -302,6 +302,28 @@ def choose_blocks(tokens: int, hidden: int, inner: int) -> MoeBlocks:
     return MoeBlocks(64, _tile(64, inner), _tile(128, hidden), _tile(64, min(hidden, inner)), 4, 3)
 
 
+@triton.jit
+def _combine_kernel(
+    pairs_ptr, shared_ptr, gate_ptr, out_ptr, stride_gate, HIDDEN,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[t] = round(sum_j pairs[t, j]) (+ round(round(sigmoid(gate[t])) * shared[t]))."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    out_ty = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (token * TOP_K + j) * HIDDEN + offs, mask=mask).to(tl.float32)
+    out = acc.to(out_ty).to(tl.float32)
+    if HAS_SHARED:
+        logit = tl.load(gate_ptr + token * stride_gate).to(tl.float32)
+        scale = (1.0 / (1.0 + tl.exp(-logit))).to(out_ty).to(tl.float32)
+        shared = tl.load(shared_ptr + token * HIDDEN + offs, mask=mask).to(tl.float32)
+        out += (scale * shared).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + token * HIDDEN + offs, out.to(out_ty), mask=mask)
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -309,11 +331,15 @@ def fused_moe_triton(
     weights: torch.Tensor,
     ids: torch.Tensor,
     blocks: MoeBlocks | None = None,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j].
+    """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], plus
+    sigmoid(shared_gate[t]) * shared[t] when given (the shared expert, added in the same
+    launch that sums the k pairs).
 
     x [T, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; weights [T, k] in x's
-    dtype; ids [T, k] int64 -> [T, H] in x's dtype."""
+    dtype; ids [T, k] int64; shared [T, H], shared_gate [T, 1] -> [T, H] in x's dtype."""
     tokens, hidden = x.shape
     num_experts, two_inner, _ = gate_up.shape
     inner = two_inner // 2
@@ -342,4 +368,13 @@ def fused_moe_triton(
         EVEN_N=hidden % blocks.down_n == 0, IEEE=ieee,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip
-    return out.view(tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)
+    result = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    has_shared = shared is not None and shared_gate is not None
+    if tokens:
+        _combine_kernel[(tokens, triton.cdiv(hidden, 256))](
+            out, shared.contiguous() if has_shared else out,  # type: ignore[union-attr]
+            shared_gate if has_shared else out,
+            result, shared_gate.stride(0) if has_shared else 0,  # type: ignore[union-attr]
+            hidden, TOP_K=top_k, HAS_SHARED=has_shared, BLOCK=256, num_warps=2,
+        )  # fmt: skip
+    return result
