@@ -238,12 +238,12 @@ def main() -> int:
     log("torch", torch.__version__)
     started = time.perf_counter()
     for name, fn in (
-        ("deltanet_prefill", deltanet_prefill),
-        ("deltanet_decode_1", lambda: deltanet_decode(1)),
-        ("deltanet_decode_32", lambda: deltanet_decode(32)),
         ("moe_1", lambda: moe(1)),
         ("moe_32", lambda: moe(32)),
         ("moe_2048", lambda: moe(2048)),
+        ("deltanet_decode_1", lambda: deltanet_decode(1)),
+        ("deltanet_decode_32", lambda: deltanet_decode(32)),
+        ("deltanet_prefill", deltanet_prefill),
     ):
         try:
             fn()
