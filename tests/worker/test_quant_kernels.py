@@ -62,7 +62,11 @@ def test_each_path_and_bad_inputs() -> None:
     packed = qm.KMajorWeight.pack(qw)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     want = x @ qw.dequantize().T
-    torch.testing.assert_close(qm.qgemv(x, packed, (16, 64, 4, 1)), want, rtol=1e-4, atol=1e-4)
+    for split in (1, 3, 4):  # K = 32 words: splits of uneven and of no work
+        got = qm.qgemv(x, packed, (16, 64, 4, 1), split=split)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert qm.split_for(5376, 21504, 32, 256, 8) == 4  # few outputs: split
+    assert qm.split_for(262144, 5376, 64, 256, 8) == 1
     torch.testing.assert_close(qm.qgemm(x, packed, (16, 128, 4, 1)), want, rtol=1e-4, atol=1e-4)
     bias = torch.arange(48, dtype=torch.float32).to(DEVICE)
     torch.testing.assert_close(

@@ -44,7 +44,7 @@ from worker.layers.quant import INT4, QuantizedWeight, unpack_nibbles
 GEMV_MAX_ROWS = 4
 GEMM_MAX_ROWS = 64
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); tools/bench_quant_kernels.py --sweep
-GEMV_CONFIG = (64, 256, 4, 3)
+GEMV_CONFIG = (32, 256, 8, 3)
 GEMM_CONFIG = (64, 128, 4, 3)  # BLOCK_M from M
 PACK_ROWS = 4096  # rows repacked at a time: bounds the int32 temporaries
 
@@ -122,33 +122,42 @@ class KMajorWeight:
 
 
 @triton.jit
-def _extract(word, position: tl.constexpr, INT4_KIND: tl.constexpr):
-    """Code ``position`` of each int32 word, as fp32."""
+def _extract(word, position, INT4_KIND: tl.constexpr):
+    """Code ``position`` of each int32 word, as fp32. Without an integer-to-float conversion
+    (a quarter-rate instruction on Hopper that capped the kernels at ~2 TB/s): the code goes
+    into the mantissa of 2^23 and 2^23 (+ 128, for int8's sign flip) is subtracted, exact."""
     if INT4_KIND:
-        return ((word >> (4 * position)) & 15).to(tl.float32)
-    return ((word << (24 - 8 * position)) >> 24).to(tl.float32)
+        bits = ((word >> (4 * position)) & 15) | 0x4B000000
+        return bits.to(tl.float32, bitcast=True) - 8388608.0
+    bits = (((word >> (8 * position)) & 255) ^ 128) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
 
 
 @triton.jit
 def _qgemv_kernel(
-    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, N, K, stride_xm, stride_ym,
+    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_ys,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     P: tl.constexpr = 8 if INT4_KIND else 4
     BW: tl.constexpr = BLOCK_K // P  # word rows per step
     WPG: tl.constexpr = GROUP // P  # word rows per group
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     words_k = K // P
+    # split s walks the word rows [s * span, (s + 1) * span), span a multiple of BW
+    span = tl.cdiv(tl.cdiv(words_k, SPLIT), BW) * BW
+    first = split * span
+    last = tl.minimum(first + span, words_k)
     acc0 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     acc1 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     acc3 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    for w0 in range(0, words_k, BW):
+    for w0 in range(first, last, BW):
         rows = w0 + tl.arange(0, BW)
-        mask_w = rows < words_k
+        mask_w = rows < last
         mask = mask_w[:, None] & mask_n[None, :]
         word = tl.load(w_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
                        other=0)  # fmt: skip
@@ -192,6 +201,8 @@ def _qgemv_kernel(
             acc2 += dot2 * scale + offset * xs2[:, None]
         if ROWS > 3:
             acc3 += dot3 * scale + offset * xs3[:, None]
+    # SPLIT 1: y in x's dtype; else fp32 partials y[split] that _reduce_kernel sums
+    y_ptr += split * stride_ys
     out_ty = y_ptr.dtype.element_ty
     tl.store(y_ptr + offs_n, tl.sum(acc0, axis=0).to(out_ty), mask=mask_n)
     if ROWS > 1:
@@ -203,6 +214,17 @@ def _qgemv_kernel(
 
 
 @triton.jit
+def _reduce_kernel(part_ptr, y_ptr, count, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y[i] = the sum over s of part[s, i] in fp32, in a fixed order (deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < count
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        total += tl.load(part_ptr + s * count + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _qgemm_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
@@ -210,33 +232,37 @@ def _qgemm_kernel(
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     P: tl.constexpr = 8 if INT4_KIND else 4
-    BW: tl.constexpr = BLOCK_K // P
-    WPG: tl.constexpr = GROUP // P
+    GPB: tl.constexpr = BLOCK_K // GROUP  # groups per K tile (BLOCK_K a multiple of GROUP)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    words_k = K // P
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for w0 in range(0, words_k, BW):
-        rows = w0 + tl.arange(0, BW)
-        mask_w = rows < words_k
-        mask = mask_w[:, None] & mask_n[None, :]
-        word = tl.load(w_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
-                       other=0)  # fmt: skip
-        meta = (rows // WPG)[:, None] * N + offs_n[None, :]
-        scale = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-        offset = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        # each word read by its P rows of the tile (one global read, the others from L1)
+        word = tl.load(
+            w_ptr + (offs_k // P)[:, None].to(tl.int64) * N + offs_n[None, :],
+            mask=mask_k[:, None] & mask_n[None, :], other=0,
+        )  # fmt: skip
+        code = _extract(word, (offs_k % P)[:, None], INT4_KIND)  # [BK, BN]
+        groups = k0 // GROUP + tl.arange(0, GPB)
+        gmask = (groups < K // GROUP)[:, None] & mask_n[None, :]
+        meta = groups[:, None] * N + offs_n[None, :]
+        scale = tl.load(s_ptr + meta, mask=gmask, other=0.0).to(tl.float32)  # [GPB, BN]
+        code3 = tl.reshape(code, [GPB, GROUP, BLOCK_N])
         if INT4_KIND:
-            offset = tl.load(o_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-        x_mask = mask_m[:, None] & mask_w[None, :]
-        for p in tl.static_range(P):
-            x = tl.load(x_rows + (rows * P + p)[None, :], mask=x_mask, other=0.0)  # [BM, BW]
-            weight = _extract(word, p, INT4_KIND) * scale + offset  # [BW, BN]
-            acc += tl.dot(x, weight.to(x.dtype), input_precision=PRECISION)
+            offset = tl.load(o_ptr + meta, mask=gmask, other=0.0).to(tl.float32)
+            weight = code3 * scale[:, None, :] + offset[:, None, :]
+        else:
+            weight = code3 * scale[:, None, :]
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w_tile = tl.reshape(weight, [BLOCK_K, BLOCK_N]).to(x.dtype)
+        acc += tl.dot(x, w_tile, input_precision=PRECISION)
     out_ty = y_ptr.dtype.element_ty
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(out_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -278,27 +304,54 @@ def _offsets(packed: KMajorWeight) -> torch.Tensor:
 
 
 def _block_k(packed: KMajorWeight, wanted: int) -> int:
-    """A K tile of whole words, at least 16 word rows' worth for tl.dot's K >= 16."""
-    return max(wanted, 16 * packed.per_word)
+    """A GEMM K tile: a multiple of the group, at least 16 (tl.dot)."""
+    group = packed.group_size
+    return max(group, 16, wanted - wanted % group)
+
+
+SPLIT_TARGET_PROGRAMS = 512  # ~4 per SM of an H200
+MAX_SPLIT = 8
+
+
+def split_for(n: int, k: int, block_n: int, block_k: int, per_word: int) -> int:
+    """Split K until ~SPLIT_TARGET_PROGRAMS programs run: a matrix of few outputs (5,376,
+    K 21,504) otherwise leaves most SMs idle (0.8 TB/s on an H200)."""
+    programs = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k // per_word, block_k // per_word)
+    split = 1
+    while programs * split < SPLIT_TARGET_PROGRAMS and split * 2 <= min(steps, MAX_SPLIT):
+        split *= 2
+    return split
 
 
 def qgemv(
-    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, int, int, int] | None = None
-) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_ROWS) @ W^T -> [M, N] in x's dtype."""
+    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, int, int, int] | None = None,
+    split: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] (M <= GEMV_MAX_ROWS) @ W^T -> [M, N] in x's dtype; ``split`` K-splits (None:
+    ``split_for``), summed in fp32 by a second small kernel."""
     _check(x, packed)
     rows = x.shape[0]
     if rows > GEMV_MAX_ROWS:
         raise ValueError(f"qgemv serves at most {GEMV_MAX_ROWS} rows, got {rows}")
     n, k = packed.shape
     block_n, block_k, num_warps, num_stages = config or GEMV_CONFIG
+    block_k = max(block_k, packed.per_word)
+    if split is None:
+        split = split_for(n, k, block_n, block_k, packed.per_word)
     y = torch.empty((rows, n), device=x.device, dtype=x.dtype)
-    _qgemv_kernel[(triton.cdiv(n, block_n),)](
-        x, packed.words, packed.scales, _offsets(packed), y, n, k, x.stride(0), y.stride(0),
+    out = y if split == 1 else torch.empty((split, rows, n), device=x.device, dtype=torch.float32)
+    _qgemv_kernel[(triton.cdiv(n, block_n), split)](
+        x, packed.words, packed.scales, _offsets(packed), out, n, k, x.stride(0), n, rows * n,
         GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, ROWS=rows,
-        BLOCK_N=block_n, BLOCK_K=max(block_k, packed.per_word),
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _reduce_kernel[(triton.cdiv(rows * n, block),)](
+            out, y, rows * n, SPLIT=split, BLOCK=block, num_warps=4
+        )
     return y
 
 
