@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import msgspec
 import orjson
 
-from protocol import ErrorCode, ErrorEvent, Event, GenerateRequest, ReadyEvent
+from protocol import ErrorCode, Event, GenerateRequest, ReadyEvent
 from supervisor.core import Supervisor, SupervisorConfig
 from supervisor.dispatch import Channel
 
@@ -216,27 +216,38 @@ class AsyncClient:
     async def generate(self, request: GenerateRequest | dict[str, Any]) -> AsyncIterator[Event]:
         """Stream a generate request's events: TokenEvent..., then DoneEvent | ErrorEvent.
         Leaving the loop before the end cancels the request."""
+        async with contextlib.aclosing(self.generate_batches(request)) as batches:
+            async for batch in batches:
+                for raw in batch:
+                    yield _to_event(raw)
+
+    async def generate_batches(
+        self, request: GenerateRequest | dict[str, Any]
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """`generate`'s answer lines as plain dicts (as on the wire), in batches: each batch
+        is every line already in when it is taken, so a caller in another process (a Ray
+        replica's) pays one message per batch, not per token. The last batch ends with the
+        `done` or `error`. Leaving the loop before the end cancels the request."""
         req = _request_dict(request)
         req.pop("op", None)
         if req.get("id") is None:
             req["id"] = self._new_id()
         rid = req["id"]
         if rid in self._queues:
-            yield ErrorEvent(
-                error=f"id {rid!r} is already in flight", code=ErrorCode.DUPLICATE_ID, id=rid
-            )
+            message = f"id {rid!r} is already in flight"
+            yield [{"event": "error", "error": message, "code": ErrorCode.DUPLICATE_ID, "id": rid}]
             return
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._queues[rid] = queue
         finished = False
         try:
             self._submit(req)
-            while True:
-                raw = await queue.get()
-                finished = raw.get("event") != "token"
-                yield _to_event(raw)
-                if finished:
-                    return
+            while not finished:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                finished = batch[-1].get("event") != "token"
+                yield batch
         finally:
             self._queues.pop(rid, None)
             if not finished and not self._closed:

@@ -6,9 +6,10 @@ The same requests, one at a time on a kept-alive connection, to
      Serve's proxy -> the ingress -> the replica's app);
 and, with --jsonl, `tokenpipe run` against `tokenpipe ray run` (front end -> replica).
 
-Requests: `GET /v1/models` (no model work: the path's own cost) and a one-token completion
-(end to end; the model's time varies by a few ms on a busy CPU, so look at /v1/models for the
-overhead). Prints the median and p90 of each, and the difference.
+Requests: `GET /v1/models` (no model work: the path's own cost), a one-token completion (end
+to end; the model's time varies by a few ms on a busy CPU, so look at /v1/models for the
+overhead), and the same in a named session (`x-session-affinity`). Prints the median and p90
+of each, and the difference.
 
     python tools/bench_ray.py [--requests 200] [--jsonl]
 """
@@ -35,6 +36,7 @@ SERVER_ARGS = ["--workers", "1", "--max-context", "1024"]
 # Ray runs a replica that reserves one CPU with OMP_NUM_THREADS=1; the direct runs match it.
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 COMPLETION = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
+SESSION = {"x-session-affinity": "bench"}  # routed by Serve's proxy to the session's replica
 
 
 def timed(call: Callable[[], object], n: int) -> list[float]:
@@ -70,7 +72,16 @@ def http_cases(base: str, n: int) -> dict[str, list[float]]:
         def completion() -> None:
             client.post("/v1/completions", json={**COMPLETION, "model": model}).raise_for_status()
 
-        return {"GET /v1/models": timed(models, n), "completion, 1 token": timed(completion, n)}
+        def in_session() -> None:
+            client.post(
+                "/v1/completions", json={**COMPLETION, "model": model}, headers=SESSION
+            ).raise_for_status()
+
+        return {
+            "GET /v1/models": timed(models, n),
+            "completion, 1 token": timed(completion, n),
+            "same, x-session-affinity": timed(in_session, n),
+        }
 
 
 class JsonlPipe:

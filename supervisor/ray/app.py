@@ -17,14 +17,15 @@ from typing import Any
 
 from supervisor.core import SupervisorConfig
 from supervisor.openai.app import ServerConfig
+from supervisor.openai.sessions import SESSION_HEADERS
 
 APP_NAME = "tokenpipe"
 REPLICA_DEPLOYMENT = "TokenpipeReplica"
-INGRESS_DEPLOYMENT = "TokenpipeIngress"
 AUTH_TOKEN_FILE = "~/.ray/auth_token"  # where Ray keeps this machine's cluster token
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
+SESSION_HEADER_ENV = "RAY_SERVE_SESSION_ID_HEADER_KEY"
 LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 OBJECT_STORE_BYTES = 128 << 20  # events and request bodies are small; Ray's minimum is 75 MiB
 
@@ -62,6 +63,10 @@ def connect(address: str | None, num_cpus: int | None = None, node_ip: str = "12
             sys.modules["ray._private.ray_constants"].ENABLE_RAY_CLUSTER = False
     if address:
         use_cluster_token()
+    else:
+        # Serve's proxy (in this new cluster) routes by this header: a session-affine
+        # request goes straight to its replica (supervisor/ray/ingress.py)
+        os.environ.setdefault(SESSION_HEADER_ENV, SESSION_HEADERS[0])
     import ray
 
     common: dict[str, Any] = {
@@ -116,7 +121,6 @@ def application(spec: Deployment) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from .ingress import Ingress
     from .replica import TokenpipeReplica
     from .router import SessionAffinityRouter
 
@@ -130,15 +134,7 @@ def application(spec: Deployment) -> Any:
         health_check_period_s=spec.health_check_period_s,
         graceful_shutdown_timeout_s=30,
     ).bind(spec.supervisor, spec.server)
-    if not spec.http:
-        return replica
-    return serve.deployment(
-        Ingress,
-        name=INGRESS_DEPLOYMENT,
-        num_replicas=1,
-        max_ongoing_requests=1024,
-        ray_actor_options={"num_cpus": 0},
-    ).bind(replica, spec.server.max_body_bytes)
+    return replica  # also the HTTP ingress (ingress.py): one actor hop from Serve's proxy
 
 
 def deploy(spec: Deployment, host: str = "127.0.0.1", port: int = 8000) -> None:

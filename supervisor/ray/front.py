@@ -132,13 +132,14 @@ class Front:
                     resident=resident,
                 )
                 try:
-                    async for event in stream:
-                        if event.get("event") == NEED_RESIDENT and session:
+                    async for batch in stream:
+                        if batch[0].get("event") == NEED_RESIDENT and session:
                             resident = self._mirror.resident(session)
                             break
                         sent = True
-                        self._answer(event, client_id, session, wants_resident)
-                        if event.get("event") != "token":
+                        for event in batch:
+                            self._answer(event, client_id, session, wants_resident)
+                        if batch[-1].get("event") != "token":
                             return
                     else:
                         self._fail(client_id, ErrorCode.INTERNAL_ERROR, "the answer ended early")

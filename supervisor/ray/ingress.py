@@ -1,9 +1,18 @@
-"""The HTTP ingress of `tokenpipe ray up`: Ray Serve's proxy hands it each OpenAI request; it
-reads the body, finds the session key and streams the request through the replica that the
-router picks (`TokenpipeReplica.asgi`), relaying the app's response as it comes.
+"""The HTTP entry of `tokenpipe ray up`: the replica deployment is the application's ingress,
+so Serve's proxy hands each OpenAI request straight to a replica (one actor hop).
 
-It holds no state but the handle; a replica lost mid-request answers `worker_lost` (a 503
-before the response started, an error chunk inside an event stream after).
+The proxy routes on what it sees: the session header Ray reads (`RAY_SERVE_SESSION_ID_HEADER_KEY`;
+a local cluster started by `tokenpipe ray up` sets it to `x-session-affinity`) reaches the
+router as the request's `session_id`, so the request lands on the session's replica. The
+replica then reads the request's own session key (the body's `session_id`, else the first
+session header, as `tokenpipe serve` does): when it is the one the proxy routed by, or there
+is none, the request runs here (`LocalResponse`); otherwise it is forwarded through the
+router to the replica that holds the session (`forward`: a second hop, only for requests
+that name their session another way), and the answer relayed as it comes.
+
+A replica lost under a forwarded request answers `worker_lost` (a 503 before the response
+started, an error chunk inside an event stream after). When the replica serving a request
+directly dies, the proxy ends the response.
 """
 
 from __future__ import annotations
@@ -13,13 +22,13 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from protocol import ErrorCode
 from supervisor.openai.chunks import SSE_DONE, sse
 from supervisor.openai.errors import error_body
 
-from .affinity import http_session_key, is_replica_lost
+from .affinity import is_replica_lost
 from .asgi_bridge import portable_scope
 
 LOST = "the replica serving this request was lost; retry (its sessions move to another replica)"
@@ -29,8 +38,53 @@ def _lost_body() -> dict[str, Any]:
     return error_body(LOST, "server_error", ErrorCode.WORKER_LOST)
 
 
+def routed_session() -> str:
+    """The session the proxy routed this request by ("" for none): Ray's request context."""
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        return str(getattr(_get_serve_request_context(), "session_id", "") or "")
+    except Exception:  # noqa: BLE001 - a Ray without it: every session request is forwarded
+        return ""
+
+
+async def read_body(request: Request, limit: int) -> bytes | Response:
+    """The whole body, or a 413 answer once it passes `limit` bytes."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            message = f"the request body exceeds {limit} bytes"
+            return json_response(
+                error_body(message, "invalid_request_error", "request_too_large"), 413
+            )
+    return bytes(body)
+
+
+class LocalResponse(Response):
+    """Runs the replica's OpenAI app on the request (its body already read): the app's
+    messages go straight to the proxy, and the client's disconnect reaches the app."""
+
+    def __init__(self, app: ASGIApp, body: bytes) -> None:
+        self._app = app
+        self._body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        given = False
+
+        async def replay() -> Message:
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": self._body, "more_body": False}
+            return await receive()
+
+        await self._app(scope, replay, send)
+
+
 class RelayedResponse(Response):
-    """A response whose start line and body chunks come from a replica's ASGI messages."""
+    """A response whose start line and body chunks come from another replica's ASGI
+    messages (a forwarded request)."""
 
     def __init__(
         self, first: list[dict[str, Any]], rest: AsyncIterator[list[dict[str, Any]]]
@@ -62,36 +116,22 @@ class RelayedResponse(Response):
             await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
-class Ingress:
-    """The Serve deployment class of the HTTP ingress (options are set in app.py)."""
-
-    def __init__(self, replica: Any, max_body_bytes: int) -> None:
-        self._replica = replica.options(stream=True)
-        self._max_body_bytes = max_body_bytes
-
-    async def __call__(self, request: Request) -> Response:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self._max_body_bytes:
-                message = f"the request body exceeds {self._max_body_bytes} bytes"
-                return _json(error_body(message, "invalid_request_error", "request_too_large"), 413)
-        key = http_session_key(request.headers, bytes(body))
-        stream = self._replica.asgi.remote(
-            portable_scope(request.scope), bytes(body), session_key=key
-        )
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            return _json(error_body("no response", "server_error", "internal_error"), 500)
-        except Exception as exc:
-            if is_replica_lost(exc):
-                return _json(_lost_body(), 503)
-            raise
-        return RelayedResponse(first, stream)
+async def forward(replicas: Any, scope: Scope, body: bytes, session: str) -> Response:
+    """Send the request through the router to `session`'s replica (`replicas`: a streaming
+    handle on the replica deployment) and relay its answer."""
+    stream = replicas.asgi.remote(portable_scope(scope), body, session_key=session)
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        return json_response(error_body("no response", "server_error", "internal_error"), 500)
+    except Exception as exc:
+        if is_replica_lost(exc):
+            return json_response(_lost_body(), 503)
+        raise
+    return RelayedResponse(first, stream)
 
 
-def _json(body: dict[str, Any], status: int) -> Response:
+def json_response(body: dict[str, Any], status: int) -> Response:
     import orjson
 
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")

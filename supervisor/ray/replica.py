@@ -1,8 +1,11 @@
 """One Ray Serve replica: a tokenpipe supervisor (and its workers) in the replica's process,
 with `tokenpipe serve`'s OpenAI app over it.
 
-Callers reach it two ways, both routed by `router.SessionAffinityRouter`:
-- `asgi(scope, body)`: one HTTP request through the OpenAI app (the HTTP ingress);
+Callers reach it three ways, all routed by `router.SessionAffinityRouter`:
+- `__call__(request)`: an HTTP request from Serve's proxy (the deployment is the HTTP
+  ingress; ingress.py);
+- `asgi(scope, body)`: one HTTP request through the OpenAI app, forwarded by another replica
+  that got a request for a session it does not hold;
 - `generate(request)`, `session_op(request)`, `call(request)`: protocol requests as dicts
   (the JSONL front end), answered with event dicts.
 
@@ -13,6 +16,7 @@ so the conversation resumes warm on its new replica.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -20,7 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
 
 from protocol import ErrorCode, ErrorEvent
 from supervisor.client import AsyncClient, TokenpipeError
@@ -33,8 +38,9 @@ from supervisor.openai.sessions import TurnStore
 from supervisor.openai.turn_files import TurnFiles
 from supervisor.session_dirs import split_session_dir
 
-from .affinity import session_digest
+from .affinity import http_session_key, session_digest
 from .asgi_bridge import Message, run_asgi
+from .ingress import LocalResponse, forward, read_body, routed_session
 
 log = logging.getLogger("tokenpipe.ray")
 
@@ -88,6 +94,8 @@ class TokenpipeReplica:
         # named sessions opened here by protocol callers, or restored from --session-dir
         restored = client.ready_info.get("restored_sessions") or []
         self._sessions: set[str] = set(restored)
+        self._replicas: Any = None  # a streaming handle on this deployment, for forwarding
+        self._forwarded = 0  # HTTP requests sent on to the replica of their session
         self._saved = [session_digest(s) for s in restored]
         log.info(
             "tokenpipe replica %s (rank %s) ready, %d session(s) restored",
@@ -106,7 +114,23 @@ class TokenpipeReplica:
     async def __del__(self) -> None:
         await self._server.stop()
 
-    # -- HTTP (the ingress)
+    # -- HTTP
+
+    async def __call__(self, request: Request) -> Response:
+        """An OpenAI request from Serve's proxy (this deployment is the HTTP ingress): run
+        here, or forwarded to the replica of the session it names (ingress.py)."""
+        body = await read_body(request, self._server.config.max_body_bytes)
+        if isinstance(body, Response):
+            return body
+        session = http_session_key(request.headers, body)
+        if session and session != routed_session():
+            self._forwarded += 1
+            if self._replicas is None:
+                from .app import replica_handle
+
+                self._replicas = replica_handle().options(stream=True)
+            return await forward(self._replicas, request.scope, body, session)
+        return LocalResponse(self._app, body)
 
     async def asgi(
         self, scope: dict[str, Any], body: bytes, session_key: str | None = None
@@ -124,6 +148,7 @@ class TokenpipeReplica:
             "replica": self._tag,
             "rank": self._rank,
             "pid": os.getpid(),
+            "http_forwarded": self._forwarded,
         }
 
     async def generate(
@@ -132,20 +157,22 @@ class TokenpipeReplica:
         session_key: str | None = None,
         mirrored: int = 0,
         resident: list[int] | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The request's events as dicts. `mirrored`: how many resident ids the caller holds
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """The request's events as dicts, in batches (every event already in: one stream
+        item each, not one per token). `mirrored`: how many resident ids the caller holds
         for the session; `resident`: those ids, sent after this replica asked for them."""
         session = request.get("session_id")
         if session and session not in self._sessions:
             if mirrored and resident is None:
-                yield {"event": NEED_RESIDENT, "replica": self._tag}
+                yield [{"event": NEED_RESIDENT, "replica": self._tag}]
                 return
             problem = await self._adopt(session, resident)
             if problem is not None:
-                yield {**problem, "id": request.get("id")}
+                yield [{**problem, "id": request.get("id")}]
                 return
-        async for event in self._client.generate(request):
-            yield msgspec.to_builtins(event)
+        async with contextlib.aclosing(self._client.generate_batches(request)) as batches:
+            async for batch in batches:
+                yield batch
 
     async def _adopt(self, session: str, resident: list[int] | None) -> dict[str, Any] | None:
         """Open `session` here and prefill its mirrored ids; an error event if it cannot."""

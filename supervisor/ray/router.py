@@ -63,7 +63,12 @@ class SessionAffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        key = pending_request.kwargs.get(SESSION_KEY) if pending_request is not None else None
+        key = None
+        if pending_request is not None:
+            # a protocol call's keyword, or (HTTP from Serve's proxy) Ray's session header
+            key = pending_request.kwargs.get(SESSION_KEY) or getattr(
+                pending_request.metadata, "session_id", None
+            )
         if key:
             owner = session_owner(key, self._saved, self._ring_for(candidate_replicas))
             if owner is not None:

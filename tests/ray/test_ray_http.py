@@ -1,0 +1,124 @@
+"""The OpenAI API of `tokenpipe ray up` (Ray's local cluster, two replicas of one CPU worker,
+the default model) with the official `openai` client. The replica deployment is the HTTP
+ingress (supervisor/ray/ingress.py):
+
+- a session named by `x-session-affinity` is routed by Serve's proxy to its replica (one hop)
+  and a session named only in the body (`session_id`) is forwarded there by the replica that
+  got it: either way every turn after the first is warm, on the replica the JSONL router
+  would pick for the same session;
+- requests without a session are served by any replica.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.ray.test_ray_replicas import holder, ray_processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+import openai  # noqa: E402
+from ray import serve  # noqa: E402  (test_ray_replicas skipped the module without Ray)
+
+from supervisor.core import SupervisorConfig  # noqa: E402
+from supervisor.openai.app import ServerConfig  # noqa: E402
+from supervisor.ray.app import Deployment, connect, deploy  # noqa: E402
+from supervisor.ray.ring import HashRing  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    import psutil
+    import ray
+
+    before = {p.pid for p in ray_processes()}
+    connect(None, num_cpus=2)
+    port = free_port()
+    try:
+        deploy(
+            Deployment(
+                replicas=2,
+                supervisor=SupervisorConfig(workers=1, max_context=1024, max_sessions=8),
+                server=ServerConfig(),
+            ),
+            port=port,
+        )
+        with openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+        ) as api:
+            yield api
+    finally:
+        started = [p for p in ray_processes() if p.pid not in before]
+        serve.shutdown()
+        ray.shutdown()
+        _, alive = psutil.wait_procs(started, timeout=20)
+        for process in alive:
+            process.kill()
+
+
+def chat(api: openai.OpenAI, messages: list[dict[str, Any]], **session: Any) -> Any:
+    model = api.models.list().data[0].id
+    return api.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0, **session  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["header", "body"])
+def test_sessions_resume_warm_on_their_replica(client: openai.OpenAI, how: str) -> None:
+    ring = HashRing(["rank-0", "rank-1"])
+    candidates = [f"http-{how}-{i}" for i in range(40)]
+    sessions = [s for s in candidates if ring.owner(s) == "rank-0"][:2]
+    sessions += [s for s in candidates if ring.owner(s) == "rank-1"][:2]
+    ranks = {s: holder(s)[0] for s in sessions}
+    assert set(ranks.values()) == {0, 1}, ranks
+    forwarded_before = forwarded(sessions)
+    for turn in range(2):
+        for session in sessions:
+            if how == "header":
+                named: dict[str, Any] = {"extra_headers": {"x-session-affinity": session}}
+            else:
+                named = {"extra_body": {"session_id": session}}
+            messages = [{"role": "user", "content": f"Name a colour for {session}."}]
+            if turn:
+                messages += [
+                    {"role": "assistant", "content": "Blue."},
+                    {"role": "user", "content": "Another one?"},
+                ]
+            answer = chat(client, messages, **named)
+            if turn:
+                assert answer.usage.prompt_tokens_details.cached_tokens > 0, (session, answer.usage)
+    assert {s: holder(s)[0] for s in sessions} == ranks
+    # the proxy routes by the header (one hop); a session named in the body only is
+    # forwarded by the replica that got it, unless that one holds it
+    if how == "header":
+        assert forwarded(sessions) == forwarded_before
+    else:
+        assert forwarded(sessions) > forwarded_before
+
+
+def forwarded(sessions: list[str]) -> int:
+    """HTTP requests the two replicas forwarded so far (one session of each reaches it)."""
+    from supervisor.ray.app import replica_handle
+
+    by_rank = {holder(s)[0]: s for s in sessions}
+    infos = [
+        replica_handle().ready_info.remote(session_key=s).result(timeout_s=30)
+        for s in by_rank.values()
+    ]
+    return sum(int(info["http_forwarded"]) for info in infos)
+
+
+def test_requests_without_a_session(client: openai.OpenAI) -> None:
+    for _ in range(3):
+        answer = chat(client, [{"role": "user", "content": "Hello"}])
+        assert answer.choices[0].message.content is not None
