@@ -113,14 +113,15 @@ def scan(root: Path) -> list[SessionFile]:
 
 def prepare_root(root: str | Path, workers: int) -> list[str]:
     """Before the workers start: create the root, gather the files no worker would read into
-    the workers' directories. Returns one log line per problem (nothing raises: a file that
-    cannot be moved stays where it is, and its session is rebuilt the slow way)."""
+    the workers' directories. A root that cannot be created is a start-up error (ValueError,
+    before any worker loads its model); any other problem is returned as one log line (a
+    file that cannot be moved stays where it is, and its session is rebuilt the slow way)."""
     problems: list[str] = []
     root = Path(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        return [f"--session-dir {root}: cannot create it: {exc}"]
+        raise ValueError(f"--session-dir {root}: cannot create it: {exc}") from exc
     try:
         moves = plan_moves(scan(root), workers)
     except OSError as exc:

@@ -9,6 +9,8 @@ import hashlib
 import os
 from pathlib import Path
 
+import pytest
+
 from supervisor.config import SupervisorConfig, plan_specs
 from supervisor.mirror import SessionMirror
 from supervisor.session_dirs import (
@@ -109,8 +111,8 @@ def test_prepare_root_moves_files(tmp_path: Path) -> None:
 def test_prepare_root_reports_instead_of_raising(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    problems = prepare_root(blocker / "sessions", 2)
-    assert len(problems) == 1 and "cannot create" in problems[0]
+    with pytest.raises(ValueError, match="cannot create"):
+        prepare_root(blocker / "sessions", 2)
     if os.geteuid() != 0:  # root ignores permissions
         (tmp_path / "ro").mkdir()
         (tmp_path / "ro" / name_of("s")).write_bytes(b"")
