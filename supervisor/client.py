@@ -26,7 +26,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -223,7 +223,7 @@ class AsyncClient:
 
     async def generate_batches(
         self, request: GenerateRequest | dict[str, Any]
-    ) -> AsyncIterator[list[dict[str, Any]]]:
+    ) -> AsyncGenerator[list[dict[str, Any]], None]:
         """`generate`'s answer lines as plain dicts (as on the wire), in batches: each batch
         is every line already in when it is taken, so a caller in another process (a Ray
         replica's) pays one message per batch, not per token. The last batch ends with the
