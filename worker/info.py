@@ -91,7 +91,7 @@ def describe(
     except ImportError:
         bytes_per_session = kv_bytes_from_config(checkpoint.config, context, dtype)
         weights = {}
-    return {
+    out = {
         "model": str(gguf_source or checkpoint.path),
         "checkpoint_dir": str(checkpoint.path),
         "gguf_source": str(gguf_source) if gguf_source else None,
@@ -114,20 +114,25 @@ def describe(
         "bytes_per_session": bytes_per_session,
         **weights,
     }
+    if "weights_bytes" in weights:  # what a GPU must hold for one session, before activations
+        out["weights_plus_one_session_bytes"] = weights["weights_bytes"] + bytes_per_session
+    return out
 
 
 def _weights(
     skeleton: Any, gguf_source: Any, quantize: QuantizeOptions, dtype: torch.dtype
 ) -> dict[str, Any]:
     """`quantize`, each tensor group's format and bytes, and the bytes a decode step reads
-    (as a CPU worker would load it: the CUDA path dequantizes for now)."""
+    (the CPU and the CUDA paths keep the same formats)."""
     from worker.loading.quantize import plan_for_gguf, plan_for_model
 
     if quantize.mode == "auto" and gguf_source is not None:
         plan = plan_for_gguf(gguf_source)
     else:
         plan = plan_for_model(skeleton, quantize)
-    return {"quantize": quantize.mode, **describe_weights(skeleton, plan, dtype)}
+    described = describe_weights(skeleton, plan, dtype)
+    stored = sum(entry["bytes"] for entry in described["formats"].values())
+    return {"quantize": quantize.mode, **described, "weights_bytes": stored}
 
 
 @click.command("info")
