@@ -13,8 +13,9 @@ multi-token-prediction head (``mtp.``) skipped; experts fused (``mlp.experts.gat
 [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) or one tensor per expert
 (``mlp.experts.<e>.{gate,up,down}_proj.weight``).
 
-CPU only for now: ``worker.device.cuda_setup`` refuses the family (no DeltaNet / MoE kernels,
-no decode graphs for a hybrid cache yet).
+On CUDA the layers pick their Triton kernels themselves (grouped-GEMM MoE, in-place DeltaNet
+decode step, fla's chunked prefill when it imports) and ``GraphedCausalLM`` replays decode steps
+from CUDA graphs over the hybrid cache (no decode ahead: a recurrent state cannot be rewound).
 """
 
 from __future__ import annotations
