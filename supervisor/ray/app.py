@@ -21,6 +21,7 @@ from supervisor.openai.sessions import SESSION_HEADERS
 
 APP_NAME = "tokenpipe"
 REPLICA_DEPLOYMENT = "TokenpipeReplica"
+INGRESS_DEPLOYMENT = "TokenpipeIngress"  # only with separate_ingress
 AUTH_TOKEN_FILE = "~/.ray/auth_token"  # where Ray keeps this machine's cluster token
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
@@ -40,7 +41,10 @@ class Deployment:
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
     max_ongoing_requests: int = 64  # per replica, like the supervisor's --max-queue
-    http: bool = True  # the ingress on Serve's HTTP proxy; False: protocol callers only
+    http: bool = True  # the OpenAI API on Serve's HTTP proxy; False: protocol callers only
+    # an ingress deployment in front of the replicas (ingress.py, SeparateIngress): a lost
+    # replica answered worker_lost, at one more actor hop per HTTP request
+    separate_ingress: bool = False
     health_check_period_s: float = 2.0  # how soon a dead replica is seen (and replaced)
 
     def __post_init__(self) -> None:
@@ -121,6 +125,7 @@ def application(spec: Deployment) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    from .ingress import SeparateIngress
     from .replica import TokenpipeReplica
     from .router import SessionAffinityRouter
 
@@ -134,7 +139,15 @@ def application(spec: Deployment) -> Any:
         health_check_period_s=spec.health_check_period_s,
         graceful_shutdown_timeout_s=30,
     ).bind(spec.supervisor, spec.server)
-    return replica  # also the HTTP ingress (ingress.py): one actor hop from Serve's proxy
+    if not (spec.http and spec.separate_ingress):
+        return replica  # also the HTTP ingress (ingress.py): one actor hop from Serve's proxy
+    return serve.deployment(
+        SeparateIngress,
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": 0},
+    ).bind(replica, spec.server.max_body_bytes)
 
 
 def deploy(spec: Deployment, host: str = "127.0.0.1", port: int = 8000) -> None:

@@ -12,7 +12,9 @@ that name their session another way), and the answer relayed as it comes.
 
 A replica lost under a forwarded request answers `worker_lost` (a 503 before the response
 started, an error chunk inside an event stream after). When the replica serving a request
-directly dies, the proxy ends the response.
+directly dies, the proxy ends the response (a streaming client sees the body cut short);
+`ray up --separate-ingress` puts an ingress deployment in front instead (`SeparateIngress`):
+every request forwarded, so every lost replica is answered `worker_lost`, at one more hop.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from protocol import ErrorCode
 from supervisor.openai.chunks import SSE_DONE, sse
 from supervisor.openai.errors import error_body
 
-from .affinity import is_replica_lost
+from .affinity import http_session_key, is_replica_lost
 from .asgi_bridge import portable_scope
 
 LOST = "the replica serving this request was lost; retry (its sessions move to another replica)"
@@ -116,9 +118,9 @@ class RelayedResponse(Response):
             await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
-async def forward(replicas: Any, scope: Scope, body: bytes, session: str) -> Response:
-    """Send the request through the router to `session`'s replica (`replicas`: a streaming
-    handle on the replica deployment) and relay its answer."""
+async def forward(replicas: Any, scope: Scope, body: bytes, session: str | None) -> Response:
+    """Send the request through the router to `session`'s replica (None: the least-loaded
+    one; `replicas`: a streaming handle on the replica deployment) and relay its answer."""
     stream = replicas.asgi.remote(portable_scope(scope), body, session_key=session)
     try:
         first = await stream.__anext__()
@@ -129,6 +131,25 @@ async def forward(replicas: Any, scope: Scope, body: bytes, session: str) -> Res
             return json_response(_lost_body(), 503)
         raise
     return RelayedResponse(first, stream)
+
+
+class SeparateIngress:
+    """`tokenpipe ray up --separate-ingress`: an ingress deployment of its own in front of the
+    replicas, which forwards every request (two actor hops from the proxy instead of one).
+    What it buys: a replica lost under a request is answered here, `worker_lost` (a 503, or an
+    error chunk and `[DONE]` in an event stream), where the one-hop path's proxy just ends the
+    response."""
+
+    def __init__(self, replica: Any, max_body_bytes: int) -> None:
+        self._replicas = replica.options(stream=True)
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, request: Request) -> Response:
+        body = await read_body(request, self._max_body_bytes)
+        if isinstance(body, Response):
+            return body
+        session = http_session_key(request.headers, body)
+        return await forward(self._replicas, request.scope, body, session)
 
 
 def json_response(body: dict[str, Any], status: int) -> Response:

@@ -122,3 +122,46 @@ def test_requests_without_a_session(client: openai.OpenAI) -> None:
     for _ in range(3):
         answer = chat(client, [{"role": "user", "content": "Hello"}])
         assert answer.choices[0].message.content is not None
+
+
+def test_separate_ingress_answers_a_lost_replica(client: openai.OpenAI) -> None:
+    """`ray up --separate-ingress`: a replica killed mid-stream ends the event stream with one
+    `worker_lost` error chunk and `[DONE]`; the next request is served. (Runs last: it
+    redeploys the application.)"""
+    import os
+    import signal
+
+    import httpx
+
+    base = str(client.base_url).rstrip("/")
+    deploy(
+        Deployment(
+            replicas=2,
+            supervisor=SupervisorConfig(workers=1, max_context=1024, max_sessions=8),
+            server=ServerConfig(),
+            separate_ingress=True,  # the replicas' own config unchanged: they stay up
+        ),
+        port=int(base.rsplit(":", 1)[1].split("/")[0]),
+    )
+    _rank, pid = holder("victim")
+    model = client.models.list().data[0].id
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count to one hundred."}],
+        "max_tokens": 300,
+        "stream": True,
+    }
+    lines: list[str] = []
+    with httpx.Client(timeout=120) as http:
+        headers = {"x-session-affinity": "victim"}
+        with http.stream("POST", f"{base}/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    os.kill(pid, signal.SIGKILL)
+    errors = [line for line in lines if "worker_lost" in line]
+    assert len(errors) == 1 and lines[-1] == "data: [DONE]", lines[-3:]
+    again = chat(client, [{"role": "user", "content": "Hello"}], extra_headers=headers)
+    assert again.choices[0].message.content is not None
