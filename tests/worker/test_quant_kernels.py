@@ -191,3 +191,27 @@ def test_transient_targets_need_a_device(tiny_checkpoint_factory) -> None:
     loaded = dict(staged_tensors(entries, {}, None, transient, torch.device("cpu")))
     assert set(loaded) == set(entries)
     assert not any(t.is_meta for t in loaded.values())
+
+
+def test_tiles_chosen_per_matrix_shape() -> None:
+    """choose_configs keeps the fastest candidate by the timer (a fake one here: the CUDA
+    graph timer needs a GPU) on every weight of a shape, each shape timed once."""
+    from worker.device.kernels import quant_matmul as qm
+
+    weights = [qm.KMajorWeight.pack(_qw("int4", 32, n=40, k=256, seed=s)) for s in (0, 1)]
+    other = qm.KMajorWeight.pack(_qw("int8", 32, n=24, k=128))
+    timed: list[object] = []
+
+    def timer(fn: object) -> float:
+        fn()  # type: ignore[operator]
+        timed.append(fn)
+        return float(len(timed) % 3)  # the candidate timed third, sixth, ... wins ties first
+
+    assert qm.choose_configs([*weights, other], torch.float32, timer) == 2
+    assert weights[0].gemv_config == weights[1].gemv_config == qm.GEMV_CANDIDATES[2]
+    assert weights[0].gemm_config in qm.GEMM_CANDIDATES and other.gemv_config is not None
+    x = torch.randn(1, 256).to(DEVICE)
+    torch.testing.assert_close(
+        qm.quant_linear(x, weights[0]), x @ _qw("int4", 32, 40, 256).dequantize().T,
+        rtol=1e-4, atol=1e-4,
+    )  # fmt: skip

@@ -70,6 +70,10 @@ def prepare_model_for_device(
     if packed or left:
         _log(f"cuda_setup: {packed} quantized weights in the K-major layout of the W4A16/W8A16 "
              f"kernels, {left} left to the torch reference")  # fmt: skip
+    if packed and os.environ.get("TOKENPIPE_NO_GEMV") != "1":
+        with clock.step("cuda_setup: quantized kernel tiles timed"):
+            shapes = _time_quantized(inner)
+        _log(f"cuda_setup: quantized kernel tiles chosen for {shapes} matrix shapes")
     if os.environ.get("TOKENPIPE_NO_GEMV") != "1":
         with clock.step("cuda_setup: GEMV timing"):
             _install_gemv(inner)
@@ -93,6 +97,19 @@ def _pack_quantized(inner: Any) -> tuple[int, int]:
     result = pack_for_device(inner)
     torch.cuda.empty_cache()
     return result
+
+
+def _time_quantized(inner: Any) -> int:
+    from worker.device.kernels.quant_matmul import KMajorWeight, choose_configs
+    from worker.layers.quant import QuantLinear
+
+    weights = {
+        id(m.device_packed): m.device_packed
+        for m in inner.modules()
+        if isinstance(m, QuantLinear) and isinstance(m.device_packed, KMajorWeight)
+    }
+    dtype = inner.model.norm.weight.dtype
+    return choose_configs(list(weights.values()), dtype)
 
 
 def _install_gemv(inner: Any) -> None:

@@ -32,6 +32,7 @@ Each weight is ``code * scale (+ offset)`` in fp32 as in the reference
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,9 @@ class KMajorWeight:
     words: torch.Tensor  # int32 [K / P, N]
     scales: torch.Tensor  # fp16 [K / g, N]
     offsets: torch.Tensor | None  # fp16 [K / g, N], int4 only
+    # tile configs timed for this matrix on this GPU (choose_configs); None: the defaults
+    gemv_config: tuple[int, int, int, int] | None = None
+    gemm_config: tuple[int, int, int, int] | None = None
 
     @property
     def per_word(self) -> int:
@@ -335,7 +339,7 @@ def qgemv(
     if rows > GEMV_MAX_ROWS:
         raise ValueError(f"qgemv serves at most {GEMV_MAX_ROWS} rows, got {rows}")
     n, k = packed.shape
-    block_n, block_k, num_warps, num_stages = config or GEMV_CONFIG
+    block_n, block_k, num_warps, num_stages = config or packed.gemv_config or GEMV_CONFIG
     block_k = max(block_k, packed.per_word)
     if split is None:
         split = split_for(n, k, block_n, block_k, packed.per_word)
@@ -362,7 +366,7 @@ def qgemm(
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
-    block_n, block_k, num_warps, num_stages = config or GEMM_CONFIG
+    block_n, block_k, num_warps, num_stages = config or packed.gemm_config or GEMM_CONFIG
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
@@ -410,3 +414,47 @@ def quant_linear(
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, packed.shape[0])
+
+
+# -- choosing tiles per matrix ------------------------------------------------------------------
+
+# candidates timed per matrix shape at start-up (tools/bench_quant_kernels.py --sweep: the
+# fastest configs of the 31B shapes on an H200 were among these)
+GEMV_CANDIDATES = [(32, 256, 4, 1), (32, 512, 8, 3), (32, 1024, 8, 3), (64, 512, 8, 3),
+                   (128, 256, 8, 1)]  # fmt: skip
+GEMM_CANDIDATES = [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3), (128, 64, 4, 3)]
+
+
+def choose_configs(
+    weights: list[KMajorWeight], dtype: torch.dtype, timer: Callable[..., float] | None = None
+) -> int:
+    """Time the candidate tiles of each distinct matrix (one row for the GEMV, 32 for the
+    GEMM) inside CUDA graphs, the way decode runs them, and keep the fastest on each weight.
+    A candidate this GPU cannot run (shared memory) is skipped. Returns the shapes timed."""
+    if timer is None:
+        from worker.device.kernels.gemv import graph_seconds as timer
+    chosen: dict[tuple[object, ...], tuple[object, object]] = {}
+    for packed in weights:
+        key = (packed.kind, packed.shape, packed.group_size)
+        if key not in chosen:
+            n, k = packed.shape
+            device = packed.words.device
+            one = torch.randn(1, k, device=device, dtype=dtype)
+            many = torch.randn(32, k, device=device, dtype=dtype)
+            gemv = _fastest(lambda c, x=one, w=packed: qgemv(x, w, c), GEMV_CANDIDATES, timer)
+            gemm = _fastest(lambda c, x=many, w=packed: qgemm(x, w, c), GEMM_CANDIDATES, timer)
+            chosen[key] = (gemv, gemm)
+        packed.gemv_config, packed.gemm_config = chosen[key]  # type: ignore[assignment]
+    return len(chosen)
+
+
+def _fastest(run, candidates, timer):  # type: ignore[no-untyped-def]
+    best = None
+    for config in candidates:
+        try:
+            seconds = timer(lambda c=config: run(c))
+        except Exception:  # noqa: BLE001 - e.g. out of shared memory on this GPU
+            continue
+        if best is None or seconds < best[0]:
+            best = (seconds, config)
+    return None if best is None else best[1]
