@@ -1,0 +1,53 @@
+"""Quantized weights on the GPU against the CPU: the same checkpoint loaded quantized on
+both (a float checkpoint with --quantize int4, a GGUF's Q8_0 tensors kept by auto), the GPU
+one through its whole set-up (merged projections, K-major packing, the Triton kernels), fp32
+on both: the logits of a prompt and of a decode step agree. Needs CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _logits(path: Path, device: str, mode: str) -> list[torch.Tensor]:
+    from worker.device.cuda_setup import prepare_model_for_device
+    from worker.layers.quant import QuantLinear
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+    from worker.models.step import StepInput
+
+    loaded = load_model(path, device, torch.float32, progress=False,
+                        quantize=QuantizeOptions(mode, 32 if mode == "int4" else None))  # fmt: skip
+    model = prepare_model_for_device(loaded, device, cuda_graphs=False)
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert quantized
+    if device == "cuda":
+        assert all(m.device_packed is not None for m in quantized)
+    kv = model.make_kv_cache(1, 64)
+    prompt = StepInput.single(list(range(3, 20)), 0, 0, device=device)
+    one = StepInput.single([7], 0, 17, device=device)
+    return [model(prompt, kv).cpu(), model(one, kv).cpu()]
+
+
+def test_int4_checkpoint_on_cuda_equals_cpu(tiny_checkpoint_factory) -> None:
+    directory = tiny_checkpoint_factory(dtype=torch.float32)
+    for got, want in zip(
+        _logits(directory, "cuda", "int4"), _logits(directory, "cpu", "int4"), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_gguf_kept_quantized_on_cuda_equals_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_gguf import write_tiny_llama_gguf
+
+    monkeypatch.setenv("TOKENPIPE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(path)  # the MLP in Q8_0: kept as int8 g32 by auto
+    for got, want in zip(_logits(path, "cuda", "auto"), _logits(path, "cpu", "auto"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
