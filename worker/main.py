@@ -194,8 +194,11 @@ def build_engine(
     host_cache_gb: float = 4.0,
     session_dir: str | None = None,
     prefix_cache_gb: float | None = None,
+    group: Any = None,
 ) -> object:
-    """Load the model and build the engine (load progress on stderr)."""
+    """Load the model and build the engine (load progress on stderr). With `group` (a
+    `worker.parallel.group.TensorParallelGroup`), this rank's slice of the model; a follower
+    rank gets `(model, device)` back instead of an engine (`worker/parallel/follower.py`)."""
     import torch
 
     from worker.engine.engine import Engine, EngineConfig
@@ -208,6 +211,10 @@ def build_engine(
     torch.set_flush_denormal(True)  # denormal activations are very slow on x86 CPUs
     device_name = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_device = torch.device(device_name)
+    if group is not None:
+        torch_device = group.device(torch_device)
+        if session_dir is not None:
+            raise ValueError("--session-dir is not available with --tensor-parallel yet")
     on_cpu = torch_device.type == "cpu"
     dtype_name = dtype or ("float32" if on_cpu else "bfloat16")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
@@ -225,6 +232,7 @@ def build_engine(
             tokenizer_path=tokenizer_path,
             seed=seed,
             quantize=QuantizeOptions(quantize, group_size),
+            shard=group,
         )
     model_context = int(getattr(loaded.config, "context_length", 0) or 4096)
     default_context = min(model_context, DEFAULT_CONTEXT)
@@ -241,7 +249,15 @@ def build_engine(
         default_context = _memory_capped_context(
             loaded.model, resident, default_context, reserved=prefix_bytes
         )
-    if torch_device.type == "cuda":
+    if group is not None:
+        if torch_device.type == "cuda":
+            loaded.model.fuse_projections()  # eager in a group: no graphs, no decode ahead
+        if group.rank > 0:
+            return loaded.model, torch_device
+        from worker.parallel.driver import DriverModel
+
+        loaded.model = DriverModel(loaded.model, group)
+    elif torch_device.type == "cuda":
         from worker.device.cuda_setup import prepare_model_for_device
 
         # merged projections, fused kernels, decode steps replayed from CUDA graphs
@@ -367,6 +383,13 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
             help="Weights: auto keeps a GGUF's quantized tensors; int8/int4 quantize at load.",
         ),
         click.option(
+            "--tensor-parallel",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Ranks in this worker's group (one per visible GPU; gloo processes on the CPU).",
+        ),
+        click.option(
             "--group-size",
             type=click.IntRange(min=2),
             default=None,
@@ -395,6 +418,7 @@ def command(
     threads: int | None,
     cuda_graphs: bool,
     quantize: str,
+    tensor_parallel: int,
     group_size: int | None,
     max_resident: int | None,
     host_cache_gb: float,
@@ -402,28 +426,32 @@ def command(
     prefix_cache_gb: float | None,
 ) -> None:
     """Run one worker process: JSONL requests on stdin, JSONL events on stdout."""
+    build = dict(
+        model=model,
+        tokenizer_path=tokenizer_path,
+        device=device,
+        dtype=dtype,
+        max_sessions=max_sessions,
+        max_context=max_context,
+        prefill_chunk=prefill_chunk,
+        prefix_ids=prefix_ids,
+        warm_resume=not no_warm_resume,
+        random_weights=random_weights,
+        seed=seed,
+        threads=threads,
+        cuda_graphs=cuda_graphs,
+        quantize=quantize,
+        group_size=group_size,
+        max_resident=max_resident,
+        host_cache_gb=host_cache_gb,
+        session_dir=session_dir,
+        prefix_cache_gb=prefix_cache_gb,
+    )
+    group = None
     try:
-        engine = build_engine(
-            model,
-            tokenizer_path,
-            device,
-            dtype,
-            max_sessions,
-            max_context,
-            prefill_chunk,
-            prefix_ids,
-            not no_warm_resume,
-            random_weights,
-            seed,
-            threads,
-            cuda_graphs,
-            quantize,
-            group_size,
-            max_resident,
-            host_cache_gb,
-            session_dir,
-            prefix_cache_gb,
-        )
+        if tensor_parallel > 1:
+            group = _start_group(tensor_parallel, device, build)
+        engine = build_engine(**build, group=group)  # type: ignore[arg-type]
     except Exception as exc:
         log(f"failed to start: {exc!r}")
         sys.stdout.buffer.write(
@@ -436,7 +464,21 @@ def command(
     except BrokenPipeError:  # the reader went away: nothing left to answer
         log("stdout closed; exiting")
         code = 0
+    if group is not None:
+        group.stop()
     sys.exit(code)
+
+
+def _start_group(world: int, device: str | None, build: dict[str, Any]) -> Any:
+    """--tensor-parallel: start the other ranks and join them (worker/parallel/group.py)."""
+    import torch
+
+    from worker.parallel.group import start_group
+
+    kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+    if kind == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"--tensor-parallel {world}: {torch.cuda.device_count()} GPU(s) visible")
+    return start_group(world, kind, build)
 
 
 def seed_main() -> None:

@@ -170,6 +170,7 @@ def load_model(
     tokenizer_path: str | os.PathLike[str] | None = None,
     seed: int = 0,
     quantize: Any = None,
+    shard: Any = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer onto `device` in `dtype` (see the module docstring).
 
@@ -178,6 +179,8 @@ def load_model(
     values differ from the CPU draw). On CUDA the safetensors bytes go through reused pinned
     staging buffers straight into the parameters, reads overlapped with copies
     (`worker.loading.staged_load`); on the CPU each tensor is read straight into its parameter.
+    With `shard` (a `worker.parallel.group.TensorParallelGroup`), the model is one tensor-parallel
+    rank's: built from its config, given its slice of each tensor, its collectives installed.
     """
     from worker.models.registry import build_model
 
@@ -191,11 +194,13 @@ def load_model(
         progress=progress,
     )
     device = torch.device(device)
+    if shard is not None:
+        shard = shard.bind(config)
     phases["files"] = time.monotonic() - started
     # on the meta device first: the quantized modules go in before any storage is given, so
     # a planned weight never has a float copy on the device (a 31B model into 24 GB)
-    model = build_model(config, "meta", dtype)
-    if not random_weights:
+    model = build_model(config if shard is None else shard.config(), "meta", dtype)
+    if not random_weights and shard is None:
         check_shapes(checkpoint, model)
     # `quantize` (a QuantizeOptions): quantized layers planned and installed here, before
     # any weight is read; a GGUF kept quantized is its own tensor source
@@ -203,7 +208,9 @@ def load_model(
     model = model.to_empty(device=device).eval()
     weights_started = time.monotonic()
     phases["allocate"] = weights_started - started - phases["files"]
-    if random_weights:
+    if random_weights and shard is not None:
+        shard.draw_random(model, device, dtype, seed)  # the full model's draw, then a slice
+    elif random_weights:
         draw_random_weights(model, device, seed)
         if quantized is not None:
             quantized.draw_random(model, seed)
@@ -212,6 +219,8 @@ def load_model(
         pairs: Iterable[tuple[str, Any]]
         if quantized is not None and quantized.pairs is not None:
             pairs = quantized.pairs
+        elif shard is not None:  # whole tensors read on the host, the rank's slice moved
+            pairs = checkpoint.iter_tensors(dtype=dtype, targets=targets)
         elif device.type == "cuda":
             transient = quantized.transient_names(model) if quantized is not None else None
             pairs = staged_tensors(
@@ -219,12 +228,16 @@ def load_model(
             )
         else:
             pairs = checkpoint.iter_tensors(device=device, dtype=dtype, targets=targets)
+        if shard is not None:
+            pairs = shard.tensors(pairs, device)
         total = len(checkpoint.text_tensors())
         label = f"loading {checkpoint.path.name}"
         try:
             model.load_weights(_with_progress(pairs, total, label, progress and total > 0))
         except ValueError as exc:
             raise ModelLoadError(f"{checkpoint.path}: {exc}") from exc
+    if shard is not None:
+        shard.parallelize(model)
     if quantized is not None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,8 @@ class CausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         )
         self.embed_scale = config.hidden_size**0.5 if scale_embeddings else None
+        # tensor parallel (worker/parallel/shard.py): the vocabulary-split embedding and head
+        self.tensor_parallel: Any = None
         # one rotary table per distinct (rope, head_dim); layer i uses self._rope_keys[i]
         self._rope_keys: list[tuple[RopeSpec, int]] = [(s.rope, s.head_dim) for s in config.layers]
         self._rotaries = {
@@ -131,7 +134,11 @@ class CausalLM(nn.Module):
         positions = step.positions.to(device)
         plan = AttentionPlan.build(step, device)
 
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        tp = self.tensor_parallel
+        if tp is None:
+            x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        else:
+            x = tp.embed(self.model.embed_tokens, input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         dtype = x.dtype
@@ -146,6 +153,8 @@ class CausalLM(nn.Module):
         rows = x if every_position else x[plan.last_rows]
         last = self.model.norm(rows)  # [B, hidden]: never [T, vocab] unless asked
         logits = self._lm_head(last)  # [B, vocab] float32
+        if tp is not None:
+            logits = tp.gather_logits(logits)  # the rank's vocabulary rows -> all of them
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
