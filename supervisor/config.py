@@ -9,6 +9,7 @@ from supervisor.pool import (
     WorkerSpec,
     default_worker_command,
     detect_gpus,
+    group_devices,
     plan_devices,
     worker_specs,
 )
@@ -41,6 +42,9 @@ class SupervisorConfig:
     # Saved named sessions: worker i gets <session_dir>/worker-<i> (supervisor/session_dirs.py).
     # A --session-dir among worker_args means the same.
     session_dir: str | None = None
+    # Tensor parallel: each worker is a group of this many ranks (on CUDA, this many GPUs;
+    # worker/parallel/group.py). The supervisor sees one worker per group.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -49,6 +53,8 @@ class SupervisorConfig:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.max_sessions is not None and self.max_sessions < 1:
             raise ValueError(f"max_sessions must be at least 1, got {self.max_sessions}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be at least 1, got {self.tensor_parallel}")
         if self.ready_timeout <= 0:
             raise ValueError("ready_timeout must be positive")
         if self.heartbeat_timeout < 0 or self.heartbeat_interval <= 0:
@@ -69,13 +75,17 @@ def build_worker_args(config: SupervisorConfig) -> list[str]:
         args += ["--max-sessions", str(config.max_sessions)]
     if config.max_context is not None:
         args += ["--max-context", str(config.max_context)]
+    if config.tensor_parallel > 1:
+        args += ["--tensor-parallel", str(config.tensor_parallel)]
     _, rest = split_session_dir(config.worker_args)
     return args + list(rest)
 
 
 def plan_specs(config: SupervisorConfig) -> list[WorkerSpec]:
     visible = detect_gpus() if config.workers is None else []
-    devices = plan_devices(config.gpus, config.workers, visible)
+    devices = group_devices(
+        plan_devices(config.gpus, config.workers, visible), config.tensor_parallel
+    )
     command = config.worker_command or default_worker_command()
     specs = worker_specs(command, build_worker_args(config), devices)
     root = session_root(config)

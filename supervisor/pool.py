@@ -102,6 +102,22 @@ def plan_devices(gpus: str, workers: int | None, visible: Sequence[str]) -> list
     return picked
 
 
+def group_devices(devices: Sequence[str | None], tensor_parallel: int) -> list[str | None]:
+    """Pure: one entry per tensor-parallel group. GPUs go `tensor_parallel` to a group, in
+    order ("0,1", "2,3", ...: the group's CUDA_VISIBLE_DEVICES); CPU workers stay one entry
+    each (a CPU group starts its own ranks)."""
+    if tensor_parallel == 1 or all(d is None for d in devices):
+        return list(devices)
+    if len(devices) % tensor_parallel:
+        raise ValueError(
+            f"--tensor-parallel {tensor_parallel}: {len(devices)} GPU(s) do not make whole groups"
+        )
+    return [
+        ",".join(str(d) for d in devices[i : i + tensor_parallel])
+        for i in range(0, len(devices), tensor_parallel)
+    ]
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """How to start worker `index`."""

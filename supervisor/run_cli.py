@@ -290,6 +290,14 @@ async def _listen(supervisor: Supervisor, path: str, ready: dict[str, Any]) -> a
     help="Run N CPU workers instead (wins over --gpus).",
 )
 @click.option(
+    "--tensor-parallel",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Ranks per worker: each worker is a group of N processes (N GPUs each on CUDA: "
+    "--gpus 0..7 with 2 gives 4 workers).",
+)
+@click.option(
     "--max-sessions",
     type=click.IntRange(min=1),
     default=None,
@@ -365,6 +373,7 @@ def command(
     model: str | None,
     gpus: str,
     workers: int | None,
+    tensor_parallel: int,
     max_sessions: int | None,
     max_context: int | None,
     max_queue: int,
@@ -405,6 +414,7 @@ def command(
             heartbeat_timeout=heartbeat_timeout,
             heartbeat_interval=heartbeat_interval,
             session_dir=session_dir,
+            tensor_parallel=tensor_parallel,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

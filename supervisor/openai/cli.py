@@ -82,6 +82,13 @@ import click
 @click.option("--model", default=None, help="HF checkpoint dir or .gguf (default: Gemma 3 270M).")
 @click.option("--workers", default=None, type=click.IntRange(1), help="CPU workers to run.")
 @click.option("--gpus", default="all", show_default=True, help="all | none | 0,2")
+@click.option(
+    "--tensor-parallel",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Ranks per worker (N GPUs each on CUDA).",
+)
 @click.option("--max-sessions", default=None, type=click.IntRange(1), help="Per worker.")
 @click.option("--max-context", default=None, type=click.IntRange(1), help="Context per session.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1))
@@ -134,6 +141,7 @@ def command(
     model: str | None,
     workers: int | None,
     gpus: str,
+    tensor_parallel: int,
     max_sessions: int | None,
     max_context: int | None,
     max_queue: int,
@@ -170,6 +178,7 @@ def command(
             max_queue=max_queue,
             worker_args=tiers_args(max_resident, host_cache_gb) + tuple(worker_args),
             session_dir=str(session_dir) if session_dir is not None else None,
+            tensor_parallel=tensor_parallel,
         )
         server_config = ServerConfig(
             model_id=model_id,
