@@ -188,6 +188,9 @@ def test_requests_without_output_are_sent_again_after_a_crash() -> None:
 
         channel = sup.open_channel(emit)
         pid = sup.slots[0].process.pid  # type: ignore[union-attr]
+        # stopped first: with a core free, the worker could otherwise read the request and
+        # write a token into the pipe between the submit and the kill (seen under load)
+        os.kill(pid, signal.SIGSTOP)
         channel.submit({"id": 1, "prompt": "once upon a", "max_new_tokens": 4, "session_id": "s"})
         os.kill(pid, signal.SIGKILL)  # no loop turn in between: nothing of it was read back
         channel.submit({"id": 2, "prompt": "xyz", "max_new_tokens": 4})
