@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -268,3 +269,45 @@ def test_can_decode_attention_refuses_what_it_cannot_take() -> None:
     assert not cpu_gemv.can_decode_attention(q, kv, kv, cache.transpose(1, 2), cache, out)
     assert not cpu_gemv.can_decode_attention(q[:3], kv, kv, cache, cache, out[:3])  # 3 of 2 groups
     assert not cpu_gemv.can_decode_attention(q, kv, kv, cache, cache, out.t().contiguous().t())
+
+
+POOL_UNDER_LOAD = r"""
+import os, subprocess, sys, time
+import torch
+from worker.device import cpu_gemv
+cpus = sorted(os.sched_getaffinity(0))[:2]
+os.sched_setaffinity(0, cpus)  # our two threads on two CPUs, a busy process on one of them
+torch.set_num_threads(2)
+weights = [cpu_gemv.pack(torch.randn(2048, 640, generator=torch.Generator().manual_seed(i)))
+           for i in range(8)]
+x = torch.randn(1, 640, generator=torch.Generator().manual_seed(99))
+want = [cpu_gemv.packed_matmul(x, w) for w in weights]
+hog = subprocess.Popen([sys.executable, "-c",
+                        f"import os; os.sched_setaffinity(0, {{{cpus[1]}}})\nwhile True: pass"])
+try:
+    deadline = time.monotonic() + 20
+    while not cpu_gemv.pool_stats()["solo_now"] and time.monotonic() < deadline:
+        for w, ref in zip(weights, want):
+            assert torch.equal(cpu_gemv.packed_matmul(x, w), ref)  # same bits, any mode
+finally:
+    hog.kill()
+stats = cpu_gemv.pool_stats()
+print(stats)
+assert stats["solo_now"] and stats["solo_periods"] >= 1 and stats["stalled_calls"] >= 2, stats
+for w, ref in zip(weights, want):
+    assert torch.equal(cpu_gemv.packed_matmul(x, w), ref)
+"""
+
+
+def test_pool_runs_alone_when_a_busy_process_stalls_its_helpers() -> None:
+    """Two threads on two CPUs, a busy process pinned to one of them: the helper is preempted
+    mid-chunk, the caller's waits are seen as stalls, and the pool runs on the caller alone
+    (same bits throughout). In a subprocess: the affinity must not leak into pytest."""
+    import subprocess
+    import sys
+
+    if not cpu_gemv.threaded() or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs the threaded kernel and two CPUs")
+    done = subprocess.run([sys.executable, "-c", POOL_UNDER_LOAD], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -115,6 +115,8 @@ def load_library(threaded: bool) -> ctypes.CDLL:
     fn.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.tp_threaded.restype = ctypes.c_int
     lib.tp_threaded.argtypes = []
+    lib.tp_pool_stats.restype = ctypes.c_int
+    lib.tp_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     norm = lib.tp_rms_norm
     norm.restype = None
     norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -171,6 +173,18 @@ def threaded() -> bool:
     them: the caller and helpers of the kernel's own pool)."""
     lib = kernel()
     return lib is not None and bool(lib.tp_threaded())
+
+
+def pool_stats() -> dict[str, int | bool]:
+    """The thread pool's view of a busy machine: calls that waited on a stalled helper, the
+    periods it then ran on the caller alone, and whether it does now (the C source's
+    STALL_* constants)."""
+    lib = kernel()
+    if lib is None:
+        return {"stalled_calls": 0, "solo_periods": 0, "solo_now": False}
+    stalls, periods = ctypes.c_int64(0), ctypes.c_int64(0)
+    solo = lib.tp_pool_stats(ctypes.byref(stalls), ctypes.byref(periods))
+    return {"stalled_calls": stalls.value, "solo_periods": periods.value, "solo_now": bool(solo)}
 
 
 def can_pack(weight: torch.Tensor) -> bool:

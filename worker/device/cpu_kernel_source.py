@@ -93,6 +93,16 @@ typedef void (*part_fn)(const void *ctx, int64_t g0, int64_t g1);
 
 #define MAX_HELPERS 31
 #define CHUNKS_PER_THREAD 16
+/* Another process on our cores: a helper preempted in the middle of a chunk keeps the caller
+   waiting for the rest of the scheduler's time slice (milliseconds, for microseconds of work).
+   A call whose wait for helpers exceeds both its own work and STALL_NS is a stall; STALL_LIMIT
+   stalls within a window of STALL_WINDOW calls put the pool on the caller alone for SOLO_CALLS
+   calls (the helpers sleep, so the caller gets a core of its own), after which it tries the
+   helpers again. Results are the same bits either way. */
+#define STALL_NS 150000
+#define STALL_WINDOW 64
+#define STALL_LIMIT 2
+#define SOLO_CALLS 8192
 #define HELPER_SPIN_NS 300000 /* a helper's wait for the next call before it sleeps */
 #define FIELD 20              /* claim word: seq << 40 | chunks << 20 | next chunk */
 #define FIELD_MASK ((UINT64_C(1) << FIELD) - 1)
@@ -111,6 +121,9 @@ static _Atomic int wanted_helpers; /* helpers with a smaller index take part */
 static int started_helpers;
 static uint64_t job_seq;
 static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic int64_t solo_left;   /* calls still to run on the caller alone */
+static int window_calls, window_stalls;
+static _Atomic int64_t stalls_seen, solo_periods; /* totals, for tp_pool_stats */
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -196,15 +209,44 @@ static int pooled_run(part_fn part, const void *ctx, int64_t ngroups, int64_t al
     atomic_fetch_add_explicit(&wake_word, 1, memory_order_release);
     if (atomic_load(&sleepers) > 0)
         syscall(SYS_futex, &wake_word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    const int64_t started = now_ns();
     run_chunks();
+    const int64_t own_done = now_ns();
     /* only chunks a helper claimed are left: wait for them, yielding if one is slow */
     for (int spins = 0; atomic_load_explicit(&done_chunks, memory_order_acquire) < chunks;
          spins++) {
         if (spins < 4096) _mm_pause();
         else sched_yield();
     }
+    const int64_t waited = now_ns() - own_done;
+    if (waited > STALL_NS && waited > own_done - started) {
+        window_stalls++;
+        atomic_fetch_add_explicit(&stalls_seen, 1, memory_order_relaxed);
+    }
+    if (++window_calls >= STALL_WINDOW || window_stalls >= STALL_LIMIT) {
+        if (window_stalls >= STALL_LIMIT) {
+            atomic_store_explicit(&solo_left, SOLO_CALLS, memory_order_relaxed);
+            atomic_fetch_add_explicit(&solo_periods, 1, memory_order_relaxed);
+        }
+        window_calls = window_stalls = 0;
+    }
     pthread_mutex_unlock(&job_lock);
     return 1;
+}
+
+/* 1 while the pool runs on the caller alone (helpers seen stalled); the totals of stalled
+   calls and of solo periods since the library loaded */
+int tp_pool_stats(int64_t *stalls, int64_t *periods) {
+    *stalls = atomic_load(&stalls_seen);
+    *periods = atomic_load(&solo_periods);
+    return atomic_load(&solo_left) > 0;
+}
+#endif
+
+#ifndef TP_POOL
+int tp_pool_stats(int64_t *stalls, int64_t *periods) {
+    *stalls = 0, *periods = 0;
+    return 0;
 }
 #endif
 
@@ -232,9 +274,12 @@ static void gemm_job(const void *ctx, int64_t g0, int64_t g1) {
 static void run_split(part_fn part, const void *ctx, int64_t units, int64_t align,
                       int64_t bytes, int threads) {
 #ifdef TP_POOL
-    if (threads > 1 && units >= 2 * align && bytes >= MIN_SPLIT_BYTES &&
-        pooled_run(part, ctx, units, align, threads))
-        return;
+    if (threads > 1 && units >= 2 * align && bytes >= MIN_SPLIT_BYTES) {
+        if (atomic_load_explicit(&solo_left, memory_order_relaxed) > 0)
+            atomic_fetch_sub_explicit(&solo_left, 1, memory_order_relaxed);
+        else if (pooled_run(part, ctx, units, align, threads))
+            return;
+    }
 #else
     (void)align, (void)bytes, (void)threads;
 #endif

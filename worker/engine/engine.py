@@ -830,12 +830,16 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         import psutil
 
-        device_memory = (
+        device_memory: dict[str, Any] = (
             {"device_memory_allocated": torch.cuda.memory_allocated(self.device)}
             if self.device.type == "cuda"
             else {}
         )
         graph_stats = getattr(self.model, "graph_stats", None)  # GraphedCausalLM (CUDA)
+        if self.device.type == "cpu":
+            from worker.device import cpu_gemv
+
+            device_memory["cpu_pool"] = cpu_gemv.pool_stats()  # helpers stalled by other load
         return {
             **device_memory,
             **(graph_stats() if graph_stats is not None else {}),
