@@ -215,3 +215,26 @@ def test_tiles_chosen_per_matrix_shape() -> None:
         qm.quant_linear(x, weights[0]), x @ _qw("int4", 32, 40, 256).dequantize().T,
         rtol=1e-4, atol=1e-4,
     )  # fmt: skip
+
+
+def test_tile_choices_are_remembered(tmp_path: Path) -> None:
+    from worker.device.kernels import quant_matmul as qm
+
+    cache = tmp_path / "tiles.json"
+    weight = qm.KMajorWeight.pack(_qw("int4", 32, n=40, k=256))
+    calls: list[int] = []
+
+    def timer(fn: object) -> float:
+        fn()  # type: ignore[operator]
+        calls.append(1)
+        return float(len(calls))  # the first candidate wins
+
+    assert qm.choose_configs([weight], torch.float32, timer, cache, "gpu A") == 1
+    timed = len(calls)
+    again = qm.KMajorWeight.pack(_qw("int4", 32, n=40, k=256))
+    assert qm.choose_configs([again], torch.float32, timer, cache, "gpu A") == 0
+    assert len(calls) == timed  # nothing timed: read back
+    assert again.gemv_config == qm.GEMV_CANDIDATES[0] and again.gemm_config == qm.GEMM_CANDIDATES[0]
+    assert qm.choose_configs([again], torch.float32, timer, cache, "gpu B") == 1  # another GPU
+    cache.write_text("{not json")
+    assert qm.choose_configs([again], torch.float32, timer, cache, "gpu A") == 1  # damaged: again

@@ -32,8 +32,12 @@ Each weight is ``code * scale (+ offset)`` in fp32 as in the reference
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -426,26 +430,78 @@ GEMM_CANDIDATES = [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3), (128, 64,
 
 
 def choose_configs(
-    weights: list[KMajorWeight], dtype: torch.dtype, timer: Callable[..., float] | None = None
+    weights: list[KMajorWeight],
+    dtype: torch.dtype,
+    timer: Callable[..., float] | None = None,
+    cache: Path | None = None,
+    device_name: str = "",
 ) -> int:
     """Time the candidate tiles of each distinct matrix (one row for the GEMV, 32 for the
     GEMM) inside CUDA graphs, the way decode runs them, and keep the fastest on each weight.
-    A candidate this GPU cannot run (shared memory) is skipped. Returns the shapes timed."""
+    A candidate this GPU cannot run (shared memory) is skipped. Choices are remembered in
+    ``cache`` (a JSON file keyed by the GPU's name, the matrix and the candidates) so a later
+    start skips the timing. Returns the shapes timed now."""
     if timer is None:
         from worker.device.kernels.gemv import graph_seconds as timer
+    known = _read_choices(cache)
     chosen: dict[tuple[object, ...], tuple[object, object]] = {}
+    timed = 0
     for packed in weights:
         key = (packed.kind, packed.shape, packed.group_size)
         if key not in chosen:
-            n, k = packed.shape
-            device = packed.words.device
-            one = torch.randn(1, k, device=device, dtype=dtype)
-            many = torch.randn(32, k, device=device, dtype=dtype)
-            gemv = _fastest(lambda c, x=one, w=packed: qgemv(x, w, c), GEMV_CANDIDATES, timer)
-            gemm = _fastest(lambda c, x=many, w=packed: qgemm(x, w, c), GEMM_CANDIDATES, timer)
+            name = _choice_key(device_name, packed, dtype)
+            if name in known:
+                gemv, gemm = (tuple(c) if c else None for c in known[name])
+            else:
+                n, k = packed.shape
+                device = packed.words.device
+                one = torch.randn(1, k, device=device, dtype=dtype)
+                many = torch.randn(32, k, device=device, dtype=dtype)
+                gemv = _fastest(lambda c, x=one, w=packed: qgemv(x, w, c), GEMV_CANDIDATES, timer)
+                gemm = _fastest(lambda c, x=many, w=packed: qgemm(x, w, c), GEMM_CANDIDATES, timer)
+                known[name] = [gemv, gemm]
+                timed += 1
             chosen[key] = (gemv, gemm)
         packed.gemv_config, packed.gemm_config = chosen[key]  # type: ignore[assignment]
-    return len(chosen)
+    if timed:
+        _write_choices(cache, known)
+    return timed
+
+
+def _choice_key(device_name: str, packed: KMajorWeight, dtype: torch.dtype) -> str:
+    n, k = packed.shape
+    candidates = repr((GEMV_CANDIDATES, GEMM_CANDIDATES))
+    digest = hashlib.sha256(candidates.encode()).hexdigest()[:8]
+    return f"{device_name}|{packed.kind}|{n}x{k}|g{packed.group_size}|{dtype}|{digest}"
+
+
+def _read_choices(cache: Path | None) -> dict[str, list[object]]:
+    if cache is None or not cache.exists():
+        return {}
+    try:
+        data = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}  # a damaged file: time again, write it anew
+    return data if isinstance(data, dict) else {}
+
+
+def _write_choices(cache: Path | None, known: dict[str, list[object]]) -> None:
+    if cache is None:
+        return
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(known, indent=0, sort_keys=True))
+        os.replace(partial, cache)  # atomic: concurrent workers never read half a file
+    except OSError:
+        pass  # a read-only home: time again next start
+
+
+def tiles_cache() -> Path:
+    """``$TOKENPIPE_CACHE/kernels/quant_tiles.json`` (default under ``~/.cache/tokenpipe``)."""
+    base = os.environ.get("TOKENPIPE_CACHE")
+    root = Path(base) if base else Path.home() / ".cache" / "tokenpipe"
+    return root / "kernels" / "quant_tiles.json"
 
 
 def _fastest(run, candidates, timer):  # type: ignore[no-untyped-def]
