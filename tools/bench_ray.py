@@ -3,15 +3,17 @@
 The same requests, one at a time on a kept-alive connection, to
   1. `tokenpipe serve` directly (one CPU worker), then
   2. `tokenpipe ray up`'s OpenAI API (Ray's local cluster, one replica of the same server:
-     Serve's proxy -> the ingress -> the replica's app);
-and, with --jsonl, `tokenpipe run` against `tokenpipe ray run` (front end -> replica).
+     the HTTP front end -> the replica's own HTTP port; with --via-serve, Serve's proxy -> the
+     replica deployment, the path before the direct one);
+and, with --jsonl, `tokenpipe run` against `tokenpipe ray run` (front end -> the replica's
+JSONL port).
 
 Requests: `GET /v1/models` (no model work: the path's own cost), a one-token completion (end
 to end; the model's time varies by a few ms on a busy CPU, so look at /v1/models for the
 overhead), and the same in a named session (`x-session-affinity`). Prints the median and p90
 of each, and the difference.
 
-    python tools/bench_ray.py [--requests 200] [--jsonl]
+    python tools/bench_ray.py [--requests 200] [--jsonl] [--via-serve]
 """
 
 from __future__ import annotations
@@ -134,6 +136,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--port", type=int, default=18470)
     parser.add_argument("--jsonl", action="store_true", help="also tokenpipe run vs ray run")
+    parser.add_argument(
+        "--via-serve",
+        action="store_true",
+        help="HTTP through Ray Serve's proxy (ray up --via-serve)",
+    )
     args = parser.parse_args()
 
     serve = subprocess.Popen(
@@ -163,6 +170,7 @@ def main() -> None:
             replicas=1,
             supervisor=SupervisorConfig(workers=1, max_context=1024),
             server=ServerConfig(),
+            via_serve=args.via_serve,
         )
         deploy(spec, port=args.port + 1)
         ray_http = http_cases(f"http://127.0.0.1:{args.port + 1}", args.requests)

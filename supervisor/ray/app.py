@@ -21,7 +21,9 @@ from supervisor.openai.sessions import SESSION_HEADERS
 
 APP_NAME = "tokenpipe"
 REPLICA_DEPLOYMENT = "TokenpipeReplica"
-INGRESS_DEPLOYMENT = "TokenpipeIngress"  # only with separate_ingress
+FRONT_DEPLOYMENT = "TokenpipeHttpFront"  # the direct path's HTTP front end
+INGRESS_DEPLOYMENT = "TokenpipeIngress"  # only with via_serve and separate_ingress
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 AUTH_TOKEN_FILE = "~/.ray/auth_token"  # where Ray keeps this machine's cluster token
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
@@ -41,9 +43,13 @@ class Deployment:
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
     max_ongoing_requests: int = 64  # per replica, like the supervisor's --max-queue
-    http: bool = True  # the OpenAI API on Serve's HTTP proxy; False: protocol callers only
-    # an ingress deployment in front of the replicas (ingress.py, SeparateIngress): a lost
-    # replica answered worker_lost, at one more actor hop per HTTP request
+    http: bool = True  # the OpenAI API on the port; False: the JSONL front end only
+    # HTTP through Ray Serve's proxy and a Serve call per request (ingress.py) instead of the
+    # direct path (http_front.py straight to each replica's own port): for clusters whose
+    # nodes reach each other only on Ray's ports
+    via_serve: bool = False
+    # with via_serve: an ingress deployment in front of the replicas (ingress.py,
+    # SeparateIngress): a lost replica answered worker_lost, at one more actor hop
     separate_ingress: bool = False
     health_check_period_s: float = 2.0  # how soon a dead replica is seen (and replaced)
 
@@ -120,14 +126,19 @@ def use_cluster_token() -> None:
         raylet.Config.initialize("")
 
 
-def application(spec: Deployment) -> Any:
-    """The Serve application (`serve.run`-able)."""
+def application(spec: Deployment, host: str = "127.0.0.1", port: int = 8000) -> Any:
+    """The Serve application (`serve.run`-able). The direct path (the default): the replicas,
+    each with its own HTTP and JSONL ports, and with `http` the HTTP front end on `host:port`
+    (on the head node) that passes each request to its replica's port."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    from .http_front import HttpFront
     from .ingress import SeparateIngress
     from .replica import TokenpipeReplica
     from .router import SessionAffinityRouter
+
+    direct_http = spec.http and not spec.via_serve
 
     replica = serve.deployment(
         TokenpipeReplica,
@@ -138,7 +149,15 @@ def application(spec: Deployment) -> Any:
         request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
         health_check_period_s=spec.health_check_period_s,
         graceful_shutdown_timeout_s=30,
-    ).bind(spec.supervisor, spec.server)
+    ).bind(spec.supervisor, spec.server, direct_http)
+    if direct_http:
+        return serve.deployment(
+            HttpFront,
+            name=FRONT_DEPLOYMENT,
+            num_replicas=1,
+            ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
+            health_check_period_s=spec.health_check_period_s,
+        ).bind(replica, host, port, spec.server.max_body_bytes)
     if not (spec.http and spec.separate_ingress):
         return replica  # also the HTTP ingress (ingress.py): one actor hop from Serve's proxy
     return serve.deployment(
@@ -154,11 +173,12 @@ def deploy(spec: Deployment, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Deploy (or update: a new replica count scales in place) and wait until it runs."""
     from ray import serve
 
-    if spec.http:
+    if spec.http and spec.via_serve:
         serve.start(http_options={"host": host, "port": port})
     else:
         serve.start(proxy_location="Disabled")
-    serve.run(application(spec), name=APP_NAME, route_prefix="/" if spec.http else None)
+    routed = spec.http and spec.via_serve
+    serve.run(application(spec, host, port), name=APP_NAME, route_prefix="/" if routed else None)
 
 
 def replica_handle() -> Any:

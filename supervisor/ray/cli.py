@@ -54,10 +54,17 @@ def command() -> None:
 @click.option("--api-key", default=None, envvar="TOKENPIPE_API_KEY", help="Require this key.")
 @click.option("--no-http", is_flag=True, help="Replicas only, for `tokenpipe ray run`.")
 @click.option(
+    "--via-serve",
+    is_flag=True,
+    help="HTTP through Ray Serve's proxy and a Serve call per request (+5 ms) instead of the "
+    "front end passing each request to its replica's own port; for nodes that reach each "
+    "other only on Ray's ports.",
+)
+@click.option(
     "--separate-ingress",
     is_flag=True,
-    help="An HTTP ingress deployment in front of the replicas: a replica lost mid-response "
-    "is answered worker_lost (not a cut stream), at one more actor hop (~3-4 ms).",
+    help="With --via-serve: an ingress deployment in front of the replicas: a replica lost "
+    "mid-response is answered worker_lost (not a cut stream), at one more actor hop.",
 )
 def up_command(
     replicas: int,
@@ -76,6 +83,7 @@ def up_command(
     session_dir: str | None,
     api_key: str | None,
     no_http: bool,
+    via_serve: bool,
     separate_ingress: bool,
 ) -> None:
     """Start (or join with --address) a Ray cluster and deploy N replicas behind one OpenAI
@@ -108,6 +116,7 @@ def up_command(
             gpus_per_replica=gpus_per_replica,
             max_ongoing_requests=max_queue,
             http=not no_http,
+            via_serve=via_serve or separate_ingress,
             separate_ingress=separate_ingress,
         )
     except ValueError as exc:

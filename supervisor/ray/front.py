@@ -20,6 +20,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -31,34 +32,46 @@ from protocol import MAX_LINE_BYTES, ErrorCode, ProtocolError, decode_request, l
 from supervisor.lines import LineSplitter, TooLong
 from supervisor.mirror import SessionMirror
 
-from .affinity import SESSION_KEY, is_replica_lost, request_session_key
-from .replica import NEED_RESIDENT, error_event
+from .affinity import request_session_key
+from .directory import Directory, Endpoint
+from .endpoints import NEED_RESIDENT, error_event
+from .links import LOST, Link, Links
 
-LOST = "the replica serving this request was lost"
+LOST_MESSAGE = "the replica serving this request was lost"
+NO_REPLICA = "no replica is reachable"
 LOST_RETRIES = 2  # a request lost before its first event goes again this many times
+LIVE_WAIT_S = 30.0  # how long a request waits for a live replica (Ray replaces lost ones)
+READY_WAIT_S = 120.0
 SESSION_OPS = ("open", "close", "reset")
-LOCAL_OPS = ("info", "stats", "tokenize", "detokenize")
 
 
 class Front:
-    """Forwards protocol requests (dicts) to the replicas; answers go to `emit`."""
+    """Forwards protocol requests (dicts) straight to the replicas' JSONL ports; answers go
+    to `emit`. `handle`: a Serve handle on the replicas (the ready line, and the router whose
+    replica list feeds `directory`)."""
 
-    def __init__(self, handle: Any, emit: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self, handle: Any, emit: Callable[[dict[str, Any]], None], directory: Directory
+    ) -> None:
         self._handle = handle
-        self._stream = handle.options(stream=True)
         self._emit = emit
+        self._directory = directory
+        self._links = Links(directory)
         self._mirror = SessionMirror()
         self._prefix = f"{uuid.uuid4().hex[:8]}-"
         self._ids = itertools.count(1)
         self._tasks: dict[Any, asyncio.Task[None]] = {}
-        self._internal: dict[Any, tuple[str, str | None]] = {}  # client id -> (our id, session)
+        self._placed: dict[Any, tuple[str, Link]] = {}  # client id -> (our id, its link)
         self._ordered: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._order_task = asyncio.ensure_future(self._run_ordered())
 
     async def ready(self) -> dict[str, Any]:
+        """The ready line (one Serve call: it also starts the router that fills the
+        directory), once some replica's endpoint is known."""
         info = dict(await self._handle.ready_info.remote())
-        for key in ("replica", "rank", "pid", "id"):
+        for key in ("replica", "rank", "pid", "id", "http_forwarded"):
             info.pop(key, None)
+        await self._live(None, READY_WAIT_S)
         return {**info, "event": "ready", "ray": True}
 
     # -- intake
@@ -84,7 +97,7 @@ class Front:
         reuse the id as soon as it reads that line)."""
         if task is None or self._tasks.get(client_id) is task:
             self._tasks.pop(client_id, None)
-            self._internal.pop(client_id, None)
+            self._placed.pop(client_id, None)
 
     async def drain(self) -> None:
         """Finish everything submitted so far."""
@@ -92,21 +105,49 @@ class Front:
         await self._order_task
         while self._tasks:
             await asyncio.gather(*list(self._tasks.values()), return_exceptions=True)
+        self._links.close()
 
     async def _run_ordered(self) -> None:
         while (request := await self._ordered.get()) is not None:
             op = request.get("op", "generate")
             if op == "generate":
                 await self.generate(request)
-            elif op in SESSION_OPS:
-                await self._session_op(request)
             elif op == "ping":
                 self._emit({"event": "pong", "pong": True, **_id_of(request)})
             elif op == "shutdown":
                 self._emit({"event": "shutdown", "shutdown": True, **_id_of(request)})
                 return
             else:
-                await self._call(request)
+                await self._single(request)
+
+    # -- placing requests
+
+    async def _live(self, session: str | None, wait_s: float = LIVE_WAIT_S) -> Endpoint | None:
+        """The replica for `session` (None: the least loaded), waiting a little while none is
+        live (all were lost and Ray is replacing them)."""
+        deadline = time.monotonic() + wait_s
+        while (endpoint := self._directory.pick(session)) is None:
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.05)
+        return endpoint
+
+    async def _call(
+        self, session: str | None, envelope: dict[str, Any]
+    ) -> tuple[Link, asyncio.Queue[dict[str, Any]]] | None:
+        """Send `envelope` to the replica for `session`; None when no replica can be reached
+        (after waiting for one)."""
+        for attempt in range(LOST_RETRIES + 1):
+            endpoint = await self._live(session)
+            if endpoint is None:
+                return None
+            try:
+                link = await self._links.get(endpoint)
+            except OSError:
+                await asyncio.sleep(0.1 * attempt)
+                continue
+            return link, link.send(envelope)
+        return None
 
     # -- requests
 
@@ -119,57 +160,45 @@ class Front:
         wants_resident = bool(request.get("return_resident"))
         if session:
             request["return_resident"] = True
-        self._internal[client_id] = (internal, session)
         resident: list[int] | None = None
         lost = 0
-        try:
-            while True:
-                sent = False
-                stream = self._stream.generate.remote(
-                    request,
-                    **{SESSION_KEY: session},
-                    mirrored=len(self._mirror.resident(session)) if session else 0,
-                    resident=resident,
-                )
-                try:
-                    async for batch in stream:
-                        if batch[0].get("event") == NEED_RESIDENT and session:
-                            resident = self._mirror.resident(session)
-                            break
-                        sent = True
-                        for event in batch:
-                            self._answer(event, client_id, session, wants_resident)
-                        if batch[-1].get("event") != "token":
+        while True:
+            envelope = {
+                "call": "generate",
+                "id": internal,
+                "request": request,
+                "mirrored": len(self._mirror.resident(session)) if session else 0,
+                "resident": resident,
+            }
+            placed = await self._call(session, envelope)
+            if placed is None:
+                self._fail(client_id, ErrorCode.WORKER_LOST, NO_REPLICA)
+                return
+            link, queue = placed
+            self._placed[client_id] = (internal, link)
+            self._directory.started(link.endpoint)
+            sent = False
+            try:
+                while True:
+                    event = await queue.get()
+                    kind = event.get("event")
+                    if kind == NEED_RESIDENT and session:
+                        resident = self._mirror.resident(session)
+                        break
+                    if event is LOST:
+                        if sent or lost >= LOST_RETRIES:
+                            self._fail(client_id, ErrorCode.WORKER_LOST, LOST_MESSAGE)
                             return
-                    else:
-                        self._fail(client_id, ErrorCode.INTERNAL_ERROR, "the answer ended early")
+                        lost += 1
+                        await asyncio.sleep(0.2 * lost)
+                        break
+                    sent = True
+                    self._answer(event, client_id, session, wants_resident)
+                    if kind != "token":
                         return
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    if not is_replica_lost(exc):
-                        problem = f"{type(exc).__name__}: {exc}"
-                        self._fail(client_id, ErrorCode.INTERNAL_ERROR, problem)
-                        return
-                    if sent or lost >= LOST_RETRIES:
-                        self._fail(client_id, ErrorCode.WORKER_LOST, LOST)
-                        return
-                    lost += 1
-                    await asyncio.sleep(0.2 * lost)
-        except asyncio.CancelledError:
-            # A cancel of a request without a session: its stream is closed (the replica
-            # cancels it in its worker), and the answer is ours.
-            self._forget(client_id)
-            self._emit(
-                {
-                    "event": "done",
-                    "done": True,
-                    "prompt_tokens": 0,
-                    "completion_tokens": 0,
-                    "finish_reason": "cancelled",
-                    **_id(client_id),
-                }
-            )
+            finally:
+                link.forget(internal)
+                self._directory.finished(link.endpoint)
 
     def _fail(self, client_id: Any, code: str, message: str) -> None:
         self._forget(client_id)
@@ -192,9 +221,8 @@ class Front:
         self._emit(event)
 
     def _cancel(self, client_id: Any) -> None:
-        task = self._tasks.get(client_id)
-        placed = self._internal.get(client_id)
-        if task is None or placed is None:
+        placed = self._placed.get(client_id)
+        if client_id not in self._tasks or placed is None:
             self._emit(
                 error_event(
                     ErrorCode.UNKNOWN_ID,
@@ -204,34 +232,39 @@ class Front:
                 )
             )
             return
-        internal, session = placed
-        if session:  # the session's replica cancels it and answers its cancelled `done`
-            asyncio.ensure_future(self._handle.cancel.remote(internal, **{SESSION_KEY: session}))
+        internal, link = placed
+        link.cancel(internal)  # the replica answers its cancelled `done`
+
+    async def _single(self, request: dict[str, Any]) -> None:
+        """A request with one answer: a session op (to the session's replica) or a call
+        (`info`, `stats`, `tokenize`, `detokenize`: to the least-loaded replica)."""
+        op = request.get("op")
+        session = str(request.get("session_id") or "") if op in SESSION_OPS else None
+        internal = f"{self._prefix}{next(self._ids)}"
+        envelope: dict[str, Any] = {
+            "call": "session_op" if session is not None else "call",
+            "id": internal,
+            "request": {**request, "id": internal},
+        }
+        placed = await self._call(session, envelope)
+        if placed is None:
+            answer = error_event(ErrorCode.WORKER_LOST, NO_REPLICA, op=op)
         else:
-            task.cancel()
-
-    async def _session_op(self, request: dict[str, Any]) -> None:
-        session = str(request.get("session_id") or "")
-        try:
-            answer = await self._handle.session_op.remote(request, **{SESSION_KEY: session})
-        except Exception as exc:
-            code = ErrorCode.WORKER_LOST if is_replica_lost(exc) else ErrorCode.INTERNAL_ERROR
-            answer = error_event(code, f"{type(exc).__name__}: {exc}", op=request.get("op"))
-        answer.pop("id", None)  # the replica's own id for it
-        if answer.get("event") != "error":
-            if request.get("op") == "close":
+            link, queue = placed
+            self._directory.started(link.endpoint)
+            try:
+                answer = await queue.get()
+            finally:
+                link.forget(internal)
+                self._directory.finished(link.endpoint)
+            if answer is LOST:
+                answer = error_event(ErrorCode.WORKER_LOST, LOST_MESSAGE, op=op)
+        answer.pop("id", None)  # ours
+        if session is not None and answer.get("event") != "error":
+            if op == "close":
                 self._mirror.drop(session)
-            elif request.get("op") == "reset":
+            elif op == "reset":
                 self._mirror.clear(session)
-        self._emit({**answer, **_id_of(request)})
-
-    async def _call(self, request: dict[str, Any]) -> None:
-        try:
-            answer = await self._handle.call.remote(request)
-        except Exception as exc:
-            code = ErrorCode.WORKER_LOST if is_replica_lost(exc) else ErrorCode.INTERNAL_ERROR
-            answer = error_event(code, f"{type(exc).__name__}: {exc}", op=request.get("op"))
-        answer.pop("id", None)
         self._emit({**answer, **_id_of(request)})
 
 
@@ -270,9 +303,12 @@ def _write(event: dict[str, Any]) -> None:
 async def serve_stdio(address: str) -> None:
     """Connect to the cluster at `address`, then serve stdin until EOF or `shutdown`."""
     from .app import connect, replica_handle
+    from .router import publish_to
 
     await asyncio.to_thread(connect, address)
-    front = Front(replica_handle(), _write)
+    directory = Directory()
+    publish_to(directory)
+    front = Front(replica_handle(), _write, directory)
     _write(await front.ready())
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[bytes] = asyncio.Queue()

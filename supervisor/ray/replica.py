@@ -40,16 +40,12 @@ from supervisor.session_dirs import split_session_dir
 
 from .affinity import http_session_key, session_digest
 from .asgi_bridge import Message, run_asgi
+from .endpoints import NEED_RESIDENT, error_event, serve_http, serve_jsonl
 from .ingress import LocalResponse, forward, read_body, routed_session
 
 log = logging.getLogger("tokenpipe.ray")
 
-NEED_RESIDENT = "tp_need_resident"
-"""The one event a replica answers when it lacks a session the caller said it mirrors."""
-
-
-def error_event(code: str, message: str, **extra: Any) -> dict[str, Any]:
-    return {"event": "error", "code": code, "error": message, **extra}
+__all__ = ["NEED_RESIDENT", "TokenpipeReplica", "error_event", "replica_config"]
 
 
 def replica_config(supervisor: SupervisorConfig, rank: int | None, tag: str) -> SupervisorConfig:
@@ -67,7 +63,12 @@ def replica_config(supervisor: SupervisorConfig, rank: int | None, tag: str) -> 
 class TokenpipeReplica:
     """The Serve deployment class (options are set in app.py)."""
 
-    async def __init__(self, supervisor: SupervisorConfig, server: ServerConfig) -> None:
+    async def __init__(
+        self, supervisor: SupervisorConfig, server: ServerConfig, direct_http: bool = False
+    ) -> None:
+        """`direct_http`: also serve the OpenAI app on an HTTP port of its own (for the
+        direct HTTP front end); the JSONL port is always open."""
+        import ray
         from ray import serve
 
         context = serve.get_replica_context()
@@ -97,21 +98,39 @@ class TokenpipeReplica:
         self._replicas: Any = None  # a streaming handle on this deployment, for forwarding
         self._forwarded = 0  # HTTP requests sent on to the replica of their session
         self._saved = [session_digest(s) for s in restored]
+        # the direct data path: the front ends connect here (published in the metadata)
+        host = ray.util.get_node_ip_address()
+        self._jsonl_server, self._jsonl = await serve_jsonl(self, host)
+        self._stop_http: Any = None
+        self._http = ""
+        if direct_http:
+            self._stop_http, self._http = await serve_http(self._app, host)
         log.info(
-            "tokenpipe replica %s (rank %s) ready, %d session(s) restored",
+            "tokenpipe replica %s (rank %s) ready on jsonl %s http %s, %d session(s) restored",
             self._tag,
             self._rank,
+            self._jsonl,
+            self._http or "-",
             len(restored),
         )
 
     # -- what Ray Serve asks
 
     def record_replica_metadata(self) -> dict[str, Any]:
-        """Read once, when the replica is up: its ring name, and the sessions its
-        --session-dir held (the router sends those here)."""
-        return {"rank": self._rank, "pid": os.getpid(), "sessions": self._saved}
+        """Read once, when the replica is up: its ring name, the sessions its --session-dir
+        held (the router sends those here), and its direct endpoints ("host:port")."""
+        return {
+            "rank": self._rank,
+            "pid": os.getpid(),
+            "sessions": self._saved,
+            "jsonl": self._jsonl,
+            "http": self._http,
+        }
 
     async def __del__(self) -> None:
+        self._jsonl_server.close()
+        if self._stop_http is not None:
+            await self._stop_http()
         await self._server.stop()
 
     # -- HTTP

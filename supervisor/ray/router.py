@@ -13,14 +13,32 @@ sessions come back to the same arc of the ring, and the other replicas keep thei
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from .affinity import SESSION_KEY, session_owner
+from .directory import Directory, Endpoint, endpoint_from
 from .ring import HashRing
 
-__all__ = ["SESSION_KEY", "SessionAffinityRouter", "ring_name"]
+__all__ = ["SESSION_KEY", "SessionAffinityRouter", "publish_to", "ring_name"]
+
+
+def publish_to(directory: Directory) -> Callable[[], None]:
+    """Keep `directory` up to date with the replicas the routers of this process see (a handle
+    must have routed one call for its router to exist); the function that stops it."""
+    from supervisor.ray import directory as registry
+
+    registry.PUBLISHED.append(directory)
+    return lambda: registry.PUBLISHED.remove(directory)
+
+
+def endpoints(replicas: list[RunningReplica]) -> list[Endpoint]:
+    found = (
+        endpoint_from(ring_name(r), r.replica_id.unique_id, r.replica_metadata) for r in replicas
+    )
+    return [e for e in found if e is not None]
 
 
 def ring_name(replica: RunningReplica) -> str:
@@ -44,6 +62,17 @@ class SessionAffinityRouter(RequestRouter):
         self._by_name: dict[str, RunningReplica] = {}
         self._saved: dict[str, str] = {}  # session digest -> ring name of its holder
         self._saved_from: frozenset[str] = frozenset()  # the replica ids `_saved` was made of
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        # Serve ships this class pickled by value (a copy of this module's globals): the
+        # process's own directories are found through an import, at call time
+        from supervisor.ray.directory import PUBLISHED
+
+        if PUBLISHED:
+            published = endpoints(replicas)
+            for directory in list(PUBLISHED):
+                directory.update(published)
 
     def _ring_for(self, candidates: list[RunningReplica]) -> HashRing:
         names = {ring_name(r): r for r in candidates}

@@ -1,12 +1,16 @@
 """The OpenAI API of `tokenpipe ray up` (Ray's local cluster, two replicas of one CPU worker,
-the default model) with the official `openai` client. The replica deployment is the HTTP
-ingress (supervisor/ray/ingress.py):
+the default model) with the official `openai` client. By default the HTTP front end passes
+each request straight to its replica's own HTTP port (supervisor/ray/http_front.py):
 
-- a session named by `x-session-affinity` is routed by Serve's proxy to its replica (one hop)
-  and a session named only in the body (`session_id`) is forwarded there by the replica that
-  got it: either way every turn after the first is warm, on the replica the JSONL router
-  would pick for the same session;
-- requests without a session are served by any replica.
+- a session named by `x-session-affinity` or only in the body (`session_id`) goes to its
+  replica, the one the JSONL router would pick for the same session (no replica forwards it):
+  every turn after the first is warm;
+- requests without a session are served by any replica;
+- a replica killed mid-stream: the stream ends with one `worker_lost` chunk and `[DONE]`, and
+  the session's next request is served.
+
+`ray up --via-serve` (Serve's proxy, the replica deployment as the ingress; ingress.py) and
+`--separate-ingress` are checked last, after a redeploy.
 """
 
 from __future__ import annotations
@@ -98,12 +102,8 @@ def test_sessions_resume_warm_on_their_replica(client: openai.OpenAI, how: str) 
             if turn:
                 assert answer.usage.prompt_tokens_details.cached_tokens > 0, (session, answer.usage)
     assert {s: holder(s)[0] for s in sessions} == ranks
-    # the proxy routes by the header (one hop); a session named in the body only is
-    # forwarded by the replica that got it, unless that one holds it
-    if how == "header":
-        assert forwarded(sessions) == forwarded_before
-    else:
-        assert forwarded(sessions) > forwarded_before
+    # the front end sent each request to its session's replica: none was forwarded
+    assert forwarded(sessions) == forwarded_before
 
 
 def forwarded(sessions: list[str]) -> int:
@@ -124,26 +124,69 @@ def test_requests_without_a_session(client: openai.OpenAI) -> None:
         assert answer.choices[0].message.content is not None
 
 
+def test_direct_path_answers_a_lost_replica(client: openai.OpenAI) -> None:
+    """The default HTTP front end: a replica killed mid-stream ends the event stream with one
+    `worker_lost` error chunk and `[DONE]`; the session's next request is served."""
+    kill_mid_stream(client, "victim")
+
+
+def test_via_serve_forwards_body_sessions(client: openai.OpenAI) -> None:
+    """`ray up --via-serve`: Serve's proxy routes by the header; a session named only in the
+    body is forwarded by the replica that got it. Either way turn 2 is warm. (Redeploys.)"""
+    redeploy(client, via_serve=True)
+    ring = HashRing(["rank-0", "rank-1"])
+    candidates = [f"via-serve-{i}" for i in range(40)]
+    sessions = [next(s for s in candidates if ring.owner(s) == f"rank-{r}") for r in (0, 1)]
+    for how in ("header", "body"):
+        for turn in range(2):
+            for session in sessions:
+                named: dict[str, Any] = (
+                    {"extra_headers": {"x-session-affinity": f"{how}-{session}"}}
+                    if how == "header"
+                    else {"extra_body": {"session_id": f"{how}-{session}"}}
+                )
+                messages = [{"role": "user", "content": f"Name a colour for {session}."}]
+                answer = chat(client, messages, **named)
+                if turn:
+                    assert answer.usage.prompt_tokens_details.cached_tokens > 0, answer.usage
+
+
 def test_separate_ingress_answers_a_lost_replica(client: openai.OpenAI) -> None:
-    """`ray up --separate-ingress`: a replica killed mid-stream ends the event stream with one
-    `worker_lost` error chunk and `[DONE]`; the next request is served. (Runs last: it
-    redeploys the application.)"""
+    """`ray up --via-serve --separate-ingress`: a replica killed mid-stream ends the event
+    stream with one `worker_lost` error chunk and `[DONE]`; the next request is served. (Runs
+    last: it redeploys the application.)"""
+    redeploy(client, via_serve=True, separate_ingress=True)  # the replicas stay up
+    kill_mid_stream(client, "victim-2")
+
+
+def redeploy(client: openai.OpenAI, **path: bool) -> None:
+    """Deploy again on the same port. Serve's proxy is started with Serve or never: going from
+    the direct path (no proxy) to --via-serve starts Serve again."""
+    from supervisor.ray.app import APP_NAME
+
+    base = str(client.base_url).rstrip("/")
+    status = serve.status().applications.get(APP_NAME)
+    if path.get("via_serve") and status is not None and "TokenpipeHttpFront" in status.deployments:
+        serve.shutdown()
+    deploy(
+        Deployment(
+            replicas=2,
+            supervisor=SupervisorConfig(workers=1, max_context=1024, max_sessions=8),
+            server=ServerConfig(),
+            **path,
+        ),
+        port=int(base.rsplit(":", 1)[1].split("/")[0]),
+    )
+
+
+def kill_mid_stream(client: openai.OpenAI, session: str) -> None:
     import os
     import signal
 
     import httpx
 
     base = str(client.base_url).rstrip("/")
-    deploy(
-        Deployment(
-            replicas=2,
-            supervisor=SupervisorConfig(workers=1, max_context=1024, max_sessions=8),
-            server=ServerConfig(),
-            separate_ingress=True,  # the replicas' own config unchanged: they stay up
-        ),
-        port=int(base.rsplit(":", 1)[1].split("/")[0]),
-    )
-    _rank, pid = holder("victim")
+    _rank, pid = holder(session)
     model = client.models.list().data[0].id
     body = {
         "model": model,
@@ -153,7 +196,7 @@ def test_separate_ingress_answers_a_lost_replica(client: openai.OpenAI) -> None:
     }
     lines: list[str] = []
     with httpx.Client(timeout=120) as http:
-        headers = {"x-session-affinity": "victim"}
+        headers = {"x-session-affinity": session}
         with http.stream("POST", f"{base}/chat/completions", json=body, headers=headers) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
