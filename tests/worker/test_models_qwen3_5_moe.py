@@ -284,3 +284,29 @@ def test_bad_configs_are_clear_errors(key: str, value: Any, match: str) -> None:
     raw = {**TINY, "architectures": ["Qwen3_5MoeForCausalLM"], "num_hidden_layers": 2, key: value}
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_load_and_cpu_packing(tmp_path: Path, mode: str) -> None:
+    """--quantize int8/int4 on the family: its projections become QuantLinear (the DeltaNet's
+    four input matmuls too), the CPU packing step takes them, logits unchanged by it."""
+    import json
+
+    from tiny_models import byte_level_tokenizer_json
+
+    from worker.layers.quant import QuantLinear
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+
+    config = _text_config().to_dict()
+    config["architectures"] = ["Qwen3_5MoeForCausalLM"]
+    config["vocab_size"] = 263  # the byte-level tokenizer's
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    model = load_model(tmp_path, "cpu", torch.float32, random_weights=True, progress=False,
+                       quantize=QuantizeOptions(mode, 8)).model  # fmt: skip
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+    step = StepInput.single(list(range(3, 12)), 0, 0, device="cpu")
+    before = model(step, model.make_kv_cache(1, 64))
+    assert model.prepare_for_cpu() > 0
+    torch.testing.assert_close(model(step, model.make_kv_cache(1, 64)), before)

@@ -224,7 +224,7 @@ class GatedDeltaNet(nn.Module):
         """On CUDA: ``in_proj_qkv``, ``_z``, ``_b`` and ``_a`` become one matmul
         (``in_proj_all``, rows in that order; the HF names are gone afterwards). The CPU path
         packs each weight on its own (``CausalLM.prepare_for_cpu``) and keeps them apart."""
-        device = self.in_proj_qkv.weight.device.type
+        device = self.dt_bias.device.type  # the projections may be quantized (no .weight)
         if self.in_proj_all is not None or device not in FUSED_PROJECTION_DEVICES:
             return
         parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
