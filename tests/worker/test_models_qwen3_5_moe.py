@@ -290,8 +290,6 @@ def test_bad_configs_are_clear_errors(key: str, value: Any, match: str) -> None:
 def test_quantized_load_and_cpu_packing(tmp_path: Path, mode: str) -> None:
     """--quantize int8/int4 on the family: its projections become QuantLinear (the DeltaNet's
     four input matmuls too), the CPU packing step takes them, logits unchanged by it."""
-    import json
-
     from tiny_models import byte_level_tokenizer_json
 
     from worker.layers.quant import QuantLinear
