@@ -1,6 +1,7 @@
 """Tensor parallel on the CPU (worker/parallel/): a group of 2 gloo ranks gives the greedy tokens
-of 1 rank (fp32), through the real worker processes, for a tiny model of each split family;
-and the slicing itself, without processes."""
+of 1 rank (fp32), through the real worker processes, for a tiny model of each family (llama,
+gemma3, gemma4 with a replicated KV head, qwen3_5_moe with its DeltaNet heads and every
+expert split); and the slicing itself, without processes."""
 
 from __future__ import annotations
 
@@ -78,10 +79,36 @@ def _gemma4() -> dict[str, Any]:
     }
 
 
+def _qwen3_5_moe() -> dict[str, Any]:
+    """Gated DeltaNet and gated full attention layers, each with a sparse MoE (8 experts)."""
+    return {
+        **_COMMON,
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 32,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+    }
+
+
 CONFIGS = {
     "llama": lambda: tiny_config("llama", VOCAB, bos_token_id=256, eos_token_id=257),
     "gemma3": _gemma3,
     "gemma4": _gemma4,
+    "qwen3_5_moe": _qwen3_5_moe,
 }
 
 
@@ -238,8 +265,23 @@ def test_quantized_weights_split_on_group_boundaries(kind: str) -> None:
         _columns(qw, 48, 80, "down_proj")
 
 
+def test_qwen3_5_moe_splits_deltanet_heads_and_every_expert() -> None:
+    full = ModelConfig.from_hf(_qwen3_5_moe())
+    cfg = Shard(full, 2, 1).config()
+    assert cfg.deltanet is not None and cfg.moe is not None
+    assert (cfg.deltanet.num_key_heads, cfg.deltanet.num_value_heads) == (1, 2)
+    assert (cfg.moe.num_experts, cfg.moe.expert_intermediate_size) == (8, 12)
+    shard = Shard(full, 2, 1)
+    qkv = torch.arange(2 * 16 + 48, dtype=torch.float32)[:, None]  # q 2x8, k 2x8, v 4x12
+    rows = shard.slice("model.layers.0.linear_attn.in_proj_qkv.weight", qkv)[:, 0].tolist()
+    assert rows == [*range(8, 16), *range(24, 32), *range(56, 80)]
+    gate_up = torch.arange(48, dtype=torch.float32).view(1, 48, 1).expand(8, 48, 1)
+    mine = shard.slice("model.layers.0.mlp.experts.gate_up_proj", gate_up)[0, :, 0].tolist()
+    assert mine == [*range(12, 24), *range(36, 48)]  # the second half of gate, then of up
+
+
 def test_unsplit_families_say_so() -> None:
     cfg = _config("llama")
-    moe = ModelConfig(**{**cfg.__dict__, "family": "qwen3_5_moe"})
+    other = ModelConfig(**{**cfg.__dict__, "family": "mamba"})
     with pytest.raises(ValueError, match="not split yet"):
-        Shard(moe, 2, 0)
+        Shard(other, 2, 0)

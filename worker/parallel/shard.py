@@ -33,8 +33,9 @@ from torch import nn
 from worker.layers.quant import QuantizedWeight
 from worker.models.config import ModelConfig
 
-SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4")
-_LAYER_TENSOR = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "qwen3_5_moe")
+_LAYER_TENSOR = re.compile(r"layers\.(\d+)\.(self_attn|mlp|linear_attn)\.(.+)$")
+_ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")  # children whose outputs are all-reduced
 
 
 def _kv_heads(num_kv_heads: int, tp: int, rank: int, where: str) -> tuple[int, int]:
@@ -72,6 +73,16 @@ class Shard:
             )
         for i, spec in enumerate(cfg.layers):
             _kv_heads(spec.num_kv_heads, tp, self.rank, f"layer {i}")
+        sizes = {}
+        if cfg.deltanet is not None:
+            sizes["DeltaNet key heads"] = cfg.deltanet.num_key_heads
+            sizes["DeltaNet value heads"] = cfg.deltanet.num_value_heads
+        if cfg.moe is not None:
+            sizes["expert intermediate size"] = cfg.moe.expert_intermediate_size
+            sizes["shared expert intermediate size"] = cfg.moe.shared_intermediate_size
+        for what, size in sizes.items():
+            if size % tp:
+                raise ValueError(f"{what} {size} does not split across {tp} ranks")
 
     @property
     def heads(self) -> int:
@@ -98,12 +109,27 @@ class Shard:
             )
             for spec in self.full.layers
         )
+        deltanet, moe = self.full.deltanet, self.full.moe
+        if deltanet is not None:
+            deltanet = dataclasses.replace(
+                deltanet,
+                num_key_heads=deltanet.num_key_heads // self.tp,
+                num_value_heads=deltanet.num_value_heads // self.tp,
+            )
+        if moe is not None:  # every expert keeps a 1/tp slice of its intermediate size
+            moe = dataclasses.replace(
+                moe,
+                expert_intermediate_size=moe.expert_intermediate_size // self.tp,
+                shared_intermediate_size=moe.shared_intermediate_size // self.tp,
+            )
         return dataclasses.replace(
             self.full,
             num_attention_heads=self.heads,
             intermediate_size=self.inner,
             vocab_size=self.vocab,
             layers=layers,
+            deltanet=deltanet,
+            moe=moe,
         )
 
     # -- slicing ---------------------------------------------------------------------------
@@ -124,22 +150,85 @@ class Shard:
         match = _LAYER_TENSOR.search(name)
         if match is None:
             return value
-        layer, proj, kind = int(match.group(1)), match.group(3), match.group(4)
-        spec = self.full.layers[layer]
-        d = spec.head_dim
-        if proj == "q_proj":
-            return _rows(value, self.rank * self.heads * d, self.heads * d)
+        layer, block, rest = int(match.group(1)), match.group(2), match.group(3)
+        parts = rest.split(".")
+        if block == "self_attn":
+            return self._attention(layer, parts[0], parts[-1], value, name)
+        if block == "linear_attn":
+            return self._deltanet(parts[0], value, name)
+        if parts[0] == "experts":
+            return self._experts(parts, value, name)
+        if parts[0] == "shared_expert":
+            assert self.full.moe is not None
+            inner = self.full.moe.shared_intermediate_size // self.tp
+            return self._mlp(parts[1], parts[-1], inner, value, name)
+        if parts[0] in ("gate_proj", "up_proj", "down_proj"):
+            return self._mlp(parts[0], parts[-1], self.inner, value, name)
+        return value  # norms, the MoE router and its shared-expert gate
+
+    def _attention(self, layer: int, proj: str, kind: str, value: Any, name: str) -> Any:
+        d = self.full.layers[layer].head_dim
+        if proj == "q_proj":  # qwen3_5_moe: each head's query, then its gate
+            per_head = d * (2 if self.full.family == "qwen3_5_moe" else 1)
+            return _rows(value, self.rank * self.heads * per_head, self.heads * per_head)
         if proj in ("k_proj", "v_proj"):
-            first, count = _kv_heads(spec.num_kv_heads, self.tp, self.rank, name)
+            first, count = _kv_heads(self.full.layers[layer].num_kv_heads, self.tp, self.rank, name)
             return _rows(value, first * d, count * d)
+        if proj == "o_proj":
+            return self._row_parallel(kind, value, self.heads * d, name)
+        return value  # q/k norms
+
+    def _mlp(self, proj: str, kind: str, inner: int, value: Any, name: str) -> Any:
         if proj in ("gate_proj", "up_proj"):
-            return _rows(value, self.rank * self.inner, self.inner)
-        if proj in ("o_proj", "down_proj"):
-            if kind == "bias":  # added once, after the all-reduce's sum
-                return value if self.rank == 0 else torch.zeros_like(value)
-            width = self.heads * d if proj == "o_proj" else self.inner
-            return _columns(value, self.rank * width, width, name)
+            return _rows(value, self.rank * inner, inner)
+        if proj == "down_proj":
+            return self._row_parallel(kind, value, inner, name)
         return value
+
+    def _row_parallel(self, kind: str, value: Any, width: int, name: str) -> Any:
+        if kind == "bias":  # added once, after the all-reduce's sum
+            return value if self.rank == 0 else torch.zeros_like(value)
+        return _columns(value, self.rank * width, width, name)
+
+    def _experts(self, parts: list[str], value: Any, name: str) -> Any:
+        """Every expert keeps the rank's slice of its intermediate size: fused
+        ``gate_up_proj`` [E, 2I, H] (gate rows, then up), ``down_proj`` [E, H, I], or one
+        expert's ``<e>.gate_proj.weight`` [I, H] ..."""
+        assert self.full.moe is not None
+        full = self.full.moe.expert_intermediate_size
+        inner = full // self.tp
+        start = self.rank * inner
+        if parts[1] == "gate_up_proj":
+            gate, up = (
+                value[:, start : start + inner],
+                value[:, full + start : full + start + inner],
+            )
+            return torch.cat([gate, up], dim=1)
+        if parts[1] == "down_proj":
+            return value[:, :, start : start + inner].contiguous()
+        return self._mlp(parts[2], parts[-1], inner, value, name)  # one expert's tensor
+
+    def _deltanet(self, part: str, value: Any, name: str) -> Any:
+        """The rank's key heads and the value heads that read them (consecutive groups)."""
+        spec = self.full.deltanet
+        assert spec is not None
+        hk, hv = spec.num_key_heads // self.tp, spec.num_value_heads // self.tp
+        dk, dv = spec.key_head_dim, spec.value_head_dim
+        key_dim = spec.num_key_heads * dk
+        q_rows = (self.rank * hk * dk, hk * dk)
+        v_rows = (self.rank * hv * dv, hv * dv)
+        if part in ("in_proj_qkv", "conv1d"):  # channels: q keys, k keys, values
+            starts = (q_rows[0], key_dim + q_rows[0], 2 * key_dim + v_rows[0])
+            counts = (q_rows[1], q_rows[1], v_rows[1])
+            ids = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, counts, strict=True)])
+            return value.rows(ids) if isinstance(value, QuantizedWeight) else value[ids]
+        if part == "in_proj_z":
+            return _rows(value, *v_rows)
+        if part in ("in_proj_b", "in_proj_a", "dt_bias", "A_log"):
+            return _rows(value, self.rank * hv, hv)
+        if part == "out_proj":
+            return _columns(value, v_rows[0], v_rows[1], name)
+        return value  # the gated norm (per head dim)
 
 
 def _rows(value: Any, start: int, count: int, pad: bool = False) -> Any:
@@ -239,13 +328,21 @@ class VocabParallel:
 
 
 def parallelize(model: nn.Module, shard: Shard, group: Any) -> None:
-    """Install the group's collectives in a loaded rank model: o_proj and down_proj become
-    ``RowParallel``, and the model's ``tensor_parallel`` hook does the vocabulary split."""
-    for module in list(model.modules()):
-        for attr in ("o_proj", "down_proj"):
-            child = getattr(module, attr, None)
-            if isinstance(child, nn.Module) and not isinstance(child, RowParallel):
-                setattr(module, attr, RowParallel(child, group))
+    """Install the group's collectives in a loaded rank model: o_proj, down_proj and
+    out_proj become ``RowParallel``, a sparse MoE block as a whole (its routed experts' and
+    shared expert's partial sums, one all-reduce), and the model's ``tensor_parallel`` hook
+    does the vocabulary split."""
+    from worker.layers.moe import SparseMoE
+
+    inside_moe = {
+        id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.modules()
+    }
+    for parent in list(model.modules()):
+        if id(parent) in inside_moe or isinstance(parent, RowParallel):
+            continue
+        for name, child in list(parent.named_children()):
+            if name in _ROW_PARALLEL or isinstance(child, SparseMoE):
+                setattr(parent, name, RowParallel(child, group))
     model.tensor_parallel = VocabParallel(  # type: ignore[assignment]
         shard.vocab_start, shard.vocab, shard.full.vocab_size, shard.tp, group
     )
