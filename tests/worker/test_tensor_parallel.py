@@ -112,8 +112,9 @@ CONFIGS = {
 }
 
 
-def _model_dir(root: Path, family: str) -> Path:
-    directory = root / family
+def _model_dir(root: Path, name: str, family: str | None = None) -> Path:
+    family = family or name
+    directory = root / name
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(CONFIGS[family]()))
     (directory / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
@@ -123,8 +124,8 @@ def _model_dir(root: Path, family: str) -> Path:
 class _Worker:
     """`tokenpipe worker` on random weights (seeded: every group size draws the same model)."""
 
-    def __init__(self, model: Path, tp: int) -> None:
-        argv = [sys.executable, "-m", "worker.main", "--model", str(model), "--random-weights"]
+    def __init__(self, model: Path, tp: int, *flags: str) -> None:
+        argv = [sys.executable, "-m", "worker.main", "--model", str(model), *flags]
         argv += ["--threads", "1", "--max-sessions", "3", "--max-context", "128"]
         argv += ["--prefill-chunk", "16", "--tensor-parallel", str(tp)]
         self.proc = subprocess.Popen(
@@ -195,7 +196,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_two_ranks_give_the_tokens_of_one(models: Path, family: str) -> None:
     model = _model_dir(models, family)
-    one, two = _Worker(model, 1), _Worker(model, 2)  # start together: two cores
+    one, two = _Worker(model, 1, "--random-weights"), _Worker(model, 2, "--random-weights")
     try:
         assert one.ready["event"] == two.ready["event"] == "ready"
         expected = _conversation(one)
@@ -203,6 +204,30 @@ def test_two_ranks_give_the_tokens_of_one(models: Path, family: str) -> None:
         assert _conversation(two) == expected
         two.send({"id": "i", "op": "info"})  # an op that touches no other rank
         assert two.read()["event"] == "info"
+    finally:
+        assert one.close() == 0
+        assert two.close() == 0, two.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quantized_weights_split_on_group_boundaries_give_the_same_tokens(models: Path) -> None:
+    """int4, groups of 32 (o_proj's 64 inputs and down_proj's 128 split in whole groups)."""
+    from safetensors.torch import save_file
+
+    from worker.loading.random_init import init_random_weights
+    from worker.models.registry import build_model
+
+    model = _model_dir(models, "llama-int4", "llama")
+    full = build_model(ModelConfig.from_hf(CONFIGS["llama"]()), "cpu")
+    init_random_weights(full, seed=3)
+    save_file({k: v.contiguous() for k, v in full.state_dict().items()}, model / "w.safetensors")
+    flags = ("--quantize", "int4", "--group-size", "32")
+    one, two = _Worker(model, 1, *flags), _Worker(model, 2, *flags)
+    try:
+        expected = _conversation(one)
+        assert sum(len(ids) for ids in expected[:3]) >= 16
+        assert _conversation(two) == expected
     finally:
         assert one.close() == 0
         assert two.close() == 0, two.stderr[-2000:]
