@@ -238,3 +238,22 @@ def test_tile_choices_are_remembered(tmp_path: Path) -> None:
     assert qm.choose_configs([again], torch.float32, timer, cache, "gpu B") == 1  # another GPU
     cache.write_text("{not json")
     assert qm.choose_configs([again], torch.float32, timer, cache, "gpu A") == 1  # damaged: again
+
+
+def test_cuda_refuses_groups_its_kernels_cannot_take() -> None:
+    """Checked from the plan, before any weight (or CUDA) is touched."""
+    from tiny_models import tiny_config
+
+    from worker.loading.checkpoint import ModelLoadError
+    from worker.loading.quantize import QuantizeOptions, begin_load
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    config = ModelConfig.from_hf(
+        tiny_config("llama", 263, hidden_size=96, intermediate_size=192, head_dim=24)
+    )
+    model = build_model(config, "meta", torch.float32)
+    with pytest.raises(ModelLoadError, match="power of two"):
+        begin_load(model, QuantizeOptions("int4", 48), None, torch.device("cuda"), torch.float32)
+    model = build_model(config, "meta", torch.float32)  # the CPU takes group 48
+    assert begin_load(model, QuantizeOptions("int4", 48), None, torch.device("cpu"), torch.float32)

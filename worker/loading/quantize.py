@@ -251,10 +251,22 @@ def begin_load(
             module = model.get_submodule(path) if path != HEAD or model.lm_head else None
             shape = _module_shape(module if module is not None else model.get_submodule(EMBEDDING))
             fmt.check(f"{path}.weight", shape)
+            if device.type == "cuda":
+                _check_cuda_group(f"{path}.weight", fmt.group_for(shape[1]))
         install(model, plan)
         return QuantizedLoad(plan, None, device, dtype)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
+
+
+def _check_cuda_group(name: str, group: int) -> None:
+    """The CUDA kernels take groups of a power of two from 8 (a packed word never straddles
+    two groups); anything else would fall back to dequantizing whole weights per call."""
+    if group < 8 or group & (group - 1):
+        raise ValueError(
+            f"tensor {name!r}: group size {group} is not a power of two >= 8, which the CUDA "
+            "kernels need (--group-size 32, 64 or 128)"
+        )
 
 
 def _module_shape(module: nn.Module) -> tuple[int, int]:
