@@ -1,0 +1,160 @@
+"""The direct path's HTTP front end (supervisor/ray/http_front.py) against fake replicas on
+loopback (no Ray, no model): requests reach the session's replica over a kept-alive
+connection, streams are relayed chunk by chunk, a replica that dies mid-stream is answered
+with one `worker_lost` chunk and `[DONE]`, a pooled connection the replica closed is retried,
+and an oversized body is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import httpx
+
+from supervisor.ray.directory import Directory, Endpoint
+from supervisor.ray.http_front import HttpProxy
+from supervisor.ray.ring import HashRing
+
+Script = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]  # -> keep the connection
+
+
+class FakeReplica:
+    """An HTTP server that answers each request with `script` and records what it got."""
+
+    def __init__(self, name: str, script: Script) -> None:
+        self.name = name
+        self.script = script
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> Endpoint:
+        self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return Endpoint(self.name, f"id-{self.name}", "127.0.0.1:1", f"127.0.0.1:{port}")
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                if not await self.script(head + body, writer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def json_answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
+    body = json.dumps({"path": request.split(b" ")[1].decode()}).encode()
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(body), body)
+    )
+    await writer.drain()
+    return True
+
+
+async def close_after_answer(request: bytes, writer: asyncio.StreamWriter) -> bool:
+    await json_answer(request, writer)
+    return False  # closes an idle kept-alive connection, as a replica's keep-alive timer does
+
+
+async def stream_then_die(request: bytes, writer: asyncio.StreamWriter) -> bool:
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    for i in range(2):
+        event = b'data: {"n": %d}\n\n' % i
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    writer.transport.abort()  # the replica's process is gone
+    return False
+
+
+async def proxy_on(
+    replicas: list[FakeReplica], max_body_bytes: int = 1 << 20
+) -> tuple[str, Directory, asyncio.Server]:
+    directory = Directory()
+    directory.update([await r.start() for r in replicas])
+    server = await HttpProxy(directory, max_body_bytes).start("127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return f"http://127.0.0.1:{port}", directory, server
+
+
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_sessions_reach_their_replica_on_one_kept_alive_connection() -> None:
+    async def main() -> None:
+        replicas = [FakeReplica("rank-0", json_answer), FakeReplica("rank-1", json_answer)]
+        base, _, server = await proxy_on(replicas)
+        ring = HashRing(["rank-0", "rank-1"])
+        sessions = {ring.owner(f"s{i}"): f"s{i}" for i in range(40)}
+        async with httpx.AsyncClient(base_url=base) as client:
+            for name, session in sessions.items():
+                for _ in range(3):
+                    r = await client.get("/v1/models", headers={"x-session-affinity": session})
+                    assert r.json() == {"path": "/v1/models"}
+                body = {"session_id": session, "prompt": "hi"}
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+                replica = next(r for r in replicas if r.name == name)
+                assert len(replica.requests) == 4 and replica.connections == 1
+                assert session.encode() in replica.requests[-1]
+        server.close()
+
+    run(main)
+
+
+def test_a_replica_lost_mid_stream_ends_it_with_worker_lost() -> None:
+    async def main() -> None:
+        dying = FakeReplica("rank-0", stream_then_die)
+        base, directory, server = await proxy_on([dying])
+        async with httpx.AsyncClient(base_url=base) as client:
+            async with client.stream("POST", "/v1/completions", json={"stream": True}) as r:
+                assert r.status_code == 200
+                lines = [line async for line in r.aiter_lines() if line]
+        assert lines[:2] == ['data: {"n": 0}', 'data: {"n": 1}']
+        assert len(lines) == 4 and "worker_lost" in lines[2] and lines[3] == "data: [DONE]"
+        assert directory.live == []  # routed around until Serve lists a replacement
+        server.close()
+
+    run(main)
+
+
+def test_a_pooled_connection_the_replica_closed_is_retried() -> None:
+    async def main() -> None:
+        closing = FakeReplica("rank-0", close_after_answer)
+        base, directory, server = await proxy_on([closing])
+        async with httpx.AsyncClient(base_url=base) as client:
+            for _ in range(3):
+                assert (await client.get("/health")).status_code == 200
+                await asyncio.sleep(0.05)  # the replica's close reaches the pool
+        assert closing.connections == 3 and [e.name for e in directory.live] == ["rank-0"]
+        server.close()
+
+    run(main)
+
+
+def test_an_oversized_body_is_refused() -> None:
+    async def main() -> None:
+        replica = FakeReplica("rank-0", json_answer)
+        base, _, server = await proxy_on([replica], max_body_bytes=100)
+        async with httpx.AsyncClient(base_url=base) as client:
+            r = await client.post("/v1/completions", content=b"x" * 1000)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert replica.requests == []
+        server.close()
+
+    run(main)
