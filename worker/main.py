@@ -213,8 +213,6 @@ def build_engine(
     torch_device = torch.device(device_name)
     if group is not None:
         torch_device = group.device(torch_device)
-        if session_dir is not None:
-            raise ValueError("--session-dir is not available with --tensor-parallel yet")
     on_cpu = torch_device.type == "cpu"
     dtype_name = dtype or ("float32" if on_cpu else "bfloat16")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[

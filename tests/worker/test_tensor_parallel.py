@@ -209,6 +209,45 @@ def test_two_ranks_give_the_tokens_of_one(models: Path, family: str) -> None:
         assert two.close() == 0, two.stderr[-2000:]
 
 
+def _offloads(worker: _Worker) -> list[Any]:
+    """Two named sessions through one device slot (--max-resident 1): each turn moves the
+    other session's cache to host memory and brings its own back."""
+    out: list[Any] = []
+    for turn in range(3):
+        for sid, text in (("a", "hello world"), ("b", "well hello")):
+            prompt = text + " and more" * turn  # each turn extends the last one's prompt
+            request = {"id": f"{sid}{turn}", "prompt": prompt, "session_id": sid}
+            done = worker.finals([{**request, "max_new_tokens": 5}])[f"{sid}{turn}"]
+            assert done["event"] == "done", done
+            out.append((done["generated_token_ids"], done["reused_prompt_tokens"]))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sessions_leave_the_devices_and_come_back(models: Path, tmp_path: Path) -> None:
+    """Host tier and --session-dir in a group: every rank's part of a slot goes out and back."""
+    model = _model_dir(models, "llama-tiers", "llama")
+    flags = ("--random-weights", "--max-resident", "1")
+    saved = ("--session-dir", str(tmp_path / "sessions"))
+    one, two = _Worker(model, 1, *flags), _Worker(model, 2, *flags, *saved)
+    try:
+        expected = _offloads(one)
+        assert sum(reused for _, reused in expected[2:]) > 0  # warm from host memory
+        assert _offloads(two) == expected
+    finally:
+        assert one.close() == 0
+        assert two.close() == 0, two.stderr[-2000:]
+    again = _Worker(model, 2, *flags, *saved)  # a restarted group reads its saved sessions
+    try:
+        assert sorted(again.ready["restored_sessions"]) == ["a", "b"]
+        text = "hello world" + " and more" * 3
+        done = again.finals([{"id": 1, "prompt": text, "session_id": "a", "max_new_tokens": 5}])
+        assert done[1]["reused_prompt_tokens"] > 0 and done[1]["event"] == "done"
+    finally:
+        assert again.close() == 0, again.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_quantized_weights_split_on_group_boundaries_give_the_same_tokens(models: Path) -> None:

@@ -6,13 +6,18 @@ The commands (gloo broadcasts of small tuples, in the order rank 0 makes them):
     ("kv", num_slots, max_context, kwargs)            make the KV cache
     ("step", ids, positions, slots, cached, new)      one forward (the StepInput as lists)
     ("call", method, args)                            a cache method that changes state
+    ("export", slot, tokens)                          each rank's SlotState gathered to rank 0
+    ("import", slot)                                  each rank's part scattered from rank 0
     ("stop",)                                          exit
 
 All ranks run the same forward on the same inputs; the collectives inside it (row-parallel
-all-reduces, the logits' all-gather) keep them in step, and rank 0 alone samples. A cache
-whose state leaves the device (``export_slot``: host/disk tiers, ``--session-dir``;
-``read_span``: the prefix cache) is not offered through the driver: each rank holds only its
-heads' part of it, so those features are off in a group for now.
+all-reduces, the logits' all-gather) keep them in step, and rank 0 alone samples.
+
+A slot leaving the device (host/disk tiers, ``--session-dir``) is every rank's part of it:
+``export_slot`` gathers the ranks' ``SlotState`` into one whose tensors are named
+``r<rank>.<name>`` (so the tiers and the session files take it unchanged) and ``import_slot``
+splits it back. The prefix cache (``read_span``) is not offered through the driver: it is off
+in a group for now.
 """
 
 from __future__ import annotations
@@ -23,11 +28,32 @@ from typing import Any
 
 import torch
 
+from worker.layers.slot_state import SlotState
 from worker.models.step import StepInput
 from worker.parallel.group import TensorParallelGroup
 
 _MIRRORED = frozenset({"truncate", "snapshot_at", "clear_slot"})
-_NOT_IN_A_GROUP = frozenset({"export_slot", "import_slot", "read_span", "write_span"})
+_NOT_IN_A_GROUP = frozenset({"read_span", "write_span"})
+
+
+def merge_states(states: list[SlotState]) -> SlotState:
+    """The ranks' parts of one slot as one state (tensors ``r<rank>.<name>``)."""
+    tensors = {
+        f"r{rank}.{name}": t for rank, s in enumerate(states) for name, t in s.tensors.items()
+    }
+    return SlotState(states[0].tokens, tensors, {"ranks": [s.meta for s in states]})
+
+
+def split_state(state: SlotState, world: int) -> list[SlotState]:
+    """merge_states undone; a state of another group size is a ValueError."""
+    metas = state.meta.get("ranks")
+    if not isinstance(metas, list) or len(metas) != world:
+        raise ValueError(f"a slot state of {len(metas or [])} ranks for a group of {world}")
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
+    for key, tensor in state.tensors.items():
+        rank, _, name = key.partition(".")
+        parts[int(rank[1:])][name] = tensor
+    return [SlotState(state.tokens, parts[r], metas[r]) for r in range(world)]
 
 
 class DriverCache:
@@ -44,6 +70,27 @@ class DriverCache:
         if name in _MIRRORED:
             return functools.partial(self._mirrored, name)
         return attr
+
+    def geometry(self) -> list[list[Any]]:
+        """Rank 0's layers and the group size: saved sessions load into the same group."""
+        geometry: list[list[Any]] = self.local.geometry()
+        return [*geometry, ["tensor_parallel", self.group.world]]
+
+    def export_slot(self, slot: int, tokens: int) -> SlotState:
+        try:
+            self.group.send(("export", slot, tokens))
+            return merge_states(self.group.gather(self.local.export_slot(slot, tokens)))
+        except Exception as exc:  # noqa: BLE001 - the group is broken
+            self.group.lost(exc)
+
+    def import_slot(self, slot: int, state: SlotState) -> None:
+        parts = split_state(state, self.group.world)  # a bad copy: ValueError, nothing sent
+        try:
+            self.group.send(("import", slot))
+            mine = self.group.scatter(parts)
+        except Exception as exc:  # noqa: BLE001 - the group is broken
+            self.group.lost(exc)
+        self.local.import_slot(slot, mine)
 
     def _mirrored(self, name: str, *args: Any) -> Any:
         try:
@@ -119,6 +166,10 @@ def follow(model: Any, group: TensorParallelGroup, device: torch.device) -> int:
                 )
                 with torch.inference_mode():
                     model(step, kv)
+            elif op == "export":
+                group.gather(kv.export_slot(command[1], command[2]))
+            elif op == "import":
+                kv.import_slot(command[1], group.scatter(None))
             elif op == "call":
                 _, name, args = command
                 getattr(kv, name)(*args)

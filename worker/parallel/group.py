@@ -92,6 +92,22 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return tuple(box[0])
 
+    def gather(self, item: Any) -> list[Any]:
+        """Every rank's `item`, in rank order, on rank 0 (followers get [])."""
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(item, out, dst=0, group=self.control)
+        return out or []
+
+    def scatter(self, items: list[Any] | None) -> Any:
+        """Rank r's entry of rank 0's `items` (followers pass None)."""
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, items if self.rank == 0 else None, src=0, group=self.control)
+        return box[0]
+
     # -- lifetime -----------------------------------------------------------------------------
 
     def watch_parent(self) -> None:
