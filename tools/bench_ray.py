@@ -1,17 +1,20 @@
 """What the Ray front ends add per request (issue 19's target: <= 2 ms median).
 
-The same requests, one at a time on a kept-alive connection, to
-  1. `tokenpipe serve` directly (one CPU worker), then
-  2. `tokenpipe ray up`'s OpenAI API (Ray's local cluster, one replica of the same server:
-     the HTTP front end -> the replica's own HTTP port; with --via-serve, Serve's proxy -> the
-     replica deployment, the path before the direct one);
+The same requests, one at a time on a kept-alive connection per path, to
+  1. `tokenpipe serve` directly (one CPU worker, started alone),
+  2. the replica's own HTTP port inside Ray (the same server: what the front end talks to;
+     not with --via-serve),
+  3. `tokenpipe ray up`'s OpenAI API (Ray's local cluster, one replica: the HTTP front end ->
+     the replica's port; with --via-serve, Serve's proxy -> the replica deployment, the path
+     before the direct one);
 and, with --jsonl, `tokenpipe run` against `tokenpipe ray run` (front end -> the replica's
-JSONL port).
+JSONL port). All of them run at once and take turns request by request, so load from other
+jobs on a shared machine falls on every path alike.
 
-Requests: `GET /v1/models` (no model work: the path's own cost), a one-token completion (end
-to end; the model's time varies by a few ms on a busy CPU, so look at /v1/models for the
-overhead), and the same in a named session (`x-session-affinity`). Prints the median and p90
-of each, and the difference.
+Requests: `GET /v1/models` (no model work: the path's own cost), a one-token completion, and
+the same in a named session (`x-session-affinity`). Prints the median and p90 of each, and
+what Ray adds over `tokenpipe serve` (the target) and over the replica's own port (the front
+end's own cost).
 
     python tools/bench_ray.py [--requests 200] [--jsonl] [--via-serve]
 """
@@ -38,17 +41,22 @@ SERVER_ARGS = ["--workers", "1", "--max-context", "1024"]
 # Ray runs a replica that reserves one CPU with OMP_NUM_THREADS=1; the direct runs match it.
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 COMPLETION = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
-SESSION = {"x-session-affinity": "bench"}  # routed by Serve's proxy to the session's replica
+SESSION = {"x-session-affinity": "bench"}
+
+Call = Callable[[], object]
 
 
-def timed(call: Callable[[], object], n: int) -> list[float]:
+def timed(paths: dict[str, Call], n: int) -> dict[str, list[float]]:
+    """Each path's call `n` times, the paths taking turns; ms per call."""
     for _ in range(max(3, n // 10)):  # warm-up
-        call()
-    out = []
+        for call in paths.values():
+            call()
+    out: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(n):
-        start = time.perf_counter()
-        call()
-        out.append((time.perf_counter() - start) * 1000)
+        for name, call in paths.items():
+            start = time.perf_counter()
+            call()
+            out[name].append((time.perf_counter() - start) * 1000)
     return out
 
 
@@ -64,26 +72,28 @@ def wait_http(url: str, timeout_s: float = 300) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def http_cases(base: str, n: int) -> dict[str, list[float]]:
-    with httpx.Client(base_url=base, timeout=60) as client:
-        model = client.get("/v1/models").json()["data"][0]["id"]
+def http_cases(bases: dict[str, str], n: int) -> dict[str, dict[str, list[float]]]:
+    clients = {name: httpx.Client(base_url=base, timeout=60) for name, base in bases.items()}
+    try:
+        model = next(iter(clients.values())).get("/v1/models").json()["data"][0]["id"]
+        body = {**COMPLETION, "model": model}
 
-        def models() -> None:
-            client.get("/v1/models").raise_for_status()
+        def models(client: httpx.Client) -> Call:
+            return lambda: client.get("/v1/models").raise_for_status()
 
-        def completion() -> None:
-            client.post("/v1/completions", json={**COMPLETION, "model": model}).raise_for_status()
-
-        def in_session() -> None:
-            client.post(
-                "/v1/completions", json={**COMPLETION, "model": model}, headers=SESSION
-            ).raise_for_status()
+        def completion(client: httpx.Client, headers: dict[str, str] | None = None) -> Call:
+            return lambda: client.post("/v1/completions", json=body, headers=headers)
 
         return {
-            "GET /v1/models": timed(models, n),
-            "completion, 1 token": timed(completion, n),
-            "same, x-session-affinity": timed(in_session, n),
+            "GET /v1/models": timed({k: models(c) for k, c in clients.items()}, n),
+            "completion, 1 token": timed({k: completion(c) for k, c in clients.items()}, n),
+            "same, x-session-affinity": timed(
+                {k: completion(c, SESSION) for k, c in clients.items()}, n
+            ),
         }
+    finally:
+        for client in clients.values():
+            client.close()
 
 
 class JsonlPipe:
@@ -107,28 +117,51 @@ class JsonlPipe:
         self.process.wait(timeout=60)
 
 
-def jsonl_cases(argv: list[str], n: int) -> dict[str, list[float]]:
-    pipe = JsonlPipe(argv)
+def jsonl_cases(argvs: dict[str, list[str]], n: int) -> dict[str, dict[str, list[float]]]:
+    pipes = {name: JsonlPipe(argv) for name, argv in argvs.items()}
     try:
+        tokenize = {"op": "tokenize", "id": 1, "text": "hi"}
         generate = {"id": 1, "prompt": COMPLETION["prompt"], "max_new_tokens": 1}
+
+        def ask(pipe: JsonlPipe, request: dict[str, object]) -> Call:
+            return lambda: pipe.ask(request)
+
         return {
-            "tokenize": timed(lambda: pipe.ask({"op": "tokenize", "id": 1, "text": "hi"}), n),
-            "generate, 1 token": timed(lambda: pipe.ask(generate), n),
+            "tokenize": timed({k: ask(p, tokenize) for k, p in pipes.items()}, n),
+            "generate, 1 token": timed({k: ask(p, generate) for k, p in pipes.items()}, n),
         }
     finally:
-        pipe.close()
+        for pipe in pipes.values():
+            pipe.close()
 
 
-def report(title: str, direct: dict[str, list[float]], via_ray: dict[str, list[float]]) -> None:
-    print(f"\n{title}  (ms: median / p90)")
-    for case, times in direct.items():
-        d, r = statistics.median(times), statistics.median(via_ray[case])
-        d90 = statistics.quantiles(times, n=10)[-1]
-        r90 = statistics.quantiles(via_ray[case], n=10)[-1]
-        print(
-            f"  {case:22s} direct {d:7.2f} / {d90:7.2f}   ray {r:7.2f} / {r90:7.2f}"
-            f"   added {r - d:+.2f}"
-        )
+def report(title: str, cases: dict[str, dict[str, list[float]]]) -> None:
+    print(f"\n{title}  (ms: median / p90; added: median over `direct`)")
+    for case, paths in cases.items():
+        medians = {name: statistics.median(times) for name, times in paths.items()}
+        cells = [
+            f"{name} {medians[name]:7.2f} / {statistics.quantiles(times, n=10)[-1]:7.2f}"
+            for name, times in paths.items()
+        ]
+        added = f"added {medians['ray'] - medians['direct']:+.2f}"
+        if "replica" in medians:
+            added += f" (front end alone {medians['ray'] - medians['replica']:+.2f})"
+        print(f"  {case:26s} {'   '.join(cells)}   {added}")
+
+
+def replica_http_port() -> str:
+    """The replica's own HTTP port, as the front ends learn it (Serve's replica metadata)."""
+    from supervisor.ray.app import replica_handle
+    from supervisor.ray.directory import Directory
+    from supervisor.ray.router import publish_to
+
+    directory = Directory()
+    publish_to(directory)
+    replica_handle().ready_info.remote().result(timeout_s=120)
+    deadline = time.monotonic() + 30
+    while not directory.live and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return f"http://{directory.live[0].http}"
 
 
 def main() -> None:
@@ -137,25 +170,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18470)
     parser.add_argument("--jsonl", action="store_true", help="also tokenpipe run vs ray run")
     parser.add_argument(
-        "--via-serve",
-        action="store_true",
-        help="HTTP through Ray Serve's proxy (ray up --via-serve)",
+        "--via-serve", action="store_true", help="HTTP through Serve's proxy (ray up --via-serve)"
     )
     args = parser.parse_args()
-
-    serve = subprocess.Popen(
-        [*run_command(), "serve", "--port", str(args.port), "--log-level", "warning", *SERVER_ARGS],
-        env=ONE_THREAD,
-    )
-    try:
-        wait_http(f"http://127.0.0.1:{args.port}/health")
-        direct_http = http_cases(f"http://127.0.0.1:{args.port}", args.requests)
-    finally:
-        serve.terminate()
-        serve.wait(timeout=60)
-    direct_jsonl: dict[str, list[float]] = {}
-    if args.jsonl:
-        direct_jsonl = jsonl_cases([*run_command(), "run", *SERVER_ARGS], args.requests)
 
     import ray
     from ray import serve as ray_serve
@@ -164,8 +181,13 @@ def main() -> None:
     from supervisor.openai.app import ServerConfig
     from supervisor.ray.app import Deployment, connect, deploy
 
+    serve = subprocess.Popen(
+        [*run_command(), "serve", "--port", str(args.port), "--log-level", "warning", *SERVER_ARGS],
+        env=ONE_THREAD,
+    )
     address = connect(None, num_cpus=2)
     try:
+        wait_http(f"http://127.0.0.1:{args.port}/health")
         spec = Deployment(
             replicas=1,
             supervisor=SupervisorConfig(workers=1, max_context=1024),
@@ -173,18 +195,32 @@ def main() -> None:
             via_serve=args.via_serve,
         )
         deploy(spec, port=args.port + 1)
-        ray_http = http_cases(f"http://127.0.0.1:{args.port + 1}", args.requests)
-        ray_jsonl = (
-            jsonl_cases([*run_command(), "ray", "run", "--address", address], args.requests)
-            if args.jsonl
-            else {}
-        )
+        bases = {"direct": f"http://127.0.0.1:{args.port}"}
+        if not args.via_serve:
+            bases["replica"] = replica_http_port()
+        bases["ray"] = f"http://127.0.0.1:{args.port + 1}"
+        http = http_cases(bases, args.requests)
+        serve.terminate()
+        serve.wait(timeout=60)
+        jsonl = {}
+        if args.jsonl:
+            jsonl = jsonl_cases(
+                {
+                    "direct": [*run_command(), "run", *SERVER_ARGS],
+                    "ray": [*run_command(), "ray", "run", "--address", address],
+                },
+                args.requests,
+            )
     finally:
+        if serve.poll() is None:
+            serve.terminate()
+            serve.wait(timeout=60)
         ray_serve.shutdown()
         ray.shutdown()
-    report("OpenAI HTTP: tokenpipe serve vs tokenpipe ray up", direct_http, ray_http)
+    path = "Serve's proxy" if args.via_serve else "the direct path"
+    report(f"OpenAI HTTP: tokenpipe serve vs tokenpipe ray up ({path})", http)
     if args.jsonl:
-        report("JSONL: tokenpipe run vs tokenpipe ray run", direct_jsonl, ray_jsonl)
+        report("JSONL: tokenpipe run vs tokenpipe ray run", jsonl)
 
 
 if __name__ == "__main__":

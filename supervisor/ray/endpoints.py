@@ -81,20 +81,44 @@ def bound_socket(host: str) -> socket.socket:
     return sock
 
 
-async def serve_jsonl(calls: ReplicaCalls, host: str) -> tuple[asyncio.Server, str]:
-    """Start the JSONL port; (the server, its "host:port")."""
-    sock = bound_socket(host)
+class JsonlPort:
+    """The replica's JSONL port and its open connections."""
 
-    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await JsonlConnection(calls, reader, writer).run()
+    def __init__(self, calls: ReplicaCalls) -> None:
+        self._calls = calls
+        self._connections: set[JsonlConnection] = set()
+        self._server: asyncio.Server | None = None
+        self.address = ""
 
-    server = await asyncio.start_server(connection, sock=sock, limit=READ_SIZE)
-    return server, address(sock)
+    async def start(self, host: str) -> None:
+        sock = bound_socket(host)
+        self._server = await asyncio.start_server(self._connection, sock=sock, limit=READ_SIZE)
+        self.address = address(sock)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = JsonlConnection(self._calls, reader, writer)
+        self._connections.add(connection)
+        try:
+            await connection.run()
+        finally:
+            self._connections.discard(connection)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Accept no more connections; wait (at most `timeout_s`) until the requests in
+        flight on the open ones are answered (Serve drains only the calls it carried)."""
+        if self._server is not None:
+            self._server.close()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while any(c.busy for c in self._connections):
+            if asyncio.get_running_loop().time() > deadline:
+                return
+            await asyncio.sleep(0.05)
 
 
-async def serve_http(app: Any, host: str) -> tuple[Callable[[], Awaitable[None]], str]:
+async def serve_http(app: Any, host: str) -> tuple[Callable[[float], Awaitable[None]], str]:
     """Start the replica's OpenAI app on an HTTP port (uvicorn, the same connection guards as
-    `tokenpipe serve`); (a coroutine function that stops it, its "host:port")."""
+    `tokenpipe serve`); (a coroutine function that stops it, letting the requests in flight
+    finish within its timeout; its "host:port")."""
     import uvicorn
 
     from supervisor.openai.connections import guarded_protocol
@@ -116,10 +140,10 @@ async def serve_http(app: Any, host: str) -> tuple[Callable[[], Awaitable[None]]
             task.result()  # its start-up error
         await asyncio.sleep(0.01)
 
-    async def stop() -> None:
+    async def stop(timeout_s: float) -> None:
         server.should_exit = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
+            await asyncio.wait_for(task, timeout_s)
 
     return stop, address(sock)
 
@@ -134,6 +158,10 @@ class JsonlConnection:
         self._reader = reader
         self._writer = writer
         self._tasks: dict[Any, asyncio.Task[None]] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._tasks)
 
     async def run(self) -> None:
         with contextlib.suppress(OSError):

@@ -1,15 +1,18 @@
 """`tokenpipe ray run`: the JSONL protocol on stdin/stdout, forwarded to the Ray replicas.
 
 Like `tokenpipe run`, it prints a ready line, answers lines without an id in order and runs
-requests with ids together. Each request goes to a replica through the session router. Ids are
-rewritten to this front end's own (`<prefix><n>`) on the way in and back on the way out, so
-several front ends can share the replicas.
+requests with ids together. Each request goes straight to its replica's JSONL port
+(endpoints.py) over one long-lived connection per replica (links.py), the replica chosen by the
+session rules of the Serve router (directory.py; Serve's controller supplies the live replicas
+and their ports). Ids are rewritten to this front end's own (`<prefix><n>`) on the way in and
+back on the way out, so several front ends can share the replicas.
 
 It mirrors each named session's resident ids (`return_resident` on every session request, as
 the supervisor does for its workers). A replica that has never seen a session it is asked for
 answers `tp_need_resident`, and the request goes again with the ids, which the replica prefills
 first: a session whose replica died resumes warm where it lands. A replica lost mid-request
-answers that request's `worker_lost` once; one lost before anything was sent is retried.
+(its connection breaks) answers that request's `worker_lost` once and is routed around until
+Ray's replacement is listed; a request lost before anything came back is retried.
 """
 
 from __future__ import annotations

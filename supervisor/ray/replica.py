@@ -16,6 +16,7 @@ so the conversation resumes warm on its new replica.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -40,12 +41,14 @@ from supervisor.session_dirs import split_session_dir
 
 from .affinity import http_session_key, session_digest
 from .asgi_bridge import Message, run_asgi
-from .endpoints import NEED_RESIDENT, error_event, serve_http, serve_jsonl
+from .endpoints import NEED_RESIDENT, JsonlPort, error_event, serve_http
 from .ingress import LocalResponse, forward, read_body, routed_session
 
 log = logging.getLogger("tokenpipe.ray")
 
 __all__ = ["NEED_RESIDENT", "TokenpipeReplica", "error_event", "replica_config"]
+
+DRAIN_S = 25.0  # direct requests in flight at shutdown (Serve's graceful timeout is 30 s)
 
 
 def replica_config(supervisor: SupervisorConfig, rank: int | None, tag: str) -> SupervisorConfig:
@@ -100,7 +103,8 @@ class TokenpipeReplica:
         self._saved = [session_digest(s) for s in restored]
         # the direct data path: the front ends connect here (published in the metadata)
         host = ray.util.get_node_ip_address()
-        self._jsonl_server, self._jsonl = await serve_jsonl(self, host)
+        self._jsonl = JsonlPort(self)
+        await self._jsonl.start(host)
         self._stop_http: Any = None
         self._http = ""
         if direct_http:
@@ -109,7 +113,7 @@ class TokenpipeReplica:
             "tokenpipe replica %s (rank %s) ready on jsonl %s http %s, %d session(s) restored",
             self._tag,
             self._rank,
-            self._jsonl,
+            self._jsonl.address,
             self._http or "-",
             len(restored),
         )
@@ -123,14 +127,18 @@ class TokenpipeReplica:
             "rank": self._rank,
             "pid": os.getpid(),
             "sessions": self._saved,
-            "jsonl": self._jsonl,
+            "jsonl": self._jsonl.address,
             "http": self._http,
         }
 
     async def __del__(self) -> None:
-        self._jsonl_server.close()
+        """Scaled down or redeployed: Serve stopped routing here; the direct front ends drop
+        this replica when the controller's list reaches them. Finish what they sent (uvicorn
+        waits for its requests), then stop the supervisor."""
+        draining = [self._jsonl.drain(DRAIN_S)]
         if self._stop_http is not None:
-            await self._stop_http()
+            draining.append(self._stop_http(DRAIN_S))
+        await asyncio.gather(*draining)
         await self._server.stop()
 
     # -- HTTP
