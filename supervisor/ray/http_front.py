@@ -187,28 +187,70 @@ class HttpProxy:
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nodelay(writer)
         requests = RequestReader(self._max_body_bytes)
+        early: bytes | None = None  # what the client sent while its last request was served
         try:
-            while data := await reader.read(READ_SIZE):
-                try:
-                    requests.parser.feed_data(data)
-                except httptools.HttpParserUpgrade:
-                    await self._reply(writer, 501, "not_implemented", "upgrades are not served")
+            while data := (early if early is not None else await reader.read(READ_SIZE)):
+                early = None
+                problem = self._feed(requests, data, writer)
+                if problem is not None:
+                    await self._reply(writer, *problem)
                     return
-                except httptools.HttpParserError:
-                    await self._reply(writer, 400, "invalid_request", "malformed HTTP request")
-                    return
-                if requests.continue_wanted:
-                    requests.continue_wanted = False
-                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 while requests.ready:
-                    request = requests.ready.popleft()
-                    keep = await self._serve(request, writer)
+                    served = await self._serve_watching(requests.ready.popleft(), reader, writer)
+                    if served is None:
+                        return  # the client hung up (the replica's request was cancelled)
+                    keep, sent_meanwhile = served
                     if not keep:
                         return
+                    if sent_meanwhile:
+                        if requests.ready:  # (pipelined: parsed after those before it)
+                            early = (early or b"") + sent_meanwhile
+                            continue
+                        problem = self._feed(requests, sent_meanwhile, writer)
+                        if problem is not None:
+                            await self._reply(writer, *problem)
+                            return
         except ConnectionError:
             pass
         finally:
             writer.close()
+
+    def _feed(
+        self, requests: RequestReader, data: bytes, writer: asyncio.StreamWriter
+    ) -> tuple[int, str, str] | None:
+        """Parse what the client sent; the error to answer when it is not HTTP we serve."""
+        try:
+            requests.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            return 501, "not_implemented", "upgrades are not served"
+        except httptools.HttpParserError:
+            return 400, "invalid_request", "malformed HTTP request"
+        if requests.continue_wanted:
+            requests.continue_wanted = False
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
+    async def _serve_watching(
+        self, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[bool, bytes] | None:
+        """`_serve`, cancelled when the client hangs up meanwhile (closing the replica's
+        connection, which cancels the generation there, as `tokenpipe serve` does); (keep the
+        connection, bytes the client sent meanwhile), or None when it hung up."""
+        serving = asyncio.ensure_future(self._serve(request, writer))
+        watch = asyncio.ensure_future(reader.read(READ_SIZE))
+        await asyncio.wait((serving, watch), return_when=asyncio.FIRST_COMPLETED)
+        if watch.done() and (watch.exception() is not None or not watch.result()):
+            serving.cancel()
+            with contextlib.suppress(BaseException):
+                await serving
+            return None
+        keep = await serving
+        if not watch.done():
+            watch.cancel()
+            with contextlib.suppress(BaseException):
+                await watch
+            return keep, b""
+        return keep, watch.result()
 
     async def _reply(
         self, writer: asyncio.StreamWriter, status: int, code: str, message: str

@@ -82,6 +82,27 @@ async def stream_then_die(request: bytes, writer: asyncio.StreamWriter) -> bool:
     return False
 
 
+class EndlessStream:
+    """A replica streaming until its client goes away (then `gone` is set)."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+
+    async def __call__(self, request: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        try:
+            for _ in range(500):
+                writer.write(b"9\r\ndata: x\n\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        except ConnectionError:
+            self.gone.set()
+        return False
+
+
 async def proxy_on(
     replicas: list[FakeReplica], max_body_bytes: int = 1 << 20
 ) -> tuple[str, Directory, asyncio.Server]:
@@ -128,6 +149,24 @@ def test_a_replica_lost_mid_stream_ends_it_with_worker_lost() -> None:
         assert lines[:2] == ['data: {"n": 0}', 'data: {"n": 1}']
         assert len(lines) == 4 and "worker_lost" in lines[2] and lines[3] == "data: [DONE]"
         assert directory.live == []  # routed around until Serve lists a replacement
+        server.close()
+
+    run(main)
+
+
+def test_a_client_that_hangs_up_closes_the_replica_connection() -> None:
+    """(The replica's uvicorn sees the disconnect and cancels the generation.)"""
+
+    async def main() -> None:
+        endless = EndlessStream()
+        base, _, server = await proxy_on([FakeReplica("rank-0", endless)])
+        host, port = base.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        assert b"200 OK" in await reader.readuntil(b"\r\n\r\n")
+        await reader.readuntil(b"data: x")
+        writer.close()
+        await asyncio.wait_for(endless.gone.wait(), 5)
         server.close()
 
     run(main)
