@@ -24,6 +24,7 @@ from torch import nn
 
 from worker.device.kernels.attention import use_triton
 from worker.layers.blocks import GatedMLP, activation
+from worker.layers.quant_experts import QuantExperts
 from worker.models.config import ModelConfig
 
 
@@ -47,7 +48,7 @@ class SparseMoE(nn.Module):
         hidden = config.hidden_size
         self.top_k = spec.top_k
         self.gate = nn.Linear(hidden, spec.num_experts, bias=False, **factory)  # the router
-        self.experts = FusedExperts(
+        self.experts: FusedExperts | QuantExperts = FusedExperts(
             spec.num_experts, hidden, spec.expert_intermediate_size, **factory
         )
         shared = dataclasses.replace(
@@ -71,25 +72,22 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden] -> [T, hidden]
         weights, ids = self.route(x)
-        if self.act_name == "silu" and use_triton(x):  # routed + shared in the kernels
-            from worker.device.kernels.moe import fused_moe_triton
-
-            return fused_moe_triton(
-                x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                shared=self.shared_expert(x), shared_gate=self.shared_expert_gate(x),
-            )  # fmt: skip
+        if self._grouped_kernels(x):  # routed + shared in the kernels
+            return self._fused_triton(
+                x,
+                weights,
+                ids,
+                shared=self.shared_expert(x),
+                shared_gate=self.shared_expert_gate(x),
+            )
         routed = self._experts(x, weights, ids)
         shared: torch.Tensor = self.shared_expert(x)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), tokens grouped by expert."""
-        if self.act_name == "silu" and use_triton(x):
-            from worker.device.kernels.moe import fused_moe_triton
-
-            return fused_moe_triton(
-                x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids
-            )
+        if self._grouped_kernels(x):
+            return self._fused_triton(x, weights, ids)
         t, k = ids.shape
         flat = ids.reshape(-1)  # [T * k]
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within
@@ -104,11 +102,51 @@ class SparseMoE(nn.Module):
         start = 0
         for expert, size in zip(hit_list, sizes, strict=True):
             rows = slice(start, start + size)
-            gate_up = F.linear(gathered[rows], self.experts.gate_up_proj[expert])  # [n, 2I]
+            gate_up_weight, down_weight = self._expert_weights(expert, x.dtype)
+            gate_up = F.linear(gathered[rows], gate_up_weight)  # [n, 2I]
             hidden = self.act(gate_up[:, :inner]) * gate_up[:, inner:]
-            out[rows] = F.linear(hidden, self.experts.down_proj[expert])
+            out[rows] = F.linear(hidden, down_weight)
             start += size
         out = out * weights.reshape(-1)[order, None]
         result = torch.zeros_like(x)
         result.index_add_(0, tokens, out)
         return result
+
+    def _expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) of one expert: views of the float tensors, or the
+        quantized expert dequantized (only the experts a step hit are)."""
+        experts = self.experts
+        if isinstance(experts, QuantExperts):
+            gate_up = experts.expert_weight("gate_up_proj", expert, dtype)
+            return gate_up, experts.expert_weight("down_proj", expert, dtype)
+        return experts.gate_up_proj[expert], experts.down_proj[expert]
+
+    def _grouped_kernels(self, x: torch.Tensor) -> bool:
+        """The Triton grouped GEMMs run this step (CUDA, SiLU experts; quantized experts in
+        groups the kernels take)."""
+        if self.act_name != "silu" or not use_triton(x):
+            return False
+        if isinstance(self.experts, QuantExperts):
+            from worker.device.kernels.moe_quant import supports
+
+            return supports(self.experts)
+        return True
+
+    def _fused_triton(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+        shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        experts = self.experts
+        if isinstance(experts, QuantExperts):
+            from worker.device.kernels.moe_quant import fused_moe_quant_triton
+
+            return fused_moe_quant_triton(
+                x, experts.matrix("gate_up_proj"), experts.matrix("down_proj"), weights, ids,
+                shared=shared, shared_gate=shared_gate,
+            )  # fmt: skip
+        from worker.device.kernels.moe import fused_moe_triton
+
+        return fused_moe_triton(
+            x, experts.gate_up_proj, experts.down_proj, weights, ids,
+            shared=shared, shared_gate=shared_gate,
+        )  # fmt: skip

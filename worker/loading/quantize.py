@@ -7,6 +7,10 @@
           length gives one scale per output channel)
     int4  every decoder matmul int4 g``--group-size`` (default 32), asymmetric
 
+"Every decoder matmul" includes a sparse MoE's fused experts (``mlp.experts`` becomes one
+``QuantExperts`` per layer, each expert's matrices quantized along their own K as the fused or
+per-expert tensors stream in: ``worker.layers.quant_experts``).
+
 In int8 and int4 modes the embedding is int8 g32 (g``--group-size`` with int8), and
 the LM head is its own int8 layer (one shared table when the head is tied to the embedding and
 the formats agree). Norms, biases and small vectors stay float. The plan is made and checked
@@ -32,7 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.layers.moe import FusedExperts
 from worker.layers.quant import INT4, INT8, QuantEmbedding, QuantFormat, QuantLinear, quantize
+from worker.layers.quant_experts import QuantExperts
 
 MODES = ("auto", "none", "int8", "int4")
 EMBEDDING = "model.embed_tokens"
@@ -74,7 +80,7 @@ def plan_for_model(model: nn.Module, options: QuantizeOptions) -> Plan:
     plan = {
         name: layer
         for name, module in model.named_modules()
-        if name.startswith("model.layers.") and isinstance(module, nn.Linear)
+        if name.startswith("model.layers.") and isinstance(module, nn.Linear | FusedExperts)
     }
     plan[EMBEDDING] = options.embedding_format()
     plan[HEAD] = options.embedding_format()
@@ -110,6 +116,9 @@ def install(model: nn.Module, plan: Plan) -> int:
         elif isinstance(old, nn.Linear):
             bias = old.bias is not None
             setattr(parent, attr, QuantLinear(old.in_features, old.out_features, fmt, bias, name))
+        elif isinstance(old, FusedExperts):
+            hidden = old.gate_up_proj.shape[2]
+            setattr(parent, attr, QuantExperts(old.num_experts, hidden, old.inner, fmt, path))
         elif path == HEAD and old is None:  # tied head: its own quantized layer
             embedding = model.get_submodule(EMBEDDING)
             vocab, hidden = _embedding_shape(embedding)
@@ -141,7 +150,9 @@ def summary(model: nn.Module) -> dict[str, dict[str, int]]:
         entry["bytes"] += nbytes
 
     for module in model.modules():
-        if isinstance(module, (QuantLinear, QuantEmbedding)):
+        if isinstance(module, QuantExperts):
+            add(module.format("gate_up_proj").describe(), module.nbytes)
+        elif isinstance(module, (QuantLinear, QuantEmbedding)):
             store = module.cpu_packed or module.device_packed or module.quantized
             if store is None or id(store) in seen:
                 continue
@@ -175,11 +186,14 @@ class QuantizedLoad:
     def transient_names(self, model: nn.Module) -> dict[str, torch.dtype]:
         """HF weight name -> float dtype of every weight that is quantized as it loads (the
         staged CUDA load gives each a device temporary of its own)."""
-        return {
-            f"{path}.weight": self.dtype
-            for path in self.plan
-            if isinstance(_find(model, path), (QuantLinear, QuantEmbedding))
-        }
+        names = {}
+        for path in self.plan:
+            module = _find(model, path)
+            if isinstance(module, (QuantLinear, QuantEmbedding)):
+                names[f"{path}.weight"] = self.dtype
+            elif isinstance(module, QuantExperts):  # the fused [E, N, K] tensors
+                names.update({f"{path}.{matrix}": self.dtype for matrix in module.shapes})
+        return names
 
     @torch.no_grad()
     def draw_random(self, model: nn.Module, seed: int) -> None:
@@ -193,6 +207,9 @@ class QuantizedLoad:
         head = _find(model, HEAD)
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         for module in model.modules():
+            if isinstance(module, QuantExperts):
+                module.draw_random(INIT_STD, generator, self.dtype)
+                continue
             if not isinstance(module, (QuantLinear, QuantEmbedding)):
                 continue
             share = tied and module is head and isinstance(embedding, QuantEmbedding)
@@ -249,10 +266,11 @@ def begin_load(
             return None
         for path, fmt in plan.items():  # every group size checked before any weight is read
             module = model.get_submodule(path) if path != HEAD or model.lm_head else None
-            shape = _module_shape(module if module is not None else model.get_submodule(EMBEDDING))
-            fmt.check(f"{path}.weight", shape)
-            if device.type == "cuda":
-                _check_cuda_group(f"{path}.weight", fmt.group_for(shape[1]))
+            module = module if module is not None else model.get_submodule(EMBEDDING)
+            for name, shape in _planned_shapes(path, module):
+                fmt.check(name, shape)
+                if device.type == "cuda":
+                    _check_cuda_group(name, fmt.group_for(shape[1]))
         install(model, plan)
         return QuantizedLoad(plan, None, device, dtype)
     except ValueError as exc:
@@ -269,6 +287,18 @@ def _check_cuda_group(name: str, group: int) -> None:
         )
 
 
+def _planned_shapes(path: str, module: nn.Module) -> list[tuple[str, tuple[int, int]]]:
+    """(tensor name, [N, K]) of each matrix a planned module quantizes (one expert's, for
+    fused experts)."""
+    if isinstance(module, FusedExperts):
+        gate_up, down = module.gate_up_proj.shape, module.down_proj.shape
+        return [
+            (f"{path}.gate_up_proj", (gate_up[1], gate_up[2])),
+            (f"{path}.down_proj", (down[1], down[2])),
+        ]
+    return [(f"{path}.weight", _module_shape(module))]
+
+
 def _module_shape(module: nn.Module) -> tuple[int, int]:
     if isinstance(module, nn.Embedding):
         return module.num_embeddings, module.embedding_dim
@@ -279,12 +309,23 @@ def _module_shape(module: nn.Module) -> tuple[int, int]:
 def describe_weights(model: nn.Module, plan: Plan, dtype: torch.dtype) -> dict[str, Any]:
     """For `tokenpipe info`, from shapes alone (``model`` may live on the meta device): per
     format, the tensors and their bytes, and the bytes one decode step reads (every matmul
-    weight once, the LM head included; the embedding's row lookup is not counted)."""
+    weight once, the LM head included; of a sparse MoE's experts the top-k share, k of E; the
+    embedding's row lookup is not counted)."""
     element = torch.empty((), dtype=dtype).element_size()
     groups: dict[str, dict[str, int]] = {}
     decode = 0
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     for name, module in model.named_modules():
+        if isinstance(module, FusedExperts):  # E matrices [N, K] each: E * N rows of K
+            experts_bytes = 0
+            for _, (n, k) in _planned_shapes(name, module):
+                key, nbytes = _stored(plan.get(name), module.num_experts * n, k, element, dtype)
+                entry = groups.setdefault(key, {})
+                entry["tensors"] = entry.get("tensors", 0) + 1
+                entry["bytes"] = entry.get("bytes", 0) + nbytes
+                experts_bytes += nbytes
+            decode += experts_bytes * _top_k(model) // module.num_experts
+            continue
         if isinstance(module, nn.Linear | nn.Embedding):
             n, k = _module_shape(module)
         else:
@@ -310,6 +351,11 @@ def describe_weights(model: nn.Module, plan: Plan, dtype: torch.dtype) -> dict[s
             entry["tensors"] = entry.get("tensors", 0) + 1
             entry["bytes"] = entry.get("bytes", 0) + nbytes
     return {"formats": groups, "decode_bytes_per_step": decode}
+
+
+def _top_k(model: nn.Module) -> int:
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    return int(moe.top_k) if moe is not None else 1
 
 
 def _stored(

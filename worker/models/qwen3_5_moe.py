@@ -11,7 +11,8 @@ Checkpoints: the text model's names (``model.layers...``), a multimodal one's
 (``model.language_model.layers...``, the vision tower ``model.visual.`` skipped), the
 multi-token-prediction head (``mtp.``) skipped; experts fused (``mlp.experts.gate_up_proj``
 [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) or one tensor per expert
-(``mlp.experts.<e>.{gate,up,down}_proj.weight``).
+(``mlp.experts.<e>.{gate,up,down}_proj.weight``). Quantized experts (``--quantize int8|int4``:
+``QuantExperts``) take either form, quantized as it streams in, one tensor at a time.
 
 On CUDA the layers pick their Triton kernels themselves (grouped-GEMM MoE, in-place DeltaNet
 decode step, fla's chunked prefill when it imports) and ``GraphedCausalLM`` replays decode steps
@@ -34,6 +35,7 @@ from worker.layers.gated_attention import GatedAttention
 from worker.layers.hybrid_cache import DEFAULT_SNAPSHOTS, HybridCache
 from worker.layers.kv import DEFAULT_RING_SLACK
 from worker.layers.moe import SparseMoE
+from worker.layers.quant_experts import QuantExperts
 from worker.layers.rope import Rotary
 from worker.models.causal_lm import CausalLM, LoadReport
 from worker.models.config import ModelConfig, RopeSpec
@@ -127,6 +129,9 @@ class Qwen35MoeForCausalLM(CausalLM):
         report = super().load_weights(self._fuse_experts(tensors, pieces), strict=False)
         experts = self.config.moe.num_experts if self.config.moe else 0
         complete = {p for p, got in pieces.items() if len(got) == 3 * experts}
+        for name, module in self.named_modules():  # not parameters: never reported missing
+            if isinstance(module, QuantExperts) and name not in pieces:
+                pieces[name] = set()
         for prefix in complete:
             for name in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
                 if name in report.missing:
@@ -147,15 +152,39 @@ class Qwen35MoeForCausalLM(CausalLM):
         """Pass tensors through, except per-expert ones (copied into the fused parameter here)
         and the parts of the checkpoint the text model does not use."""
         params = dict(self.named_parameters())
+        quantized = {n: m for n, m in self.named_modules() if isinstance(m, QuantExperts)}
         for raw_name, tensor in tensors:
             name = raw_name.replace("model.language_model.", "model.", 1)
             if name.startswith(_SKIPPED_PREFIXES):
+                continue
+            prefix, _, matrix = name.rpartition(".")
+            if prefix in quantized and matrix in ("gate_up_proj", "down_proj"):  # fused, float
+                quantized[prefix].load(matrix, tensor)
+                kinds = ("down_proj",) if matrix == "down_proj" else ("gate_proj", "up_proj")
+                got = pieces.setdefault(prefix, set())
+                got.update(
+                    (e, kind) for e in range(quantized[prefix].num_experts) for kind in kinds
+                )
                 continue
             match = _PER_EXPERT.match(name)
             if match is None:
                 yield name, tensor
                 continue
             prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+            if prefix in quantized:
+                experts = quantized[prefix]
+                first_row = experts.inner if kind == "up_proj" else 0
+                matrix = "down_proj" if kind == "down_proj" else "gate_up_proj"
+                n, k = experts.shapes[matrix]
+                want = (n if kind == "down_proj" else experts.inner, k)
+                if tuple(tensor.shape) != want:
+                    raise ValueError(
+                        f"tensor {raw_name!r}: checkpoint shape {tuple(tensor.shape)} does not "
+                        f"match model shape {want}"
+                    )
+                experts.load_rows(matrix, expert, first_row, tensor)
+                pieces.setdefault(prefix, set()).add((expert, kind))
+                continue
             fused = params.get(f"{prefix}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
             if fused is None:
                 yield name, tensor  # reported as unexpected

@@ -368,7 +368,20 @@ def fused_moe_triton(
         EVEN_N=hidden % blocks.down_n == 0, IEEE=ieee,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip
-    result = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    return combine_pairs(out, tokens, top_k, shared, shared_gate)
+
+
+def combine_pairs(
+    out: torch.Tensor,
+    tokens: int,
+    top_k: int,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out [T * k, H] (the down GEMM's weighted pairs) -> [T, H]: each token's k pairs summed,
+    plus sigmoid(shared_gate[t]) * shared[t] when given; one launch."""
+    hidden = out.shape[1]
+    result = torch.empty(tokens, hidden, dtype=out.dtype, device=out.device)
     has_shared = shared is not None and shared_gate is not None
     if tokens:
         _combine_kernel[(tokens, triton.cdiv(hidden, 256))](

@@ -1,0 +1,247 @@
+"""Quantized MoE experts (worker/layers/quant_experts.py): the K-major store against the
+canonical reference (``quant.dequantize``), the CPU MoE over them against the float MoE over the
+dequantized weights, the Triton grouped GEMMs (Triton's interpreter here, CUDA on the GPU box;
+the `triton_ready` fixture) against the same, loading a qwen3_5_moe checkpoint with
+``--quantize int4`` (fused and per-expert tensors), and `tokenpipe info`'s count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.layers.quant import QuantFormat, dequantize, quantize
+from worker.layers.quant_experts import QuantExperts
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FORMATS = [QuantFormat("int4", 8), QuantFormat("int8", 16), QuantFormat("int4", 32)]
+
+
+def _float_experts(
+    experts: int, hidden: int, inner: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_up = torch.randn(experts, 2 * inner, hidden, generator=gen) * hidden**-0.5
+    down = torch.randn(experts, hidden, inner, generator=gen) * inner**-0.5
+    return gate_up, down
+
+
+def _quantized(gate_up: torch.Tensor, down: torch.Tensor, fmt: QuantFormat) -> QuantExperts:
+    experts, two_inner, hidden = gate_up.shape
+    module = QuantExperts(experts, hidden, two_inner // 2, fmt)
+    module.load("gate_up_proj", gate_up)
+    module.load("down_proj", down)
+    return module
+
+
+def _reference(weights: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """[E, N, K] -> each expert quantized and dequantized by the canonical reference."""
+    return torch.stack([dequantize(quantize(w, fmt)) for w in weights])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.describe())
+def test_store_dequantizes_to_the_reference(fmt: QuantFormat) -> None:
+    gate_up, down = _float_experts(5, 64, 32, torch.Generator().manual_seed(1))
+    module = _quantized(gate_up, down, fmt)
+    want_gate_up, want_down = _reference(gate_up, fmt), _reference(down, fmt)
+    for e in range(5):
+        assert torch.equal(module.expert_weight("gate_up_proj", e, torch.float32), want_gate_up[e])
+        assert torch.equal(module.expert_weight("down_proj", e, torch.float32), want_down[e])
+    int4 = fmt.kind == "int4"
+    words = 5 * (64 * 64 + 32 * 64) // (8 if int4 else 4) * 4
+    meta = 5 * (64 * 64 // fmt.group_size + 32 * 64 // fmt.group_size) * 2 * (2 if int4 else 1)
+    assert module.nbytes == words + meta
+
+
+def test_per_expert_rows_equal_the_fused_load() -> None:
+    """gate and up quantized apart (a per-expert checkpoint) = quantized together."""
+    gate_up, down = _float_experts(3, 32, 16, torch.Generator().manual_seed(2))
+    fmt = QuantFormat("int4", 16)
+    fused = _quantized(gate_up, down, fmt)
+    rows = QuantExperts(3, 32, 16, fmt)
+    for e in range(3):
+        rows.load_rows("gate_up_proj", e, 0, gate_up[e, :16])
+        rows.load_rows("gate_up_proj", e, 16, gate_up[e, 16:])
+        rows.load_rows("down_proj", e, 0, down[e])
+    for a, b in zip(fused.buffers(), rows.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _moe(gate_up: torch.Tensor, down: torch.Tensor, experts: torch.nn.Module) -> torch.nn.Module:
+    """A SparseMoE shell whose ``_experts`` runs over ``experts`` (the CPU loop)."""
+    from worker.layers.moe import SparseMoE
+
+    moe = SparseMoE.__new__(SparseMoE)
+    torch.nn.Module.__init__(moe)
+    moe.experts = experts  # type: ignore[assignment]
+    moe.act = F.silu
+    moe.act_name = "silu"
+    return moe
+
+
+def _fused(gate_up: torch.Tensor, down: torch.Tensor) -> torch.nn.Module:
+    from worker.layers.moe import FusedExperts
+
+    experts, two_inner, hidden = gate_up.shape
+    module = FusedExperts(experts, hidden, two_inner // 2)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(gate_up)
+        module.down_proj.copy_(down)
+    return module
+
+
+def _routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    scores = torch.rand(tokens, experts, generator=gen)
+    scores[:, 0] += 0.5  # expert 0 crowded: several blocks on the GPU path
+    return torch.topk(scores, top_k, dim=-1).indices
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.describe())
+def test_cpu_moe_over_quantized_experts_equals_float_over_dequantized(fmt: QuantFormat) -> None:
+    gen = torch.Generator().manual_seed(3)
+    gate_up, down = _float_experts(8, 64, 32, gen)
+    x = torch.randn(11, 64, generator=gen)
+    ids = _routing(11, 8, 2, gen)
+    weights = torch.softmax(torch.randn(11, 2, generator=gen), dim=-1)
+    quantized = _moe(gate_up, down, _quantized(gate_up, down, fmt))
+    reference = _moe(gate_up, down, _fused(_reference(gate_up, fmt), _reference(down, fmt)))
+    got = quantized._experts(x, weights, ids)  # type: ignore[operator]
+    want = reference._experts(x, weights, ids)  # type: ignore[operator]
+    assert torch.equal(got, want)
+    unquantized = _moe(gate_up, down, _fused(gate_up, down))
+    assert not torch.equal(got, unquantized._experts(x, weights, ids))  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,inner,fmt",
+    [
+        (1, 64, 24, QuantFormat("int4", 8)),
+        (5, 64, 32, QuantFormat("int8", 16)),
+        (70, 48, 24, QuantFormat("int4", 8)),
+        (3, 64, 32, QuantFormat("int4", 32)),
+        (9, 32, 16, QuantFormat("int8", 8)),
+    ],
+)
+def test_quantized_moe_kernels_match_the_reference(
+    triton_ready: None, tokens: int, hidden: int, inner: int, fmt: QuantFormat
+) -> None:
+    from worker.device.kernels.moe_quant import fused_moe_quant_triton, supports
+
+    gen = torch.Generator().manual_seed(tokens * 1000 + hidden)
+    experts, top_k = 8, 2
+    gate_up, down = _float_experts(experts, hidden, inner, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = _routing(tokens, experts, top_k, gen)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    shared = torch.randn(tokens, hidden, generator=gen)
+    shared_gate = torch.randn(tokens, 1, generator=gen)
+    reference = _moe(gate_up, down, _fused(_reference(gate_up, fmt), _reference(down, fmt)))
+    routed = reference._experts(x, weights, ids)  # type: ignore[operator]
+    want = routed + torch.sigmoid(shared_gate) * shared
+    module = _quantized(gate_up, down, fmt).to(DEVICE)
+    assert supports(module)
+    got = fused_moe_quant_triton(
+        x.to(DEVICE), module.matrix("gate_up_proj"), module.matrix("down_proj"),
+        weights.to(DEVICE), ids.to(DEVICE), shared=shared.to(DEVICE),
+        shared_gate=shared_gate.to(DEVICE),
+    ).cpu()  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _tiny_checkpoint(tmp_path: Path, per_expert: bool) -> Path:
+    """A tiny qwen3_5_moe checkpoint (8 experts, hidden 64, inner 24) with random weights."""
+    from safetensors.torch import save_file
+    from test_models_qwen3_5_moe import _text_config
+    from tiny_models import byte_level_tokenizer_json
+
+    from worker.loading.random_init import init_random_weights
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    config = _text_config().to_dict()
+    config["vocab_size"] = 263  # the byte-level tokenizer's
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
+    model = build_model(ModelConfig.from_hf(config), "cpu", torch.float32)
+    init_random_weights(model, seed=5)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if per_expert and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix, _, matrix = name.rpartition(".")
+            inner = 24
+            for e in range(tensor.shape[0]):
+                if matrix == "down_proj":
+                    state[f"{prefix}.{e}.down_proj.weight"] = tensor[e].clone()
+                else:
+                    state[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :inner].clone()
+                    state[f"{prefix}.{e}.up_proj.weight"] = tensor[e, inner:].clone()
+        else:
+            state[name] = tensor.contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("per_expert", [False, True], ids=["fused", "per_expert"])
+def test_int4_load_quantizes_the_experts(tmp_path: Path, per_expert: bool) -> None:
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions, summary
+    from worker.models.step import StepInput
+
+    path = _tiny_checkpoint(tmp_path, per_expert)
+    floats = load_model(path, "cpu", torch.float32, progress=False).model
+    model = load_model(path, "cpu", torch.float32, progress=False,
+                       quantize=QuantizeOptions("int4", 8)).model  # fmt: skip
+    layers = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert len(layers) == 8
+    float_experts = floats.model.layers[3].mlp.experts
+    fmt = QuantFormat("int4", 8)
+    want = _reference(float_experts.gate_up_proj.detach(), fmt)
+    for e in range(8):
+        got = layers[3].expert_weight("gate_up_proj", e, torch.float32)
+        assert torch.equal(got, want[e])
+    assert "int4 g8" in summary(model)
+    step = StepInput.single(list(range(3, 12)), 0, 0, device="cpu")
+    logits = model(step, model.make_kv_cache(1, 64))
+    float_logits = floats(step, floats.make_kv_cache(1, 64))
+    assert torch.isfinite(logits).all()
+    assert (logits - float_logits).norm() / float_logits.norm() < 0.3
+
+
+def test_missing_quantized_expert_is_an_error(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from worker.loading.quantize import QuantizeOptions, begin_load
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    path = _tiny_checkpoint(tmp_path, per_expert=True)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    model = build_model(config, "meta", torch.float32)
+    begin_load(model, QuantizeOptions("int4", 8), None, torch.device("cpu"), torch.float32)
+    model = model.to_empty(device="cpu")
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"model.layers.2.mlp.experts.<experts>"):
+        model.load_weights(tensors.items())
+
+
+def test_info_counts_the_experts_bytes() -> None:
+    """35B-A3B in int4 g32: the experts (32.2 B weights) at 4.5 bits each."""
+    from worker.loading.quantize import QuantizeOptions, describe_weights, plan_for_model
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    root = Path(__file__).resolve().parents[2]
+    raw = json.loads((root / "examples/qwen3_5_moe/config.json").read_text())
+    model = build_model(ModelConfig.from_hf(raw), "meta", torch.bfloat16)
+    plan = plan_for_model(model, QuantizeOptions("int4"))
+    described = describe_weights(model, plan, torch.bfloat16)
+    experts = 40 * 256 * 3 * 512 * 2048  # weights
+    int4 = described["formats"]["int4 g32"]
+    assert int4["bytes"] >= experts // 2 + experts // 32 * 4  # codes + scale and offset
+    total = sum(entry["bytes"] for entry in described["formats"].values())
+    assert total <= 24e9
+    floats = describe_weights(model, {}, torch.bfloat16)
+    assert sum(e["bytes"] for e in floats["formats"].values()) >= 2 * experts

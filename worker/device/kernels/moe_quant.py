@@ -1,0 +1,244 @@
+"""The fused MoE of ``worker.device.kernels.moe`` over quantized experts (int4 / int8,
+``worker.layers.quant_experts``): the same pair alignment, grouped gate/up and down GEMMs and
+combine, with each expert's weight tiles read from its K-major words and dequantized in
+registers before ``tl.dot``.
+
+    gate_up words int32 [E, H / P, 2I], scales (offsets) fp16 [E, H / g, 2I]
+    down    words int32 [E, I / P, H],  scales (offsets) fp16 [E, I / g, H]
+
+A program owns ``block_m`` rows of one expert and ``block_n`` outputs; per K tile (a multiple
+of the group, so a tile holds whole groups) it loads the [BLOCK_K, BLOCK_N] words (each word
+read by its P rows, once from memory), extracts the codes with the 2^23 mantissa trick
+(``quant_matmul._extract``), applies each group's scale (and offset) in fp32 and rounds the
+tile to x's dtype for the tensor cores. A weight is ``code * scale (+ offset)`` in fp32 as in
+``worker.layers.quant.dequantize``; the roundings after the products are the float kernels'.
+Groups must be a power of two from 8 (``supports``; ``--quantize`` checks it before loading on
+CUDA). This module imports Triton: import it only after
+``worker.device.kernels.triton_available()``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.device.kernels.moe import MoeBlocks, align_pairs_triton, choose_blocks, combine_pairs
+from worker.device.kernels.quant_matmul import _extract
+from worker.layers.quant import INT4
+from worker.layers.quant_experts import ExpertMatrix, QuantExperts
+
+
+def supports(experts: QuantExperts) -> bool:
+    """Both matrices' groups a power of two from 8 (a word never straddles two groups)."""
+    return all(g >= 8 and g & (g - 1) == 0 for g in experts.groups.values())
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr, s_ptr, o_ptr, word_offs, meta_offs, position, mask_k, mask_g,
+    INT4_KIND: tl.constexpr, GROUP: tl.constexpr, GPB: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_K, BLOCK_N] fp32 weights: words at word_offs [BK, BN], the GPB groups' scales
+    and offsets at meta_offs [GPB, BN]."""
+    word = tl.load(w_ptr + word_offs, mask=mask_k, other=0)
+    code = tl.reshape(_extract(word, position, INT4_KIND), [GPB, GROUP, BLOCK_N])
+    scale = tl.load(s_ptr + meta_offs, mask=mask_g, other=0.0).to(tl.float32)
+    if INT4_KIND:
+        offset = tl.load(o_ptr + meta_offs, mask=mask_g, other=0.0).to(tl.float32)
+        weight = code * scale[:, None, :] + offset[:, None, :]
+    else:
+        weight = code * scale[:, None, :]
+    return tl.reshape(weight, [BLOCK_K, BLOCK_N])
+
+
+@triton.jit
+def _qgate_up_kernel(
+    x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, sorted_ptr, block_expert_ptr, PAIRS, E,
+    TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr, GROUP: tl.constexpr,
+    INT4_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    P: tl.constexpr = 8 if INT4_KIND else 4
+    GPB: tl.constexpr = BLOCK_K // GROUP
+    N: tl.constexpr = 2 * INNER  # columns of an expert's K-major matrix: gate, then up
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= E:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < PAIRS
+    token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < INNER
+    offs_n = tl.where(mask_n, offs_n, 0)  # columns past INNER read column 0, never stored
+    x_rows = x_ptr + token[:, None] * HIDDEN  # [BLOCK_M, 1]
+    w_base = w_ptr + expert * (HIDDEN // P * N)
+    meta_base = expert * (HIDDEN // GROUP * N)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_k = offs_k < HIDDEN
+        a = tl.load(x_rows + offs_k[None, :], mask=valid[:, None] & in_k[None, :], other=0.0)
+        word_offs = (offs_k // P)[:, None] * N + offs_n[None, :]  # [BK, BN]
+        groups = k0 // GROUP + tl.arange(0, GPB)
+        mask_g = (groups < HIDDEN // GROUP)[:, None]
+        meta_offs = meta_base + groups[:, None] * N + offs_n[None, :]  # [GPB, BN]
+        position = (offs_k % P)[:, None]
+        w_gate = _weight_tile(
+            w_base,
+            s_ptr,
+            o_ptr,
+            word_offs,
+            meta_offs,
+            position,
+            in_k[:, None],
+            mask_g,
+            INT4_KIND,
+            GROUP,
+            GPB,
+            BLOCK_K,
+            BLOCK_N,
+        )
+        w_up = _weight_tile(
+            w_base,
+            s_ptr,
+            o_ptr,
+            word_offs + INNER,
+            meta_offs + INNER,
+            position,
+            in_k[:, None],
+            mask_g,
+            INT4_KIND,
+            GROUP,
+            GPB,
+            BLOCK_K,
+            BLOCK_N,
+        )
+        w_gate = w_gate.to(a.dtype)
+        w_up = w_up.to(a.dtype)
+        if IEEE:
+            acc_gate += tl.dot(a, w_gate, input_precision="ieee")
+            acc_up += tl.dot(a, w_up, input_precision="ieee")
+        else:
+            acc_gate += tl.dot(a, w_gate)
+            acc_up += tl.dot(a, w_up)
+    out_ty = out_ptr.dtype.element_ty
+    gate = acc_gate.to(out_ty).to(tl.float32)
+    up = acc_up.to(out_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    hidden = (act * up).to(out_ty)
+    dst = out_ptr + pair[:, None].to(tl.int64) * INNER + offs_n[None, :]
+    if EVEN_N:
+        tl.store(dst, hidden, mask=valid[:, None])
+    else:
+        tl.store(dst, hidden, mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _qdown_kernel(
+    h_ptr, w_ptr, s_ptr, o_ptr, route_ptr, out_ptr, sorted_ptr, block_expert_ptr, PAIRS, E,
+    HIDDEN: tl.constexpr, INNER: tl.constexpr, GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    P: tl.constexpr = 8 if INT4_KIND else 4
+    GPB: tl.constexpr = BLOCK_K // GROUP
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= E:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < PAIRS
+    safe_pair = tl.where(valid, pair, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < HIDDEN
+    offs_n = tl.where(mask_n, offs_n, 0)
+    h_rows = h_ptr + safe_pair[:, None] * INNER
+    w_base = w_ptr + expert * (INNER // P * HIDDEN)
+    meta_base = expert * (INNER // GROUP * HIDDEN)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INNER, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_k = offs_k < INNER
+        a = tl.load(h_rows + offs_k[None, :], mask=valid[:, None] & in_k[None, :], other=0.0)
+        groups = k0 // GROUP + tl.arange(0, GPB)
+        w = _weight_tile(
+            w_base, s_ptr, o_ptr, (offs_k // P)[:, None] * HIDDEN + offs_n[None, :],
+            meta_base + groups[:, None] * HIDDEN + offs_n[None, :], (offs_k % P)[:, None],
+            in_k[:, None], (groups < INNER // GROUP)[:, None],
+            INT4_KIND, GROUP, GPB, BLOCK_K, BLOCK_N,
+        ).to(a.dtype)  # fmt: skip
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    out_ty = out_ptr.dtype.element_ty
+    route = tl.load(route_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
+    out = (acc.to(out_ty).to(tl.float32) * route[:, None]).to(out_ty)
+    dst = out_ptr + safe_pair[:, None] * HIDDEN + offs_n[None, :]
+    if EVEN_N:
+        tl.store(dst, out, mask=valid[:, None])
+    else:
+        tl.store(dst, out, mask=valid[:, None] & mask_n[None, :])
+
+
+def _block_k(group: int, wanted: int) -> int:
+    """A K tile of whole groups, at least 16 (tl.dot's minimum)."""
+    return max(group, 16, wanted - wanted % group)
+
+
+def _offsets(matrix: ExpertMatrix) -> torch.Tensor:
+    return matrix.offsets if matrix.offsets is not None else matrix.scales  # int8: never read
+
+
+def fused_moe_quant_triton(
+    x: torch.Tensor,
+    gate_up: ExpertMatrix,
+    down: ExpertMatrix,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    blocks: MoeBlocks | None = None,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fused_moe_triton`` over quantized experts: x [T, H]; gate_up [E, 2I, H] and down
+    [E, H, I] as ``ExpertMatrix``; weights [T, k] in x's dtype; ids [T, k] int64; shared
+    [T, H], shared_gate [T, 1] -> [T, H] in x's dtype."""
+    tokens, hidden = x.shape
+    num_experts, two_inner, _ = gate_up.shape
+    inner = two_inner // 2
+    top_k = ids.shape[1]
+    assert down.shape == (num_experts, hidden, inner) and gate_up.shape[2] == hidden
+    x = x.contiguous()
+    blocks = blocks or choose_blocks(tokens, hidden, inner)
+    aligned = align_pairs_triton(ids, num_experts, blocks.block_m)
+    pairs = aligned.pairs
+    num_blocks = aligned.block_expert.shape[0]
+    ieee = x.dtype == torch.float32
+    act = torch.empty(pairs, inner, dtype=x.dtype, device=x.device)
+    _qgate_up_kernel[(num_blocks, triton.cdiv(inner, blocks.gate_up_n))](
+        x, gate_up.words, gate_up.scales, _offsets(gate_up), act, aligned.sorted_pairs,
+        aligned.block_expert, pairs, num_experts,
+        TOP_K=top_k, HIDDEN=hidden, INNER=inner, GROUP=gate_up.group_size,
+        INT4_KIND=gate_up.kind == INT4, BLOCK_M=blocks.block_m, BLOCK_N=blocks.gate_up_n,
+        BLOCK_K=_block_k(gate_up.group_size, blocks.block_k),
+        EVEN_N=inner % blocks.gate_up_n == 0, IEEE=ieee,
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+    )  # fmt: skip
+    out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    route = weights.reshape(-1).contiguous()
+    _qdown_kernel[(num_blocks, triton.cdiv(hidden, blocks.down_n))](
+        act, down.words, down.scales, _offsets(down), route, out, aligned.sorted_pairs,
+        aligned.block_expert, pairs, num_experts,
+        HIDDEN=hidden, INNER=inner, GROUP=down.group_size, INT4_KIND=down.kind == INT4,
+        BLOCK_M=blocks.block_m, BLOCK_N=blocks.down_n,
+        BLOCK_K=_block_k(down.group_size, blocks.block_k),
+        EVEN_N=hidden % blocks.down_n == 0, IEEE=ieee,
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+    )  # fmt: skip
+    return combine_pairs(out, tokens, top_k, shared, shared_gate)
