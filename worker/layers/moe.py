@@ -11,6 +11,10 @@ that is a Python loop over the experts actually hit (at most T * k of them, 8 fo
 token), never over all E. On CUDA (``use_triton``, SiLU experts) it is one grouped-GEMM launch
 per matrix for every expert hit, with no host sync, so a decode step can be captured in a CUDA
 graph (``worker.device.kernels.moe``).
+
+With ``--quantize int8|int4`` the experts are a ``QuantExperts`` (``worker.layers.quant_experts``):
+the CPU loop dequantizes the experts it runs, the CUDA path runs the same grouped GEMMs over the
+quantized words (``worker.device.kernels.moe_quant``).
 """
 
 from __future__ import annotations
