@@ -245,3 +245,36 @@ def test_info_counts_the_experts_bytes() -> None:
     assert total <= 24e9
     floats = describe_weights(model, {}, torch.bfloat16)
     assert sum(e["bytes"] for e in floats["formats"].values()) >= 2 * experts
+
+
+@pytest.mark.parametrize("per_expert", [False, True], ids=["fused", "per_expert"])
+def test_staged_load_streams_the_experts_as_transients(tmp_path: Path, per_expert: bool) -> None:
+    """The CUDA load path (staged_tensors, here on the CPU): fused and per-expert expert
+    tensors are transient targets, quantized as they arrive; none is yielded as a meta tensor."""
+    from worker.loading.checkpoint import open_checkpoint
+    from worker.loading.quantize import QuantizeOptions, begin_load
+    from worker.loading.staged_load import staged_tensors
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    path = _tiny_checkpoint(tmp_path, per_expert)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    model = build_model(config, "meta", torch.float32)
+    cpu = torch.device("cpu")
+    quantized = begin_load(model, QuantizeOptions("int4", 8), None, cpu, torch.float32)
+    assert quantized is not None
+    model = model.to_empty(device=cpu)
+    pairs = staged_tensors(
+        open_checkpoint(path).text_tensors(), model.state_dict(keep_vars=True),
+        transient=quantized.transient_names(model), device=cpu,
+    )  # fmt: skip
+    report = model.load_weights(pairs)
+    assert not report.missing and not report.unexpected
+    float_model = build_model(config, "cpu", torch.float32)
+    float_model.load_weights(open_checkpoint(path).iter_tensors())
+    down = float_model.model.layers[0].mlp.experts.down_proj.detach()
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, QuantExperts)
+    want = _reference(down, QuantFormat("int4", 8))
+    for e in range(8):
+        assert torch.equal(experts.expert_weight("down_proj", e, torch.float32), want[e])

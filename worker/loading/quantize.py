@@ -191,8 +191,13 @@ class QuantizedLoad:
             module = _find(model, path)
             if isinstance(module, (QuantLinear, QuantEmbedding)):
                 names[f"{path}.weight"] = self.dtype
-            elif isinstance(module, QuantExperts):  # the fused [E, N, K] tensors
+            elif isinstance(module, QuantExperts):  # fused [E, N, K] or per-expert tensors
                 names.update({f"{path}.{matrix}": self.dtype for matrix in module.shapes})
+                names.update({
+                    f"{path}.{e}.{kind}.weight": self.dtype
+                    for e in range(module.num_experts)
+                    for kind in ("gate_proj", "up_proj", "down_proj")
+                })  # fmt: skip
         return names
 
     @torch.no_grad()
