@@ -278,3 +278,27 @@ def test_staged_load_streams_the_experts_as_transients(tmp_path: Path, per_exper
     want = _reference(down, QuantFormat("int4", 8))
     for e in range(8):
         assert torch.equal(experts.expert_weight("down_proj", e, torch.float32), want[e])
+
+
+def test_staged_float_load_fills_the_fused_experts_from_per_expert_tensors(tmp_path: Path) -> None:
+    """The float CUDA load path (staged_tensors, here on the CPU) with the hub's per-expert
+    tensors: each copied straight into its view of the fused parameter (``staging_views``)."""
+    from worker.loading.checkpoint import open_checkpoint
+    from worker.loading.staged_load import staged_tensors
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    path = _tiny_checkpoint(tmp_path, per_expert=True)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    staged = build_model(config, "cpu", torch.float32)
+    targets = {**staged.state_dict(keep_vars=True), **staged.staging_views()}  # type: ignore[operator]
+    report = staged.load_weights(
+        staged_tensors(open_checkpoint(path).text_tensors(), targets, device=torch.device("cpu"))
+    )
+    assert not report.missing and not report.unexpected
+    direct = build_model(config, "cpu", torch.float32)
+    direct.load_weights(open_checkpoint(path).iter_tensors())
+    for (name, a), (_, b) in zip(
+        sorted(staged.state_dict().items()), sorted(direct.state_dict().items()), strict=True
+    ):
+        assert torch.equal(a, b), name

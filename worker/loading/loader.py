@@ -223,8 +223,10 @@ def load_model(
             pairs = checkpoint.iter_tensors(dtype=dtype, targets=targets)
         elif device.type == "cuda":
             transient = quantized.transient_names(model) if quantized is not None else None
+            views = getattr(model, "staging_views", None)  # tensors that land inside a parameter
+            staged = {**targets, **views()} if callable(views) else targets
             pairs = staged_tensors(
-                checkpoint.text_tensors(), targets, transient=transient, device=device
+                checkpoint.text_tensors(), staged, transient=transient, device=device
             )
         else:
             pairs = checkpoint.iter_tensors(device=device, dtype=dtype, targets=targets)

@@ -146,6 +146,24 @@ class Qwen35MoeForCausalLM(CausalLM):
             )
         return report
 
+    def staging_views(self) -> dict[str, torch.Tensor]:
+        """Per-expert checkpoint name -> the contiguous view of the fused parameter it fills
+        (the staged CUDA load copies such a tensor's bytes straight into place; without a
+        target it would only be described, as a meta tensor)."""
+        views = {}
+        for name, module in self.named_modules():
+            experts = getattr(module, "gate_up_proj", None)
+            down = getattr(module, "down_proj", None)
+            if not isinstance(experts, nn.Parameter) or experts.dim() != 3:
+                continue
+            assert isinstance(down, nn.Parameter)
+            inner = experts.shape[1] // 2
+            for e in range(experts.shape[0]):
+                views[f"{name}.{e}.gate_proj.weight"] = experts.detach()[e, :inner]
+                views[f"{name}.{e}.up_proj.weight"] = experts.detach()[e, inner:]
+                views[f"{name}.{e}.down_proj.weight"] = down.detach()[e]
+        return views
+
     def _fuse_experts(
         self, tensors: Iterable[tuple[str, torch.Tensor]], pieces: dict[str, set[tuple[int, str]]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
