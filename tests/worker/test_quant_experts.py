@@ -302,3 +302,49 @@ def test_staged_float_load_fills_the_fused_experts_from_per_expert_tensors(tmp_p
         sorted(staged.state_dict().items()), sorted(direct.state_dict().items()), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_sparse_moe_forward_takes_the_quantized_kernels(
+    triton_ready: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SparseMoE.forward with QuantExperts on the Triton path (router, grouped GEMMs, shared
+    expert in the combine) equals its CPU path."""
+    from test_models_qwen3_5_moe import _text_config
+
+    import worker.layers.moe as moe_module
+    from worker.loading.quantize import QuantizeOptions, install, plan_for_model
+    from worker.loading.random_init import init_random_weights
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    config = ModelConfig.from_hf(_text_config().to_dict())
+    model = build_model(config, "cpu", torch.float32)
+    init_random_weights(model, seed=7)
+    layer = model.model.layers[1].mlp
+    gen = torch.Generator().manual_seed(8)
+    gate_up = torch.randn(8, 48, 64, generator=gen) * 0.1
+    down = torch.randn(8, 64, 24, generator=gen) * 0.1
+    plan = {k: v for k, v in plan_for_model(model, QuantizeOptions("int4", 8)).items()
+            if k == "model.layers.1.mlp.experts"}  # fmt: skip
+    assert install(model, plan) == 1
+    experts = layer.experts
+    assert isinstance(experts, QuantExperts)
+    experts.load("gate_up_proj", gate_up)
+    experts.load("down_proj", down)
+    x = torch.randn(6, 64, generator=gen)
+    import worker.device.kernels.moe_quant as kernels
+
+    calls = []
+    original = kernels.fused_moe_quant_triton
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    with torch.no_grad():
+        want = layer(x)
+        monkeypatch.setattr(moe_module, "use_triton", lambda t: True)
+        monkeypatch.setattr(kernels, "fused_moe_quant_triton", spy)
+        got = layer.to(DEVICE)(x.to(DEVICE)).cpu()
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
