@@ -213,7 +213,9 @@ def test_add_rms_norm_matches_two_steps(rows: int, norm_y: bool, with_h: bool) -
 
 @needs_kernel
 @pytest.mark.parametrize("length", [1, 7, 300])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 1, 256), (4, 2, 72), (3, 3, 8)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(4, 1, 256), (4, 2, 72), (3, 3, 8), (8, 1, 64), (12, 2, 24)]
+)
 @pytest.mark.parametrize("masked", [False, True])
 def test_decode_attention_matches_sdpa(
     length: int, heads: int, kv_heads: int, dim: int, masked: bool

@@ -325,7 +325,7 @@ def decode_attention(
     heads, dim = q.shape
     kv_heads = cache_k.shape[1]
     length = end - first
-    scores = torch.empty(length, dtype=torch.float32)
+    scores = torch.empty(min(heads, 4) * length, dtype=torch.float32)  # HB heads at a time
     slot_offset = slot * cache_k.stride(0) * cache_k.element_size()
     mask_ptr = None if mask is None else mask.contiguous().data_ptr()
     lib.tp_decode_attention(

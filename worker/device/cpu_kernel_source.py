@@ -380,6 +380,64 @@ static inline float hsum(__m256 v) {
    Slot layout: entry l of KV head g at k_slot + g * head_stride + l * D (v_slot alike);
    query head h reads KV head h / (H / KVH). q [H, D]; mask [L] additive (0 / -inf) or NULL;
    out [H, D]; scores: L floats of scratch. D % 8 == 0. */
+#define HB 4 /* query heads per pass over K and V */
+
+/* nh (<= HB) query heads q [nh, D] over one KV head's rows k, v [L, D]: out [nh, D] */
+static void attend_heads(const float *q, const float *k, const float *v, int64_t L, int64_t nh,
+                         int64_t D, const float *mask, float scale, float *out, float *scores) {
+    float top[HB], total[HB];
+    for (int64_t j = 0; j < nh; j++) top[j] = -INFINITY, total[j] = 0.0f;
+    for (int64_t l = 0; l < L; l++) {
+        const float *kl = k + l * D;
+        __m256 a0[HB], a1[HB];
+        for (int64_t j = 0; j < nh; j++) a0[j] = _mm256_setzero_ps(), a1[j] = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= D; i += 16) {
+            const __m256 k0 = _mm256_loadu_ps(kl + i), k1 = _mm256_loadu_ps(kl + i + 8);
+            for (int64_t j = 0; j < nh; j++) {
+                a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + i), k0, a0[j]);
+                a1[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + i + 8), k1, a1[j]);
+            }
+        }
+        for (; i < D; i += 8) {
+            const __m256 k0 = _mm256_loadu_ps(kl + i);
+            for (int64_t j = 0; j < nh; j++)
+                a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + i), k0, a0[j]);
+        }
+        for (int64_t j = 0; j < nh; j++) {
+            float sc = hsum(_mm256_add_ps(a0[j], a1[j])) * scale;
+            if (mask) sc += mask[l];
+            scores[j * L + l] = sc;
+            if (sc > top[j]) top[j] = sc;
+        }
+    }
+    for (int64_t j = 0; j < nh; j++)
+        for (int64_t l = 0; l < L; l++) {
+            const float p = expf(scores[j * L + l] - top[j]);
+            scores[j * L + l] = p;
+            total[j] += p;
+        }
+    for (int64_t i0 = 0; i0 < D; i0 += 16) { /* 16 output floats of every head at a time */
+        const int two = D - i0 >= 16;
+        __m256 acc0[HB], acc1[HB];
+        for (int64_t j = 0; j < nh; j++) acc0[j] = _mm256_setzero_ps(), acc1[j] = acc0[j];
+        for (int64_t l = 0; l < L; l++) {
+            const float *vl = v + l * D + i0;
+            const __m256 v0 = _mm256_loadu_ps(vl), v1 = two ? _mm256_loadu_ps(vl + 8) : v0;
+            for (int64_t j = 0; j < nh; j++) {
+                const __m256 p = _mm256_set1_ps(scores[j * L + l]);
+                acc0[j] = _mm256_fmadd_ps(p, v0, acc0[j]);
+                if (two) acc1[j] = _mm256_fmadd_ps(p, v1, acc1[j]);
+            }
+        }
+        for (int64_t j = 0; j < nh; j++) {
+            const __m256 inv_total = _mm256_set1_ps(1.0f / total[j]);
+            _mm256_storeu_ps(out + j * D + i0, _mm256_mul_ps(acc0[j], inv_total));
+            if (two) _mm256_storeu_ps(out + j * D + i0 + 8, _mm256_mul_ps(acc1[j], inv_total));
+        }
+    }
+}
+
 void tp_decode_attention(const float *q, float *k_slot, float *v_slot, int64_t head_stride,
                          int64_t write_index, const float *k_new, const float *v_new,
                          int64_t first, int64_t L, int64_t H, int64_t KVH, int64_t D,
@@ -389,48 +447,18 @@ void tp_decode_attention(const float *q, float *k_slot, float *v_slot, int64_t h
             memcpy(k_slot + g * head_stride + write_index * D, k_new + g * D, D * sizeof(float));
             memcpy(v_slot + g * head_stride + write_index * D, v_new + g * D, D * sizeof(float));
         }
+    /* the query heads of one KV head together, up to HB at a time: each key and value row is
+       read once for all of them (a long context's K and V do not stay in cache between heads).
+       Per head the arithmetic and its order are the one-head loop's: the same bits. */
     const int64_t group = H / KVH;
-    for (int64_t h = 0; h < H; h++) {
-        const float *qh = q + h * D;
-        const float *kh = k_slot + (h / group) * head_stride + first * D;
-        const float *vh = v_slot + (h / group) * head_stride + first * D;
-        float top = -INFINITY;
-        for (int64_t l = 0; l < L; l++) {
-            const float *kl = kh + l * D;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            int64_t i = 0;
-            for (; i + 16 <= D; i += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kl + i), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), _mm256_loadu_ps(kl + i + 8), a1);
-            }
-            for (; i < D; i += 8)
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kl + i), a0);
-            float sc = hsum(_mm256_add_ps(a0, a1)) * scale;
-            if (mask) sc += mask[l];
-            scores[l] = sc;
-            if (sc > top) top = sc;
-        }
-        float total = 0.0f;
-        for (int64_t l = 0; l < L; l++) {
-            const float p = expf(scores[l] - top);
-            scores[l] = p;
-            total += p;
-        }
-        float *oh = out + h * D;
-        const __m256 inv_total = _mm256_set1_ps(1.0f / total);
-        for (int64_t i0 = 0; i0 < D; i0 += 64) { /* 64 output floats in 8 registers */
-            const int n = D - i0 < 64 ? (int)(D - i0) / 8 : 8;
-            __m256 acc[8];
-            for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t l = 0; l < L; l++) {
-                const __m256 p = _mm256_set1_ps(scores[l]);
-                const float *vl = vh + l * D + i0;
-                for (int j = 0; j < n; j++)
-                    acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + 8 * j), acc[j]);
-            }
-            for (int j = 0; j < n; j++)
-                _mm256_storeu_ps(oh + i0 + 8 * j, _mm256_mul_ps(acc[j], inv_total));
-        }
+    for (int64_t h0 = 0; h0 < H;) {
+        const int64_t kv = h0 / group;
+        int64_t nh = (kv + 1) * group - h0; /* heads of this KV head not yet done */
+        if (nh > HB) nh = HB;
+        attend_heads(q + h0 * D, k_slot + kv * head_stride + first * D,
+                     v_slot + kv * head_stride + first * D, L, nh, D, mask, scale,
+                     out + h0 * D, scores);
+        h0 += nh;
     }
 }
 """
