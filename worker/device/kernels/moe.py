@@ -213,12 +213,26 @@ def _gate_up_kernel(
             a = tl.load(x_rows + ks[None, :], mask=valid[:, None] & in_k[None, :], other=0.0)
             w_gate = tl.load(gate_cols + ks[:, None], mask=in_k[:, None], other=0.0)
             w_up = tl.load(up_cols + ks[:, None], mask=in_k[:, None], other=0.0)
-        if IEEE:
-            acc_gate += tl.dot(a, w_gate, input_precision="ieee")
-            acc_up += tl.dot(a, w_up, input_precision="ieee")
-        else:
-            acc_gate += tl.dot(a, w_gate)
-            acc_up += tl.dot(a, w_up)
+        acc_gate = _dot(a, w_gate, acc_gate, IEEE)
+        acc_up = _dot(a, w_up, acc_up, IEEE)
+    _store_gated(acc_gate, acc_up, out_ptr, pair, offs_n, valid, mask_n, INNER, EVEN_N)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b (fp32 inputs exactly with IEEE, else the tensor cores' default)."""
+    if IEEE:
+        return acc + tl.dot(a, b, input_precision="ieee")
+    return acc + tl.dot(a, b)
+
+
+@triton.jit
+def _store_gated(
+    acc_gate, acc_up, out_ptr, pair, offs_n, valid, mask_n,
+    INNER: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """silu(gate) * up, each rounded to the output dtype as the torch path does, stored at the
+    rows of `pair` (the gate/up kernels' epilogue, float and quantized experts alike)."""
     out_ty = out_ptr.dtype.element_ty
     gate = acc_gate.to(out_ty).to(tl.float32)
     up = acc_up.to(out_ty).to(tl.float32)
@@ -229,6 +243,23 @@ def _gate_up_kernel(
         tl.store(dst, hidden, mask=valid[:, None])
     else:
         tl.store(dst, hidden, mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _store_routed(
+    acc, out_ptr, route_ptr, safe_pair, offs_n, valid, mask_n,
+    HIDDEN: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """The down kernels' epilogue: each pair's output times its routing weight, rounded to the
+    output dtype as the torch path does."""
+    out_ty = out_ptr.dtype.element_ty
+    route = tl.load(route_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
+    out = (acc.to(out_ty).to(tl.float32) * route[:, None]).to(out_ty)
+    dst = out_ptr + safe_pair[:, None] * HIDDEN + offs_n[None, :]
+    if EVEN_N:
+        tl.store(dst, out, mask=valid[:, None])
+    else:
+        tl.store(dst, out, mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -262,18 +293,8 @@ def _down_kernel(
             in_k = ks < INNER
             a = tl.load(h_rows + ks[None, :], mask=valid[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_cols + ks[:, None], mask=in_k[:, None], other=0.0)
-        if IEEE:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
-    out_ty = out_ptr.dtype.element_ty
-    route = tl.load(route_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
-    out = (acc.to(out_ty).to(tl.float32) * route[:, None]).to(out_ty)
-    dst = out_ptr + safe_pair[:, None] * HIDDEN + offs_n[None, :]
-    if EVEN_N:
-        tl.store(dst, out, mask=valid[:, None])
-    else:
-        tl.store(dst, out, mask=valid[:, None] & mask_n[None, :])
+        acc = _dot(a, w, acc, IEEE)
+    _store_routed(acc, out_ptr, route_ptr, safe_pair, offs_n, valid, mask_n, HIDDEN, EVEN_N)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.device.kernels.moe import MoeBlocks, align_pairs_triton, choose_blocks, combine_pairs
+from worker.device.kernels.moe import (
+    MoeBlocks,
+    _dot,
+    _store_gated,
+    _store_routed,
+    align_pairs_triton,
+    choose_blocks,
+    combine_pairs,
+)
 from worker.device.kernels.quant_matmul import _extract
 from worker.layers.quant import INT4
 from worker.layers.quant_experts import ExpertMatrix, QuantExperts
@@ -120,22 +128,9 @@ def _qgate_up_kernel(
         )
         w_gate = w_gate.to(a.dtype)
         w_up = w_up.to(a.dtype)
-        if IEEE:
-            acc_gate += tl.dot(a, w_gate, input_precision="ieee")
-            acc_up += tl.dot(a, w_up, input_precision="ieee")
-        else:
-            acc_gate += tl.dot(a, w_gate)
-            acc_up += tl.dot(a, w_up)
-    out_ty = out_ptr.dtype.element_ty
-    gate = acc_gate.to(out_ty).to(tl.float32)
-    up = acc_up.to(out_ty).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-    hidden = (act * up).to(out_ty)
-    dst = out_ptr + pair[:, None].to(tl.int64) * INNER + offs_n[None, :]
-    if EVEN_N:
-        tl.store(dst, hidden, mask=valid[:, None])
-    else:
-        tl.store(dst, hidden, mask=valid[:, None] & mask_n[None, :])
+        acc_gate = _dot(a, w_gate, acc_gate, IEEE)
+        acc_up = _dot(a, w_up, acc_up, IEEE)
+    _store_gated(acc_gate, acc_up, out_ptr, pair, offs_n, valid, mask_n, INNER, EVEN_N)
 
 
 @triton.jit
@@ -173,18 +168,8 @@ def _qdown_kernel(
             in_k[:, None], (groups < INNER // GROUP)[:, None],
             INT4_KIND, GROUP, GPB, BLOCK_K, BLOCK_N,
         ).to(a.dtype)  # fmt: skip
-        if IEEE:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
-    out_ty = out_ptr.dtype.element_ty
-    route = tl.load(route_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
-    out = (acc.to(out_ty).to(tl.float32) * route[:, None]).to(out_ty)
-    dst = out_ptr + safe_pair[:, None] * HIDDEN + offs_n[None, :]
-    if EVEN_N:
-        tl.store(dst, out, mask=valid[:, None])
-    else:
-        tl.store(dst, out, mask=valid[:, None] & mask_n[None, :])
+        acc = _dot(a, w, acc, IEEE)
+    _store_routed(acc, out_ptr, route_ptr, safe_pair, offs_n, valid, mask_n, HIDDEN, EVEN_N)
 
 
 def _block_k(group: int, wanted: int) -> int:
