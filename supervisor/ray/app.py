@@ -1,9 +1,11 @@
-"""The Ray side of `tokenpipe ray up`: starting or joining a cluster, and the Serve application
-(the replica deployment behind the session router, and the HTTP ingress in front of it).
+"""The Ray side of `tokenpipe ray up`: starting or joining a cluster, and the Serve application:
+the replica deployment (each replica with its own HTTP and JSONL ports) and the HTTP front end
+that sends each request straight to its replica's port (http_front.py); with `via_serve`, Serve's
+proxy and the replica deployment as the HTTP ingress instead (ingress.py).
 
 Kept light for small machines: no dashboard, a small object store, and the replicas'
-CPU share is what their workers use (one per CPU worker). Serve's controller, proxy and the
-ingress reserve no CPU.
+CPU share is what their workers use (one per CPU worker). Serve's controller, the front end,
+the proxy and the ingress reserve no CPU.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ them) and pushes every change to the request routers of the processes that hold 
 them; `router.SessionAffinityRouter` hands each list to `Directory.update` (from Serve's
 thread). A front end also marks a replica down the moment its connection to it breaks, before
 the controller notices: that replica takes no new requests until the controller lists a
-replacement (a new replica id).
+replacement (a new replica id) or drops it, or for `DOWN_S` (then it is tried again: a
+replica that is alive after all, say a connection reset on the way, is not lost for good).
 
 The choice is the session router's: a named session goes to the live replica whose
 --session-dir held it, else to its owner on the consistent-hash ring of ranks; anything else to
@@ -16,6 +17,7 @@ the replica with the fewest requests in flight from this front end.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,7 @@ from typing import Any
 from .affinity import session_owner
 from .ring import HashRing
 
+DOWN_S = 5.0  # how long a replica whose connection broke is routed around, at most
 PUBLISHED: list[Directory] = []
 """The directories of this process's direct front ends: every session router of the process
 hands them the replica list Serve's controller pushed (router.publish_to)."""
@@ -82,7 +85,7 @@ class Directory:
 
     def __init__(self) -> None:
         self._listed: tuple[Endpoint, ...] = ()
-        self._down: set[str] = set()  # replica ids whose connection broke
+        self._down: dict[str, float] = {}  # replica id -> when its connection broke
         self._view = _View()
         self._lock = threading.Lock()
         self.in_flight: dict[str, int] = {}  # replica id -> requests this front end has there
@@ -93,16 +96,22 @@ class Directory:
         with self._lock:
             self._listed = tuple(sorted(endpoints, key=lambda e: e.name))
             listed_ids = {e.replica_id for e in self._listed}
-            self._down &= listed_ids  # a replica gone from the list needs no mark any more
+            # a replica gone from the list needs no mark any more
+            self._down = {r: t for r, t in self._down.items() if r in listed_ids}
             self._rebuild()
 
-    def mark_down(self, replica_id: str) -> None:
-        """The connection to this replica broke: route around it until it is replaced."""
+    def mark_down(self, replica_id: str, now: float | None = None) -> None:
+        """The connection to this replica broke: route around it until it is replaced (or
+        for `DOWN_S`)."""
         with self._lock:
-            if replica_id in self._down:
-                return
-            self._down.add(replica_id)
+            self._down[replica_id] = time.monotonic() if now is None else now
             self._rebuild()
+
+    def _expire(self, now: float) -> None:
+        if any(now - since > DOWN_S for since in self._down.values()):
+            with self._lock:
+                self._down = {r: t for r, t in self._down.items() if now - t <= DOWN_S}
+                self._rebuild()
 
     def _rebuild(self) -> None:
         by_name = {e.name: e for e in self._listed if e.replica_id not in self._down}
@@ -113,9 +122,11 @@ class Directory:
     def live(self) -> list[Endpoint]:
         return list(self._view.by_name.values())
 
-    def pick(self, session: str | None) -> Endpoint | None:
+    def pick(self, session: str | None, now: float | None = None) -> Endpoint | None:
         """The replica for a request naming `session` (None: least loaded); None when no
         replica is live."""
+        if self._down:
+            self._expire(time.monotonic() if now is None else now)
         view = self._view
         if not view.by_name:
             return None

@@ -1,5 +1,6 @@
-"""The HTTP entry of `tokenpipe ray up`: the replica deployment is the application's ingress,
-so Serve's proxy hands each OpenAI request straight to a replica (one actor hop).
+"""The HTTP entry of `tokenpipe ray up --via-serve` (the default is http_front.py's direct
+path): the replica deployment is the application's ingress, so Serve's proxy hands each OpenAI
+request straight to a replica (one actor hop).
 
 The proxy routes on what it sees: the session header Ray reads (`RAY_SERVE_SESSION_ID_HEADER_KEY`;
 a local cluster started by `tokenpipe ray up` sets it to `x-session-affinity`) reaches the

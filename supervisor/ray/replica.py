@@ -1,13 +1,14 @@
 """One Ray Serve replica: a tokenpipe supervisor (and its workers) in the replica's process,
 with `tokenpipe serve`'s OpenAI app over it.
 
-Callers reach it three ways, all routed by `router.SessionAffinityRouter`:
-- `__call__(request)`: an HTTP request from Serve's proxy (the deployment is the HTTP
-  ingress; ingress.py);
-- `asgi(scope, body)`: one HTTP request through the OpenAI app, forwarded by another replica
-  that got a request for a session it does not hold;
-- `generate(request)`, `session_op(request)`, `call(request)`: protocol requests as dicts
-  (the JSONL front end), answered with event dicts.
+Callers reach it, all by the session rules of `router.SessionAffinityRouter`:
+- directly (the default data path; endpoints.py): the OpenAI app on the replica's own HTTP
+  port (the HTTP front end, http_front.py), and `generate`, `session_op`, `call`, `cancel` on
+  its JSONL port (the JSONL front end, front.py); both ports are published in the metadata;
+- through Serve (`ray up --via-serve`): `__call__(request)`, an HTTP request from Serve's
+  proxy (the deployment is the HTTP ingress; ingress.py), and `asgi(scope, body)`, one HTTP
+  request forwarded by another replica that got a request for a session it does not hold;
+- `ready_info`, through Serve: the ready line (front ends, tests).
 
 A named session this replica has not seen (its holder died, or the ring moved it here) is
 opened on first use; when the caller mirrors ids for it, they are prefilled first (`resident`),

@@ -45,6 +45,17 @@ def test_a_broken_replica_is_routed_around_until_replaced() -> None:
         assert picked is not None and (picked.name, picked.replica_id) == ("rank-0", "y0")
 
 
+def test_a_down_mark_expires_while_the_replica_is_still_listed() -> None:
+    from supervisor.ray.directory import DOWN_S
+
+    directory = Directory()
+    directory.update([endpoint(0, "x0")])
+    directory.mark_down("x0", now=100.0)
+    assert directory.pick(None, now=100.0 + DOWN_S / 2) is None
+    picked = directory.pick(None, now=100.0 + DOWN_S + 0.1)  # tried again
+    assert picked is not None and picked.replica_id == "x0"
+
+
 def test_saved_sessions_go_to_their_holder_first() -> None:
     ring = HashRing(["rank-0", "rank-1", "rank-2"])
     session = sessions_of(ring, "rank-2", 1)[0]
