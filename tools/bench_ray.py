@@ -72,8 +72,14 @@ def wait_http(url: str, timeout_s: float = 300) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def http_cases(bases: dict[str, str], n: int) -> dict[str, dict[str, list[float]]]:
-    clients = {name: httpx.Client(base_url=base, timeout=60) for name, base in bases.items()}
+def http_cases(
+    bases: dict[str, tuple[str, dict[str, str]]], n: int
+) -> dict[str, dict[str, list[float]]]:
+    """`bases`: path name -> (URL, headers every request of that path carries)."""
+    clients = {
+        name: httpx.Client(base_url=base, headers=headers, timeout=60)
+        for name, (base, headers) in bases.items()
+    }
     try:
         model = next(iter(clients.values())).get("/v1/models").json()["data"][0]["id"]
         body = {**COMPLETION, "model": model}
@@ -149,10 +155,12 @@ def report(title: str, cases: dict[str, dict[str, list[float]]]) -> None:
         print(f"  {case:26s} {'   '.join(cells)}   {added}")
 
 
-def replica_http_port() -> str:
-    """The replica's own HTTP port, as the front ends learn it (Serve's replica metadata)."""
+def replica_http_port() -> tuple[str, dict[str, str]]:
+    """The replica's own HTTP port and the secret header it wants, as the front ends learn
+    them (Serve's replica metadata)."""
     from supervisor.ray.app import replica_handle
     from supervisor.ray.directory import Directory
+    from supervisor.ray.endpoints import SECRET_HEADER
     from supervisor.ray.router import publish_to
 
     directory = Directory()
@@ -161,7 +169,8 @@ def replica_http_port() -> str:
     deadline = time.monotonic() + 30
     while not directory.live and time.monotonic() < deadline:
         time.sleep(0.1)
-    return f"http://{directory.live[0].http}"
+    replica = directory.live[0]
+    return f"http://{replica.http}", {SECRET_HEADER: replica.secret}
 
 
 def main() -> None:
@@ -195,10 +204,10 @@ def main() -> None:
             via_serve=args.via_serve,
         )
         deploy(spec, port=args.port + 1)
-        bases = {"direct": f"http://127.0.0.1:{args.port}"}
+        bases = {"direct": (f"http://127.0.0.1:{args.port}", {})}
         if not args.via_serve:
             bases["replica"] = replica_http_port()
-        bases["ray"] = f"http://127.0.0.1:{args.port + 1}"
+        bases["ray"] = (f"http://127.0.0.1:{args.port + 1}", {})
         http = http_cases(bases, args.requests)
         serve.terminate()
         serve.wait(timeout=60)

@@ -40,6 +40,7 @@ class Endpoint:
     jsonl: str  # "host:port" of its JSONL port
     http: str  # "host:port" of its OpenAI app ("" when it serves none)
     saved: frozenset[str] = frozenset()  # digests of the sessions its --session-dir held
+    secret: str = ""  # what its ports want to hear (endpoints.py)
 
     @property
     def jsonl_address(self) -> tuple[str, int]:
@@ -62,12 +63,14 @@ def endpoint_from(name: str, replica_id: str, metadata: Mapping[str, Any]) -> En
         return None
     http = metadata.get("http")
     saved = metadata.get("sessions")
+    secret = metadata.get("secret")
     return Endpoint(
         name=name,
         replica_id=replica_id,
         jsonl=jsonl,
         http=http if isinstance(http, str) else "",
         saved=frozenset(saved) if isinstance(saved, list) else frozenset(),
+        secret=secret if isinstance(secret, str) else "",
     )
 
 

@@ -5,7 +5,13 @@ ends through the replica's Serve metadata (`record_replica_metadata`).
 Ray places, health-checks and replaces the replica; the bytes of a request go from a front end
 to these ports over a kept-alive connection, never through a Serve call.
 
-The JSONL port speaks envelopes, one JSON object a line each way:
+Both ports answer only callers that know the replica's secret, a random token it publishes
+with the ports (Serve metadata reaches only processes that joined the cluster): the HTTP port
+wants it in the `x-tokenpipe-replica` header (anything else is a 403; `--api-key` is checked
+as well, by the app), the JSONL port as its first line, `{"call": "hello", "secret": S}`. So a
+replica's ports open no door that `ray up --host` did not.
+
+The JSONL port then speaks envelopes, one JSON object a line each way:
 
     -> {"call": "generate", "id": I, "request": {...}, "mirrored": n, "resident": [...]|null}
     -> {"call": "session_op" | "call", "id": I, "request": {...}}
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -42,6 +49,11 @@ READ_SIZE = 1 << 16
 HTTP_KEEP_ALIVE_S = 5  # the replica's idle keep-alive (front ends drop idle links sooner)
 HTTP_HEADER_TIMEOUT_S = 10.0
 HTTP_MAX_CONNECTIONS = 512
+SECRET_HEADER = "x-tokenpipe-replica"
+
+
+def secret_matches(given: Any, secret: str) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), secret.encode())
 
 
 def error_event(code: str, message: str, **extra: Any) -> dict[str, Any]:
@@ -84,8 +96,9 @@ def bound_socket(host: str) -> socket.socket:
 class JsonlPort:
     """The replica's JSONL port and its open connections."""
 
-    def __init__(self, calls: ReplicaCalls) -> None:
+    def __init__(self, calls: ReplicaCalls, secret: str) -> None:
         self._calls = calls
+        self._secret = secret
         self._connections: set[JsonlConnection] = set()
         self._server: asyncio.Server | None = None
         self.address = ""
@@ -96,7 +109,7 @@ class JsonlPort:
         self.address = address(sock)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = JsonlConnection(self._calls, reader, writer)
+        connection = JsonlConnection(self._calls, reader, writer, self._secret)
         self._connections.add(connection)
         try:
             await connection.run()
@@ -115,7 +128,36 @@ class JsonlPort:
             await asyncio.sleep(0.05)
 
 
-async def serve_http(app: Any, host: str) -> tuple[Callable[[float], Awaitable[None]], str]:
+def require_secret(app: Any, secret: str) -> Any:
+    """`app`, answering 403 to HTTP requests without the replica's secret header."""
+    header = SECRET_HEADER.encode()
+    refusal = orjson.dumps(
+        {
+            "error": {
+                "message": "not a tokenpipe front end",
+                "type": "invalid_request_error",
+                "code": "forbidden",
+                "param": None,
+            }
+        }
+    )
+
+    async def guarded(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            given = next((v for k, v in scope["headers"] if k == header), b"")
+            if not secret_matches(given.decode("latin-1"), secret):
+                headers = [(b"content-type", b"application/json")]
+                await send({"type": "http.response.start", "status": 403, "headers": headers})
+                await send({"type": "http.response.body", "body": refusal})
+                return
+        await app(scope, receive, send)
+
+    return guarded
+
+
+async def serve_http(
+    app: Any, host: str, secret: str
+) -> tuple[Callable[[float], Awaitable[None]], str]:
     """Start the replica's OpenAI app on an HTTP port (uvicorn, the same connection guards as
     `tokenpipe serve`); (a coroutine function that stops it, letting the requests in flight
     finish within its timeout; its "host:port")."""
@@ -125,7 +167,7 @@ async def serve_http(app: Any, host: str) -> tuple[Callable[[float], Awaitable[N
 
     sock = bound_socket(host)
     config = uvicorn.Config(
-        app,
+        require_secret(app, secret),
         lifespan="off",  # the replica started its server already
         log_level="warning",
         http=guarded_protocol(HTTP_HEADER_TIMEOUT_S, HTTP_MAX_CONNECTIONS),
@@ -152,9 +194,15 @@ class JsonlConnection:
     """One front end's connection to this replica's JSONL port."""
 
     def __init__(
-        self, calls: ReplicaCalls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        calls: ReplicaCalls,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        secret: str,
     ) -> None:
         self._calls = calls
+        self._secret = secret
+        self._greeted = False
         self._reader = reader
         self._writer = writer
         self._tasks: dict[Any, asyncio.Task[None]] = {}
@@ -175,8 +223,18 @@ class JsonlConnection:
                     if isinstance(line, TooLong):
                         log.warning("a front end sent a line over %d bytes", MAX_ENVELOPE_BYTES)
                         return
-                    if line.strip():
-                        self._dispatch(orjson.loads(line))
+                    if not line.strip():
+                        continue
+                    envelope = orjson.loads(line)
+                    if self._greeted:
+                        self._dispatch(envelope)
+                    elif envelope.get("call") == "hello" and secret_matches(
+                        envelope.get("secret"), self._secret
+                    ):
+                        self._greeted = True
+                    else:
+                        log.warning("a JSONL connection without the replica's secret: closed")
+                        return
         except (ConnectionError, orjson.JSONDecodeError) as exc:
             log.warning("front end connection ended: %s", exc)
         finally:

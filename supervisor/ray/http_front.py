@@ -40,6 +40,7 @@ from supervisor.openai.errors import error_body
 
 from .affinity import http_session_key
 from .directory import Directory, Endpoint
+from .endpoints import SECRET_HEADER
 
 log = logging.getLogger("tokenpipe.ray")
 
@@ -59,6 +60,7 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
         b"content-length",
         b"expect",  # answered here (100 Continue); the body goes on whole
+        SECRET_HEADER.encode(),  # set by this front end only
     }
 )
 LOST = "the replica serving this request was lost; retry (its sessions move to another replica)"
@@ -279,6 +281,7 @@ class HttpProxy:
             if endpoint is None:
                 await self._reply(client, 503, ErrorCode.WORKER_LOST, NO_REPLICA)
                 return request.keep_alive
+            secret = b"%s: %s\r\n" % (SECRET_HEADER.encode(), endpoint.secret.encode())
             try:
                 upstream = await self._connection(endpoint)
             except OSError:
@@ -287,7 +290,7 @@ class HttpProxy:
                 continue
             self._directory.started(endpoint)
             try:
-                keep_upstream = await self._relay(upstream, head, request, client)
+                keep_upstream = await self._relay(upstream, head + secret, request, client)
             except ReplicaLost as lost:
                 upstream.close()
                 if not lost.started and upstream.used and attempt == 0:

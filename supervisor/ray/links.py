@@ -53,6 +53,7 @@ class Link:
         )
         with contextlib.suppress(OSError):
             writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        writer.write(orjson.dumps({"call": "hello", "secret": endpoint.secret}) + b"\n")
         return cls(endpoint, reader, writer, on_lost)
 
     def send(self, envelope: dict[str, Any]) -> asyncio.Queue[dict[str, Any]]:

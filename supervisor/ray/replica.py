@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -104,12 +105,13 @@ class TokenpipeReplica:
         self._saved = [session_digest(s) for s in restored]
         # the direct data path: the front ends connect here (published in the metadata)
         host = ray.util.get_node_ip_address()
-        self._jsonl = JsonlPort(self)
+        self._secret = secrets.token_hex(16)
+        self._jsonl = JsonlPort(self, self._secret)
         await self._jsonl.start(host)
         self._stop_http: Any = None
         self._http = ""
         if direct_http:
-            self._stop_http, self._http = await serve_http(self._app, host)
+            self._stop_http, self._http = await serve_http(self._app, host, self._secret)
         log.info(
             "tokenpipe replica %s (rank %s) ready on jsonl %s http %s, %d session(s) restored",
             self._tag,
@@ -123,13 +125,15 @@ class TokenpipeReplica:
 
     def record_replica_metadata(self) -> dict[str, Any]:
         """Read once, when the replica is up: its ring name, the sessions its --session-dir
-        held (the router sends those here), and its direct endpoints ("host:port")."""
+        held (the router sends those here), its direct endpoints ("host:port") and the
+        secret they want."""
         return {
             "rank": self._rank,
             "pid": os.getpid(),
             "sessions": self._saved,
             "jsonl": self._jsonl.address,
             "http": self._http,
+            "secret": self._secret,
         }
 
     async def __del__(self) -> None:

@@ -33,7 +33,8 @@ class FakeReplica:
     async def start(self) -> Endpoint:
         self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
         port = self.server.sockets[0].getsockname()[1]
-        return Endpoint(self.name, f"id-{self.name}", "127.0.0.1:1", f"127.0.0.1:{port}")
+        address = f"127.0.0.1:{port}"
+        return Endpoint(self.name, f"id-{self.name}", "127.0.0.1:1", address, secret=self.name)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -126,13 +127,17 @@ def test_sessions_reach_their_replica_on_one_kept_alive_connection() -> None:
         async with httpx.AsyncClient(base_url=base) as client:
             for name, session in sessions.items():
                 for _ in range(3):
-                    r = await client.get("/v1/models", headers={"x-session-affinity": session})
+                    headers = {"x-session-affinity": session, "x-tokenpipe-replica": "forged"}
+                    r = await client.get("/v1/models", headers=headers)
                     assert r.json() == {"path": "/v1/models"}
                 body = {"session_id": session, "prompt": "hi"}
                 assert (await client.post("/v1/completions", json=body)).status_code == 200
                 replica = next(r for r in replicas if r.name == name)
                 assert len(replica.requests) == 4 and replica.connections == 1
                 assert session.encode() in replica.requests[-1]
+                # the replica's secret, set by the front end only (a client's is dropped)
+                secret = f"x-tokenpipe-replica: {name}".encode()
+                assert all(secret in r and b"forged" not in r for r in replica.requests)
         server.close()
 
     run(main)
@@ -195,5 +200,24 @@ def test_an_oversized_body_is_refused() -> None:
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert replica.requests == []
         server.close()
+
+    run(main)
+
+
+def test_the_replica_port_wants_its_secret() -> None:
+    from supervisor.ray.endpoints import require_secret
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=require_secret(app, "abc"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://r") as client:
+            assert (await client.get("/v1/models")).status_code == 403
+            wrong = await client.get("/v1/models", headers={"x-tokenpipe-replica": "abd"})
+            assert wrong.status_code == 403
+            right = await client.get("/v1/models", headers={"x-tokenpipe-replica": "abc"})
+            assert right.status_code == 200 and right.text == "ok"
 
     run(main)

@@ -13,6 +13,9 @@ from typing import Any
 from supervisor.ray.directory import Directory, Endpoint
 from supervisor.ray.endpoints import NEED_RESIDENT, JsonlPort
 from supervisor.ray.front import Front
+from supervisor.ray.links import LOST, Link
+
+SECRET = "s3cret"
 
 
 class FakeReplica:
@@ -26,11 +29,11 @@ class FakeReplica:
         self.cancelled: list[str] = []
         self.hold = asyncio.Event()  # set: generates stop after their first token until...
         self.release = asyncio.Event()
-        self.port = JsonlPort(self)
+        self.port = JsonlPort(self, SECRET)
 
     async def start(self) -> Endpoint:
         await self.port.start("127.0.0.1")
-        return Endpoint(self.name, f"id-{self.name}", self.port.address, "")
+        return Endpoint(self.name, f"id-{self.name}", self.port.address, "", secret=SECRET)
 
     async def generate(
         self,
@@ -146,5 +149,21 @@ def test_a_replica_lost_mid_request_gives_one_worker_lost() -> None:
         await until(events, lambda: bool(terminal(events, 2)))
         assert terminal(events, 2)[0]["event"] == "done"
         await front.drain()
+
+    run(main)
+
+
+def test_a_connection_without_the_secret_is_refused() -> None:
+    async def main() -> None:
+        replica = FakeReplica("rank-0")
+        endpoint = await replica.start()
+        stranger = Endpoint("rank-0", "id", endpoint.jsonl, "", secret="guess")
+        link = await Link.open(stranger, lambda _: None)
+        queue = link.send({"call": "call", "id": 1, "request": {"op": "tokenize", "text": "x"}})
+        assert await queue.get() is LOST  # closed before any answer
+        link = await Link.open(endpoint, lambda _: None)
+        queue = link.send({"call": "call", "id": 1, "request": {"op": "tokenize", "text": "x"}})
+        assert (await queue.get())["tokens"] == [7]
+        link.close()
 
     run(main)
