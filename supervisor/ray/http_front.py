@@ -204,14 +204,8 @@ class HttpProxy:
                     keep, sent_meanwhile = served
                     if not keep:
                         return
-                    if sent_meanwhile:
-                        if requests.ready:  # (pipelined: parsed after those before it)
-                            early = (early or b"") + sent_meanwhile
-                            continue
-                        problem = self._feed(requests, sent_meanwhile, writer)
-                        if problem is not None:
-                            await self._reply(writer, *problem)
-                            return
+                    if sent_meanwhile:  # parsed once the requests before it are served
+                        early = (early or b"") + sent_meanwhile
         except ConnectionError:
             pass
         finally:

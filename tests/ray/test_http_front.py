@@ -221,3 +221,19 @@ def test_the_replica_port_wants_its_secret() -> None:
             assert right.status_code == 200 and right.text == "ok"
 
     run(main)
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    async def main() -> None:
+        base, _, server = await proxy_on([FakeReplica("rank-0", json_answer)])
+        host, port = base.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"".join(b"GET /%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(3)))
+        for i in range(3):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            assert json.loads(await reader.readexactly(length)) == {"path": f"/{i}"}
+        writer.close()
+        server.close()
+
+    run(main)
