@@ -60,6 +60,8 @@ class Deployment:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
         if self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
             raise ValueError("cpus_per_replica and gpus_per_replica must be >= 0")
+        if self.separate_ingress and not self.via_serve:
+            raise ValueError("separate_ingress is a way of the via_serve path: set both")
 
 
 def connect(address: str | None, num_cpus: int | None = None, node_ip: str = "127.0.0.1") -> str:
