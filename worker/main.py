@@ -211,6 +211,11 @@ def build_engine(
     torch.set_flush_denormal(True)  # denormal activations are very slow on x86 CPUs
     device_name = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_device = torch.device(device_name)
+    if torch_device.type == "cpu" and group is None:
+        from worker.device import cpu_gemv
+
+        # the kernels keep every thread; the engine runs decode steps' torch ops on one
+        cpu_gemv.set_kernel_threads(torch.get_num_threads())
     if group is not None:
         torch_device = group.device(torch_device)
     on_cpu = torch_device.type == "cpu"

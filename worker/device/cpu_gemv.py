@@ -168,6 +168,27 @@ def kernel() -> ctypes.CDLL | None:
         return None
 
 
+_kernel_threads: int | None = None
+
+
+def set_kernel_threads(threads: int | None) -> None:
+    """The thread count the kernels split a matmul over (None: ``torch.get_num_threads()``).
+    The engine runs decode steps' torch ops on one thread (an OpenMP region over a vocabulary
+    of logits waits for a preempted thread as the kernels used to) while the kernels keep
+    this many."""
+    global _kernel_threads
+    _kernel_threads = threads
+
+
+def kernel_threads() -> int:
+    return _kernel_threads or torch.get_num_threads()
+
+
+def configured_kernel_threads() -> int:
+    """What ``set_kernel_threads`` set (0: nothing; the kernels follow torch)."""
+    return _kernel_threads or 0
+
+
 def threaded() -> bool:
     """Whether the kernel splits a matmul between threads (``torch.get_num_threads()`` of
     them: the caller and helpers of the kernel's own pool)."""
@@ -222,7 +243,7 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     n = groups * rows
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    threads = torch.get_num_threads()
+    threads = kernel_threads()
     status = lib.tp_packed_gemm(
         x.shape[0], x.data_ptr(), packed.data_ptr(), out.data_ptr(), k, n, threads
     )
@@ -387,7 +408,7 @@ class PackedLinear(nn.Module):
         return PackedLinear(pack(linear.weight), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] -> [T, out]
-        if x.shape[0] >= PREFILL_ROWS and torch.get_num_threads() > 1 and not threaded():
+        if x.shape[0] >= PREFILL_ROWS and kernel_threads() > 1 and not threaded():
             return F.linear(x, unpack(self.packed), self.bias)
         out = packed_matmul(x, self.packed)
         return out if self.bias is None else out + self.bias

@@ -95,13 +95,16 @@ typedef void (*part_fn)(const void *ctx, int64_t g0, int64_t g1);
 #define CHUNKS_PER_THREAD 16
 /* Another process on our cores: a helper preempted in the middle of a chunk keeps the caller
    waiting for the rest of the scheduler's time slice (milliseconds, for microseconds of work).
-   A call whose wait for helpers exceeds both its own work and STALL_NS is a stall; STALL_LIMIT
-   stalls within a window of STALL_WINDOW calls put the pool on the caller alone for SOLO_CALLS
-   calls (the helpers sleep, so the caller gets a core of its own), after which it tries the
-   helpers again. Results are the same bits either way. */
+   A call whose wait for helpers exceeds both its own work and STALL_NS is a stall. When a
+   window of STALL_WINDOW calls holds at least STALL_LIMIT stalls and their waits are more than
+   1 / STALL_SHARE of the window's time, the pool runs on the caller alone for SOLO_CALLS calls
+   (the helpers sleep, so the caller gets a core of its own), then tries the helpers again. A
+   stray preemption on a quiet machine (a few hundred microseconds now and then) stays under
+   the share. Results are the same bits either way. */
 #define STALL_NS 150000
 #define STALL_WINDOW 64
 #define STALL_LIMIT 2
+#define STALL_SHARE 8
 #define SOLO_CALLS 8192
 #define HELPER_SPIN_NS 300000 /* a helper's wait for the next call before it sleeps */
 #define FIELD 20              /* claim word: seq << 40 | chunks << 20 | next chunk */
@@ -123,6 +126,7 @@ static uint64_t job_seq;
 static pthread_mutex_t job_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int64_t solo_left;   /* calls still to run on the caller alone */
 static int window_calls, window_stalls;
+static int64_t window_ns, window_wait_ns;
 static _Atomic int64_t stalls_seen, solo_periods; /* totals, for tp_pool_stats */
 
 static int64_t now_ns(void) {
@@ -218,17 +222,20 @@ static int pooled_run(part_fn part, const void *ctx, int64_t ngroups, int64_t al
         if (spins < 4096) _mm_pause();
         else sched_yield();
     }
-    const int64_t waited = now_ns() - own_done;
+    const int64_t ended = now_ns(), waited = ended - own_done;
+    window_ns += ended - started;
     if (waited > STALL_NS && waited > own_done - started) {
         window_stalls++;
+        window_wait_ns += waited;
         atomic_fetch_add_explicit(&stalls_seen, 1, memory_order_relaxed);
     }
-    if (++window_calls >= STALL_WINDOW || window_stalls >= STALL_LIMIT) {
-        if (window_stalls >= STALL_LIMIT) {
+    if (++window_calls >= STALL_WINDOW) {
+        if (window_stalls >= STALL_LIMIT && window_wait_ns * STALL_SHARE > window_ns) {
             atomic_store_explicit(&solo_left, SOLO_CALLS, memory_order_relaxed);
             atomic_fetch_add_explicit(&solo_periods, 1, memory_order_relaxed);
         }
         window_calls = window_stalls = 0;
+        window_ns = window_wait_ns = 0;
     }
     pthread_mutex_unlock(&job_lock);
     return 1;

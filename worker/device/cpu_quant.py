@@ -117,14 +117,14 @@ def matmul(x: torch.Tensor, packed: PackedQuant) -> torch.Tensor:
         gemv = lib.tp_quant_gemv_q8act if ACTIVATION_BITS == 8 else lib.tp_quant_gemv_q16act
         status = gemv(
             x.data_ptr(), packed.data.data_ptr(), packed.scales.data_ptr(), out.data_ptr(),
-            k, n, packed.group_size, torch.get_num_threads(),
+            k, n, packed.group_size, cpu_gemv.kernel_threads(),
         )  # fmt: skip
         if status == 0:
             return out  # else (2: no VNNI; 1: group size) the fp32-activation kernel below
     offsets = None if packed.offsets is None else packed.offsets.data_ptr()
     status = lib.tp_quant_gemm(
         x.shape[0], x.data_ptr(), packed.data.data_ptr(), packed.scales.data_ptr(), offsets,
-        out.data_ptr(), k, n, packed.group_size, torch.get_num_threads(),
+        out.data_ptr(), k, n, packed.group_size, cpu_gemv.kernel_threads(),
     )  # fmt: skip
     if status != 0:
         raise ValueError(

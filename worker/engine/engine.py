@@ -71,6 +71,8 @@ from worker.engine.text import TextStream
 from worker.engine.tiers import SessionTiers
 from worker.models.step import StepInput
 
+SMALL_STEP_TOKENS = 64  # CPU steps of at most this many tokens run torch ops on one thread
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -160,6 +162,13 @@ class Engine:
         self._formats: dict[str, dict[str, int]] | None = None  # info["weights"], on demand
         self.config = config
         self.device = torch.device(device)
+        # a CPU worker process: the kernels split matmuls over the threads the worker set
+        # (worker/main.py) while a decode step's torch ops run on one (_torch_threads_for)
+        self._cpu_threads = 0
+        if self.device.type == "cpu":
+            from worker.device import cpu_gemv
+
+            self._cpu_threads = cpu_gemv.configured_kernel_threads()
         prepare = getattr(self.model, "prepare_for_cpu", None)
         if self.device.type == "cpu" and callable(prepare):
             prepare()  # decode-friendly weight layout (worker.device.cpu_gemv); else a no-op
@@ -584,6 +593,7 @@ class Engine:
         ]
         # constrained rows: their masks are filled on a helper thread while the forward runs
         token_mask = self.structured.token_mask([rows[i][0].key for i in sampling_rows])
+        self._torch_threads_for(len(flat))
         try:
             with torch.inference_mode():
                 logits = self.model(step, self.kv)  # [B, vocab] float32
@@ -787,6 +797,18 @@ class Engine:
 
     def _vocab_size(self) -> int:
         return int(self.tokenizer.vocab_size)
+
+    def _torch_threads_for(self, tokens: int) -> None:
+        """On a multi-thread CPU worker, torch's own ops of a decode-sized step run on one
+        thread: their OpenMP regions (over a vocabulary of logits, say) split work statically,
+        so one thread preempted by another process held each step for a scheduler slice (2
+        threads beside a busy process: 21 tok/s, 1 thread: 36). The matmuls keep every thread
+        through the kernels' own pool, which survives preemption. Prefill chunks use them all."""
+        if self._cpu_threads <= 1:
+            return
+        want = 1 if tokens <= SMALL_STEP_TOKENS else self._cpu_threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def info(self) -> dict[str, Any]:
         tok = self.tokenizer
