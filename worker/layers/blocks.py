@@ -71,8 +71,16 @@ class RMSNorm(nn.Module):
 
     @property
     def cpu_scale(self) -> torch.Tensor | None:
-        """The scale the CPU kernel helpers take: `float_scale()`, None without a weight."""
+        """The scale the CPU kernel helpers take: `float_scale()`, None without a weight; once
+        ``freeze_cpu_scale`` ran (``CausalLM.prepare_for_cpu``: the weights are final), the
+        stored tensor without re-checking the weight (~0.3 ms of a 26 ms decode step)."""
+        frozen = self.__dict__.get("_frozen_scale", False)
+        if frozen is not False:
+            return frozen  # type: ignore[no-any-return]
         return None if self.weight is None else self.float_scale()
+
+    def freeze_cpu_scale(self) -> None:
+        self.__dict__["_frozen_scale"] = None if self.weight is None else self.float_scale()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel and _on_cpu_kernel(x):

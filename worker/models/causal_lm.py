@@ -191,6 +191,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "cpu_kernel"):  # norms, attention (norm + rotary), MLP, tails
                 module.cpu_kernel = True
+            if isinstance(module, RMSNorm):
+                module.freeze_cpu_scale()
         packed = 0
         for module in list(self.model.layers.modules()):
             for name, child in list(module.named_children()):
