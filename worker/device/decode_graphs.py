@@ -115,18 +115,17 @@ def rows_logits(
     if last is not None:
         x = x.index_select(0, last)
     last_hidden = model.model.norm(x)
+    gemv = getattr(model, "_decode_lm_head_gemv", None)  # set by worker/device/cuda_setup.py
     if isinstance(model.lm_head, QuantLinear):  # its own kernels (quant_matmul)
         logits = model.lm_head(last_hidden).float()
-        cap = model.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
-    weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    gemv = getattr(model, "_decode_lm_head_gemv", None)  # set by worker/device/cuda_setup.py
-    if gemv is not None:
-        from worker.device.kernels.gemv import linear_for_decode
-
-        logits = linear_for_decode(last_hidden, weight, gemv).float()  # [B, vocab]
     else:
-        logits = F.linear(last_hidden, weight).float()  # [B, vocab]
+        weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        if gemv is not None:
+            from worker.device.kernels.gemv import linear_for_decode
+
+            logits = linear_for_decode(last_hidden, weight, gemv).float()  # [B, vocab]
+        else:
+            logits = F.linear(last_hidden, weight).float()  # [B, vocab]
     cap = model.config.final_logit_softcapping
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap

@@ -498,10 +498,10 @@ def _write_choices(cache: Path | None, known: dict[str, list[object]]) -> None:
 
 
 def tiles_cache() -> Path:
-    """``$TOKENPIPE_CACHE/kernels/quant_tiles.json`` (default under ``~/.cache/tokenpipe``)."""
-    base = os.environ.get("TOKENPIPE_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "tokenpipe"
-    return root / "kernels" / "quant_tiles.json"
+    """``quant_tiles.json`` beside the CPU kernel library (``$TOKENPIPE_CACHE/kernels``)."""
+    from worker.device.cpu_gemv import _cache_dir
+
+    return _cache_dir() / "quant_tiles.json"
 
 
 def _fastest(run, candidates, timer):  # type: ignore[no-untyped-def]
