@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.ray.test_ray_replicas import holder, ray_processes
+from tests.ray.test_ray_replicas import holder, ray_processes, start_local_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -30,7 +30,7 @@ from ray import serve  # noqa: E402  (test_ray_replicas skipped the module witho
 
 from supervisor.core import SupervisorConfig  # noqa: E402
 from supervisor.openai.app import ServerConfig  # noqa: E402
-from supervisor.ray.app import Deployment, connect, deploy  # noqa: E402
+from supervisor.ray.app import Deployment, deploy  # noqa: E402
 from supervisor.ray.ring import HashRing  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def client() -> Iterator[openai.OpenAI]:
     import ray
 
     before = {p.pid for p in ray_processes()}
-    connect(None, num_cpus=2)
+    start_local_cluster(num_cpus=2)
     port = free_port()
     try:
         deploy(

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray.test_ray_replicas import Conversation, Front, holder, ray_processes, run_turn
+from tests.ray.test_ray_replicas import (
+    Conversation,
+    Front,
+    holder,
+    ray_processes,
+    run_turn,
+    start_local_cluster,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -24,7 +31,7 @@ from ray import serve  # noqa: E402  (test_ray_replicas skipped the module witho
 
 from supervisor.core import SupervisorConfig  # noqa: E402
 from supervisor.openai.app import ServerConfig  # noqa: E402
-from supervisor.ray.app import APP_NAME, Deployment, connect, deploy  # noqa: E402
+from supervisor.ray.app import APP_NAME, Deployment, deploy  # noqa: E402
 from supervisor.ray.ring import HashRing  # noqa: E402
 
 SESSIONS = [f"saved-{i}" for i in range(6)]
@@ -47,7 +54,7 @@ def cluster() -> Iterator[str]:
     import psutil
 
     before = {p.pid for p in ray_processes()}
-    address = connect(None, num_cpus=3)
+    address = start_local_cluster(num_cpus=3)
     import ray
 
     try:
