@@ -1,17 +1,28 @@
-"""Issue 16: the first turn of a saved session after a restart, against a cold prefill.
+"""Issue 16: resuming a session from host memory, and the first turn of a saved session after a
+restart, each against a cold prefill of the same length.
 
-`tokenpipe run --session-dir DIR` (CPU workers, default model): one session's turn, EOF (the
-worker saves it), a new `tokenpipe run` on the same directory, then the time to first token
-of cold sessions (same length, ids no session holds) and of the restored session's next turn
-(its ids plus a few). Prints both and their ratio (target <= 0.25).
+Through `tokenpipe run --session-dir DIR` as users start it:
+1. cold: `--cold` prompts of the resumed turns' length, ids no session holds (median);
+2. host tier: `--sessions` named sessions of `--tokens` tokens with `--max-resident` device
+   slots, so the first ones go to host memory; then each of the first `--resumes` sessions'
+   next turn (its ids plus `--extra` new ones) comes back from there (TTFT, median);
+3. restart: EOF (the worker saves every session), a new `tokenpipe run` on the same directory
+   (its ready line lists the restored sessions), then the first turn of a restored session
+   that has not been resumed yet, and one more cold prompt in that process.
 
     python tools/bench_session_restart.py [--tokens 1500] [--threads 2] [--workers 1]
+    python tools/bench_session_restart.py --model examples/gemma4_31b --device cuda \
+        --tokens 8192 --extra 64 --sessions 3 --max-resident 2 --host-cache-gb 16
+
+A `--model` directory holding only a config.json gets random weights and a synthetic
+tokenizer (as tools/bench_gpu.py does; `--tiny` shrinks the config for a CPU dry run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -25,16 +36,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from supervisor.client import run_command  # noqa: E402
 
 
+def log(message: str) -> None:
+    print(f"[bench_session_restart {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
 class Run:
-    def __init__(self, flags: list[str]) -> None:
+    def __init__(self, flags: list[str], quiet: bool) -> None:
+        start = time.perf_counter()
         self.process = subprocess.Popen(
             [*run_command(), "run", *flags],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL if quiet else None,
         )
         assert self.process.stdout is not None
         self.ready = json.loads(self.process.stdout.readline())
+        log(f"ready after {time.perf_counter() - start:.1f} s: {self.ready}")
 
     def ask(self, request: dict[str, Any]) -> tuple[dict[str, Any], float]:
         """The terminal event and the time to the first line, in ms."""
@@ -47,57 +64,153 @@ class Run:
             event = json.loads(self.process.stdout.readline())
             if first is None:
                 first = (time.perf_counter() - start) * 1000
-            if event["event"] != "token":
+            if event.get("event") != "token":
                 return event, first
 
-    def close(self) -> None:
+    def close(self) -> float:
+        """EOF and the seconds until the process ended (it saves every session)."""
         assert self.process.stdin is not None
+        start = time.perf_counter()
         self.process.stdin.close()
-        self.process.wait(timeout=120)
+        self.process.wait(timeout=600)
+        return time.perf_counter() - start
 
 
-def ids(seed: int, n: int) -> list[int]:
-    return [2] + [(seed * 7919 + 31 * j) % 200_000 + 1000 for j in range(n)]
+def ids(seed: int, n: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [2] + [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(n - 1)]
 
 
-def turn(session: str, prompt: list[int], tokens: int) -> dict[str, Any]:
-    return {
-        "id": session,
-        "session_id": session,
+def turn(session: str | None, prompt: list[int], tokens: int, rid: str) -> dict[str, Any]:
+    request: dict[str, Any] = {
+        "id": rid,
         "prompt_segments": [{"ids": prompt}],
         "add_prefix": False,
         "max_new_tokens": tokens,
+        "temperature": 0.0,
     }
+    if session is not None:
+        request["session_id"] = session
+    return request
+
+
+def checked(event: dict[str, Any]) -> dict[str, Any]:
+    if event.get("event") != "done":
+        raise RuntimeError(f"request failed: {event}")
+    return event
+
+
+def summary(event: dict[str, Any]) -> str:
+    keys = ("reused_prompt_tokens", "prefilled_prompt_tokens", "session_reset_reason",
+            "prefill_ms")  # fmt: skip
+    return ", ".join(f"{k}={event.get(k)}" for k in keys)
+
+
+def tier_stats(run: Run) -> str:
+    """The workers' tier and prefix-cache counters."""
+    stats, _ = run.ask({"id": "stats", "op": "stats"})
+    workers = stats.get("stats", {}).get("workers", [])
+    parts = [{k: w.get("worker", {}).get(k) for k in ("tiers", "prefix_cache")} for w in workers]
+    return json.dumps(parts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=1500)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--extra", type=int, default=3, help="new tokens of a resumed turn")
+    parser.add_argument("--threads", type=int, default=2, help="CPU workers' threads")
+    parser.add_argument("--workers", type=int, default=1, help="CPU workers")
     parser.add_argument("--cold", type=int, default=3, help="cold prefills to take the median of")
+    parser.add_argument("--model", default=None, help="model dir (default: the default model)")
+    parser.add_argument("--tiny", action="store_true", help="shrink a --model config (CPU)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sessions", type=int, default=1, help="named sessions to create")
+    parser.add_argument("--resumes", type=int, default=1, help="host-tier resumes to time")
+    parser.add_argument("--max-resident", type=int, default=None)
+    parser.add_argument("--host-cache-gb", type=float, default=None)
+    parser.add_argument("--pause", type=float, default=0.5, help="seconds before a timed turn")
+    parser.add_argument("--quiet", action="store_true", help="drop the workers' logs")
+    parser.add_argument("--worker-arg", action="append", default=[], help="extra run flag")
     args = parser.parse_args()
+    if args.resumes > args.sessions:
+        parser.error("--resumes must be <= --sessions")
+
     with tempfile.TemporaryDirectory() as directory:
-        flags = ["--workers", str(args.workers), "--threads", str(args.threads),
-                 "--max-context", str(args.tokens + 64), "--session-dir", directory]  # fmt: skip
-        first = Run(flags)
-        done, _ = first.ask(turn("saved", ids(1, args.tokens), 2))
-        history = ids(1, args.tokens) + done["generated_token_ids"]
-        first.close()
-        second = Run(flags)
-        assert second.ready.get("restored_sessions") == ["saved"], second.ready
-        cold = [
-            second.ask(turn(f"cold-{k}", ids(50 + k, len(history) + 2), 1))[1]
-            for k in range(args.cold)
-        ]
-        done, warm = second.ask(turn("saved", [*history, 5000, 5001, 5002], 1))
+        vocab = 200_000
+        flags = ["--max-context", str(args.tokens + args.extra + 16), "--session-dir",
+                 str(Path(directory) / "sessions"),
+                 "--max-sessions", str(args.sessions + args.cold + 3)]  # fmt: skip
+        if args.model is not None:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from bench_gpu import make_model_dir
+
+            config = Path(args.model)
+            config = config / "config.json" if config.is_dir() else config
+            model_dir = make_model_dir(config, args.tiny, Path(directory) / "model")
+            vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+            flags += ["--model", str(model_dir), "--tokenizer_path",
+                      str(model_dir / "tokenizer.json"), "--random-weights"]  # fmt: skip
+        if args.device == "cpu":
+            flags += ["--workers", str(args.workers), "--threads", str(args.threads)]
+        # on CUDA `tokenpipe run` starts one worker per GPU (it passes --device itself)
+        if args.max_resident is not None:
+            flags += ["--max-resident", str(args.max_resident)]
+        if args.host_cache_gb is not None:
+            flags += ["--host-cache-gb", str(args.host_cache_gb)]
+        flags += args.worker_arg
+        length = args.tokens + args.extra
+
+        first = Run(flags, args.quiet)
+        cold = []
+        for k in range(args.cold):
+            time.sleep(args.pause)
+            done, ms = first.ask(turn(None, ids(50 + k, length, vocab), 1, f"cold-{k}"))
+            cold.append(ms)
+            log(f"cold {k}: {ms:.1f} ms ({summary(checked(done))})")
+        history: dict[str, list[int]] = {}
+        for i in range(args.sessions):
+            name = f"s{i}"
+            done, ms = first.ask(turn(name, ids(i + 1, args.tokens, vocab), 1, f"make-{i}"))
+            history[name] = ids(i + 1, args.tokens, vocab) + checked(done)["generated_token_ids"]
+            log(f"created {name}: {ms:.1f} ms ({summary(done)})")
+        log(f"after creating: {tier_stats(first)}")
+        resumed = []
+        for i in range(args.resumes):
+            name = f"s{i}"
+            time.sleep(args.pause)
+            prompt = history[name] + ids(900 + i, args.extra + 1, vocab)[1:]
+            done, ms = first.ask(turn(name, prompt, 1, f"resume-{i}"))
+            resumed.append(ms)
+            history[name] = prompt + checked(done)["generated_token_ids"]
+            log(f"resume {name} from host memory: {ms:.1f} ms ({summary(done)})")
+        log(f"after resuming: {tier_stats(first)}")
+        log(f"first run closed in {first.close():.1f} s (sessions saved)")
+
+        second = Run(flags, args.quiet)
+        restored = second.ready.get("restored_sessions") or []
+        log(f"restored: {restored}")
+        pick = f"s{args.resumes}" if args.resumes < args.sessions else "s0"
+        time.sleep(args.pause)
+        prompt = history[pick] + ids(950, args.extra + 1, vocab)[1:]
+        restart_done, restart_ms = second.ask(turn(pick, prompt, 1, "after-restart"))
+        restart_done = checked(restart_done)
+        log(
+            f"first turn of {pick} after the restart: {restart_ms:.1f} ms ({summary(restart_done)})"
+        )
+        time.sleep(args.pause)
+        done, cold_after = second.ask(turn(None, ids(77, length, vocab), 1, "cold-after"))
+        log(f"cold in the second run: {cold_after:.1f} ms ({summary(checked(done))})")
         second.close()
+
     median = statistics.median(cold)
+    host = statistics.median(resumed) if resumed else float("nan")
     print(
-        f"prompt {len(history) + 3} tokens: cold TTFT {median:.0f} ms (median of "
-        f"{[round(c) for c in cold]}), first turn after the restart {warm:.0f} ms: "
-        f"{warm / median:.3f} of cold (reused {done['reused_prompt_tokens']}, "
-        f"{done['session_reset_reason']})"
+        f"prompt {length} tokens: cold TTFT {median:.0f} ms (median of "
+        f"{[round(c) for c in cold]}; {cold_after:.0f} after the restart)\n"
+        f"resumed from host memory: {host:.0f} ms ({[round(r) for r in resumed]}): "
+        f"{host / median:.3f} of cold (target <= 0.25)\n"
+        f"first turn after the restart: {restart_ms:.0f} ms: {restart_ms / median:.3f} of cold "
+        f"(target <= 0.25; reused {restart_done.get('reused_prompt_tokens')})"
     )
 
 
