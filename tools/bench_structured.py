@@ -11,19 +11,41 @@ the full --tokens and the constrained one spends them in the grammar's commonest
 a regex (`[a-z ,.]+`). The figure is the `done` line's decode_tok_s (tokens after the first
 over the time after the first); medians over rounds. The grammar is compiled once, outside
 the timing (the cache keeps it).
+
+With --worker: the real worker (`tokenpipe worker`, started as `tokenpipe run` starts it,
+nothing patched; tools/bench_gpu.py's client) on a model config with random weights
+(default: the Gemma 4 31B shape, bf16 on CUDA) and the default model's real tokenizer
+(Gemma 3, 262,144 tokens, rebuilt from its GGUF), at 1 and 32 sessions:
+
+    python tools/bench_structured.py --worker --device cuda          # one H200
+    python tools/bench_structured.py --worker --device cpu --tiny    # the CPU dry run
+
+Each request feeds 32 random prompt ids and decodes --tokens; a constrained one carries a
+suite schema (tests/data/json_schemas.json; row i of a batch takes the i-th of --schemas)
+wrapped as `{"type": "array", "items": SCHEMA, "minItems": 100000}`, so the output is valid
+JSON of the schema's shape that never ends within the limit. The tokenizer's EOS tokens are
+renamed away (config `eos_token_id: []`, `<end_of_turn>` no longer spelt so), so neither
+stream stops early: every request decodes exactly --tokens, and the rates compare the same
+numbers of tokens. The figure is decode tok/s over the window where every request of the
+batch decodes (tokens counted by `token_ids`, not by lines); runs alternate free /
+constrained; the worker's decode-ahead hits and misses are logged per case.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from protocol import DoneEvent, GenerateRequest  # noqa: E402
 
@@ -39,13 +61,200 @@ def run(engine: Any, request: GenerateRequest) -> DoneEvent:
     return done[0]
 
 
+# ------------------------------------------------------------------ --worker: the real worker
+
+SUITE = Path(__file__).resolve().parent.parent / "tests" / "data" / "json_schemas.json"
+DEFAULT_SCHEMAS = (
+    "person,order,anyof_shape,ref_array,recursive_tree,event,product_catalog,log_entry"
+)
+NEVER_ENDS = 100_000  # minItems of the array around each schema
+
+
+DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def default_tokenizer_dir(where: Path) -> Path:
+    """The default model's tokenizer (rebuilt from its GGUF, no network) in `where`, with no
+    token spelt as an EOS: `<end_of_turn>` is renamed, and no tokenizer_config or
+    generation_config names one."""
+    from worker.loading.default_model import default_model_path
+    from worker.loading.gguf_convert import cached_dir_for, metadata, open_reader
+    from worker.loading.tokenizer import build_gguf_tokenizer, write_token_bytes_sidecar
+
+    gguf = default_model_path()
+    converted = [cached_dir_for(gguf, dtype) / "tokenizer.json" for dtype in DTYPES]
+    done = [path for path in converted if path.is_file()]
+    if done:  # the default model ran here before: its converted tokenizer
+        document = done[0].read_text()
+    else:  # from the GGUF's metadata (~5-15 s: the reader parses every tensor's header)
+        meta = metadata(open_reader(gguf))
+        files = build_gguf_tokenizer(meta, str(meta.get("general.architecture", "")))
+        document = files.backend.to_str()
+    document = document.replace('"<end_of_turn>"', '"<end_of_turn_unused>"')
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "tokenizer.json").write_text(document)
+    write_token_bytes_sidecar(where / "tokenizer.json")
+    return where
+
+
+def worker_model_dir(config_path: Path, tiny: bool, vocab: int, where: Path) -> Path:
+    """config.json (shrunk with --tiny, vocabulary kept: the real tokenizer's) beside the
+    default tokenizer."""
+    from bench_gpu import TINY_OVERRIDES
+
+    config = json.loads(config_path.read_text())
+    if tiny:
+        config.update(TINY_OVERRIDES)
+        config["vocab_size"] = config["vocab_size_per_layer_input"] = vocab
+    config["eos_token_id"] = []
+    default_tokenizer_dir(where)
+    (where / "config.json").write_text(json.dumps(config, indent=1))
+    return where
+
+
+def never_ending(schema: dict[str, Any]) -> dict[str, Any]:
+    """An array of `schema`'s instances that cannot end within any run (`$defs` and
+    `definitions` lifted to the root, where the `$ref`s resolve)."""
+    inner = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    lifted = {k: v for k, v in schema.items() if k in ("$defs", "definitions")}
+    return {**lifted, "type": "array", "items": inner, "minItems": NEVER_ENDS}
+
+
+def window_rate(lines: dict[int, list[Any]]) -> dict[str, float]:
+    """Decode tok/s over the window where every request decodes (from the last first token
+    to the first `done`), tokens counted by their ids; and the fewest tokens a request got."""
+    firsts, ends, stamps = [], [], []
+    counts = []
+    for req_lines in lines.values():
+        tokens = [ln for ln in req_lines if ln.msg.get("event") == "token"]
+        done = req_lines[-1]
+        firsts.append(tokens[0].t if tokens else done.t)
+        ends.append(done.t)
+        stamps.extend((ln.t, len(ln.msg.get("token_ids") or [])) for ln in tokens)
+        counts.append(int(done.msg.get("completion_tokens", 0)))
+    start, end = max(firsts), min(ends)
+    in_window = sum(n for t, n in stamps if start < t <= end)
+    return {
+        "tok_s": in_window / (end - start) if end > start else 0.0,
+        "window_s": end - start,
+        "min_tokens": min(counts),
+        "max_tokens": max(counts),
+    }
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    from bench_gpu import SAMPLING_CASES, WorkerProcess, log, random_ids
+
+    suite = {entry["name"]: entry["schema"] for entry in json.loads(SUITE.read_text())}
+    names = [n for n in args.schemas.split(",") if n]
+    schemas = [never_ending(suite[name]) for name in names]
+    sessions = [int(s) for s in args.sessions.split(",") if s]
+    cases = [c for c in args.sampling.split(",") if c]
+    on_gpu = args.device.startswith("cuda")
+    started = time.perf_counter()
+    model_dir = worker_model_dir(
+        Path(args.model) / "config.json", args.tiny, 262_144, Path(tempfile.mkdtemp()) / "model"
+    )
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    log(f"model dir with the default tokenizer: {time.perf_counter() - started:.1f}s")
+    worker = WorkerProcess(
+        ["--model", str(model_dir), "--tokenizer_path", str(model_dir / "tokenizer.json"),
+         "--random-weights", "--device", args.device,
+         "--dtype", "bfloat16" if on_gpu else "float32",
+         "--max-sessions", str(max(sessions) + 1), "--max-context", "1024"]
+    )  # fmt: skip
+
+    def requests(batch: int, constrained: bool, sampling: dict[str, Any], first: int,
+                 tokens: int) -> list[dict[str, Any]]:  # fmt: skip
+        out = []
+        for i in range(batch):
+            req = {"prompt_segments": [{"ids": random_ids(32, vocab, 100 + first + i)}],
+                   "max_new_tokens": tokens, "return_token_ids": True, **sampling}  # fmt: skip
+            if constrained:
+                req["json_schema"] = schemas[(first + i) % len(schemas)]
+            out.append(req)
+        return out
+
+    def ahead() -> dict[str, int]:
+        stats = worker.ask({"op": "stats"}).get("stats", {})
+        return dict(stats.get("decode_ahead") or {})
+
+    results: dict[str, list[float]] = {}
+    try:
+        worker.wait_ready(args.timeout * 3)
+        log("warm-up: every schema at batch 1, then the largest batch constrained")
+        t = time.perf_counter()
+        for i in range(len(schemas)):
+            worker.generate(requests(1, True, {}, i, 8), args.timeout)
+        worker.generate(requests(max(sessions), True, {}, 0, 16), args.timeout)
+        log(f"warm-up done in {time.perf_counter() - t:.1f}s")
+        for case in cases:
+            sampling = SAMPLING_CASES[case]
+            for batch in sessions:
+                tokens = max(args.tokens, 2 * batch + 32)  # all rows overlap for a while
+                for round_index in range(args.rounds):
+                    order = (False, True) if round_index % 2 == 0 else (True, False)
+                    for constrained in order:
+                        before = ahead()
+                        first = round_index if batch == 1 else 0
+                        reqs = requests(batch, constrained, sampling, first, tokens)
+                        _, lines = worker.generate(reqs, args.timeout)
+                        rate = window_rate(lines)
+                        after = ahead()
+                        kind = "constrained" if constrained else "free"
+                        results.setdefault(f"{case} x{batch} {kind}", []).append(rate["tok_s"])
+                        schema = names[round_index % len(names)] if batch == 1 else "mixed"
+                        log(
+                            f"{case} x{batch} {kind}"
+                            + (f" ({schema})" if constrained else "")
+                            + f": {rate['tok_s']:.1f} tok/s, tokens {rate['min_tokens']}-"
+                            f"{rate['max_tokens']}, window {rate['window_s']:.2f}s, decode "
+                            f"ahead +{after.get('hits', 0) - before.get('hits', 0)} hits "
+                            f"+{after.get('misses', 0) - before.get('misses', 0)} misses"
+                        )
+                        if constrained and batch == sessions[0] and round_index == 0:
+                            text = "".join(
+                                ln.msg.get("token", "") for ln in next(iter(lines.values()))
+                            )
+                            log(f"  constrained output starts: {text[:160]!r}")
+    finally:
+        worker.close()
+    print(f"\ndevice {args.device}, model {args.model}{' (tiny)' if args.tiny else ''}, "
+          f"{args.tokens}+ tokens, {args.rounds} rounds, schemas {args.schemas}")  # fmt: skip
+    print("| case | sessions | free tok/s | constrained tok/s | vs free |")
+    print("| --- | --- | --- | --- | --- |")
+    for case in cases:
+        for batch in sessions:
+            free = results.get(f"{case} x{batch} free", [])
+            held = results.get(f"{case} x{batch} constrained", [])
+            if not free or not held:
+                continue
+            f_med, c_med = statistics.median(free), statistics.median(held)
+            print(
+                f"| {case} | {batch} | {f_med:.1f} [{min(free):.1f}-{max(free):.1f}] | "
+                f"{c_med:.1f} [{min(held):.1f}-{max(held):.1f}] | "
+                f"{100 * (c_med / f_med - 1):+.1f}% |"
+            )
+    print(json.dumps({"results": results}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--worker", action="store_true", help="the real worker (see the doc)")
+    parser.add_argument("--model", default="examples/gemma4_31b", help="--worker: config dir")
+    parser.add_argument("--tiny", action="store_true", help="--worker: shrink the config")
+    parser.add_argument("--sessions", default="1,32", help="--worker: batch sizes")
+    parser.add_argument("--sampling", default="greedy", help="--worker: bench_gpu's cases")
+    parser.add_argument("--schemas", default=DEFAULT_SCHEMAS, help="--worker: suite names")
+    parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
+    if args.worker:
+        worker_main(args)
+        return
 
     from worker.engine.engine import Engine, EngineConfig
     from worker.loading.loader import load_model

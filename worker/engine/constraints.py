@@ -10,7 +10,7 @@ why llguidance and not xgrammar).
   (`protocol.constraints.unsatisfiable_reason`, `unsatisfiable` set).
 - `Constraints`: the engine's per-request matchers, keyed by the engine's request key.
   `start_masks(keys)` fills the next-token bitmasks of the given rows on a helper thread
-  (llguidance drops the GIL), so the mask of step t is computed while the device runs step
+  (llguidance drops the GIL; several rows in parallel on llguidance's own threads), so the mask of step t is computed while the device runs step
   t's forward; `MaskJob.result()` joins. `accept(key, token)` advances a row's grammar.
 
 The bitmask is llguidance's layout: int32 words [rows, ceil(V / 32)], bit j of word w set
@@ -133,20 +133,37 @@ class Constraints:
 
     def __init__(self, tokenizer: Any) -> None:
         self.vocab_size = int(tokenizer.vocab_size)
-        self.words = (self.vocab_size + 31) // 32
         self.cache = GrammarCache(tokenizer)
-        # a row whose grammar failed (it never should: the mask allowed the token) may only end
-        self._eos_only = torch.zeros(self.words, dtype=torch.int32)
-        for eos in tokenizer.eos_ids:
-            word, bit = divmod(int(eos), 32)
-            self._eos_only[word] |= torch.tensor(1 << bit).to(torch.int32)
+        self._eos_ids = sorted(int(e) for e in tokenizer.eos_ids)
+        self._words = 0  # known with llguidance's tokenizer (`words`)
+        self._eos_only: torch.Tensor | None = None
         self._matchers: dict[int, Any] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._executor: Any = None  # llguidance's LLExecutor: rows filled in parallel
         # two host buffers, used in turn: step t's copy to the device is done (its ids were
         # read) before step t + 2 refills the buffer. Pinned with CUDA (an async copy).
         self._pinned = torch.cuda.is_available()
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
+
+    @property
+    def words(self) -> int:
+        """Int32 words per mask row: llguidance's vocabulary, which is one token larger than
+        the tokenizer's when the tokenizer has no EOS (it adds one; the logits never reach
+        it: `apply_token_mask` reads the first V bits)."""
+        if not self._words:
+            self._words = (int(self.cache.ll_tokenizer.vocab_size) + 31) // 32
+        return self._words
+
+    def _eos_only_row(self) -> torch.Tensor:
+        """The mask of a row whose grammar failed (it never should: the mask allowed the
+        token): it may only end."""
+        if self._eos_only is None:
+            self._eos_only = torch.zeros(self.words, dtype=torch.int32)
+            for eos in self._eos_ids:
+                word, bit = divmod(eos, 32)
+                self._eos_only[word] |= torch.tensor(1 << bit).to(torch.int32)
+        return self._eos_only
 
     def __bool__(self) -> bool:
         return bool(self._matchers)
@@ -186,12 +203,22 @@ class Constraints:
     def _fill(self, batch: int, rows: list[tuple[int, Any]]) -> torch.Tensor:
         mask = self._buffer(batch)
         mask.fill_(-1)
+        row_bytes = self.words * 4
+        live = []
         for i, matcher in rows:
-            row = mask[i]
             if matcher.is_error():
-                row.copy_(self._eos_only)
+                mask[i].copy_(self._eos_only_row())
             else:
-                matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
+                live.append((matcher, i))
+        if len(live) == 1:
+            matcher, i = live[0]
+            matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), row_bytes)
+        elif live:  # every row at once on llguidance's threads (the GIL is released)
+            if self._executor is None:
+                import llguidance
+
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), row_bytes, batch)
         return mask
 
     def accept(self, key: int, token: int) -> bool:
