@@ -10,8 +10,9 @@ why llguidance and not xgrammar).
   (`protocol.constraints.unsatisfiable_reason`, `unsatisfiable` set).
 - `Constraints`: the engine's per-request matchers, keyed by the engine's request key.
   `start_masks(keys)` fills the next-token bitmasks of the given rows on a helper thread
-  (llguidance drops the GIL; several rows in parallel on llguidance's own threads), so the mask of step t is computed while the device runs step
-  t's forward; `MaskJob.result()` joins. `accept(key, token)` advances a row's grammar.
+  (llguidance drops the GIL; several rows in parallel on llguidance's own threads), so the
+  mask of step t is computed while the device runs step t's forward; `MaskJob.result()`
+  joins. `accept(key, token)` advances a row's grammar.
 
 The bitmask is llguidance's layout: int32 words [rows, ceil(V / 32)], bit j of word w set
 when token 32 * w + j is allowed. EOS ids are allowed exactly when the grammar accepts.
