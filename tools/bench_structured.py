@@ -18,6 +18,7 @@ nothing patched; tools/bench_gpu.py's client) on a model config with random weig
 (Gemma 3, 262,144 tokens, rebuilt from its GGUF), at 1 and 32 sessions:
 
     python tools/bench_structured.py --worker --device cuda          # one H200
+    python tools/bench_structured.py --worker --device cuda --tokenizer tokenizer.json.xz
     python tools/bench_structured.py --worker --device cpu --tiny    # the CPU dry run
 
 Each request feeds 32 random prompt ids and decodes --tokens; a constrained one carries a
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import statistics
 import sys
 import tempfile
@@ -68,19 +70,21 @@ DEFAULT_SCHEMAS = (
     "person,order,anyof_shape,ref_array,recursive_tree,event,product_catalog,log_entry"
 )
 NEVER_ENDS = 100_000  # minItems of the array around each schema
-
-
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
-def default_tokenizer_dir(where: Path) -> Path:
-    """The default model's tokenizer (rebuilt from its GGUF, no network) in `where`, with no
-    token spelt as an EOS: `<end_of_turn>` is renamed, and no tokenizer_config or
-    generation_config names one."""
+def default_tokenizer_dir(where: Path, source: str | None = None) -> Path:
+    """The default model's tokenizer in `where` (its tokenizer.json `source` when given, else
+    rebuilt from its GGUF; no network), with no token spelt as an EOS: `<end_of_turn>` is
+    renamed, and no tokenizer_config or generation_config names one."""
     from worker.loading.default_model import default_model_path
     from worker.loading.gguf_convert import cached_dir_for, metadata, open_reader
-    from worker.loading.tokenizer import build_gguf_tokenizer, write_token_bytes_sidecar
+    from worker.loading.tokenizer import build_gguf_tokenizer
 
+    if source is not None:  # its tokenizer.json, brought over (xz-compressed: .xz)
+        raw = Path(source).read_bytes()
+        document = (lzma.decompress(raw) if source.endswith(".xz") else raw).decode()
+        return _write_tokenizer(where, document)
     gguf = default_model_path()
     converted = [cached_dir_for(gguf, dtype) / "tokenizer.json" for dtype in DTYPES]
     done = [path for path in converted if path.is_file()]
@@ -90,6 +94,12 @@ def default_tokenizer_dir(where: Path) -> Path:
         meta = metadata(open_reader(gguf))
         files = build_gguf_tokenizer(meta, str(meta.get("general.architecture", "")))
         document = files.backend.to_str()
+    return _write_tokenizer(where, document)
+
+
+def _write_tokenizer(where: Path, document: str) -> Path:
+    from worker.loading.tokenizer import write_token_bytes_sidecar
+
     document = document.replace('"<end_of_turn>"', '"<end_of_turn_unused>"')
     where.mkdir(parents=True, exist_ok=True)
     (where / "tokenizer.json").write_text(document)
@@ -97,7 +107,9 @@ def default_tokenizer_dir(where: Path) -> Path:
     return where
 
 
-def worker_model_dir(config_path: Path, tiny: bool, vocab: int, where: Path) -> Path:
+def worker_model_dir(
+    config_path: Path, tiny: bool, vocab: int, where: Path, tokenizer: str | None
+) -> Path:
     """config.json (shrunk with --tiny, vocabulary kept: the real tokenizer's) beside the
     default tokenizer."""
     from bench_gpu import TINY_OVERRIDES
@@ -107,7 +119,7 @@ def worker_model_dir(config_path: Path, tiny: bool, vocab: int, where: Path) -> 
         config.update(TINY_OVERRIDES)
         config["vocab_size"] = config["vocab_size_per_layer_input"] = vocab
     config["eos_token_id"] = []
-    default_tokenizer_dir(where)
+    default_tokenizer_dir(where, tokenizer)
     (where / "config.json").write_text(json.dumps(config, indent=1))
     return where
 
@@ -153,7 +165,11 @@ def worker_main(args: argparse.Namespace) -> None:
     on_gpu = args.device.startswith("cuda")
     started = time.perf_counter()
     model_dir = worker_model_dir(
-        Path(args.model) / "config.json", args.tiny, 262_144, Path(tempfile.mkdtemp()) / "model"
+        Path(args.model) / "config.json",
+        args.tiny,
+        262_144,
+        Path(tempfile.mkdtemp()) / "model",
+        args.tokenizer,
     )
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     log(f"model dir with the default tokenizer: {time.perf_counter() - started:.1f}s")
@@ -251,6 +267,9 @@ def main() -> None:
     parser.add_argument("--sampling", default="greedy", help="--worker: bench_gpu's cases")
     parser.add_argument("--schemas", default=DEFAULT_SCHEMAS, help="--worker: suite names")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--tokenizer", default=None,
+                        help="--worker: the default model's tokenizer.json (or .xz) brought "
+                        "over, where its GGUF is absent (the GPU box)")  # fmt: skip
     args = parser.parse_args()
     if args.worker:
         worker_main(args)
