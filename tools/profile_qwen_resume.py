@@ -319,6 +319,10 @@ def main() -> int:
         print("FLA_CONFIGS " + json.dumps(fla_configs()), flush=True)
     for s in sessions:
         decode(driver, s, args.decode_tokens, vocab)
+        if profile is not None:
+            with profile() as prof:
+                decode(driver, s, 32, vocab)
+            report(prof, f"decode x{s} (32 new tokens after a 32-token prompt)")
     return 0
 
 
