@@ -31,7 +31,9 @@ def test_apply_token_mask_keeps_exactly_the_allowed_ids() -> None:
     assert torch.equal(masked[1], logits[1])
 
 
-def _run(model, kv, allowed: list[set[int] | None], steps: int = 10):  # type: ignore[no-untyped-def]
+def _run(  # type: ignore[no-untyped-def]
+    model, kv, allowed: list[set[int] | None], steps: int = 10, masked: bool = True
+):
     vocab = 256
     prompts = {0: [5, 6, 7, 8, 9], 1: list(range(30, 40)), 2: [1, 2, 3]}
     for slot, ids in prompts.items():
@@ -46,7 +48,7 @@ def _run(model, kv, allowed: list[set[int] | None], steps: int = 10):  # type: i
     for _ in range(steps):
         step = StepInput(
             input_ids=torch.tensor(tokens), positions=torch.tensor(lens), slots=slots,
-            cached_lens=list(lens), new_lens=[1, 1, 1],
+            cached_lens=list(lens), new_lens=[1, 1, 1], grammar_masked=masked,
         )  # fmt: skip
         logits = model(step, kv)
         tokens, _ = sample_step(logits, params, streams, lambda: mask)
@@ -65,6 +67,19 @@ def test_masked_rows_with_decode_ahead_equal_the_plain_model() -> None:
     assert got == want
     for tokens in want:
         assert tokens[0] in allowed[0] and tokens[1] in allowed[1]  # type: ignore[operator]
+    # a masked step launches its next once the masked ids are drawn: every guess is used
+    assert ahead.ahead_hits == len(want) - 1 and ahead.ahead_misses == 0
+
+
+def test_masked_rows_unmarked_waste_the_step_launched_ahead() -> None:
+    """Without `grammar_masked` the step after is launched with the unmasked ids: it is
+    dropped (the tokens still equal the plain model's)."""
+    model = tiny_model()
+    ahead = GraphedCausalLM(model, use_graphs=False, decode_ahead=True)
+    kv_plain, kv_ahead = model.make_kv_cache(4, 64), ahead.make_kv_cache(4, 64)
+    allowed = [set(range(0, 256, 7)), set(range(100, 120)), None]
+    assert _run(ahead, kv_ahead, allowed, masked=False) == _run(model, kv_plain, allowed)
+    assert ahead.ahead_hits == 0 and ahead.ahead_misses == 2
 
 
 def test_logprobs_are_the_log_softmax_of_the_scaled_logits() -> None:

@@ -312,15 +312,20 @@ class DecodeGraphRunner:
         assert self._last is not None
         self.host_ids[:size].copy_(self._last[1][:size], non_blocking=True)
 
-    def step_after(self, prev: DecodeGraphRunner, size: int) -> torch.Tensor:
+    def step_after(
+        self, prev: DecodeGraphRunner, size: int, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The decode step that follows `prev`'s last one, fed from it on the device: each
-        row feeds prev's ids (drawn or argmax) at the next position, same slots; when prev
+        row feeds prev's ids (drawn or argmax; `ids` [B] on the device instead, when given:
+        the ids sampled after a grammar mask) at the next position, same slots; when prev
         drew, this step draws too, with the same settings and each row's next draw number.
         Queued on the current stream with no host sync; returns the [size, vocab] logits."""
         assert prev._last is not None
         sample = prev.last_sampled
         with torch.inference_mode():
             self.input_ids[:size].copy_(prev._last[1][:size])
+            if ids is not None:
+                self.input_ids[: ids.shape[0]].copy_(ids)
             torch.add(prev.positions[:size], 1, out=self.positions[:size])
             self.slots[:size].copy_(prev.slots[:size])
             if sample:
@@ -387,4 +392,5 @@ def sub_step(step: Any, rows: Sequence[int]) -> Any:
         slots=[step.slots[i] for i in rows],
         cached_lens=[step.cached_lens[i] for i in rows],
         new_lens=[step.new_lens[i] for i in rows],
+        grammar_masked=step.grammar_masked,
     )

@@ -234,7 +234,12 @@ class GraphedCausalLM:
             self._lane_draws[lane] = draws if self._lanes[lane].last_sampled else None
             if len(self._lanes) > 1:
                 self._lanes[lane].copy_ids_to_host(size)
-        self._launch_ahead(lane, size, slots, positions)
+        if step.grammar_masked:  # the rows take masked ids: launched once they are known
+            logits.launch_ahead = functools.partial(
+                self._launch_ahead, lane, size, slots, positions
+            )
+        else:
+            self._launch_ahead(lane, size, slots, positions)
         logits.presampled = functools.partial(self._presampled, lane, slots, positions)
         return logits
 
@@ -272,8 +277,15 @@ class GraphedCausalLM:
         return self._lanes[lane].last_ids[: len(slots)]
 
     def _launch_ahead(
-        self, lane: int, size: int, slots: tuple[int, ...], positions: tuple[int, ...]
+        self,
+        lane: int,
+        size: int,
+        slots: tuple[int, ...],
+        positions: tuple[int, ...],
+        ids: torch.Tensor | None = None,
     ) -> None:
+        """Launch the step after `lane`'s on the side stream, fed with its graph's ids, or
+        with `ids` [B] (device, current stream: the ids sampled after a grammar mask)."""
         if len(self._lanes) < 2 or slots == self._no_ahead_for:
             return
         self._no_ahead_for = None  # a new set of rows: try again
@@ -285,17 +297,21 @@ class GraphedCausalLM:
         if draws is not None:
             draws = (draws[0], tuple(c + 1 for c in draws[1]))
         self._lane_draws[nxt] = draws
+        if ids is not None:  # what the hit check reads as fed (same stream as `ids`)
+            runner.host_ids[: ids.shape[0]].copy_(ids, non_blocking=True)
         done = None
         if self._side is not None:
             main = torch.cuda.current_stream(runner.device)
             self._side.wait_stream(main)
+            if ids is not None:
+                ids.record_stream(self._side)  # read there after the caller drops it
             with torch.cuda.stream(self._side):
-                self._lanes[nxt].step_after(runner, size)
+                self._lanes[nxt].step_after(runner, size, ids)
                 self._lanes[nxt].copy_ids_to_host(size)
                 done = torch.cuda.Event()
                 done.record(self._side)
         else:  # CPU (tests): the same work, eagerly
-            self._lanes[nxt].step_after(runner, size)
+            self._lanes[nxt].step_after(runner, size, ids)
             self._lanes[nxt].copy_ids_to_host(size)
         self._ahead = _Ahead(nxt, size, slots, tuple(p + 1 for p in positions), lane, done)
 

@@ -578,13 +578,6 @@ class Engine:
             start = len(a.session.resident_ids)
             flat.extend(new)
             positions.extend(range(start, start + len(new)))
-        step = StepInput(
-            input_ids=torch.tensor(flat, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            slots=[a.session.slot for a, _ in rows],
-            cached_lens=[len(a.session.resident_ids) for a, _ in rows],
-            new_lens=[len(new) for _, new in rows],
-        )
         # rows that sample: every decoder, and a prefill that feeds its last prompt token
         sampling_rows = [
             i
@@ -593,6 +586,14 @@ class Engine:
         ]
         # constrained rows: their masks are filled on a helper thread while the forward runs
         token_mask = self.structured.token_mask([rows[i][0].key for i in sampling_rows])
+        step = StepInput(
+            input_ids=torch.tensor(flat, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            slots=[a.session.slot for a, _ in rows],
+            cached_lens=[len(a.session.resident_ids) for a, _ in rows],
+            new_lens=[len(new) for _, new in rows],
+            grammar_masked=token_mask is not None,
+        )
         self._torch_threads_for(len(flat))
         try:
             with torch.inference_mode():

@@ -15,7 +15,10 @@ in one transfer.
 
 Logits a model returns may carry `presampled(params, streams) -> Tensor | None` (set by
 `worker.device.graphed_lm`): the ids its CUDA graph already drew for exactly these rows'
-settings and draw numbers, which `sample` then takes instead of drawing again.
+settings and draw numbers, which `sample` then takes instead of drawing again. Logits of a
+step marked `grammar_masked` may carry `launch_ahead(ids)`: `sample_step` hands it the ids
+sampled after the mask (on the device, before the host copy), and the step after is
+launched fed with them (decode ahead for constrained rows).
 """
 
 from __future__ import annotations
@@ -127,6 +130,9 @@ def sample_step(
         # a new tensor, without the graph's `presampled` (decode ahead drew before the mask)
         sampled_from = apply_token_mask(logits, mask.to(logits.device, non_blocking=True))
     streams_ids = sample(sampled_from, params, streams)
+    launch_ahead = getattr(logits, "launch_ahead", None)  # a masked step's next, fed these ids
+    if launch_ahead is not None:
+        launch_ahead(streams_ids)
     wants = [n for n in (top_logprobs or ()) if n >= 0]
     if not wants:
         return streams_ids.tolist(), [None] * len(params)  # the one host sync of the step

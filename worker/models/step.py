@@ -21,6 +21,9 @@ class StepInput:
     slots: list[int]  # [B] KV slot of each sequence
     cached_lens: list[int]  # [B] tokens already in the KV of each sequence
     new_lens: list[int]  # [B] new tokens of each sequence; sum == T
+    # the step's sampling applies a grammar mask: a decode step launched ahead
+    # (worker/device/graphed_lm.py) waits for the sampled ids (`launch_ahead` on the logits)
+    grammar_masked: bool = False
 
     @staticmethod
     def single(
