@@ -36,7 +36,9 @@ TINY = {
     "vocab_size": 512, "vocab_size_per_layer_input": 512,
 }  # fmt: skip
 TOKENS = 512  # the synthetic tokenizer's size (<= any config's vocabulary)
-STEP_MARKERS = ("loaded in", "drew random", "read ", "cuda_setup", "KV cache", "ready:")
+STEP_MARKERS = (
+    "loaded in", "drew random", "read ", "cuda_setup", "compile_ahead", "KV cache", "ready:",
+)  # fmt: skip
 
 
 def log(message: str) -> None:
@@ -145,6 +147,30 @@ def worker_steps(lines: list[tuple[float, str]], since: float) -> list[str]:
     ]
 
 
+def restart(sup: Supervisor, result: dict[str, Any], timeout: float) -> None:
+    """kill -9 the worker, then time kill -> a generation served by the restarted one."""
+    pid = sup.worker_pid()
+    killed_at = time.perf_counter()
+    os.kill(pid, signal.SIGKILL)
+    log(f"killed worker pid {pid}")
+    lost = 0
+    # The supervisor sends a request that had no output yet again after the restart, so
+    # `lost_before_restart` should stay 0; a `worker_lost` is counted, not hidden.
+    while True:
+        try:
+            sup.generate(8, timeout)  # waits for the restarted worker
+            break
+        except RuntimeError as exc:
+            if "worker_lost" not in str(exc) or lost >= 3:
+                raise
+            lost += 1
+    result["lost_before_restart"] = lost
+    result["kill_to_served_s"] = round(time.perf_counter() - killed_at, 2)
+    result["restart_steps"] = worker_steps(sup.stderr_lines, killed_at - sup.spawned)
+    loads = [text for _, text in sup.stderr_lines if "loaded in" in text]
+    result["restart_load_line"] = loads[-1].strip() if loads else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(REPO / "examples" / "gemma4_31b"))
@@ -155,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-sessions", type=int, default=9)
     p.add_argument("--max-context", type=int, default=8192)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--no-restart", action="store_true",
+                   help="stop after the first generation (no kill -9 and restart)")  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -184,26 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         sup.generate(8, args.timeout)
         result["first_generate_s"] = round(time.perf_counter() - started, 3)
         result["start_steps"] = worker_steps(sup.stderr_lines, 0.0)
-        pid = sup.worker_pid()
-        killed_at = time.perf_counter()
-        os.kill(pid, signal.SIGKILL)
-        log(f"killed worker pid {pid}")
-        lost = 0
-        # The supervisor sends a request that had no output yet again after the restart, so
-        # `lost_before_restart` should stay 0; a `worker_lost` is counted, not hidden.
-        while True:
-            try:
-                sup.generate(8, args.timeout)  # waits for the restarted worker
-                break
-            except RuntimeError as exc:
-                if "worker_lost" not in str(exc) or lost >= 3:
-                    raise
-                lost += 1
-        result["lost_before_restart"] = lost
-        result["kill_to_served_s"] = round(time.perf_counter() - killed_at, 2)
-        result["restart_steps"] = worker_steps(sup.stderr_lines, killed_at - sup.spawned)
-        loads = [text for _, text in sup.stderr_lines if "loaded in" in text]
-        result["restart_load_line"] = loads[-1].strip() if loads else None
+        if not args.no_restart:
+            restart(sup, result, args.timeout)
     finally:
         sup.close()
     (out / "bench_startup.json").write_text(json.dumps(result, indent=1))

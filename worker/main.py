@@ -225,6 +225,11 @@ def build_engine(
     ]
     torch.manual_seed(seed)
     clock = StartupClock(log)
+    compiles = None
+    if torch_device.type == "cuda" and group is None:
+        from worker.device.compile_ahead import start_compile_pool
+
+        compiles = start_compile_pool()  # its processes start up while the weights load
     log(f"loading {model or 'the default model'} on {torch_device} as {dtype_name}")
     with clock.step("loaded"):
         loaded = load_model(
@@ -265,8 +270,9 @@ def build_engine(
 
         # merged projections, fused kernels, decode steps replayed from CUDA graphs
         loaded.model = prepare_model_for_device(
-            loaded, torch_device, random_weights, seed, cuda_graphs=cuda_graphs, clock=clock
-        )
+            loaded, torch_device, random_weights, seed, cuda_graphs=cuda_graphs, clock=clock,
+            compiles=compiles,
+        )  # fmt: skip
     config = EngineConfig(
         max_sessions=max_sessions,
         max_context=min(max_context or default_context, model_context),
@@ -280,6 +286,8 @@ def build_engine(
     )
     with clock.step("KV cache and CUDA graphs" if torch_device.type == "cuda" else "KV cache"):
         engine = Engine(loaded, config, torch_device, log=log)
+    if compiles is not None:
+        compiles.close()
     log(
         f"ready: {config.max_sessions} sessions ({config.resident} on the device) x "
         f"{config.max_context} tokens, "

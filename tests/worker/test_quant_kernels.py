@@ -229,6 +229,8 @@ def test_tile_choices_are_remembered(tmp_path: Path) -> None:
         calls.append(1)
         return float(len(calls))  # the first candidate wins
 
+    assert qm.choose_configs([weight], torch.float32, timer, cache, "gpu A", remember=False) == 1
+    assert not cache.exists()  # a trace run (worker/device/cuda_setup.py) leaves no choices
     assert qm.choose_configs([weight], torch.float32, timer, cache, "gpu A") == 1
     timed = len(calls)
     again = qm.KMajorWeight.pack(_qw("int4", 32, n=40, k=256))

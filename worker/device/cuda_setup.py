@@ -14,12 +14,14 @@ by ``worker.device.kernels.random_weights``).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any
 
 import torch
 
+from worker.device.compile_ahead import CompilePool, compile_ahead
 from worker.loading.startup_clock import StartupClock
 
 CPU_ONLY_FAMILIES: tuple[str, ...] = ()
@@ -39,6 +41,7 @@ def prepare_model_for_device(
     *,
     cuda_graphs: bool = True,
     clock: StartupClock | None = None,
+    compiles: CompilePool | None = None,
 ) -> Any:
     """-> the model object the Engine should use (``loaded.model`` itself off CUDA).
 
@@ -48,6 +51,8 @@ def prepare_model_for_device(
     to stderr through `clock` (the worker's start-up clock, so the ready line can sum them).
     The graphs themselves are captured when the engine makes its KV cache
     (``GraphedCausalLM.make_kv_cache``), which the worker times as a step of its own.
+    With `compiles`, each step's Triton kernel variants are compiled on that pool first
+    (worker/device/compile_ahead.py).
     """
     del random_weights, seed
     model = loaded.model
@@ -72,16 +77,16 @@ def prepare_model_for_device(
              f"kernels, {left} left to the torch reference")  # fmt: skip
     if packed and os.environ.get("TOKENPIPE_NO_GEMV") != "1":
         with clock.step("cuda_setup: quantized kernel tiles timed"):
-            shapes = _time_quantized(inner)
+            shapes = _time_quantized(inner, compiles)
         _log(f"cuda_setup: quantized kernel tiles timed for {shapes} matrix shapes (the others "
              "remembered from an earlier start)")  # fmt: skip
     if os.environ.get("TOKENPIPE_NO_GEMV") != "1":
         with clock.step("cuda_setup: GEMV timing"):
-            _install_gemv(inner)
+            _install_gemv(inner, compiles)
     if isinstance(model, GraphedCausalLM):
         return model
     if cuda_graphs and os.environ.get("TOKENPIPE_NO_GRAPHS") != "1":
-        return GraphedCausalLM(model)
+        return GraphedCausalLM(model, compiles=compiles)
     return model
 
 
@@ -100,7 +105,7 @@ def _pack_quantized(inner: Any) -> tuple[int, int]:
     return result
 
 
-def _time_quantized(inner: Any) -> int:
+def _time_quantized(inner: Any, compiles: CompilePool | None) -> int:
     from worker.device.kernels.quant_matmul import KMajorWeight, choose_configs, tiles_cache
     from worker.layers.quant import QuantLinear
 
@@ -111,13 +116,21 @@ def _time_quantized(inner: Any) -> int:
     }
     dtype = inner.model.norm.weight.dtype
     device = inner.model.norm.weight.device
-    return choose_configs(
-        list(weights.values()), dtype, cache=tiles_cache(),
+    choose = functools.partial(
+        choose_configs, list(weights.values()), dtype, cache=tiles_cache(),
         device_name=torch.cuda.get_device_name(device),
     )  # fmt: skip
+    # the candidates of the shapes not remembered, each launched once
+    compile_ahead(compiles, lambda: choose(timer=_launch_once, remember=False), "tile timing")
+    return choose()
 
 
-def _install_gemv(inner: Any) -> None:
+def _launch_once(run: Any) -> float:
+    run()
+    return 0.0
+
+
+def _install_gemv(inner: Any, compiles: CompilePool | None) -> None:
     """Batch-1 matmuls through the Triton GEMV where it beats cuBLAS on this GPU (timed per
     matrix shape at start-up, worker/device/kernels/gemv.py); the LM head too, which the decode step
     calls with F.linear (``inner._decode_lm_head_gemv``). TOKENPIPE_NO_GEMV=1 skips it."""
@@ -125,19 +138,25 @@ def _install_gemv(inner: Any) -> None:
 
     if not triton_available() or not hasattr(inner, "model"):
         return
-    from worker.device.kernels.gemv import choose_config, install_decode_gemv
+    from worker.device.kernels import gemv
     from worker.layers.quant import QuantLinear
 
-    chosen = install_decode_gemv(inner)
-    if isinstance(inner.lm_head, QuantLinear):  # quantized: quant_matmul's kernels
+    matrices = gemv.gemv_matrices(inner)
+    head = None
+    if not isinstance(inner.lm_head, QuantLinear):  # quantized: quant_matmul's kernels
+        head = inner.model.embed_tokens.weight if inner.lm_head is None else inner.lm_head.weight
+        if all(m.shape != head.shape for m in matrices):  # a tied embedding is no nn.Linear
+            matrices.append(head)
+    compile_ahead(compiles, lambda: gemv.launch_candidates(matrices), "GEMV candidates")
+    chosen = gemv.install_decode_gemv(inner)
+    if head is None:
         faster = sum(c is not None for c in chosen.values())
         _log(f"cuda_setup: Triton GEMV for {faster} of {len(chosen)} float matrix shapes; the "
              "quantized matmuls run the W4A16/W8A16 kernels")  # fmt: skip
         return
-    head = inner.model.embed_tokens.weight if inner.lm_head is None else inner.lm_head.weight
     shape = (head.shape[0], head.shape[1])
     if shape not in chosen:  # a tied embedding is no nn.Linear
-        chosen[shape] = choose_config(head)
+        chosen[shape] = gemv.choose_config(head)
     inner._decode_lm_head_gemv = chosen[shape]
     faster = sum(c is not None for c in chosen.values())
     _log(f"cuda_setup: Triton GEMV for {faster} of {len(chosen)} matrix shapes")

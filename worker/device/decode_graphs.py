@@ -204,14 +204,25 @@ class DecodeGraphRunner:
             ids = torch.argmax(logits, dim=-1)
         return logits, ids
 
+    def _pad_inputs(self) -> None:
+        self.slots.fill_(-1)
+        self.input_ids.zero_()
+        self.positions.zero_()
+
+    def warm_up(self, sample: bool) -> None:
+        """Every bucket's step once, eagerly, on padding rows: the kernels the capture will
+        launch (worker/device/graphed_lm.py compiles them ahead)."""
+        self._pad_inputs()
+        with torch.inference_mode():
+            for size in sorted(self.buckets, reverse=True):
+                self._body(size, sample)
+
     def capture(self, sample: bool = False, sizes: Sequence[int] | None = None) -> None:
         """Capture the graphs of `sizes` (default: every bucket), largest first so the
         smaller ones reuse its memory pool. Inputs are reset to padding first."""
         if not self.use_graphs:
             return
-        self.slots.fill_(-1)
-        self.input_ids.zero_()
-        self.positions.zero_()
+        self._pad_inputs()
         for size in sorted(sizes or self.buckets, reverse=True):
             key = (size, sample)
             if key in self._graphs:

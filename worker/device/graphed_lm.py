@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from worker.device.compile_ahead import CompilePool, compile_ahead
 from worker.device.decode_graphs import DecodeGraphRunner, bucket_for, split_decode_rows, sub_step
 from worker.device.kernels.batched_sampling import RowSampling
 from worker.device.prefill_graphs import PrefillGraphRunner
@@ -74,6 +75,7 @@ class GraphedCausalLM:
         capture: bool = True,
         decode_ahead: bool | None = None,
         prefill_graphs: bool | None = None,
+        compiles: CompilePool | None = None,
     ):
         if isinstance(model, GraphedCausalLM):  # wrapping twice: one wrapper (one runner)
             model = model.inner
@@ -87,6 +89,7 @@ class GraphedCausalLM:
         if prefill_graphs is None:
             prefill_graphs = os.environ.get("TOKENPIPE_NO_PREFILL_GRAPHS") != "1"
         self._prefill_graphs = prefill_graphs
+        self._compiles = compiles  # the start-up's Triton compiles, before the first capture
         self.prefill: PrefillGraphRunner | None = None
         self._lanes: list[DecodeGraphRunner] = []
         self._ahead: _Ahead | None = None
@@ -123,6 +126,8 @@ class GraphedCausalLM:
             if self.runner.device.type == "cuda":
                 self._side = torch.cuda.Stream(self.runner.device)
         if self._capture:
+            compile_ahead(self._compiles, lambda: self._warm_up(kv), "CUDA graphs")
+            self._compiles = None  # the worker closes the pool once it is ready
             for lane in self._lanes:
                 lane.capture(sample=False)
                 lane.capture(sample=True)
@@ -130,6 +135,15 @@ class GraphedCausalLM:
                 self.prefill.capture()
             self._warm_up_prefill(kv)
         return kv
+
+    def _warm_up(self, kv: Any) -> None:
+        """Every kernel the captures and the prefill warm-up launch, run once eagerly (the
+        sampling body: the same forward as the argmax one, plus the sampler)."""
+        assert self.runner is not None
+        self.runner.warm_up(sample=True)
+        if self.prefill is not None:
+            self.prefill.warm_up()
+        self._warm_up_prefill(kv)
 
     def _warm_up_prefill(self, kv: Any) -> None:
         """Compile the prefill kernels now, not in the first request: two tokens from scratch

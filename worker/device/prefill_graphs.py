@@ -103,16 +103,27 @@ class PrefillGraphRunner:
 
     # -- capture ---------------------------------------------------------------------------
 
-    def capture(self, sizes: Sequence[int] | None = None) -> None:
-        """Capture the graphs of `sizes` (default: every bucket), largest first so the
-        smaller ones reuse its memory pool. The warm-up run stores nothing (every row is
-        padding) and reads slot 0."""
-        if not self.use_graphs:
-            return
+    def _pad_inputs(self) -> None:
+        """Every row padding (nothing is stored), slot 0 read, n = 1 (the logits row exists)."""
         top = self.buckets[-1]
         self._dev.zero_()
         self._dev[2 * top : 3 * top].fill_(-1)
-        self._dev[3 * top + 2] = 1  # n = 1: the warm-up's logits row exists
+        self._dev[3 * top + 2] = 1
+
+    def warm_up(self) -> None:
+        """Every bucket's step once, eagerly, on padding rows: the kernels the capture will
+        launch (worker/device/graphed_lm.py compiles them ahead)."""
+        self._pad_inputs()
+        with torch.inference_mode():
+            for size in sorted(self.buckets, reverse=True):
+                self._body(size)
+
+    def capture(self, sizes: Sequence[int] | None = None) -> None:
+        """Capture the graphs of `sizes` (default: every bucket), largest first so the
+        smaller ones reuse its memory pool, each after a warm-up run on padding rows."""
+        if not self.use_graphs:
+            return
+        self._pad_inputs()
         for size in sorted(sizes or self.buckets, reverse=True):
             if size in self._graphs:
                 continue

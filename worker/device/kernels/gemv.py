@@ -128,6 +128,17 @@ def choose_config(
     return None if best is None else best[1]
 
 
+def launch_candidates(
+    weights: list[torch.Tensor], candidates: list[tuple[int, int, int, int]] | None = None
+) -> None:
+    """Every candidate once on a row of zeros per matrix: the kernel variants `choose_config`
+    times (worker/device/compile_ahead.py records them to compile ahead)."""
+    for weight in weights:
+        x = torch.zeros(1, weight.shape[1], device=weight.device, dtype=weight.dtype)
+        for config in candidates or CANDIDATES:
+            gemv_triton(x, weight, config)
+
+
 def linear_for_decode(
     x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None
 ) -> torch.Tensor:
@@ -136,6 +147,15 @@ def linear_for_decode(
     if config is not None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
         return gemv_triton(x, weight, config)
     return F.linear(x, weight)
+
+
+def gemv_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
+    """One weight per (out, in) shape among the matrices `install_decode_gemv` considers."""
+    shapes: dict[tuple[int, int], torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.bias is None:
+            shapes.setdefault((module.weight.shape[0], module.weight.shape[1]), module.weight)
+    return list(shapes.values())
 
 
 def install_decode_gemv(

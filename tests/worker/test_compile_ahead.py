@@ -1,0 +1,118 @@
+"""Triton variants compiled ahead (worker/device/compile_ahead.py), without a GPU: Triton
+compiles for an H100-class target on the CPU (ptxas ships with it); only launching needs CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from worker.device import compile_ahead
+
+REPO = Path(__file__).resolve().parents[2]
+
+# In a fresh interpreter (the tests' own runs Triton's interpreter), with a stand-in driver:
+# the recorded launches are skipped, the pool compiles them into TRITON_CACHE_DIR, and the
+# real launch then finds each variant there (never builds its IR) and goes on to launch.
+SCRIPT = textwrap.dedent(
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compiler
+
+    from worker.device.compile_ahead import CompilePool
+    from worker.device.kernels.gemv import gemv_triton
+
+    class Launched(Exception):
+        pass
+
+    class Launcher:
+        def __init__(self, *args):
+            raise Launched
+
+    class StandInDriver:
+        launcher_cls = Launcher
+        def get_current_device(self): return 0
+        def get_current_stream(self, device=None): return 0
+        def get_current_target(self): return GPUTarget("cuda", 90, 32)
+        def get_active_torch_device(self): return torch.device("cpu")
+
+    triton.runtime.driver.set_active(StandInDriver())
+    weight = torch.zeros(64, 256, dtype=torch.bfloat16)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    configs = [(16, 256, 4, 4), (8, 128, 4, 2)]
+    pool = CompilePool(ThreadPoolExecutor(2), 2)
+    traced = pool.compile_launches(lambda: [gemv_triton(x, weight, c) for c in configs * 2])
+    print("compiled", *traced)
+
+    def build_ir(*args, **kwargs):
+        raise AssertionError("compiled again: not found in the cache")
+
+    compiler.ASTSource.make_ir = build_ir
+    for config in configs:
+        try:
+            gemv_triton(x, weight, config)
+        except Launched:
+            print("found", config)
+    """
+)
+
+
+def test_recorded_launches_compile_into_the_cache(triton_ready: None, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.split("\n")
+    assert "compiled 2 0" in lines  # two variants (four launches), none failed
+    assert "found (16, 256, 4, 4)" in lines and "found (8, 128, 4, 2)" in lines
+
+
+def test_no_pool_runs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[int] = []
+    compile_ahead.compile_ahead(None, lambda: ran.append(1), "nothing")
+    assert ran == []
+    monkeypatch.setenv("TOKENPIPE_COMPILE_AHEAD", "0")
+    assert compile_ahead.start_compile_pool(4) is None
+    monkeypatch.delenv("TOKENPIPE_COMPILE_AHEAD")
+    assert compile_ahead.start_compile_pool(1) is None  # one process: no gain
+
+
+class TracingPool(compile_ahead.CompilePool):
+    """Runs each trace (no Triton on the CPU path: nothing to record)."""
+
+    def __init__(self) -> None:
+        self.processes, self.traces = 1, 0
+
+    def compile_launches(self, trace):  # type: ignore[no-untyped-def]
+        trace()
+        self.traces += 1
+        return 0, 0
+
+
+def test_graph_start_traces_its_warm_up_once_and_stores_nothing() -> None:
+    """The capture's warm-up runs once under the pool before the captures, on padding rows
+    only: the KV cache stays as made (the eager runners on the CPU take the same path)."""
+    import torch
+
+    from tests.worker.test_cuda_graphs import tiny_model
+    from worker.device.graphed_lm import GraphedCausalLM
+
+    model = tiny_model("cpu")
+    pool = TracingPool()
+    graphed = GraphedCausalLM(model, use_graphs=False, compiles=pool)
+    kv = graphed.make_kv_cache(4, 96)
+    assert pool.traces == 1
+    fresh = model.make_kv_cache(4, 96)
+    for got, want in zip(kv.layers, fresh.layers, strict=True):
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
