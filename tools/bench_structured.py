@@ -191,9 +191,9 @@ def worker_main(args: argparse.Namespace) -> None:
             out.append(req)
         return out
 
-    def ahead() -> dict[str, int]:
+    def ahead() -> dict[str, float]:
         stats = worker.ask({"op": "stats"}).get("stats", {})
-        return dict(stats.get("decode_ahead") or {})
+        return {**(stats.get("decode_ahead") or {}), **(stats.get("grammar") or {})}
 
     results: dict[str, list[float]] = {}
     try:
@@ -217,6 +217,7 @@ def worker_main(args: argparse.Namespace) -> None:
                         _, lines = worker.generate(reqs, args.timeout)
                         rate = window_rate(lines)
                         after = ahead()
+                        grew = {k: float(v) - float(before.get(k, 0)) for k, v in after.items()}
                         kind = "constrained" if constrained else "free"
                         results.setdefault(f"{case} x{batch} {kind}", []).append(rate["tok_s"])
                         schema = names[round_index % len(names)] if batch == 1 else "mixed"
@@ -225,8 +226,15 @@ def worker_main(args: argparse.Namespace) -> None:
                             + (f" ({schema})" if constrained else "")
                             + f": {rate['tok_s']:.1f} tok/s, tokens {rate['min_tokens']}-"
                             f"{rate['max_tokens']}, window {rate['window_s']:.2f}s, decode "
-                            f"ahead +{after.get('hits', 0) - before.get('hits', 0)} hits "
-                            f"+{after.get('misses', 0) - before.get('misses', 0)} misses"
+                            f"ahead +{grew.get('hits', 0):.0f} hits "
+                            f"+{grew.get('misses', 0):.0f} misses"
+                            + (
+                                f", masks: {grew.get('masked_steps', 0):.0f} steps, fill "
+                                f"{grew.get('mask_fill_ms', 0):.0f} ms, waited "
+                                f"{grew.get('mask_wait_ms', 0):.0f} ms"
+                                if constrained
+                                else ""
+                            )
                         )
                         if constrained and batch == sessions[0] and round_index == 0:
                             text = "".join(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -114,15 +115,24 @@ class GrammarCache:
 class MaskJob:
     """The bitmask [rows, words] int32 (CPU) of one step's sampling rows, being filled."""
 
-    def __init__(self, future: Future[torch.Tensor] | None, mask: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        future: Future[torch.Tensor] | None,
+        mask: torch.Tensor | None,
+        owner: Constraints | None = None,
+    ) -> None:
         self._future = future
         self._mask = mask
+        self._owner = owner
 
     def result(self) -> torch.Tensor | None:
         """The filled mask, or None when no row of the step is constrained."""
         if self._future is not None:
+            started = time.perf_counter()
             self._mask = self._future.result()
             self._future = None
+            if self._owner is not None:  # the step's wait: the fill outlasted the forward
+                self._owner.wait_s += time.perf_counter() - started
         return self._mask
 
 
@@ -146,6 +156,9 @@ class Constraints:
         self._pinned = torch.cuda.is_available()
         self._buffers: list[torch.Tensor] = []
         self._turn = 0
+        self.masks = 0  # steps with a constrained row
+        self.fill_s = 0.0  # time filling their masks (helper thread)
+        self.wait_s = 0.0  # time the steps waited for them (`MaskJob.result`)
 
     @property
     def words(self) -> int:
@@ -189,7 +202,8 @@ class Constraints:
             return NO_MASK
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return MaskJob(self._pool.submit(self._fill, len(keys), rows), None)
+        self.masks += 1
+        return MaskJob(self._pool.submit(self._fill, len(keys), rows), None, self)
 
     def _buffer(self, batch: int) -> torch.Tensor:
         self._turn ^= 1
@@ -201,7 +215,18 @@ class Constraints:
             ]
         return self._buffers[self._turn][:batch]
 
+    def stats(self) -> dict[str, Any]:
+        """The worker's `stats` figures of constrained decoding."""
+        return {
+            "masked_steps": self.masks,
+            "mask_fill_ms": round(self.fill_s * 1000, 1),
+            "mask_wait_ms": round(self.wait_s * 1000, 1),
+            "compiles": self.cache.compiles,
+            "cache_hits": self.cache.hits,
+        }
+
     def _fill(self, batch: int, rows: list[tuple[int, Any]]) -> torch.Tensor:
+        started = time.perf_counter()
         mask = self._buffer(batch)
         mask.fill_(-1)
         row_bytes = self.words * 4
@@ -220,6 +245,7 @@ class Constraints:
 
                 self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), row_bytes, batch)
+        self.fill_s += time.perf_counter() - started
         return mask
 
     def accept(self, key: int, token: int) -> bool:

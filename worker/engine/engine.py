@@ -876,6 +876,7 @@ class Engine:
             "resident_sessions": sum(s.slot is not None for s in self.pool.named.values()),
             "tiers": self._tier_stats(),
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else None,
+            "grammar": self.structured.stats(),
             "steps": self._steps,
             "generated_tokens": self._generated_tokens,
             "rss_bytes": psutil.Process().memory_info().rss,

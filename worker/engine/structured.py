@@ -49,6 +49,11 @@ class StructuredRows:
             self._constraints.close(key)
         self._pending.pop(key, None)
 
+    def stats(self) -> dict[str, Any] | None:
+        """Constrained decoding's figures (`Constraints.stats`); None before the first
+        constrained request."""
+        return self._constraints.stats() if self._constraints is not None else None
+
     def token_mask(self, keys: Sequence[int]) -> Callable[[], torch.Tensor | None] | None:
         if not self._constraints:
             return None
