@@ -5,6 +5,8 @@ logits, in process, before (the per-row sorting sampler this replaced) and now.
 
 Per case: host wall time of one call up to its ids on the host (`.tolist()`, the engine's
 one sync), and the GPU time between CUDA events around the call (median of --repeat).
+`--kernel-slots 0,1024` adds the GPU time of the Triton kernel alone per candidate-slot count
+(0: top-k by bisection, the kernel before compaction; 1024: the default).
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from worker.device.kernels.batched_sampling import (  # noqa: E402
+    RowSampling,
+    sample_rows_triton,
+    sampling_tensors,
+)
 from worker.engine.sampling import SamplingParams, make_generator, sample  # noqa: E402
 
 CASES = {
@@ -58,6 +65,23 @@ def sample_before(logits: torch.Tensor, params: list[SamplingParams], gens: list
     return out
 
 
+def kernel_ms(logits: torch.Tensor, params: SamplingParams, slots: int, repeat: int) -> float:
+    """Median GPU ms of the Triton kernel alone, `slots` candidate slots per row."""
+    batch = logits.shape[0]
+    row = RowSampling(params.temperature, params.top_k, params.top_p, params.min_p, seed=5)
+    tensors = sampling_tensors([row] * batch, list(range(batch)), logits.device)
+    times = []
+    for i in range(repeat + 3):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        sample_rows_triton(logits, *tensors, slots=slots)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -65,12 +89,16 @@ def main() -> int:
     p.add_argument("--batches", default="1,32")
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--scale", type=float, default=1.5, help="std of the random logits")
+    p.add_argument("--kernel-slots", default="", help="e.g. 0,1024: kernel-alone GPU columns")
     args = p.parse_args()
+    slot_counts = [int(n) for n in args.kernel_slots.split(",") if n]
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     print(f"device {torch.cuda.get_device_name(dev) if cuda else 'cpu'}, vocab {args.vocab}")
-    print("| batch | case | before: wall ms | before: GPU ms | now: wall ms | now: GPU ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    extra = "".join(f" kernel, {n} slots: GPU ms |" for n in slot_counts)
+    head = "| batch | case | before: wall ms | before: GPU ms | now: wall ms | now: GPU ms |"
+    print(head + extra)
+    print("| --- " * (6 + len(slot_counts)) + "|")
     for batch in (int(b) for b in args.batches.split(",")):
         logits = torch.randn(batch, args.vocab, device=dev) * args.scale
         for name, params in CASES.items():
@@ -100,6 +128,7 @@ def main() -> int:
                         if cuda:
                             gpus.append(start.elapsed_time(end))
                 figures += [statistics.median(walls), statistics.median(gpus) if gpus else math.nan]
+            figures += [kernel_ms(logits, params, n, args.repeat) for n in slot_counts]
             print(f"| {batch} | {name} | " + " | ".join(f"{f:.3f}" for f in figures) + " |")
     return 0
 

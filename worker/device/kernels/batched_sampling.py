@@ -3,7 +3,8 @@ Python loop over rows on the device, no host sync, no `torch.Generator`, so it r
 captured CUDA graph.
 
 The kept set of a row (temperature-scaled logits s, max m) is a threshold set:
-- top-k (0 = off): s >= the k-th largest s (found by bisection on the value: counts only);
+- top-k (0 = off): s >= the k-th largest s (found among the few elements >= a bound that the
+  first pass gives, or by bisection on the value: counts only; see `sampling_kernel`);
 - min-p (0 = off): s >= m + log(min_p), i.e. p >= min_p * p_max;
 - top-p (1 = off), on the distribution left by the first two: a token is kept when the mass
   of the tokens above it is < top_p (keeps >= 1 token).
@@ -109,11 +110,17 @@ def sample_rows_torch(
 # ------------------------------------------------------------------------- Triton (CUDA)
 
 
+CANDIDATE_SLOTS = 1024  # a row's top-k candidates kept in registers (more: bisection)
+BUCKETS = 256  # the first pass's bucket maxima: top-k by compaction for k <= this
+
+
 def sample_rows_triton(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+    slots: int = CANDIDATE_SLOTS,
 ) -> torch.Tensor:  # fmt: skip
-    """`sample_rows` by the Triton kernel (one program per row)."""
+    """`sample_rows` by the Triton kernel (one program per row). `slots`: how many top-k
+    candidates a row may compact before it falls back to bisection (0: always bisection)."""
     from worker.device.kernels.sampling_kernel import sample_kernel
 
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -123,9 +130,14 @@ def sample_rows_triton(
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     block = 4096 if vocab >= 4096 else max(16, 1 << (vocab - 1).bit_length())
+    width = max(16, 1 << (max(slots, 1) - 1).bit_length())  # registers for the candidates
+    # scratch of the compaction (inside a CUDA graph: from the graph's pool, fixed addresses)
+    cand_val = torch.empty((batch, width), dtype=torch.float32, device=logits.device)
+    cand_id = torch.empty((batch, width), dtype=torch.int32, device=logits.device)
     sample_kernel[(batch,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, counters, out,
-        vocab, BLOCK=block, MAX_TRIES=MAX_ATTEMPTS, num_warps=8 if block >= 2048 else 4,
+        cand_val, cand_id, slots, vocab, BLOCK=block, BUCKETS=min(BUCKETS, block), SLOTS=width,
+        MAX_TRIES=MAX_ATTEMPTS, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return out
 

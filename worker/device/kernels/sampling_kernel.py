@@ -1,5 +1,16 @@
 """The Triton kernel of `worker.device.kernels.batched_sampling.sample_rows` (see its module
-doc for the algorithm): one program per row, a few passes over the row's logits, no sort."""
+doc for the algorithm): one program per row, a few passes over the row's logits, no sort of
+the row.
+
+Top-k (k <= BUCKETS) by compaction: the first pass also keeps the maximum of each of BUCKETS
+disjoint buckets of the row; each is a distinct element, so at least k elements are >= the
+k-th largest bucket maximum (`bound`), and the k-th largest value is >= it. One more pass
+copies the elements >= bound (the scaled value and the id, in index order) into the row's
+candidate slots; when they fit, the k-th value and the draw come from those few registers
+(a radix select over the candidates' values, the inverse-CDF scan over the candidates in
+index order, the top-p rejection likewise). Otherwise, or for k > BUCKETS, the k-th value is
+found by bisection (a counting pass per step, from `bound` up) and the draw scans the row.
+"""
 
 from __future__ import annotations
 
@@ -26,12 +37,160 @@ def row_key(seed, counter):
 
 
 @triton.jit
+def draw_target(key, attempt, mass):
+    """u * mass for the uniform u of (key, attempt)."""
+    bits = mix32(key ^ attempt.to(tl.uint32))
+    return ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0) * mass
+
+
+@triton.jit
+def kth_largest(values, k):
+    """The k-th largest (1-based) of `values` (a float32 vector; -inf padding counts as values),
+    exactly: a radix select, one count per bit of an order-preserving integer key."""
+    sign = tl.full((), 0x80000000, tl.uint32)
+    bits = values.to(tl.int32, bitcast=True)
+    keys = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.uint32, bitcast=True) ^ sign
+    found = tl.full((), 0, tl.uint32)  # the largest t with count(keys >= t) >= k, bit by bit
+    for bit in tl.static_range(31, -1, -1):
+        trial = found | tl.full((), 1 << bit, tl.uint32)
+        found = tl.where(tl.sum((keys >= trial).to(tl.int32), 0) >= k, trial, found)
+    bits = (found ^ sign).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def compact_candidates(
+    base, vocab, inv_t, bound, cand_val, cand_id, slots, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Copy the finite scaled values >= bound and their ids into the first `slots` candidate
+    slots, in index order. Returns how many there are (may exceed `slots`)."""
+    offs = tl.arange(0, BLOCK)
+    count = tl.full((), 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + offs
+        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32) * inv_t
+        take = (s >= bound) & (s > -float("inf"))
+        taken = tl.sum(take.to(tl.int32), 0)
+        if taken > 0:
+            pos = count + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(cand_val + pos, s, mask=take & (pos < slots))
+            tl.store(cand_id + pos, idx, mask=take & (pos < slots))
+        count += taken
+    tl.debug_barrier()  # the slots are read back by other threads of this program
+    return count
+
+
+@triton.jit
+def draw_from_candidates(
+    cand_val, cand_id, count, top_k, floor, top, top_p, key, arg,
+    SLOTS: tl.constexpr, MAX_TRIES: tl.constexpr,
+):  # fmt: skip
+    """The draw of the row over its `count` candidates (every element that the top-k filter
+    can keep, in index order): the k-th value, min-p floor, inverse CDF, top-p rejection."""
+    j = tl.arange(0, SLOTS)
+    used = j < count
+    v = tl.load(cand_val + j, mask=used, other=-float("inf"))  # [SLOTS] scaled logits
+    ids = tl.load(cand_id + j, mask=used, other=0)
+    floor = tl.maximum(floor, kth_largest(v, top_k))
+    live = used & (v >= floor)  # the candidates of this attempt
+    w = tl.where(live, tl.exp(v - top), 0.0)
+    total = tl.sum(w, 0)
+    mass = total
+    attempt = tl.full((), 0, tl.int32)
+    searching = attempt + 1
+    token = arg
+    while searching > 0:
+        target = draw_target(key, attempt, mass)
+        reached = tl.sum((tl.cumsum(w, 0) >= target).to(tl.int32), 0)
+        last = tl.max(tl.where(live, j, -1), 0)
+        pick = tl.where(reached > 0, SLOTS - reached, last)  # rounding: u * Z past the sum
+        token = tl.sum(tl.where(j == pick, ids, 0), 0)
+        searching = attempt * 0
+        if top_p < 1.0:
+            s_token = tl.max(tl.where(j == pick, v, -float("inf")), 0)
+            live = live & (v > s_token)
+            w = tl.where(live, w, 0.0)
+            above = tl.sum(w, 0)
+            accepted = above < top_p * total
+            mass = above
+            attempt += 1
+            token = tl.where(accepted | (attempt < MAX_TRIES), token, arg)
+            searching = tl.where(accepted | (attempt >= MAX_TRIES), 0, 1)
+    return token
+
+
+@triton.jit
+def draw_from_row(
+    base, vocab, inv_t, floor, top, total_all, top_p, key, arg,
+    BLOCK: tl.constexpr, MAX_TRIES: tl.constexpr,
+):  # fmt: skip
+    """The draw of the row over all its elements s >= floor: inverse CDF, top-p rejection."""
+    offs = tl.arange(0, BLOCK)
+    zero_f = tl.full((), 0.0, tl.float32)
+    zero_i = tl.full((), 0, tl.int32)
+    total = total_all
+    if floor > -float("inf"):
+        total = zero_f
+        for start in range(0, vocab, BLOCK):
+            idx = start + offs
+            s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
+            s = s.to(tl.float32) * inv_t
+            total += tl.sum(tl.where(s >= floor, tl.exp(s - top), 0.0), 0)
+    above_of = zero_f - float("inf")  # candidates: s >= floor and s > above_of
+    mass = total  # their mass
+    attempt = zero_i
+    searching = zero_i + 1
+    token = arg
+    while searching > 0:
+        target = draw_target(key, attempt, mass)
+        carry = zero_f
+        token = zero_i - 1
+        last = arg
+        start = zero_i
+        while (start < vocab) & (token < 0):
+            idx = start + offs
+            s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
+            s = s.to(tl.float32) * inv_t
+            keep = (s >= floor) & (s > above_of)
+            w = tl.where(keep, tl.exp(s - top), 0.0)
+            running = tl.cumsum(w, 0) + carry
+            reached = tl.sum((running >= target).to(tl.int32), 0)
+            token = tl.where(reached > 0, start + BLOCK - reached, token)
+            last = tl.maximum(last, tl.max(tl.where(keep, idx, -1), 0))
+            carry += tl.sum(w, 0)
+            start += BLOCK
+        token = tl.where(token < 0, last, token)  # rounding: u * Z past the sum
+        searching = zero_i
+        if top_p < 1.0:
+            s_token = tl.load(base + token).to(tl.float32) * inv_t
+            above = zero_f
+            for start2 in range(0, vocab, BLOCK):
+                idx = start2 + offs
+                s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
+                s = s.to(tl.float32) * inv_t
+                above += tl.sum(tl.where((s >= floor) & (s > s_token),
+                                         tl.exp(s - top), 0.0), 0)  # fmt: skip
+            accepted = above < top_p * total
+            above_of = s_token
+            mass = above
+            attempt += 1
+            token = tl.where(accepted | (attempt < MAX_TRIES), token, arg)
+            searching = tl.where(accepted | (attempt >= MAX_TRIES), 0, 1)
+    return token
+
+
+@triton.jit
 def sample_kernel(
     logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, counter_ptr,
-    out_ptr, vocab, BLOCK: tl.constexpr, MAX_TRIES: tl.constexpr,
+    out_ptr, cand_val_ptr, cand_id_ptr, slots, vocab,
+    BLOCK: tl.constexpr, BUCKETS: tl.constexpr, SLOTS: tl.constexpr, MAX_TRIES: tl.constexpr,
 ):  # fmt: skip
+    """cand_val / cand_id: [rows, SLOTS] float32 / int32 scratch, of which the first `slots`
+    (<= SLOTS) are used (0: no compaction, top-k always by bisection)."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
+    cand_val = cand_val_ptr + row.to(tl.int64) * SLOTS
+    cand_id = cand_id_ptr + row.to(tl.int64) * SLOTS
     temperature = tl.load(temp_ptr + row)
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
@@ -41,11 +200,12 @@ def sample_kernel(
     offs = tl.arange(0, BLOCK)
     zero_f = tl.full((), 0.0, tl.float32)
     zero_i = tl.full((), 0, tl.int32)
-    # pass 1: max, argmax, min and the normaliser of the whole row (online)
+    # pass 1: max, argmax, lowest finite value, normaliser (online), each lane's max
     top = zero_f - float("inf")
     low = zero_f + float("inf")
     arg = zero_i
     total_all = zero_f
+    lane_top = tl.full((BLOCK,), -float("inf"), tl.float32)  # lane i: elements i mod BLOCK
     for start in range(0, vocab, BLOCK):
         idx = start + offs
         valid = idx < vocab
@@ -56,77 +216,46 @@ def sample_kernel(
         new_top = tl.maximum(top, block_top)
         total_all = total_all * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top), 0)
         top = new_top
-        low = tl.minimum(low, tl.min(tl.where(valid, s, float("inf")), 0))
+        low = tl.minimum(low, tl.min(tl.where(s > -float("inf"), s, float("inf")), 0))
+        lane_top = tl.maximum(lane_top, s)
     picked = arg
     if sampling:
         floor = tl.where(min_p > 0.0, top + tl.log(tl.maximum(min_p, 1e-30)), -float("inf"))
+        count = zero_i - 1  # candidates in the slots (-1: none, draw from the row)
         if (top_k > 0) & (top_k < vocab):
-            # bisection for the k-th largest value: count(s >= lo) >= k > count(s >= hi)
             lo = tl.maximum(floor, low)
-            hi = top + 1.0
-            count = top_k + 1  # unknown: != top_k
-            tries = zero_i
-            while (count != top_k) & (tries < 64):
-                mid = lo + (hi - lo) * 0.5
-                count = top_k * 0
-                for start in range(0, vocab, BLOCK):
-                    idx = start + offs
-                    s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-                    count += tl.sum((s.to(tl.float32) * inv_t >= mid).to(tl.int32), 0)
-                stuck = (mid <= lo) | (mid >= hi)  # no float between lo and hi
-                lo = tl.where(count >= top_k, mid, lo)
-                hi = tl.where(count >= top_k, hi, mid)
-                tries = tl.where(stuck, 64, tries + 1)
-            floor = tl.maximum(floor, lo)
-        total = total_all
-        if floor > -float("inf"):
-            total = zero_f
-            for start in range(0, vocab, BLOCK):
-                idx = start + offs
-                s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-                s = s.to(tl.float32) * inv_t
-                total += tl.sum(tl.where(s >= floor, tl.exp(s - top), 0.0), 0)
+            if (top_k <= BUCKETS) & (slots > 0):
+                bucket_top = tl.max(tl.reshape(lane_top, (BUCKETS, BLOCK // BUCKETS)), 1)
+                bound = kth_largest(bucket_top, top_k)
+                count = compact_candidates(
+                    base, vocab, inv_t, bound, cand_val, cand_id, slots, BLOCK
+                )  # fmt: skip
+                lo = tl.maximum(lo, bound)
+                count = tl.where(count <= slots, count, -1)
+            if count < 0:
+                # bisection for the k-th largest value: count(s >= lo) >= k > count(s >= hi)
+                hi = top + 1.0
+                above_lo = top_k + 1  # unknown: != top_k
+                tries = zero_i
+                while (above_lo != top_k) & (tries < 64):
+                    mid = lo + (hi - lo) * 0.5
+                    above_lo = top_k * 0
+                    for start in range(0, vocab, BLOCK):
+                        idx = start + offs
+                        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
+                        above_lo += tl.sum((s.to(tl.float32) * inv_t >= mid).to(tl.int32), 0)
+                    stuck = (mid <= lo) | (mid >= hi)  # no float between lo and hi
+                    lo = tl.where(above_lo >= top_k, mid, lo)
+                    hi = tl.where(above_lo >= top_k, hi, mid)
+                    tries = tl.where(stuck, 64, tries + 1)
+                floor = tl.maximum(floor, lo)
         key = row_key(tl.load(seed_ptr + row), tl.load(counter_ptr + row))
-        above_of = zero_f - float("inf")  # candidates: s >= floor and s > above_of
-        mass = total  # their mass
-        attempt = zero_i
-        searching = zero_i + 1
-        token = arg
-        while searching > 0:
-            bits = mix32(key ^ attempt.to(tl.uint32))
-            target = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0) * mass
-            carry = zero_f
-            token = zero_i - 1
-            last = arg
-            start = zero_i
-            while (start < vocab) & (token < 0):
-                idx = start + offs
-                s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-                s = s.to(tl.float32) * inv_t
-                keep = (s >= floor) & (s > above_of)
-                w = tl.where(keep, tl.exp(s - top), 0.0)
-                running = tl.cumsum(w, 0) + carry
-                reached = tl.sum((running >= target).to(tl.int32), 0)
-                token = tl.where(reached > 0, start + BLOCK - reached, token)
-                last = tl.maximum(last, tl.max(tl.where(keep, idx, -1), 0))
-                carry += tl.sum(w, 0)
-                start += BLOCK
-            token = tl.where(token < 0, last, token)  # rounding: u * Z past the sum
-            searching = zero_i
-            if top_p < 1.0:
-                s_token = tl.load(base + token).to(tl.float32) * inv_t
-                above = zero_f
-                for start2 in range(0, vocab, BLOCK):
-                    idx = start2 + offs
-                    s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-                    s = s.to(tl.float32) * inv_t
-                    above += tl.sum(tl.where((s >= floor) & (s > s_token),
-                                             tl.exp(s - top), 0.0), 0)  # fmt: skip
-                accepted = above < top_p * total
-                above_of = s_token
-                mass = above
-                attempt += 1
-                token = tl.where(accepted | (attempt < MAX_TRIES), token, arg)
-                searching = tl.where(accepted | (attempt >= MAX_TRIES), 0, 1)
-        picked = token
+        if count >= 0:
+            picked = draw_from_candidates(
+                cand_val, cand_id, count, top_k, floor, top, top_p, key, arg, SLOTS, MAX_TRIES
+            )  # fmt: skip
+        else:
+            picked = draw_from_row(
+                base, vocab, inv_t, floor, top, total_all, top_p, key, arg, BLOCK, MAX_TRIES
+            )  # fmt: skip
     tl.store(out_ptr + row, picked.to(tl.int64))
