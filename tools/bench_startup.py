@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-sessions", type=int, default=9)
     p.add_argument("--max-context", type=int, default=8192)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--quantize", default=None, help="passed to tokenpipe run (int8, int4)")
     p.add_argument("--no-restart", action="store_true",
                    help="stop after the first generation (no kill -9 and restart)")  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         model_args = ["--model", str(directory), "--random-weights",
                       "--tokenizer_path", str(directory / "tokenizer.json")]  # fmt: skip
     placement = ["--workers", "1"] if args.device == "cpu" else []  # cuda: one per GPU
+    if args.quantize:
+        placement += ["--quantize", args.quantize]
     sup = Supervisor(
         [*model_args, *placement, "--max-sessions", str(args.max_sessions),
          "--max-context", str(args.max_context)],
