@@ -30,10 +30,11 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, wait
 from typing import Any
 
 MAX_PROCESSES = 16
+WAIT_SECONDS = 120.0  # a compile still running then is left to the start-up's own pass
 
 
 class CompilePool:
@@ -46,6 +47,7 @@ class CompilePool:
     def compile_launches(self, trace: Callable[[], object]) -> tuple[int, int]:
         """Run `trace` with the launches of uncompiled kernel variants skipped; compile those
         variants on the pool. -> (variants, failed), once every compile has ended."""
+        import torch
         import triton
         from triton import knobs
 
@@ -60,19 +62,23 @@ class CompilePool:
 
         previous = knobs.runtime.jit_cache_hook
         knobs.runtime.jit_cache_hook = record
-        try:
-            trace()
-        except Exception as exc:  # noqa: BLE001 - the real pass runs the same code and says
-            _log(f"compile_ahead: the trace stopped early ({exc!r})")
-        finally:
-            knobs.runtime.jit_cache_hook = previous
+        # the trace leaves the random state as it found it (a timing run draws its inputs)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            try:
+                trace()
+            except Exception as exc:  # noqa: BLE001 - the real pass runs the same code and says
+                _log(f"compile_ahead: the trace stopped early ({exc!r})")
+            finally:
+                knobs.runtime.jit_cache_hook = previous
         target = triton.runtime.driver.active.get_current_target()
         futures = [self._executor.submit(compile_variant, spec, target) for spec in recorded]
-        failed = [future.exception() for future in futures]
-        errors = [exc for exc in failed if exc is not None]
-        if errors:
-            _log(f"compile_ahead: {len(errors)} variants left to the start-up: {errors[0]!r}")
-        return len(recorded), len(errors)
+        done, late = wait(futures, timeout=WAIT_SECONDS)
+        errors = [f.exception() for f in done if f.exception() is not None]
+        if errors or late:
+            first = repr(errors[0]) if errors else f"{len(late)} still compiling"
+            _log(f"compile_ahead: {len(errors) + len(late)} variants left to the start-up: {first}")
+        return len(recorded), len(errors) + len(late)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
