@@ -30,10 +30,13 @@ from worker.device.kernels.gemv import graph_seconds as graph_time  # noqa: E402
 from worker.layers import quant as Q  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# GEMV (BLOCK_C words, programs wanted, num_warps, rows unrolled); GEMM (BLOCK_C, BLOCK_K,
+# num_warps, num_stages): quant_matmul's config tuples
 GEMV_SWEEP = [
-    (n, k, w, s) for n in (32, 64, 128) for k in (256, 512, 1024) for w in (4, 8) for s in (1, 3)
-]
-GEMM_SWEEP = [(n, k, w, s) for n in (64, 128) for k in (128, 256) for w in (4, 8) for s in (2, 3)]
+    (c, p, w, u) for c, w in ((128, 1), (256, 1), (256, 2), (512, 4)) for p in (132, 264, 528)
+    for u in (8, 32)
+]  # fmt: skip
+GEMM_SWEEP = [(c, k, w, s) for c in (16, 32, 64) for k in (32, 64) for w in (4, 8) for s in (2, 3)]
 
 
 def model_shapes(config_path: Path) -> list[tuple[str, int, int, int]]:

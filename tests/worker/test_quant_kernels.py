@@ -44,41 +44,42 @@ def test_quant_linear_matches_the_reference(kind: str, group: int, rows: int) ->
 
 
 @pytest.mark.parametrize(("kind", "group"), FORMATS)
-def test_k_major_rows_and_dequantize_match_the_reference(kind: str, group: int) -> None:
+@pytest.mark.parametrize("n", [37, 40])
+def test_k_major_rows_and_dequantize_match_the_reference(kind: str, group: int, n: int) -> None:
     from worker.device.kernels.quant_matmul import KMajorWeight, dequantize_triton
 
-    qw = _qw(kind, group, n=37, k=group * 3)
+    qw = _qw(kind, group, n=n, k=group * 3)
     packed = KMajorWeight.pack(qw)
-    assert packed.words.dtype == torch.int32 and packed.nbytes == qw.nbytes
-    ids = torch.tensor([0, 36, 5, 5]).to(DEVICE)
+    per_word = packed.per_word
+    columns = -(-n // per_word)  # N padded to whole words: 37 -> 40
+    assert packed.words.dtype == torch.int32 and packed.words.shape == (group * 3, columns)
+    assert packed.scales.shape == (3, per_word, columns)
+    assert (packed.nbytes == qw.nbytes) == (n % per_word == 0)
+    ids = torch.tensor([0, n - 1, 5, 5]).to(DEVICE)
     torch.testing.assert_close(packed.rows(ids, torch.float32), qw.rows(ids).dequantize())
     torch.testing.assert_close(dequantize_triton(packed, torch.float32), qw.dequantize().T)
 
 
-def test_each_path_and_bad_inputs() -> None:
+def test_gemv_codes_at_every_bit_position_and_extreme_inputs() -> None:
+    """The GEMV reads each code as a denormal fp32 (word & mask) times x scaled by 2^64: every
+    code value at every position of a word, int8's most negative and positive codes, and x
+    values from tiny to large must give the reference exactly (to fp32 rounding)."""
     from worker.device.kernels import quant_matmul as qm
 
-    qw = _qw("int4", 32, n=48, k=256)
-    packed = qm.KMajorWeight.pack(qw)
-    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    want = x @ qw.dequantize().T
-    for split in (1, 3, 4):  # K = 32 words: splits of uneven and of no work
-        got = qm.qgemv(x, packed, (16, 64, 4, 1), split=split)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert qm.split_for(5376, 21504, 32, 256, 8) == 4  # few outputs: split
-    assert qm.split_for(262144, 5376, 64, 256, 8) == 1
-    torch.testing.assert_close(qm.qgemm(x, packed, (16, 128, 4, 1)), want, rtol=1e-4, atol=1e-4)
-    bias = torch.arange(48, dtype=torch.float32).to(DEVICE)
-    torch.testing.assert_close(
-        qm.quant_linear(x.view(2, 2, 256), packed, bias), (want + bias).view(2, 2, 48),
-        rtol=1e-4, atol=1e-4,
-    )  # fmt: skip
-    with pytest.raises(ValueError):
-        qm.qgemv(torch.randn(5, 256).to(DEVICE), packed)
-    with pytest.raises(ValueError):
-        qm.qgemm(torch.randn(2, 128).to(DEVICE), packed)
-    with pytest.raises(ValueError, match="power-of-two"):
-        qm.KMajorWeight.pack(_qw("int8", 0, n=8, k=48))  # per channel: group 48
+    for kind, levels in (("int4", 16), ("int8", 256)):
+        qw = _qw(kind, 32, n=64, k=64)
+        codes = torch.arange(64 * 64).reshape(64, 64) % levels  # every value, every position
+        if kind == "int4":
+            qw.qdata = Q.pack_nibbles(codes.to(torch.uint8)).to(DEVICE)
+        else:
+            qw.qdata = (codes - 128).to(torch.int8).to(DEVICE)
+        packed = qm.KMajorWeight.pack(qw)
+        for scale in (1e-15, 1.0, 1e6):  # tiny: products stay normal floats
+            x = (torch.randn(1, 64, generator=torch.Generator().manual_seed(3)) * scale).to(DEVICE)
+            want = x @ qw.dequantize().T
+            for split in (1, 2):
+                got = qm.qgemv(x, packed, (16, 1, 1, 8), split=split)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_pack_for_device_routes_layers_and_shares_a_tied_table(

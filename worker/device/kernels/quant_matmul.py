@@ -4,28 +4,35 @@
     y = quant_linear(x, packed)        # x [M, K] bf16/fp16/fp32 -> [M, N]
 
 The canonical layout of ``worker.layers.quant`` (row-major codes) is repacked for the GPU
-into a **K-major** one: codes in int32 words [K / P, N], word (w, n) holding the P codes of
-k = P*w .. P*w + P - 1 of output n (int4: P = 8 nibbles, code i at bits 4i..4i+3; int8:
-P = 4 signed bytes), and the fp16 scales (and int4 offsets) transposed to [K / g, N].
-Consecutive threads read consecutive outputs (coalesced along N); each loaded word feeds P
-multiply-adds against one shared x value each, so a weight costs an extract, a convert and
-an FMA; a group's scale and offset apply once per word row, to the sums
-``sum code * x`` and ``sum x`` (``w = code * scale + offset``). A first version walked the
-row-major codes and reached only 0.9-1.5 TB/s on an H200 (instruction-bound on unpacking
-and strided x loads: BENCHMARKS.md).
+into a **K-major, output-interleaved** one: codes in int32 words [K, N / P], word (k, c)
+holding the codes of outputs P*c .. P*c + P - 1 at input k (int4: P = 8 nibbles, output
+P*c + i at bits 4i..4i+3; int8: P = 4 bytes), and the fp16 scales (and int4 offsets) as
+[K / g, P, N / P] (position-major: the scales of one code position are contiguous). N is
+padded to a multiple of P with zero codes (outputs never stored).
+
+A word shares its input k, so one x value feeds all P codes of a loaded word, and a code
+becomes an fp32 operand in **one instruction**: ``word & mask`` read as an fp32 is the code
+times a power of two (a denormal, code * 2^(a - 149) for the code at bits a..; codes above
+bit 23 come from ``word >> 8``). The multiply-add against x (scaled by 2^90, exact) is exact
+and denormals are kept by fp32 FMA (Triton emits no flush-to-zero), so a weight costs an AND
+and an FMA; each group's scale (times the power of two back) and offset apply once per
+group to the sums ``sum code * x`` and ``sum x`` (``w = code * scale + offset``; int8 codes
+are stored offset by 128 and the 128 * scale * sum x taken back). The previous layout (words
+along K) needed a shift, a mask, an OR and a subtract per weight and a scalar x load per
+code: ~8.4 instructions per weight against ~3 now (SASS counts in BENCHMARKS.md).
 
 Three paths, by the number of rows M:
 
-- **GEMV, M <= 4** (batch-1..4 decode): CUDA cores, fp32 accumulation, every row of x
-  against each loaded word.
-- **GEMM, 4 < M <= GEMM_MAX_ROWS** (decode batches): per code position p of the word, the
-  [BLOCK_K / P, BLOCK_N] weights dequantized in registers to x's dtype and multiplied on the
-  tensor cores against x's columns P*w + p (``tl.dot``), so no interleave is ever built.
+- **GEMV, M == 1** (batch-1 decode): CUDA cores, fp32 accumulation, K split over programs
+  for matrices of few outputs (partial sums added in a fixed order: deterministic).
+- **GEMM, 1 < M <= GEMM_MAX_ROWS** (decode batches): per code position p, the
+  [K tile, N / P tile] weights dequantized in registers (an AND and an FMA with the scale,
+  then x's dtype) and multiplied on the tensor cores (``tl.dot``) into the outputs P*c + p.
 - **Longer inputs** (prefill chunks): the weight dequantized into a [K, N] scratch of x's
   dtype by one kernel, then cuBLAS; the dequantization costs ~2.5 bytes per weight per
   chunk, small against a chunk's matmul.
 
-Each weight is ``code * scale (+ offset)`` in fp32 as in the reference
+Every weight is ``code * scale (+ offset)`` in fp32 as in the reference
 (``worker.layers.quant.dequantize``). This module imports Triton: import it only after
 ``worker.device.kernels.triton_available()``.
 """
@@ -46,24 +53,25 @@ import triton.language as tl
 
 from worker.layers.quant import INT4, QuantizedWeight, unpack_nibbles
 
-GEMV_MAX_ROWS = 4
+GEMV_MAX_ROWS = 1
 GEMM_MAX_ROWS = 64
-# (BLOCK_N, BLOCK_K, num_warps, num_stages); tools/bench_quant_kernels.py --sweep
-GEMV_CONFIG = (32, 256, 8, 3)
-GEMM_CONFIG = (64, 128, 4, 3)  # BLOCK_M from M
-PACK_ROWS = 4096  # rows repacked at a time: bounds the int32 temporaries
+# GEMV: (BLOCK_C words, programs wanted (K split to reach them), num_warps, rows unrolled);
+# GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages)
+GEMV_CONFIG = (256, 264, 2, 8)
+GEMM_CONFIG = (32, 32, 4, 3)
+PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 
 
 @dataclass
 class KMajorWeight:
-    """A quantized [N, K] weight in the GPU's K-major layout (module docstring)."""
+    """A quantized [N, K] weight in the GPU's layout (module docstring)."""
 
     kind: str
     shape: tuple[int, int]
     group_size: int
-    words: torch.Tensor  # int32 [K / P, N]
-    scales: torch.Tensor  # fp16 [K / g, N]
-    offsets: torch.Tensor | None  # fp16 [K / g, N], int4 only
+    words: torch.Tensor  # int32 [K, N / P] (N padded to a multiple of P)
+    scales: torch.Tensor  # fp16 [K / g, P, N / P]
+    offsets: torch.Tensor | None  # fp16 [K / g, P, N / P], int4 only
     # tile configs timed for this matrix on this GPU (choose_configs); None: the defaults
     gemv_config: tuple[int, int, int, int] | None = None
     gemm_config: tuple[int, int, int, int] | None = None
@@ -73,13 +81,18 @@ class KMajorWeight:
         return 8 if self.kind == INT4 else 4
 
     @property
+    def columns(self) -> int:
+        """Word columns C = N / P (N padded up)."""
+        return self.words.shape[1]
+
+    @property
     def nbytes(self) -> int:
         parts = [self.words, self.scales] + ([self.offsets] if self.offsets is not None else [])
         return sum(t.numel() * t.element_size() for t in parts)
 
     @staticmethod
     def supports(qw: QuantizedWeight) -> bool:
-        """Groups of a power of two from 8 up (a word never straddles two groups)."""
+        """Groups of a power of two from 8 up."""
         group = qw.group_size
         return group >= 8 and group & (group - 1) == 0
 
@@ -90,50 +103,60 @@ class KMajorWeight:
             group = qw.group_size
             raise ValueError(f"K-major packing needs a power-of-two group >= 8, got {group}")
         per_word = 8 if qw.kind == INT4 else 4
-        columns = []
+        bits = 32 // per_word
+        columns = triton.cdiv(n, per_word)
+        device = qw.qdata.device
+        words = torch.zeros((k, columns), dtype=torch.int32, device=device)
         for start in range(0, n, PACK_ROWS):
+            stop = min(start + PACK_ROWS, n)
             if qw.kind == INT4:
-                codes = unpack_nibbles(qw.qdata[start : start + PACK_ROWS]).to(torch.int32)
-                bits = 4
-            else:
-                codes = qw.qdata[start : start + PACK_ROWS].to(torch.int32) & 0xFF
-                bits = 8
-            codes = codes.view(codes.shape[0], k // per_word, per_word)
-            word = torch.zeros(codes.shape[:2], dtype=torch.int32, device=codes.device)
+                codes = unpack_nibbles(qw.qdata[start:stop]).to(torch.int32)
+            else:  # signed bytes stored offset by 128 (the kernels take 128 * scale back)
+                codes = (qw.qdata[start:stop].to(torch.int32) + 128) & 0xFF
+            first, last = start // per_word, triton.cdiv(stop, per_word)
+            block = torch.zeros(((last - first) * per_word, k), dtype=torch.int32, device=device)
+            block[: stop - start] = codes
+            block = block.view(last - first, per_word, k)
+            word = torch.zeros((last - first, k), dtype=torch.int32, device=device)
             for position in range(per_word):
-                word |= codes[:, :, position] << (bits * position)
-            columns.append(word.t())
-        words = torch.cat(columns, dim=1).contiguous()  # [K / P, N]
-        offsets = None if qw.offsets is None else qw.offsets.t().contiguous()
+                word |= block[:, position] << (bits * position)
+            words[:, first:last] = word.t()
+
+        def by_position(meta: torch.Tensor) -> torch.Tensor:  # [N, K / g] -> [K / g, P, C]
+            padded = meta.new_zeros((columns * per_word, meta.shape[1]))
+            padded[:n] = meta
+            return padded.t().reshape(-1, columns, per_word).transpose(1, 2).contiguous()
+
+        offsets = None if qw.offsets is None else by_position(qw.offsets)
         return KMajorWeight(
-            qw.kind, qw.shape, qw.group_size, words, qw.scales.t().contiguous(), offsets
+            qw.kind, qw.shape, qw.group_size, words, by_position(qw.scales), offsets
         )
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` [T] of the dequantized weight -> [T, K] (an embedding lookup from a
-        table shared with the LM head; plain torch ops over the T columns)."""
-        n, k = self.shape
-        words = self.words[:, ids]  # [K / P, T]
-        bits = 32 // self.per_word
-        shifts = torch.arange(self.per_word, device=words.device, dtype=torch.int32) * bits
-        if self.kind == INT4:
-            codes = (words.unsqueeze(1) >> shifts.view(1, -1, 1)) & 0xF
-        else:  # signed bytes: shift each to the top, then arithmetic shift down
-            codes = (words.unsqueeze(1) << (24 - shifts).view(1, -1, 1)) >> 24
-        codes = codes.reshape(k, -1).t().float()  # [T, K]
+        table shared with the LM head; plain torch ops over the T outputs)."""
+        per_word = self.per_word
+        bits = 32 // per_word
+        column, position = ids // per_word, ids % per_word
+        words = self.words[:, column]  # [K, T]
+        codes = (words >> (bits * position).to(torch.int32)) & ((1 << bits) - 1)
+        if self.kind != INT4:
+            codes = codes - 128
         group = self.group_size
-        scales = self.scales[:, ids].t().float().repeat_interleave(group, dim=1)
-        out = codes * scales
+        scales = self.scales[:, position, column].t().float()  # [T, K / g]
+        out = codes.t().float() * scales.repeat_interleave(group, dim=1)
         if self.offsets is not None:
-            out = out + self.offsets[:, ids].t().float().repeat_interleave(group, dim=1)
+            offsets = self.offsets[:, position, column].t().float()
+            out = out + offsets.repeat_interleave(group, dim=1)
         return out.to(dtype)
 
 
 @triton.jit
 def _extract(word, position, INT4_KIND: tl.constexpr):
-    """Code ``position`` of each int32 word, as fp32. Without an integer-to-float conversion
-    (a quarter-rate instruction on Hopper that capped the kernels at ~2 TB/s): the code goes
-    into the mantissa of 2^23 and 2^23 (+ 128, for int8's sign flip) is subtracted, exact."""
+    """Code ``position`` of words packed along K (the experts' layout of
+    ``worker.layers.quant_experts``), as fp32. Without an integer-to-float conversion (a
+    quarter-rate instruction on Hopper): the code goes into the mantissa of 2^23 and 2^23
+    (+ 128, for int8's sign flip) is subtracted, exact."""
     if INT4_KIND:
         bits = ((word >> (4 * position)) & 15) | 0x4B000000
         return bits.to(tl.float32, bitcast=True) - 8388608.0
@@ -142,83 +165,146 @@ def _extract(word, position, INT4_KIND: tl.constexpr):
 
 
 @triton.jit
+def _code(low, high, p: tl.constexpr, INT4_KIND: tl.constexpr):
+    """Code p of each word as the fp32 code * 2^(a_p - 149), exactly (a denormal; a_p in
+    `_unscale`). ``high`` is ``low >> 8``: the codes above bit 23 move down to bits 16..23."""
+    if INT4_KIND:
+        if p < 6:
+            bits = low & (15 << (4 * p))
+        else:
+            bits = high & (15 << (4 * p - 8))
+    else:
+        if p < 3:
+            bits = low & (255 << (8 * p))
+        else:
+            bits = high & (255 << 16)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unscale(p: tl.constexpr, INT4_KIND: tl.constexpr):
+    """2^(59 - a_p): a `_code` (code * 2^(a_p - 149)) times an x scaled by 2^90, times this,
+    is code * x (a_p: the code's lowest bit, 4p / 8p, or 16 / 20 for the codes taken from
+    ``high``)."""
+    if INT4_KIND:
+        if p == 0:
+            u = 5.764607523034235e17  # 2^59
+        elif p == 1:
+            u = 3.602879701896397e16  # 2^55
+        elif p == 2:
+            u = 2251799813685248.0  # 2^51
+        elif p == 3:
+            u = 140737488355328.0  # 2^47
+        elif p == 4:
+            u = 8796093022208.0  # 2^43
+        elif p == 5:
+            u = 549755813888.0  # 2^39
+        elif p == 6:
+            u = 8796093022208.0  # 2^43
+        else:
+            u = 549755813888.0  # 2^39
+    else:
+        if p == 0:
+            u = 5.764607523034235e17  # 2^59
+        elif p == 1:
+            u = 2251799813685248.0  # 2^51
+        elif p == 2:
+            u = 8796093022208.0  # 2^43
+        else:
+            u = 8796093022208.0  # 2^43
+    return u
+
+
+@triton.jit
+def _gemv_group_end(acc, dot, s_ptr, o_ptr, meta, mask, xs, p: tl.constexpr, C,
+                    INT4_KIND: tl.constexpr):  # fmt: skip
+    """acc += this group's sum for code position p (scale, offset / int8's 128 applied)."""
+    scale = tl.load(s_ptr + meta + p * C, mask=mask, other=0.0).to(tl.float32)
+    if INT4_KIND:
+        offset = tl.load(o_ptr + meta + p * C, mask=mask, other=0.0).to(tl.float32)
+        acc += dot * (scale * _unscale(p, INT4_KIND)) + offset * xs
+    else:
+        acc += (dot * _unscale(p, INT4_KIND) - 128.0 * xs) * scale
+    return acc
+
+
+@triton.jit
+def _gemv_store(y_ptr, acc, offs_c, mask_c, N, p: tl.constexpr, P: tl.constexpr):
+    out = offs_c * P + p
+    tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=mask_c & (out < N))
+
+
+@triton.jit
 def _qgemv_kernel(
-    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_ys,
-    GROUP: tl.constexpr, INT4_KIND: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, N, C, K,
+    GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
+    """y[split, :] = the partial x @ W^T over this split's groups (one row of x). Program
+    (i, s): word columns [i * BLOCK_C, ...), groups [s * span, (s + 1) * span)."""
     P: tl.constexpr = 8 if INT4_KIND else 4
-    BW: tl.constexpr = BLOCK_K // P  # word rows per step
-    WPG: tl.constexpr = GROUP // P  # word rows per group
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    words_k = K // P
-    # split s walks the word rows [s * span, (s + 1) * span), span a multiple of BW
-    span = tl.cdiv(tl.cdiv(words_k, SPLIT), BW) * BW
+    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    groups = K // GROUP
+    span = tl.cdiv(groups, tl.num_programs(1))
     first = split * span
-    last = tl.minimum(first + span, words_k)
-    acc0 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    acc1 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    acc3 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    for w0 in range(first, last, BW):
-        rows = w0 + tl.arange(0, BW)
-        mask_w = rows < last
-        mask = mask_w[:, None] & mask_n[None, :]
-        word = tl.load(w_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask,
-                       other=0)  # fmt: skip
-        meta = (rows // WPG)[:, None] * N + offs_n[None, :]
-        scale = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-        offset = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    last = tl.minimum(first + span, groups)
+    a0 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    a4 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    a5 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    a6 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    a7 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for g in range(first, last):
+        d0 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        d1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        d2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        d3 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        d4 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        d5 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        d6 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        d7 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        xs = tl.zeros([], dtype=tl.float32)
+        for r0 in range(0, GROUP, UNROLL):
+            for r in tl.static_range(UNROLL):
+                row = g * GROUP + r0 + r
+                word = tl.load(w_ptr + row.to(tl.int64) * C + offs_c, mask=mask_c, other=0)
+                x = tl.load(x_ptr + row).to(tl.float32)
+                xs += x
+                xb = x * 1.2379400392853803e27  # 2^90: products stay normal floats
+                high = word >> 8
+                d0 += _code(word, high, 0, INT4_KIND) * xb
+                d1 += _code(word, high, 1, INT4_KIND) * xb
+                d2 += _code(word, high, 2, INT4_KIND) * xb
+                d3 += _code(word, high, 3, INT4_KIND) * xb
+                if INT4_KIND:
+                    d4 += _code(word, high, 4, INT4_KIND) * xb
+                    d5 += _code(word, high, 5, INT4_KIND) * xb
+                    d6 += _code(word, high, 6, INT4_KIND) * xb
+                    d7 += _code(word, high, 7, INT4_KIND) * xb
+        meta = g * P * C + offs_c
+        a0 = _gemv_group_end(a0, d0, s_ptr, o_ptr, meta, mask_c, xs, 0, C, INT4_KIND)
+        a1 = _gemv_group_end(a1, d1, s_ptr, o_ptr, meta, mask_c, xs, 1, C, INT4_KIND)
+        a2 = _gemv_group_end(a2, d2, s_ptr, o_ptr, meta, mask_c, xs, 2, C, INT4_KIND)
+        a3 = _gemv_group_end(a3, d3, s_ptr, o_ptr, meta, mask_c, xs, 3, C, INT4_KIND)
         if INT4_KIND:
-            offset = tl.load(o_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-        dot0 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-        dot1 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-        dot2 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-        dot3 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-        xs0 = tl.zeros([BW], dtype=tl.float32)
-        xs1 = tl.zeros([BW], dtype=tl.float32)
-        xs2 = tl.zeros([BW], dtype=tl.float32)
-        xs3 = tl.zeros([BW], dtype=tl.float32)
-        ks = rows * P
-        for p in tl.static_range(P):
-            code = _extract(word, p, INT4_KIND)
-            x0 = tl.load(x_ptr + ks + p, mask=mask_w, other=0.0).to(tl.float32)
-            dot0 += code * x0[:, None]
-            xs0 += x0
-            if ROWS > 1:
-                x1 = tl.load(x_ptr + stride_xm + ks + p, mask=mask_w, other=0.0).to(tl.float32)
-                dot1 += code * x1[:, None]
-                xs1 += x1
-            if ROWS > 2:
-                x2 = tl.load(x_ptr + 2 * stride_xm + ks + p, mask=mask_w, other=0.0)
-                x2 = x2.to(tl.float32)
-                dot2 += code * x2[:, None]
-                xs2 += x2
-            if ROWS > 3:
-                x3 = tl.load(x_ptr + 3 * stride_xm + ks + p, mask=mask_w, other=0.0)
-                x3 = x3.to(tl.float32)
-                dot3 += code * x3[:, None]
-                xs3 += x3
-        acc0 += dot0 * scale + offset * xs0[:, None]
-        if ROWS > 1:
-            acc1 += dot1 * scale + offset * xs1[:, None]
-        if ROWS > 2:
-            acc2 += dot2 * scale + offset * xs2[:, None]
-        if ROWS > 3:
-            acc3 += dot3 * scale + offset * xs3[:, None]
-    # SPLIT 1: y in x's dtype; else fp32 partials y[split] that _reduce_kernel sums
-    y_ptr += split * stride_ys
-    out_ty = y_ptr.dtype.element_ty
-    tl.store(y_ptr + offs_n, tl.sum(acc0, axis=0).to(out_ty), mask=mask_n)
-    if ROWS > 1:
-        tl.store(y_ptr + stride_ym + offs_n, tl.sum(acc1, axis=0).to(out_ty), mask=mask_n)
-    if ROWS > 2:
-        tl.store(y_ptr + 2 * stride_ym + offs_n, tl.sum(acc2, axis=0).to(out_ty), mask=mask_n)
-    if ROWS > 3:
-        tl.store(y_ptr + 3 * stride_ym + offs_n, tl.sum(acc3, axis=0).to(out_ty), mask=mask_n)
+            a4 = _gemv_group_end(a4, d4, s_ptr, o_ptr, meta, mask_c, xs, 4, C, INT4_KIND)
+            a5 = _gemv_group_end(a5, d5, s_ptr, o_ptr, meta, mask_c, xs, 5, C, INT4_KIND)
+            a6 = _gemv_group_end(a6, d6, s_ptr, o_ptr, meta, mask_c, xs, 6, C, INT4_KIND)
+            a7 = _gemv_group_end(a7, d7, s_ptr, o_ptr, meta, mask_c, xs, 7, C, INT4_KIND)
+    y_ptr += split * N
+    _gemv_store(y_ptr, a0, offs_c, mask_c, N, 0, P)
+    _gemv_store(y_ptr, a1, offs_c, mask_c, N, 1, P)
+    _gemv_store(y_ptr, a2, offs_c, mask_c, N, 2, P)
+    _gemv_store(y_ptr, a3, offs_c, mask_c, N, 3, P)
+    if INT4_KIND:
+        _gemv_store(y_ptr, a4, offs_c, mask_c, N, 4, P)
+        _gemv_store(y_ptr, a5, offs_c, mask_c, N, 5, P)
+        _gemv_store(y_ptr, a6, offs_c, mask_c, N, 6, P)
+        _gemv_store(y_ptr, a7, offs_c, mask_c, N, 7, P)
 
 
 @triton.jit
@@ -233,73 +319,129 @@ def _reduce_kernel(part_ptr, y_ptr, count, SPLIT: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
+def _weights(word, scale_ptr, offset_ptr, meta, mask, p: tl.constexpr, C, INT4_KIND: tl.constexpr):
+    """The fp32 weights of code position p for a [rows, BLOCK_C] tile of words: the code
+    into the mantissa of 2^23 (codes above bit 19 / 15 shifted down first), 2^23 taken off,
+    times the group's scale divided by the code's power of two, plus the offset (int8:
+    minus 128 * scale). ``meta`` indexes the [rows or 1, BLOCK_C] scales of position 0."""
+    if INT4_KIND:
+        if p < 5:
+            bits = (word & (15 << (4 * p))) | 0x4B000000
+            a: tl.constexpr = 4 * p
+        else:
+            bits = ((word >> 12) & (15 << (4 * p - 12))) | 0x4B000000
+            a: tl.constexpr = 4 * p - 12
+    else:
+        if p < 2:
+            bits = (word & (255 << (8 * p))) | 0x4B000000
+            a: tl.constexpr = 8 * p
+        else:
+            bits = ((word >> 16) & (255 << (8 * p - 16))) | 0x4B000000
+            a: tl.constexpr = 8 * p - 16
+    value = bits.to(tl.float32, bitcast=True) - 8388608.0  # code * 2^a, exact
+    scale = tl.load(scale_ptr + meta + p * C, mask=mask, other=0.0).to(tl.float32)
+    if INT4_KIND:
+        offset = tl.load(offset_ptr + meta + p * C, mask=mask, other=0.0).to(tl.float32)
+    else:
+        offset = -128.0 * scale
+    return value * (scale * (1.0 / (1 << a))) + offset
+
+
+@triton.jit
 def _qgemm_kernel(
-    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, C, K, stride_xm, stride_ym,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """y [M, N] = x @ W^T: per code position p, tl.dot of x's [BLOCK_M, BLOCK_K] tile and the
+    [BLOCK_K, BLOCK_C] weights of outputs P*c + p. BLOCK_K is a multiple of the group, or
+    (groups of 8) holds two: then each row of the tile reads its own group's scales."""
     P: tl.constexpr = 8 if INT4_KIND else 4
-    GPB: tl.constexpr = BLOCK_K // GROUP  # groups per K tile (BLOCK_K a multiple of GROUP)
-    pid_n = tl.program_id(0)
+    PER_ROW: tl.constexpr = BLOCK_K > GROUP
+    pid_c = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_m = offs_m < M
-    mask_n = offs_n < N
+    mask_c = offs_c < C
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    acc4 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    acc5 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    acc6 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    acc7 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        # each word read by its P rows of the tile (one global read, the others from L1)
-        word = tl.load(
-            w_ptr + (offs_k // P)[:, None].to(tl.int64) * N + offs_n[None, :],
-            mask=mask_k[:, None] & mask_n[None, :], other=0,
-        )  # fmt: skip
-        code = _extract(word, (offs_k % P)[:, None], INT4_KIND)  # [BK, BN]
-        groups = k0 // GROUP + tl.arange(0, GPB)
-        gmask = (groups < K // GROUP)[:, None] & mask_n[None, :]
-        meta = groups[:, None] * N + offs_n[None, :]
-        scale = tl.load(s_ptr + meta, mask=gmask, other=0.0).to(tl.float32)  # [GPB, BN]
-        code3 = tl.reshape(code, [GPB, GROUP, BLOCK_N])
-        if INT4_KIND:
-            offset = tl.load(o_ptr + meta, mask=gmask, other=0.0).to(tl.float32)
-            weight = code3 * scale[:, None, :] + offset[:, None, :]
+        mask = (offs_k < K)[:, None] & mask_c[None, :]
+        word = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * C + offs_c[None, :], mask=mask,
+                       other=0)  # fmt: skip
+        if PER_ROW:
+            meta = (offs_k // GROUP)[:, None] * (P * C) + offs_c[None, :]
+            meta_mask = mask
         else:
-            weight = code3 * scale[:, None, :]
-        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w_tile = tl.reshape(weight, [BLOCK_K, BLOCK_N]).to(x.dtype)
-        acc += tl.dot(x, w_tile, input_precision=PRECISION)
-    out_ty = y_ptr.dtype.element_ty
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(out_ty), mask=mask_m[:, None] & mask_n[None, :])
+            meta = (k0 // GROUP) * (P * C) + offs_c[None, :]
+            meta_mask = mask_c[None, :]
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
+                    other=0.0)  # fmt: skip
+        ty = x.dtype
+        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, C, INT4_KIND)
+        acc0 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 1, C, INT4_KIND)
+        acc1 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 2, C, INT4_KIND)
+        acc2 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 3, C, INT4_KIND)
+        acc3 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+        if INT4_KIND:
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 4, C, INT4_KIND)
+            acc4 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 5, C, INT4_KIND)
+            acc5 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 6, C, INT4_KIND)
+            acc6 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, C, INT4_KIND)
+            acc7 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+    y_rows = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym
+    _gemm_store(y_rows, acc0, offs_c, mask_m, mask_c, N, 0, P)
+    _gemm_store(y_rows, acc1, offs_c, mask_m, mask_c, N, 1, P)
+    _gemm_store(y_rows, acc2, offs_c, mask_m, mask_c, N, 2, P)
+    _gemm_store(y_rows, acc3, offs_c, mask_m, mask_c, N, 3, P)
+    if INT4_KIND:
+        _gemm_store(y_rows, acc4, offs_c, mask_m, mask_c, N, 4, P)
+        _gemm_store(y_rows, acc5, offs_c, mask_m, mask_c, N, 5, P)
+        _gemm_store(y_rows, acc6, offs_c, mask_m, mask_c, N, 6, P)
+        _gemm_store(y_rows, acc7, offs_c, mask_m, mask_c, N, 7, P)
+
+
+@triton.jit
+def _gemm_store(y_rows, acc, offs_c, mask_m, mask_c, N, p: tl.constexpr, P: tl.constexpr):
+    out = offs_c * P + p
+    mask = mask_m[:, None] & (mask_c & (out < N))[None, :]
+    tl.store(y_rows + out[None, :], acc.to(y_rows.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _dequant_kernel(
-    w_ptr, s_ptr, o_ptr, out_ptr, N, K,
-    GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_N: tl.constexpr, BW: tl.constexpr,
+    w_ptr, s_ptr, o_ptr, out_ptr, N, C, K,
+    GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out [K, N] (x's dtype) = the dequantized weight, transposed."""
     P: tl.constexpr = 8 if INT4_KIND else 4
-    WPG: tl.constexpr = GROUP // P
-    pid_n = tl.program_id(0)
-    pid_w = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = pid_w * BW + tl.arange(0, BW)
-    mask = (rows < K // P)[:, None] & (offs_n < N)[None, :]
-    word = tl.load(w_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
-    meta = (rows // WPG)[:, None] * N + offs_n[None, :]
-    scale = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-    offset = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    if INT4_KIND:
-        offset = tl.load(o_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-    out_ty = out_ptr.dtype.element_ty
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_k < K)[:, None] & (offs_c < C)[None, :]
+    word = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * C + offs_c[None, :], mask=mask, other=0)
+    meta = (offs_k // GROUP)[:, None] * (P * C) + offs_c[None, :]
+    out_rows = out_ptr + offs_k[:, None].to(tl.int64) * N
+    ty = out_ptr.dtype.element_ty
     for p in tl.static_range(P):
-        weight = _extract(word, p, INT4_KIND) * scale + offset
-        ptrs = out_ptr + (rows * P + p)[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(ptrs, weight.to(out_ty), mask=mask)
+        w = _weights(word, s_ptr, o_ptr, meta, mask, p, C, INT4_KIND)
+        out = offs_c * P + p
+        tl.store(out_rows + out[None, :], w.to(ty), mask=mask & (out < N)[None, :])
 
 
 def _check(x: torch.Tensor, packed: KMajorWeight) -> None:
@@ -311,55 +453,37 @@ def _offsets(packed: KMajorWeight) -> torch.Tensor:
     return packed.offsets if packed.offsets is not None else packed.scales  # int8: never read
 
 
-def _block_k(packed: KMajorWeight, wanted: int) -> int:
-    """A GEMM K tile: a multiple of the group, at least 16 (tl.dot)."""
-    group = packed.group_size
-    return max(group, 16, wanted - wanted % group)
-
-
-SPLIT_TARGET_PROGRAMS = 512  # ~4 per SM of an H200
-MAX_SPLIT = 8
-
-
-def split_for(n: int, k: int, block_n: int, block_k: int, per_word: int) -> int:
-    """Split K until ~SPLIT_TARGET_PROGRAMS programs run: a matrix of few outputs (5,376,
-    K 21,504) otherwise leaves most SMs idle (0.8 TB/s on an H200)."""
-    programs = triton.cdiv(n, block_n)
-    steps = triton.cdiv(k // per_word, block_k // per_word)
-    split = 1
-    while programs * split < SPLIT_TARGET_PROGRAMS and split * 2 <= min(steps, MAX_SPLIT):
-        split *= 2
-    return split
+def split_for(columns: int, groups: int, block_c: int, programs: int) -> int:
+    """K splits (whole groups each) that bring the GEMV to about ``programs`` programs: a
+    matrix of few outputs (5,376 of them, K 21,504) otherwise leaves most SMs idle."""
+    return max(1, min(groups, programs // triton.cdiv(columns, block_c)))
 
 
 def qgemv(
     x: torch.Tensor, packed: KMajorWeight, config: tuple[int, int, int, int] | None = None,
     split: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """x [M, K] (M <= GEMV_MAX_ROWS) @ W^T -> [M, N] in x's dtype; ``split`` K-splits (None:
-    ``split_for``), summed in fp32 by a second small kernel."""
+    """x [1, K] @ W^T -> [1, N] in x's dtype; ``split`` K-splits (None: ``split_for`` the
+    config's program count), summed in fp32 by a second small kernel."""
     _check(x, packed)
-    rows = x.shape[0]
-    if rows > GEMV_MAX_ROWS:
-        raise ValueError(f"qgemv serves at most {GEMV_MAX_ROWS} rows, got {rows}")
+    if x.shape[0] != 1:
+        raise ValueError(f"qgemv serves one row, got {x.shape[0]}")
     n, k = packed.shape
-    block_n, block_k, num_warps, num_stages = config or packed.gemv_config or GEMV_CONFIG
-    block_k = max(block_k, packed.per_word)
+    block_c, programs, num_warps, unroll = config or packed.gemv_config or GEMV_CONFIG
+    groups = k // packed.group_size
+    unroll = min(unroll, packed.group_size)
     if split is None:
-        split = split_for(n, k, block_n, block_k, packed.per_word)
-    y = torch.empty((rows, n), device=x.device, dtype=x.dtype)
-    out = y if split == 1 else torch.empty((split, rows, n), device=x.device, dtype=torch.float32)
-    _qgemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, packed.words, packed.scales, _offsets(packed), out, n, k, x.stride(0), n, rows * n,
-        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, ROWS=rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-        num_warps=num_warps, num_stages=num_stages,
+        split = split_for(packed.columns, groups, block_c, programs)
+    y = torch.empty((1, n), device=x.device, dtype=x.dtype)
+    out = y if split == 1 else torch.empty((split, n), device=x.device, dtype=torch.float32)
+    _qgemv_kernel[(triton.cdiv(packed.columns, block_c), split)](
+        x, packed.words, packed.scales, _offsets(packed), out, n, packed.columns, k,
+        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
+        UNROLL=unroll, num_warps=num_warps,
     )  # fmt: skip
     if split > 1:
         block = 1024
-        _reduce_kernel[(triton.cdiv(rows * n, block),)](
-            out, y, rows * n, SPLIT=split, BLOCK=block, num_warps=4
-        )
+        _reduce_kernel[(triton.cdiv(n, block),)](out, y, n, SPLIT=split, BLOCK=block, num_warps=4)
     return y
 
 
@@ -370,14 +494,19 @@ def qgemm(
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
-    block_n, block_k, num_warps, num_stages = config or packed.gemm_config or GEMM_CONFIG
+    block_c, block_k, num_warps, num_stages = config or packed.gemm_config or GEMM_CONFIG
+    group = packed.group_size
+    block_k = max(16, group, block_k - block_k % group)  # a multiple of the group, >= 16
+    if block_k > group and group < 16:
+        block_k = 16  # groups of 8: two per tile, scales read per row
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    grid = (triton.cdiv(packed.columns, block_c), triton.cdiv(m, block_m))
     _qgemm_kernel[grid](
-        x, packed.words, packed.scales, _offsets(packed), y, m, n, k, x.stride(0), y.stride(0),
-        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(packed, block_k),
+        x, packed.words, packed.scales, _offsets(packed), y, m, n, packed.columns, k,
+        x.stride(0), y.stride(0),
+        GROUP=group, INT4_KIND=packed.kind == INT4,
+        BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -388,12 +517,12 @@ def dequantize_triton(packed: KMajorWeight, dtype: torch.dtype) -> torch.Tensor:
     """The whole weight, transposed: [K, N] in ``dtype`` (the prefill path's scratch)."""
     n, k = packed.shape
     out = torch.empty((k, n), device=packed.words.device, dtype=dtype)
-    block_n, bw = 128, 16
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k // packed.per_word, bw))
+    block_c, block_k = 32, 32
+    grid = (triton.cdiv(packed.columns, block_c), triton.cdiv(k, block_k))
     _dequant_kernel[grid](
-        packed.words, packed.scales, _offsets(packed), out, n, k,
-        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_N=block_n, BW=bw,
-        num_warps=4,
+        packed.words, packed.scales, _offsets(packed), out, n, packed.columns, k,
+        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
+        BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -424,9 +553,9 @@ def quant_linear(
 
 # candidates timed per matrix shape at start-up (tools/bench_quant_kernels.py --sweep: the
 # fastest configs of the 31B shapes on an H200 were among these)
-GEMV_CANDIDATES = [(32, 256, 4, 1), (32, 512, 8, 3), (32, 1024, 8, 3), (64, 512, 8, 3),
-                   (128, 256, 8, 1)]  # fmt: skip
-GEMM_CANDIDATES = [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3), (128, 64, 4, 3)]
+GEMV_CANDIDATES = [(256, 264, 2, 8), (256, 528, 2, 8), (128, 528, 1, 8), (256, 264, 2, 32),
+                   (512, 528, 4, 8)]  # fmt: skip
+GEMM_CANDIDATES = [(32, 32, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3), (16, 64, 4, 3)]
 
 
 def choose_configs(
