@@ -353,6 +353,34 @@ def test_rms_norm_rope_kernel_matches_torch(
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("style", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_partial_rope_kernel_matches_torch(
+    fused: ModuleType, style: str, dtype: torch.dtype
+) -> None:
+    """qwen3_5_moe's q/k: the norm over all dims, the first quarter rotated, read from the
+    query half of each head's (query, gate) pair."""
+    from worker.layers.gated_attention import apply_partial_rotary
+    from worker.layers.rope import Rotary
+    from worker.models.config import RopeSpec
+
+    dim, heads, t, rotary = 64, 3, 5, 16
+    norm = _torch_norm(dim, style, dtype)
+    rot = Rotary(RopeSpec(theta=10000.0), rotary, 512)
+    positions = torch.tensor([0, 1, 7, 100, 511], device=_device())
+    cos, sin = rot.cos_sin(positions, dtype)
+    gen = torch.Generator().manual_seed(5)
+    query_gate = (torch.randn(t, heads, 2 * dim, generator=gen) * 2).to(dtype).to(_device())
+    x = query_gate[..., :dim]  # strided: each head's query, then its gate
+    got = fused.rms_norm_partial_rope_triton(
+        x, norm.weight, cos, sin, norm.eps, norm.style.offset, norm.round_first
+    )
+    want = _reference(lambda: apply_partial_rotary(norm(x), cos, sin))
+    assert got.is_contiguous() and got.shape == x.shape
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    torch.testing.assert_close(got[..., rotary:], _reference(norm, x)[..., rotary:], **_tol(dtype))
+
+
 # the interpreter computes sigmoid(x) as 1 / (1 + exp(-x)) in numpy: exp overflows to inf
 # for large negative x and warns, and the result (0) is right
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")

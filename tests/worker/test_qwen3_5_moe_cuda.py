@@ -126,7 +126,12 @@ def test_fused_kernels_qwen3_5_moe_match_torch_path(
     ref = _model()
     fast = _model()
     monkeypatch.setattr(deltanet, "FUSED_PROJECTION_DEVICES", ("cuda", "cpu"))
-    assert fast.fuse_projections() == 8 + 6  # shared experts, DeltaNet input matmuls
+    # MoE input matmuls (router, shared gate, shared gate/up), shared experts (left as they
+    # are: the MoE took their gate/up), attention q/k/v, DeltaNet input matmuls
+    assert fast.fuse_projections() == 8 + 8 + 2 + 6
+    moe = fast.model.layers[0].mlp
+    assert moe.in_proj is not None and not hasattr(moe, "gate")
+    assert fast.model.layers[3].self_attn.qkv_proj is not None
     monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
     graphed = GraphedCausalLM(fast, use_graphs=False, capture=False)
 

@@ -114,6 +114,13 @@ def test_fused_moe_matches_expert_loop(
     args = [t.to(DEVICE) for t in (x, gate_up, down, weights, ids)]
     got = fused_moe_triton(*args).cpu()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the shared expert and the decoder layer's residual, summed in the same launch
+    shared, residual = torch.randn(2, tokens, hidden, generator=gen)
+    wide_gate = torch.randn(tokens, 3, generator=gen)  # a strided column, as in_proj's
+    extra = {"shared": shared, "shared_gate": wide_gate[:, 1:2], "residual": residual}
+    got = fused_moe_triton(*args, **{k: v.to(DEVICE) for k, v in extra.items()}).cpu()
+    want = residual + (want + torch.sigmoid(wide_gate[:, 1:2]) * shared)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def _decode_inputs(

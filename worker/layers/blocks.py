@@ -145,8 +145,9 @@ class GatedMLP(nn.Module):
         self.cpu_kernel = False  # set by CausalLM.prepare_for_cpu: no Triton check
 
     def fuse_projections(self) -> None:
-        """Replace gate_proj and up_proj by one gate_up_proj ([2 * inner, hidden])."""
-        if self.gate_up_proj is not None:
+        """Replace gate_proj and up_proj by one gate_up_proj ([2 * inner, hidden]); nothing
+        when a wider matmul took them already (``SparseMoE.fuse_projections``)."""
+        if self.gate_up_proj is not None or not hasattr(self, "gate_proj"):
             return
         fused = _concat_linears([self.gate_proj, self.up_proj])
         if fused is None:
@@ -156,10 +157,15 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate_up = self.gate_up_proj(x)  # [T, 2 * inner]
-            gate, up = gate_up[:, : self.inner], gate_up[:, self.inner :]
+            return self._down(self.gate_proj(x), self.up_proj(x), x)
+        return self.down_from_gate_up(self.gate_up_proj(x), x)
+
+    def down_from_gate_up(self, gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 * inner] (gate columns first; may be a view of a wider matmul's
+        output), x the input it came from -> down(act(gate) * up) [T, hidden]."""
+        return self._down(gate_up[:, : self.inner], gate_up[:, self.inner :], x)
+
+    def _down(self, gate: torch.Tensor, up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if not self.cpu_kernel and x.dim() == 2 and use_triton(x):
             from worker.device.kernels.rmsnorm import GATED_ACTIVATIONS, gated_act_triton
 

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.device.kernels.attention import use_triton
 from worker.layers.attention import AttentionPlan, attend
-from worker.layers.blocks import GEMMA3_NORM, RMSNorm
+from worker.layers.blocks import GEMMA3_NORM, RMSNorm, _concat_linears
 from worker.layers.kv import LayerCache
 from worker.layers.rope import apply_rotary
 from worker.models.config import ModelConfig
@@ -54,6 +55,32 @@ class GatedAttention(nn.Module):
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(d, eps, GEMMA3_NORM, **factory)  # (1 + w), in float32
         self.k_norm = RMSNorm(d, eps, GEMMA3_NORM, **factory)
+        self.qkv_proj: nn.Linear | None = None  # set by fuse_projections (CUDA)
+
+    def fuse_projections(self) -> None:
+        """On CUDA: ``q_proj``, ``k_proj`` and ``v_proj`` become one matmul (``qkv_proj``, rows
+        in that order; the HF names are gone afterwards). The CPU path keeps them apart."""
+        import worker.layers.deltanet as deltanet
+
+        assert self.q_norm.weight is not None
+        device = self.q_norm.weight.device.type  # the projections may be quantized
+        if self.qkv_proj is not None or device not in deltanet.FUSED_PROJECTION_DEVICES:
+            return
+        fused = _concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is None:
+            return
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> query and gate [T, H, 2D], k, v [T, KVH, D] (views of one matmul's
+        output once merged)."""
+        t, h, d, kvh = x.shape[0], self.num_heads, self.head_dim, self.num_kv_heads
+        if self.qkv_proj is None:
+            query_gate = self.q_proj(x).view(t, h, 2 * d)
+            return query_gate, self.k_proj(x).view(t, kvh, d), self.v_proj(x).view(t, kvh, d)
+        query_gate, k, v = torch.split(self.qkv_proj(x), [2 * h * d, kvh * d, kvh * d], dim=-1)
+        return query_gate.view(t, h, 2 * d), k.view(t, kvh, d), v.view(t, kvh, d)
 
     def forward(
         self,
@@ -63,13 +90,22 @@ class GatedAttention(nn.Module):
         plan: AttentionPlan,  # or a plan with its own `attend` (module doc)
     ) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
-        query_gate = self.q_proj(x).view(t, h, 2 * d)
+        query_gate, k, v = self._project(x)
         q, gate = query_gate[..., :d], query_gate[..., d:]  # [T, H, D] each
-        k = self.k_proj(x).view(t, self.num_kv_heads, d)
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)
         cos, sin = cos_sin
-        q = apply_partial_rotary(self.q_norm(q), cos, sin)
-        k = apply_partial_rotary(self.k_norm(k), cos, sin)
+        if use_triton(x):  # each norm and its rotary in one launch
+            from worker.device.kernels.rmsnorm import rms_norm_partial_rope_triton
+
+            def norm_rope(part: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+                assert norm.weight is not None
+                return rms_norm_partial_rope_triton(
+                    part, norm.weight, cos, sin, norm.eps, norm.style.offset, norm.round_first
+                )
+
+            q, k = norm_rope(q, self.q_norm), norm_rope(k, self.k_norm)
+        else:
+            q = apply_partial_rotary(self.q_norm(q), cos, sin)
+            k = apply_partial_rotary(self.k_norm(k), cos, sin)
         if isinstance(plan, AttentionPlan):
             o = attend(q, k, v.contiguous(), cache, plan, self.scale)  # [T, H, D]
         else:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.device.kernels.attention import use_triton
-from worker.layers.blocks import GatedMLP, activation
+from worker.layers.blocks import GatedMLP, _concat_linears, activation
 from worker.layers.quant_experts import QuantExperts
 from worker.models.config import ModelConfig
 
@@ -62,31 +62,60 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **factory)
         self.act = activation(config.hidden_act)
         self.act_name = config.hidden_act
+        self.in_proj: nn.Linear | None = None  # set by fuse_projections (CUDA)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
-        if use_triton(x):
+    def fuse_projections(self) -> None:
+        """On CUDA: the router, the shared expert's gate and the shared expert's gate/up rows
+        read the same x: one matmul (``in_proj``, rows in that order; those HF names are gone
+        afterwards, ``shared_expert`` keeps its ``down_proj``). The CPU path keeps them apart."""
+        import worker.layers.deltanet as deltanet
+
+        stores = [*self.experts.parameters(), *self.experts.buffers()]
+        device = stores[0].device.type  # the projections may be quantized (no .weight)
+        if self.in_proj is not None or device not in deltanet.FUSED_PROJECTION_DEVICES:
+            return
+        shared = self.shared_expert
+        if shared.gate_up_proj is not None:
+            return  # merged on its own already
+        fused = _concat_linears([self.gate, self.shared_expert_gate, shared.gate_proj,
+                                 shared.up_proj])  # fmt: skip
+        if fused is None:
+            return
+        self.in_proj = fused
+        del self.gate, self.shared_expert_gate, shared.gate_proj, shared.up_proj
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> router logits [T, E], the shared expert's gate logit [T, 1] and its
+        output [T, hidden] (views of one matmul's output once merged)."""
+        if self.in_proj is None:
+            return self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
+        shared = self.shared_expert
+        widths = [self.experts.num_experts, 1, 2 * shared.inner]
+        logits, gate, gate_up = torch.split(self.in_proj(x), widths, dim=-1)
+        return logits, gate, shared.down_from_gate_up(gate_up, x)
+
+    def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (weights [T, k] in ``dtype``, expert ids [T, k])."""
+        if use_triton(logits):
             from worker.device.kernels.moe import route_triton
 
-            return route_triton(self.gate(x), self.top_k)  # the lines below, one launch
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+            return route_triton(logits, self.top_k)  # the lines below, one launch
+        probs = F.softmax(logits.float(), dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return weights.to(dtype), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, hidden] -> [T, hidden]
-        weights, ids = self.route(x)
-        if self._grouped_kernels(x):  # routed + shared in the kernels
-            return self._fused_triton(
-                x,
-                weights,
-                ids,
-                shared=self.shared_expert(x),
-                shared_gate=self.shared_expert_gate(x),
-            )
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; with ``residual`` [T, hidden]: residual + that, added
+        in the kernels' last launch on their path (the torch path's rounding: each sum rounded
+        to x's dtype)."""
+        logits, shared_gate, shared = self._project(x)
+        weights, ids = self.route(logits, x.dtype)
+        if self._grouped_kernels(x):  # routed + shared (+ residual) in the kernels
+            return self._fused_triton(x, weights, ids, shared, shared_gate, residual)
         routed = self._experts(x, weights, ids)
-        shared: torch.Tensor = self.shared_expert(x)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        out = routed + torch.sigmoid(shared_gate) * shared
+        return out if residual is None else residual + out
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), tokens grouped by expert."""
@@ -139,6 +168,7 @@ class SparseMoE(nn.Module):
     def _fused_triton(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         experts = self.experts
         if isinstance(experts, QuantExperts):
@@ -146,11 +176,11 @@ class SparseMoE(nn.Module):
 
             return fused_moe_quant_triton(
                 x, experts.matrix("gate_up_proj"), experts.matrix("down_proj"), weights, ids,
-                shared=shared, shared_gate=shared_gate,
+                shared=shared, shared_gate=shared_gate, residual=residual,
             )  # fmt: skip
         from worker.device.kernels.moe import fused_moe_triton
 
         return fused_moe_triton(
             x, experts.gate_up_proj, experts.down_proj, weights, ids,
-            shared=shared, shared_gate=shared_gate,
+            shared=shared, shared_gate=shared_gate, residual=residual,
         )  # fmt: skip

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.device.kernels.attention import use_triton
 from worker.layers.attention import AttentionPlan
 from worker.layers.blocks import GEMMA3_NORM, RMSNorm
 from worker.layers.deltanet import GatedDeltaNet
@@ -70,8 +71,23 @@ class Qwen35MoeDecoderLayer(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        x = x + mixer(self.input_layernorm(x), cos_sin, cache, plan)
-        moe: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        mixed = mixer(self.input_layernorm(x), cos_sin, cache, plan)
+        post = self.post_attention_layernorm
+        if use_triton(x):  # the residual add and the next norm in one launch
+            from worker.device.kernels.rmsnorm import add_rms_norm_triton
+
+            x, h = add_rms_norm_triton(
+                mixed, x, None, post.weight, None, post.eps, post.style.offset, post.round_first
+            )
+            assert h is not None
+        else:
+            x = x + mixed
+            h = post(x)
+        moe: torch.Tensor
+        if isinstance(self.mlp, SparseMoE):  # the sum in the MoE's last launch (not under
+            moe = self.mlp(h, residual=x)  # tensor parallel: its all-reduce comes first)
+            return moe
+        moe = self.mlp(h)
         return x + moe
 
 

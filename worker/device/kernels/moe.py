@@ -325,10 +325,12 @@ def choose_blocks(tokens: int, hidden: int, inner: int) -> MoeBlocks:
 
 @triton.jit
 def _combine_kernel(
-    pairs_ptr, shared_ptr, gate_ptr, out_ptr, stride_gate, HIDDEN,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+    pairs_ptr, shared_ptr, gate_ptr, residual_ptr, out_ptr, stride_gate, stride_residual, HIDDEN,
+    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = round(sum_j pairs[t, j]) (+ round(round(sigmoid(gate[t])) * shared[t]))."""
+    """out[t] = round(sum_j pairs[t, j]) (+ round(round(sigmoid(gate[t])) * shared[t])), each
+    sum rounded; then residual[t] + that, rounded, when given."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -342,6 +344,9 @@ def _combine_kernel(
         scale = (1.0 / (1.0 + tl.exp(-logit))).to(out_ty).to(tl.float32)
         shared = tl.load(shared_ptr + token * HIDDEN + offs, mask=mask).to(tl.float32)
         out += (scale * shared).to(out_ty).to(tl.float32)
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + token * stride_residual + offs, mask=mask).to(tl.float32)
+        out = res + out.to(out_ty).to(tl.float32)
     tl.store(out_ptr + token * HIDDEN + offs, out.to(out_ty), mask=mask)
 
 
@@ -354,13 +359,15 @@ def fused_moe_triton(
     blocks: MoeBlocks | None = None,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], plus
     sigmoid(shared_gate[t]) * shared[t] when given (the shared expert, added in the same
-    launch that sums the k pairs).
+    launch that sums the k pairs), plus residual[t] when given (the decoder layer's sum).
 
     x [T, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; weights [T, k] in x's
-    dtype; ids [T, k] int64; shared [T, H], shared_gate [T, 1] -> [T, H] in x's dtype."""
+    dtype; ids [T, k] int64; shared [T, H], shared_gate [T, 1], residual [T, H] -> [T, H] in
+    x's dtype."""
     tokens, hidden = x.shape
     num_experts, two_inner, _ = gate_up.shape
     inner = two_inner // 2
@@ -389,7 +396,7 @@ def fused_moe_triton(
         EVEN_N=hidden % blocks.down_n == 0, IEEE=ieee,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip
-    return combine_pairs(out, tokens, top_k, shared, shared_gate)
+    return combine_pairs(out, tokens, top_k, shared, shared_gate, residual)
 
 
 def combine_pairs(
@@ -398,17 +405,23 @@ def combine_pairs(
     top_k: int,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T * k, H] (the down GEMM's weighted pairs) -> [T, H]: each token's k pairs summed,
-    plus sigmoid(shared_gate[t]) * shared[t] when given; one launch."""
+    plus sigmoid(shared_gate[t]) * shared[t] when given, plus residual[t] when given; one
+    launch."""
     hidden = out.shape[1]
     result = torch.empty(tokens, hidden, dtype=out.dtype, device=out.device)
     has_shared = shared is not None and shared_gate is not None
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
     if tokens:
         _combine_kernel[(tokens, triton.cdiv(hidden, 256))](
             out, shared.contiguous() if has_shared else out,  # type: ignore[union-attr]
-            shared_gate if has_shared else out,
+            shared_gate if has_shared else out, residual if residual is not None else out,
             result, shared_gate.stride(0) if has_shared else 0,  # type: ignore[union-attr]
-            hidden, TOP_K=top_k, HAS_SHARED=has_shared, BLOCK=256, num_warps=2,
+            residual.stride(0) if residual is not None else 0,
+            hidden, TOP_K=top_k, HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None,
+            BLOCK=256, num_warps=2,
         )  # fmt: skip
     return result

@@ -190,10 +190,11 @@ def fused_moe_quant_triton(
     blocks: MoeBlocks | None = None,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe_triton`` over quantized experts: x [T, H]; gate_up [E, 2I, H] and down
     [E, H, I] as ``ExpertMatrix``; weights [T, k] in x's dtype; ids [T, k] int64; shared
-    [T, H], shared_gate [T, 1] -> [T, H] in x's dtype."""
+    [T, H], shared_gate [T, 1], residual [T, H] -> [T, H] in x's dtype."""
     tokens, hidden = x.shape
     num_experts, two_inner, _ = gate_up.shape
     inner = two_inner // 2
@@ -226,4 +227,4 @@ def fused_moe_quant_triton(
         EVEN_N=hidden % blocks.down_n == 0, IEEE=ieee,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip
-    return combine_pairs(out, tokens, top_k, shared, shared_gate)
+    return combine_pairs(out, tokens, top_k, shared, shared_gate, residual)

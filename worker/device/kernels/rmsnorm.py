@@ -6,7 +6,8 @@ Three kernels, each one program per row (the row fits in one block):
 - `add_rms_norm_triton(y, r, w1, w2, scale, ...)`: h = (r + norm_w1(y)) * scale, and
   n = norm_w2(h): the sandwich layer's "residual add + next norm" in one pass;
 - `rms_norm_rope_triton(x, w, cos, sin, ...)`: per (token, head) row, the q/k norm followed
-  by the rotate-half rotary embedding.
+  by the rotate-half rotary embedding; `rms_norm_partial_rope_triton` the same with only the
+  first dims rotated (qwen3_5_moe's partial rotary).
 
 Numerics: the sum of squares and the scaling run in float32; every value the torch path
 stores in the input dtype (the norm's output, the residual sum, the scaled sum) is rounded to
@@ -217,6 +218,81 @@ def rms_norm_rope_triton(
         NORM=norm, HAS_W=weight is not None, ROUND_FIRST=round_first,
         BLOCK_HALF=triton.next_power_of_2(half), num_warps=_warps(dim),
     )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _rms_norm_partial_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
+    stride_x0, stride_x1, stride_y0, stride_y1, stride_c, eps, offset,
+    D: tl.constexpr, HALF: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    t, hd = tl.program_id(0), tl.program_id(1)
+    dt = y_ptr.dtype.element_ty
+    src = x_ptr + t * stride_x0 + hd * stride_x1
+    dst = y_ptr + t * stride_y0 + hd * stride_y1
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = _normed(x, w_ptr, offs, mask, D, eps, offset, True, ROUND_FIRST, dt)
+    tl.store(dst + offs, normed.to(dt), mask=mask & (offs >= 2 * HALF))  # passes through
+    # the rotated dims again, as two halves (their norm from the same row sum)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    r = tl.arange(0, BLOCK_HALF)
+    in_half = r < HALF
+    x1 = _scaled(tl.load(src + r, mask=in_half, other=0.0).to(tl.float32) * inv, w_ptr, r,
+                 in_half, offset, ROUND_FIRST, dt)  # fmt: skip
+    x2 = _scaled(tl.load(src + HALF + r, mask=in_half, other=0.0).to(tl.float32) * inv, w_ptr,
+                 HALF + r, in_half, offset, ROUND_FIRST, dt)  # fmt: skip
+    c1 = tl.load(cos_ptr + t * stride_c + r, mask=in_half, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_c + HALF + r, mask=in_half, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_c + r, mask=in_half, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_c + HALF + r, mask=in_half, other=0.0).to(tl.float32)
+    # apply_rotary's roundings: each product in the dtype, then their sum
+    y1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(dst + r, y1.to(dt), mask=in_half)
+    tl.store(dst + HALF + r, y2.to(dt), mask=in_half)
+
+
+@triton.jit
+def _scaled(normed, w_ptr, offs, mask, offset, ROUND_FIRST: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """``_normed``'s weighting of already-normalised values (float32, rounded to OUT_DTYPE)."""
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if ROUND_FIRST:
+        out = normed.to(OUT_DTYPE).to(tl.float32) * (w + offset).to(OUT_DTYPE).to(tl.float32)
+    else:
+        out = normed * (w.to(tl.float32) + offset)
+    return out.to(OUT_DTYPE).to(tl.float32)
+
+
+def rms_norm_partial_rope_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    offset: float,
+    round_first: bool,
+) -> torch.Tensor:
+    """x [T, H, D] (any strides, last dim contiguous); cos, sin [T, R] (R <= D, even) ->
+    [T, H, D] contiguous: the norm of each row, then its first R dims rotated (rotate-half
+    within them, the rest passed through): ``apply_partial_rotary(norm(x))`` in one launch,
+    with its roundings."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    t, heads, dim = x.shape
+    half = cos.shape[-1] // 2
+    y = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
+    if t:
+        _rms_norm_partial_rope_kernel[(t, heads)](
+            x, weight, cos, sin, y, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+            cos.stride(0), float(eps), float(offset),
+            D=dim, HALF=half, ROUND_FIRST=round_first, BLOCK_D=triton.next_power_of_2(dim),
+            BLOCK_HALF=max(16, triton.next_power_of_2(half)), num_warps=_warps(dim),
+        )  # fmt: skip
     return y
 
 
