@@ -128,6 +128,9 @@ def main() -> None:
     parser.add_argument("--resumes", type=int, default=1, help="host-tier resumes to time")
     parser.add_argument("--max-resident", type=int, default=None)
     parser.add_argument("--host-cache-gb", type=float, default=None)
+    parser.add_argument(
+        "--shared", type=int, default=0, help="also time a new session sharing this many tokens"
+    )
     parser.add_argument("--pause", type=float, default=0.5, help="seconds before a timed turn")
     parser.add_argument("--quiet", action="store_true", help="drop the workers' logs")
     parser.add_argument("--worker-arg", action="append", default=[], help="extra run flag")
@@ -167,6 +170,18 @@ def main() -> None:
             done, ms = first.ask(turn(None, ids(50 + k, length, vocab), 1, f"cold-{k}"))
             cold.append(ms)
             log(f"cold {k}: {ms:.1f} ms ({summary(checked(done))})")
+        shared_ms = None
+        if args.shared:  # a new session whose prompt starts with another one's
+            head = ids(60, args.shared, vocab)
+            done, _ = first.ask(turn(None, head + ids(61, length - args.shared + 1, vocab)[1:], 1,
+                                     "shared-first"))  # fmt: skip
+            log(f"shared prefix, first prompt: {summary(checked(done))}")
+            time.sleep(args.pause)
+            prompt = head + ids(62, length - args.shared + 1, vocab)[1:]
+            done, shared_ms = first.ask(turn("shared", prompt, 1, "shared-second"))
+            log(f"shared prefix, new session: {shared_ms:.1f} ms ({summary(checked(done))})")
+            first.ask({"id": "close-shared", "op": "close", "session_id": "shared"})
+            log(f"after the shared prefix: {tier_stats(first)}")
         history: dict[str, list[int]] = {}
         for i in range(args.sessions):
             name = f"s{i}"
@@ -212,6 +227,11 @@ def main() -> None:
         f"first turn after the restart: {restart_ms:.0f} ms: {restart_ms / median:.3f} of cold "
         f"(target <= 0.25; reused {restart_done.get('reused_prompt_tokens')})"
     )
+    if shared_ms is not None:
+        print(
+            f"new session sharing {args.shared} tokens: {shared_ms:.0f} ms: "
+            f"{shared_ms / median:.3f} of cold (target <= 0.1)"
+        )
 
 
 if __name__ == "__main__":

@@ -234,18 +234,31 @@ def test_shared_prefix_blocks_equal_a_cold_prefill(loaded: Any) -> None:
     stats = shared.stats()["prefix_cache"]
     assert stats["hits"] == 5 and stats["hit_tokens"] == 2 * 512 + 256, stats
 
-    # one 600-token prefill chunk: the rings lost the blocks' tails, nothing reusable
+    # one 700-token prefill chunk: the rings drop most of it, the capture keeps every block
     big_chunk = make_engine(
         loaded, max_sessions=4, max_context=700, prefill_chunk=700, prefix_cache_bytes=64 << 20
     )
     one_turn(big_chunk, "a", system + words(rng, 8))
-    done = one_turn(big_chunk, "b", system + words(rng, 8))
+    prompt = system + words(rng, 8)
+    done = one_turn(big_chunk, "b", prompt)
+    assert done.reused_prompt_tokens == 512, done
+    assert done.generated_token_ids == one_turn(cold, "b", prompt).generated_token_ids
+
+    # a block completed by a later turn, whose first positions the rings had dropped by then:
+    # its full layers are kept, but a prompt ending with it cannot rebuild the rings
+    half = make_engine(loaded, max_sessions=4, max_context=700, prefix_cache_bytes=64 << 20)
+    first = one_turn(half, "a", system[:250], n=20)  # 270 resident: block 0 is not in a prompt
+    second = system[:250] + list(first.generated_token_ids or []) + words(rng, 30)
+    one_turn(half, "a", second)
+    assert half.stats()["prefix_cache"]["blocks"] == 1
+    prompt = second[:256] + words(rng, 8)
+    done = one_turn(half, "b", prompt)
     assert done.reused_prompt_tokens == 0 and done.session_reset_reason == "truncated"
-    assert big_chunk.stats()["prefix_cache"]["truncated"] == 1
+    assert half.stats()["prefix_cache"]["truncated"] == 1
 
     # LRU by block under a budget of 3 blocks
     assert shared.prefix_cache is not None
-    block_bytes = next(iter(shared.prefix_cache.blocks.values())).nbytes
+    block_bytes = shared.prefix_cache.block_bytes
     tight = make_engine(loaded, max_sessions=4, max_context=700, prefix_cache_bytes=3 * block_bytes)
     one_turn(tight, "a", system + words(rng, 8))
     one_turn(tight, "b", shared.prefix_ids + words(rng, 560))

@@ -185,16 +185,9 @@ class Engine:
         elif config.session_dir is not None:
             raise ValueError("--session-dir: this model's cache cannot be saved")
         self.prefix_cache: PrefixCache | None = None
-        if config.prefix_cache_bytes > 0 and hasattr(self.kv, "read_span"):
+        if config.prefix_cache_bytes > 0 and hasattr(self.kv, "make_pool"):
             self.prefix_cache = PrefixCache(self.kv, config.prefix_cache_bytes, config.prefix_block)
         self.prefill_chunk = config.prefill_chunk
-        if self.prefix_cache is not None and self.prefix_cache.ring is not None:
-            # block-aligned chunks no longer than the rings: every block's tail is still in
-            # them when its chunk ends, so it can be shared (worker/engine/prefix_cache.py)
-            block = self.prefix_cache.block
-            fits = self.prefix_cache.ring_kept // block * block
-            if fits >= block:
-                self.prefill_chunk = min(self.prefill_chunk, fits)
         self._clock = itertools.count(1)
         self._unsaved: set[str] = set()  # named sessions used since --session-dir saved them
         self.structured = StructuredRows(self.tokenizer)  # grammars and logprobs per request
@@ -379,11 +372,18 @@ class Engine:
         clear_slot = getattr(self.kv, "clear_slot", None)
         if clear_slot is not None:
             clear_slot(slot)
+        where = self.tiers.where(session.name) if self.tiers is not None else None
+        started = time.perf_counter()
         copy = self.tiers.take(session.name) if self.tiers is not None else None
         if copy is None:
             session.clear()
             return
         state, resident_ids = copy
+        if where == "disk":
+            ms = (time.perf_counter() - started) * 1000
+            self.log(
+                f"session {session.name!r}: {state.nbytes / 1e6:.0f} MB read back in {ms:.0f} ms"
+            )
         try:
             if state.tokens != len(resident_ids):
                 raise ValueError(f"{state.tokens} cached tokens for {len(resident_ids)} ids")
@@ -529,7 +529,7 @@ class Engine:
                 plan=plan,
                 reused=reused,
                 block_keys=keys,
-                next_block=reused // self.prefix_cache.block if self.prefix_cache else 0,
+                next_block=0,
                 max_new=max_new,
                 params=params,
                 generator=generator,
@@ -569,9 +569,20 @@ class Engine:
             a = by_key[key]
             assert a.pending is not None
             rows.append((a, [a.pending]))
+        new_blocks = None  # prompt blocks this step completes (worker/engine/prefix_cache.py)
         if prefill is not None:
             a = by_key[prefill.key]
             rows.append((a, a.prompt_ids[a.fed : a.fed + prefill.length]))
+            if self.prefix_cache is not None and a.next_block < len(a.block_keys):
+                assert a.session.slot is not None
+                new_blocks = self.prefix_cache.begin(
+                    a.prompt_ids,
+                    a.block_keys,
+                    a.session.slot,
+                    a.next_block,
+                    len(a.session.resident_ids),
+                    prefill.length,
+                )
         flat: list[int] = []
         positions: list[int] = []
         for a, new in rows:
@@ -614,6 +625,8 @@ class Engine:
                     # `done` means the session is ready and prefill_ms is the real time
                     torch.cuda.synchronize(logits.device)
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not us
+            if new_blocks is not None and self.prefix_cache is not None:
+                self.prefix_cache.finish(new_blocks, -1, 0, ok=False)
             code = ErrorCode.OUT_OF_MEMORY if _is_oom(exc) else ErrorCode.INTERNAL_ERROR
             for a, _ in rows:
                 a.session.dirty = True
@@ -630,10 +643,10 @@ class Engine:
                 a.pending = None
             else:
                 a.fed += len(new)
-                if self.prefix_cache is not None and a.next_block < len(a.block_keys):
+                if new_blocks is not None and self.prefix_cache is not None:
                     assert a.session.slot is not None
-                    a.next_block = self.prefix_cache.insert(
-                        a.prompt_ids, a.block_keys, a.session.slot, a.next_block, a.fed
+                    a.next_block = self.prefix_cache.finish(
+                        new_blocks, a.session.slot, len(a.session.resident_ids), ok=True
                     )
         drawn = zip(sampled, row_logprobs, strict=True)  # (token, its log-probabilities)
         sampled_by_row = dict(zip(sampling_rows, drawn, strict=True))

@@ -6,32 +6,46 @@ the previous block's key and the block's ids, so a key names the block's ids *an
 before it (hence its position). The entry also keeps its ids and parent key, compared on a
 hit, so a hash collision can never hand out another prompt's KV.
 
-An entry holds the block's KV in every full layer and, in the sliding layers, its last
-min(B, R) positions (its *tail*; R: the largest ring) when the slot's rings still held them
-when the block was copied (a prefill chunk longer than a ring overwrites the start of the
-chunk). A session reusing L tokens (L a block end) needs full-layer KV for [0, L) and, for its
-rings to be exactly what a prefill would have left, sliding-layer KV for [L - R, L): the tail
-of the last block, and when R > B whole earlier blocks. ``plan`` cuts L back to the last
-block end where that holds and says ``truncated`` when it had to.
+Storage is a pool of rows preallocated once under the budget (``KVCache.make_pool``: per
+attention layer [kv_heads, rows, head_dim]); a block owns B consecutive rows, one per
+position, in every layer, full and sliding alike. A session reusing L tokens (L a block end)
+needs full-layer KV for [0, L) and, for its rings to be exactly what a prefill would have
+left, sliding-layer KV for [L - R, L) (R: the largest ring). So the sliding rows of every
+block are kept, not only of the last ones: any block end can be where a later prompt
+diverges.
+
+Filling the pool costs no extra pass: before a prefill step the engine asks ``begin`` for the
+prompt's blocks that step completes; their positions inside the step are captured by the
+attention layers as they store the step's keys (``PoolCapture``, worker/layers/kv.py: one
+``index_copy_`` per layer, before a ring drops anything), and their positions from earlier
+steps (a block the previous turn left half done) are copied from the slot first. A step
+replayed from a CUDA graph (a short prefill) captures nothing: ``finish`` copies its positions
+from the slot, whose rings still hold them. A sliding position no ring held any more is
+missing from its block (``Block.sliding_from``); ``plan`` cuts L back to the last block end
+whose [L - R, L) is complete and says ``truncated`` when it had to.
 
 Entries are read only; a session copies them into its own slot (the fixed-slot KV layout has
-no shared pages), which costs a device copy of the reused KV instead of a prefill. A session
-that diverges inside a block reuses the blocks before it and prefills from there, so a shared
-block is never written. Eviction is LRU by block; a hit touches a chain from its last block
-to its first, so a chain's descendants go before it.
+no shared pages): a device copy of the reused KV instead of a prefill. A session that diverges
+inside a block reuses the blocks before it and prefills from there, so a shared block is never
+written. Eviction is LRU by block; a hit or an insert touches a chain from its last block to
+its first, so a chain's descendants go before it.
 
 Block size: 256 tokens (``DEFAULT_BLOCK``). Agents' prompts share a long system prompt and
 tools (1-20k tokens) and diverge at the first user message; a block is reused whole or not
 at all, so a block loses on average half a block of the shared part (128 tokens: under 2% of
-an 8k prefix, ~10% of pi's 1,375). Smaller blocks cost more per-block work on the step path
-(one copy per layer and block, a hash and a dict entry): 16-token blocks would make an 8k
-prefix 512 blocks x 120 copies on Gemma 4 31B. 256 keeps that at 32 blocks and also divides
-every prefill chunk (512 CPU, 2048 CUDA), so chunk ends fall on block ends.
+an 8k prefix, ~10% of pi's 1,375). The copies are per layer whatever the block size; a
+smaller block costs host work per block (a hash, a dict entry, the ids compared on a hit).
+256 divides every prefill chunk (512 CPU, 2048 CUDA), so chunk ends fall on block ends.
+
+Memory: a pool row holds every layer's K and V of one position; on Gemma 4 31B that is
+0.9 MB (the 50 sliding layers' 16 KV heads are 90% of it), 231 MB per block, so an 8k shared
+prefix takes 7.2 GB.
 """
 
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,10 +53,10 @@ from typing import Any
 
 import torch
 
+from worker.layers.kv import PoolCapture
+
 DEFAULT_BLOCK = 256
 _ROOT = b"tokenpipe-prefix-root"
-
-Span = list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
 def block_keys(ids: Sequence[int], block: int) -> list[bytes]:
@@ -51,7 +65,7 @@ def block_keys(ids: Sequence[int], block: int) -> list[bytes]:
     parent = _ROOT
     for start in range(0, len(ids) - block + 1, block):
         h = hashlib.blake2b(parent, digest_size=16)
-        h.update(b",".join(str(i).encode() for i in ids[start : start + block]))
+        h.update(array("q", ids[start : start + block]).tobytes())
         parent = h.digest()
         keys.append(parent)
     return keys
@@ -61,9 +75,9 @@ def block_keys(ids: Sequence[int], block: int) -> list[bytes]:
 class Block:
     ids: tuple[int, ...]
     parent: bytes
-    full: Span  # per layer: (k, v) [kv_heads, B, head_dim] for full layers, else None
-    sliding: Span | None  # sliding layers' tail [kv_heads, tail, head_dim]; None: ring lost it
-    nbytes: int
+    index: int  # pool rows [index * B, (index + 1) * B)
+    start: int  # its first position
+    sliding_from: int  # the sliding layers' rows hold positions [sliding_from, start + B)
 
 
 @dataclass(frozen=True)
@@ -75,14 +89,20 @@ class PrefixPlan:
     truncated: bool  # the chain went further, but a sliding ring could not be rebuilt there
 
 
-def _span_bytes(span: Span | None) -> int:
-    if span is None:
-        return 0
-    return sum(k.numel() * k.element_size() * 2 for kv in span if kv is not None for k in kv[:1])
+@dataclass
+class PendingBlocks:
+    """Blocks ``begin`` gave pool rows for, inserted by ``finish`` once the step ran."""
+
+    keys: list[bytes]
+    blocks: list[Block]
+    capture: PoolCapture | None  # positions [cap_start, cap_end) of the step
+    cap_start: int
+    cap_end: int
+    next_block: int  # the prompt's next block to offer after this step
 
 
 class PrefixCache:
-    """Blocks on the engine's device under ``budget_bytes``, least recently used first."""
+    """Blocks in a device pool of ``budget_bytes``, least recently used first."""
 
     def __init__(self, kv: Any, budget_bytes: int, block: int = DEFAULT_BLOCK) -> None:
         if block < 1:
@@ -90,18 +110,22 @@ class PrefixCache:
         self.kv = kv
         self.block = block
         self.budget_bytes = budget_bytes
+        self.block_bytes = kv.pool_row_bytes * block
+        self.capacity = budget_bytes // self.block_bytes if self.block_bytes else 0
+        kv.make_pool(self.capacity * block)
         rings = [size for size, _ in kv.rings]
         self.ring = max(rings) if rings else None  # None: no sliding layers
-        # positions [cached - ring_kept, cached) are still in every ring of a slot
-        self.ring_kept = min(rings) - kv.lookahead if rings else 0
-        self.tail = min(block, self.ring) if self.ring is not None else 0
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()
-        self.nbytes = 0
+        self._free = list(range(self.capacity - 1, -1, -1))  # pop() -> lowest index
         self.hits = 0  # blocks reused
         self.hit_tokens = 0
         self.inserts = 0
         self.evictions = 0
         self.truncations = 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * self.block_bytes
 
     # -- lookup --------------------------------------------------------------------------------
 
@@ -125,78 +149,156 @@ class PrefixCache:
         return PrefixPlan(tokens, tuple(chain[:used]), truncated=tokens < reach)
 
     def _rings_covered(self, chain: Sequence[bytes], tokens: int) -> bool:
+        """Whether the blocks hold sliding rows for [tokens - R, tokens)."""
         if self.ring is None:
             return True
-        first = max(0, tokens - self.ring) // self.block
-        last = tokens // self.block - 1
-        return all(self.blocks[chain[b]].sliding is not None for b in range(first, last + 1))
+        low = max(0, tokens - self.ring)
+        for b in range(low // self.block, tokens // self.block):
+            entry = self.blocks[chain[b]]
+            if entry.sliding_from > max(entry.start, low):
+                return False
+        return True
 
     def apply(self, plan: PrefixPlan, slot: int, keep: int) -> None:
         """Copy the plan's blocks into ``slot``, which already holds ``keep`` tokens of the
         same prompt: full layers [keep, tokens), sliding rings [tokens - R, tokens)."""
-        tokens, block = plan.tokens, self.block
-        ring_start = 0 if self.ring is None else max(0, tokens - self.ring)
-        for b, key in enumerate(plan.keys):
-            entry = self.blocks[key]
-            start, end = b * block, min((b + 1) * block, tokens)
-            if end > keep:
-                self.kv.write_span(slot, max(start, keep), end, entry.full, False, offset=start)
-            if self.ring is not None and end > ring_start:
-                assert entry.sliding is not None
-                self.kv.write_span(
-                    slot, max(start, ring_start), end, entry.sliding, True, offset=end - self.tail
-                )
-        for key in reversed(plan.keys):
-            self.blocks.move_to_end(key)
+        tokens = plan.tokens
+        low = 0 if self.ring is None else max(0, tokens - self.ring)
+        full = (keep, tokens, self._rows(plan.keys, keep, tokens))
+        sliding = (low, tokens, self._rows(plan.keys, low, tokens))
+        self.kv.pool_to_slot(slot, full, sliding)
+        self._touch(plan.keys)
         self.hits += len(plan.keys)
         self.hit_tokens += tokens - keep
 
-    # -- insertion -----------------------------------------------------------------------------
+    def _rows(self, keys: Sequence[bytes], start: int, end: int) -> torch.Tensor:
+        """Pool rows of positions [start, end) of the chain ``keys`` (on the pool's device)."""
+        return self._index(
+            [
+                self.blocks[keys[p // self.block]].index * self.block + p % self.block
+                for p in range(start, end)
+            ]
+        )
 
-    def insert(
-        self, prompt: Sequence[int], keys: Sequence[bytes], slot: int, first: int, cached: int
-    ) -> int:
-        """Copy blocks ``first``.. of ``prompt`` that the slot now holds (``cached`` tokens)
-        into the cache; returns the next block to consider. A block already cached is touched
-        (and gains its sliding part if it lacked it and the ring still holds it)."""
-        b = first
-        parent = keys[b - 1] if b > 0 else _ROOT
-        while b < len(keys) and (b + 1) * self.block <= cached:
-            start, end = b * self.block, (b + 1) * self.block
-            has_tail = self.ring is not None and end - self.tail >= cached - self.ring_kept
-            entry = self.blocks.get(keys[b])
-            if entry is None:
-                full = self.kv.read_span(slot, start, end, False)
-                sliding = self.kv.read_span(slot, end - self.tail, end, True) if has_tail else None
-                nbytes = _span_bytes(full) + _span_bytes(sliding)
-                ids = tuple(prompt[start:end])
-                self.blocks[keys[b]] = Block(ids, parent, full, sliding, nbytes)
-                self.nbytes += nbytes
-                self.inserts += 1
-            else:
-                if entry.sliding is None and has_tail:
-                    entry.sliding = self.kv.read_span(slot, end - self.tail, end, True)
-                    extra = _span_bytes(entry.sliding)
-                    entry.nbytes += extra
-                    self.nbytes += extra
-            parent = keys[b]
-            b += 1
-        for key in reversed(keys[:b]):
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        device = self.kv.layers[0].k.device
+        host = torch.tensor(rows, dtype=torch.int64)
+        if device.type == "cuda":  # from pinned memory: no wait for the stream
+            return host.pin_memory().to(device, non_blocking=True)
+        return host
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        for key in reversed(keys):
             if key in self.blocks:
                 self.blocks.move_to_end(key)
-        self._evict()
-        return b
 
-    def _evict(self) -> None:
-        while self.nbytes > self.budget_bytes and self.blocks:
-            _, entry = self.blocks.popitem(last=False)
-            self.nbytes -= entry.nbytes
+    # -- insertion -----------------------------------------------------------------------------
+
+    def begin(
+        self,
+        prompt: Sequence[int],
+        keys: Sequence[bytes],
+        slot: int,
+        next_block: int,
+        cached: int,
+        new: int,
+    ) -> PendingBlocks | None:
+        """Before a step that prefills ``new`` prompt tokens after the slot's ``cached``: pool
+        rows for the prompt's blocks from ``next_block`` on that the step completes and the
+        cache lacks, a capture of their positions inside the step (``kv.set_capture``), and
+        their positions before it copied from the slot now. None: nothing to add."""
+        block = self.block
+        last = min(len(keys), (cached + new) // block)  # blocks the step completes
+        b = next_block
+        while b < last and keys[b] in self.blocks:
+            b += 1
+        if b >= last:
+            return None
+        self._touch(keys[:b])
+        if b > 0 and keys[b - 1] not in self.blocks:
+            return PendingBlocks([], [], None, 0, 0, last)  # its chain is gone: unreachable
+        chain = set(keys[:last])
+        pending = PendingBlocks([], [], None, 0, 0, last)
+        parent = keys[b - 1] if b > 0 else _ROOT
+        while b < last and keys[b] not in self.blocks:
+            index = self._allocate(chain)
+            if index is None:
+                break
+            start = b * block
+            entry = Block(tuple(prompt[start : start + block]), parent, index, start, start)
+            pending.keys.append(keys[b])
+            pending.blocks.append(entry)
+            parent = keys[b]
+            b += 1
+        if not pending.blocks:
+            pending.next_block = b
+            return pending
+        pending.next_block = b
+        first, end = pending.blocks[0].start, b * block
+        if first < cached:  # positions earlier steps wrote: from the slot, as far as it holds
+            reach, head_end = self._slot_reach(cached), min(cached, end)
+            rows = self._block_rows(pending, first, head_end)
+            self.kv.slot_to_pool(slot, first, head_end, rows, reach)
+            for entry in pending.blocks:
+                if entry.start < cached:
+                    entry.sliding_from = min(max(entry.start, reach), entry.start + block)
+        pending.cap_start, pending.cap_end = max(first, cached), end
+        if pending.cap_end > pending.cap_start:
+            rows = self._block_rows(pending, pending.cap_start, pending.cap_end)
+            pending.capture = PoolCapture(slot, pending.cap_start - cached, rows)
+            self.kv.set_capture(pending.capture)
+        return pending
+
+    def finish(self, pending: PendingBlocks, slot: int, cached: int, ok: bool) -> int:
+        """After the step (``cached``: the slot's tokens now): insert the blocks ``begin``
+        prepared (or give their rows back if the step failed). Returns the next block."""
+        self.kv.set_capture(None)
+        if not ok:
+            self._free.extend(entry.index for entry in pending.blocks)
+            return pending.next_block - len(pending.blocks)
+        capture = pending.capture
+        if capture is not None and not capture.written:  # a graph replay: copy from the slot
+            reach = self._slot_reach(cached)
+            self.kv.slot_to_pool(slot, pending.cap_start, pending.cap_end, capture.rows, reach)
+            for entry in pending.blocks:
+                if entry.start + self.block > pending.cap_start:
+                    lowest = max(reach, entry.sliding_from)
+                    entry.sliding_from = min(lowest, entry.start + self.block)
+        for key, entry in zip(pending.keys, pending.blocks, strict=True):
+            self.blocks[key] = entry
+            self.inserts += 1
+        self._touch(pending.keys)
+        return pending.next_block
+
+    def _slot_reach(self, cached: int) -> int:
+        """The first position every ring of a slot holding ``cached`` tokens surely has."""
+        kept = self.kv.ring_kept
+        return 0 if kept is None else max(0, cached - kept)
+
+    def _block_rows(self, pending: PendingBlocks, start: int, end: int) -> torch.Tensor:
+        base = pending.blocks[0].start
+        return self._index(
+            [
+                pending.blocks[(p - base) // self.block].index * self.block + p % self.block
+                for p in range(start, end)
+            ]
+        )
+
+    def _allocate(self, keep: set[bytes]) -> int | None:
+        """A free pool block, evicting the least recently used one outside ``keep``."""
+        while not self._free:
+            victim = next((k for k in self.blocks if k not in keep), None)
+            if victim is None:
+                return None
+            self._free.append(self.blocks.pop(victim).index)
             self.evictions += 1
+        return self._free.pop()
 
     def stats(self) -> dict[str, int]:
         return {
             "block_tokens": self.block,
             "blocks": len(self.blocks),
+            "capacity_blocks": self.capacity,
             "bytes": self.nbytes,
             "budget_bytes": self.budget_bytes,
             "hits": self.hits,

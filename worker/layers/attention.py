@@ -398,6 +398,8 @@ def _store_full(cache: LayerCache, seq: SeqView, new_k: torch.Tensor, new_v: tor
         raise ValueError(f"slot {s}: {c + n} tokens exceed max_context {cache.capacity}")
     cache.k[s, :, c : c + n] = new_k
     cache.v[s, :, c : c + n] = new_v
+    if cache.capture is not None:  # the shared-prefix cache's copy (worker/layers/kv.py)
+        cache.capture.take(cache, s, new_k, new_v)
 
 
 def _store_ring(
@@ -414,6 +416,8 @@ def _store_ring(
     kept = index.shape[0]
     cache.k[seq.slot].index_copy_(1, index, new_k[:, seq.new - kept :])
     cache.v[seq.slot].index_copy_(1, index, new_v[:, seq.new - kept :])
+    if cache.capture is not None:  # every new position, the ones the ring drops included
+        cache.capture.take(cache, seq.slot, new_k, new_v)
 
 
 def _sdpa(

@@ -12,6 +12,10 @@ few tokens (see ``keepable_prefix``).
 Linear (Gated DeltaNet) layers keep no KV here: a zero-capacity entry keeps the layer indices;
 their state lives in ``worker.layers.hybrid_cache.HybridCache``.
 
+With the shared-prefix cache on (worker/engine/prefix_cache.py), every attention layer also
+has a pool of rows, one position each ([kv_heads, rows, head_dim]), that blocks of prompts are
+copied to and from (``slot_to_pool``, ``pool_to_slot``, and ``PoolCapture`` during a prefill).
+
 K=V layers (gemma4 full layers, no v_proj) still store K and V separately: K is the k-normed,
 rotated projection and V the weightless-normed, unrotated one, so the cached tensors differ.
 """
@@ -37,6 +41,11 @@ class LayerCache:
     k: torch.Tensor  # [slots, kv_heads, capacity, head_dim]
     v: torch.Tensor  # [slots, kv_heads, capacity, head_dim]
     window: int | None  # None: full attention; else the sliding window W
+    # the shared-prefix pool [kv_heads, rows, head_dim] (KVCache.make_pool) and the capture
+    # the next prefill fills (KVCache.set_capture)
+    pool_k: torch.Tensor | None = None
+    pool_v: torch.Tensor | None = None
+    capture: PoolCapture | None = None
 
     @property
     def capacity(self) -> int:
@@ -159,61 +168,108 @@ class KVCache:
             layer.k[slot, :, :n].copy_(k, non_blocking=True)
             layer.v[slot, :, :n].copy_(v, non_blocking=True)
 
-    # -- spans of positions (worker/engine/prefix_cache.py) -------------------------------------
+    # -- the shared-prefix pool (worker/engine/prefix_cache.py) ----------------------------------
 
     @property
-    def min_ring(self) -> int | None:
-        """The smallest sliding ring (less the decode lookahead), None without sliding layers."""
+    def pool_row_bytes(self) -> int:
+        """Bytes of one pool row: one position's keys and values in every attention layer."""
+        return sum(
+            2 * layer.k.shape[1] * layer.k.shape[3] * layer.k.element_size()
+            for layer in self.layers
+            if layer.capacity
+        )
+
+    def make_pool(self, rows: int) -> None:
+        """Give every attention layer a pool of ``rows`` positions ([kv_heads, rows, head_dim]
+        per K and V), where the prefix cache keeps shared blocks."""
+        for layer in self.layers:
+            if layer.capacity:
+                shape = (layer.k.shape[1], rows, layer.k.shape[3])
+                layer.pool_k = torch.empty(shape, device=layer.k.device, dtype=layer.k.dtype)
+                layer.pool_v = torch.empty(shape, device=layer.k.device, dtype=layer.k.dtype)
+
+    def set_capture(self, capture: PoolCapture | None) -> None:
+        """The next forward's prefill of ``capture.slot`` also writes its keys and values to
+        the pool (worker/layers/attention.py); None: no capture."""
+        for layer in self.layers:
+            layer.capture = capture if layer.capacity else None
+
+    @property
+    def ring_kept(self) -> int | None:
+        """Positions every ring of a slot surely still holds after a step (the last ones), less
+        the decode lookahead; None without sliding layers."""
         sizes = [size - self.lookahead for size, _ in self.rings]
         return min(sizes) if sizes else None
 
-    def read_span(
-        self, slot: int, start: int, end: int, sliding: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Copies of positions [start, end) of the slot, per layer ([kv_heads, end - start,
-        head_dim] each): the full layers, or with ``sliding`` the sliding layers (the caller
-        checked the ring still holds them); None for the others."""
-        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    def slot_to_pool(
+        self, slot: int, start: int, end: int, rows: torch.Tensor, sliding_start: int
+    ) -> None:
+        """Copy positions [start, end) of the slot into pool ``rows`` ([end - start]): every
+        position of a full layer, a sliding layer's from ``sliding_start`` on (its ring still
+        holds them)."""
         for layer in self.layers:
-            if layer.capacity == 0 or (layer.window is not None) != sliding:
-                out.append(None)
-            elif layer.window is None:
-                out.append(
-                    (layer.k[slot, :, start:end].clone(), layer.v[slot, :, start:end].clone())
-                )
-            else:
-                index = _ring_index(start, end, layer.capacity, layer.k.device)
-                out.append(
-                    (layer.k[slot].index_select(1, index), layer.v[slot].index_select(1, index))
-                )
-        return out
+            if not layer.capacity:
+                continue
+            if layer.window is None:
+                layer.pool_k.index_copy_(1, rows, layer.k[slot, :, start:end])
+                layer.pool_v.index_copy_(1, rows, layer.v[slot, :, start:end])
+                continue
+            first = max(start, sliding_start)
+            if first >= end:
+                continue
+            index = _ring_index(first, end, layer.capacity, layer.k.device)
+            kept = rows[first - start :]
+            layer.pool_k.index_copy_(1, kept, layer.k[slot].index_select(1, index))
+            layer.pool_v.index_copy_(1, kept, layer.v[slot].index_select(1, index))
 
-    def write_span(
+    def pool_to_slot(
         self,
         slot: int,
-        start: int,
-        end: int,
-        span: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
-        sliding: bool,
-        offset: int = 0,
+        full: tuple[int, int, torch.Tensor],
+        sliding: tuple[int, int, torch.Tensor],
     ) -> None:
-        """Write positions [start, end) of the slot from a span read at ``offset`` (its first
-        position). The full layers at their index, or with ``sliding`` the sliding layers at
-        position % R (only the last R positions of the range)."""
-        for layer, kv in zip(self.layers, span, strict=True):
-            if layer.capacity == 0 or (layer.window is not None) != sliding:
+        """Write pool rows into the slot: ``full`` = (start, end, rows) positions of the full
+        layers, ``sliding`` = (start, end, rows) positions of the sliding layers, each ring
+        taking the last ones it can hold (at position % R)."""
+        for layer in self.layers:
+            if not layer.capacity:
                 continue
-            if kv is None:
-                raise ValueError("a span without this layer's entries")
-            k, v = kv
             if layer.window is None:
-                layer.k[slot, :, start:end] = k[:, start - offset : end - offset]
-                layer.v[slot, :, start:end] = v[:, start - offset : end - offset]
+                start, end, rows = full
+                if end > start:
+                    layer.k[slot, :, start:end] = layer.pool_k.index_select(1, rows)
+                    layer.v[slot, :, start:end] = layer.pool_v.index_select(1, rows)
                 continue
+            start, end, rows = sliding
             first = max(start, end - layer.capacity)
+            if first >= end:
+                continue
             index = _ring_index(first, end, layer.capacity, layer.k.device)
-            layer.k[slot].index_copy_(1, index, k[:, first - offset : end - offset])
-            layer.v[slot].index_copy_(1, index, v[:, first - offset : end - offset])
+            kept = rows[first - start :]
+            layer.k[slot].index_copy_(1, index, layer.pool_k.index_select(1, kept))
+            layer.v[slot].index_copy_(1, index, layer.pool_v.index_select(1, kept))
+
+
+@dataclass
+class PoolCapture:
+    """A prefill step's keys and values of ``slot``'s new tokens [first, first + len(rows))
+    (indices into the step's new tokens), copied to pool ``rows`` as each attention layer stores
+    them: the positions a ring drops during the step are kept this way. ``written`` tells the
+    caller whether the forward took it (a prefill replayed from a CUDA graph does not)."""
+
+    slot: int
+    first: int
+    rows: torch.Tensor  # [m] int64 on the cache's device
+    written: bool = False
+
+    def take(self, cache: LayerCache, slot: int, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+        """new_k, new_v [kv_heads, n, head_dim]: the step's new keys/values of ``slot``."""
+        if slot != self.slot or cache.pool_k is None or cache.pool_v is None:
+            return
+        end = self.first + self.rows.shape[0]
+        cache.pool_k.index_copy_(1, self.rows, new_k[:, self.first : end])
+        cache.pool_v.index_copy_(1, self.rows, new_v[:, self.first : end])
+        self.written = True
 
 
 def _ring_index(start: int, end: int, ring: int, device: torch.device) -> torch.Tensor:

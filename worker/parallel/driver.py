@@ -16,7 +16,7 @@ all-reduces, the logits' all-gather) keep them in step, and rank 0 alone samples
 A slot leaving the device (host/disk tiers, ``--session-dir``) is every rank's part of it:
 ``export_slot`` gathers the ranks' ``SlotState`` into one whose tensors are named
 ``r<rank>.<name>`` (so the tiers and the session files take it unchanged) and ``import_slot``
-splits it back. The prefix cache (``read_span``) is not offered through the driver: it is off
+splits it back. The prefix cache (``make_pool``) is not offered through the driver: it is off
 in a group for now.
 """
 
@@ -33,7 +33,7 @@ from worker.models.step import StepInput
 from worker.parallel.group import TensorParallelGroup
 
 _MIRRORED = frozenset({"truncate", "snapshot_at", "clear_slot"})
-_NOT_IN_A_GROUP = frozenset({"read_span", "write_span"})
+_NOT_IN_A_GROUP = frozenset({"make_pool", "slot_to_pool", "pool_to_slot", "set_capture"})
 
 
 def merge_states(states: list[SlotState]) -> SlotState:
