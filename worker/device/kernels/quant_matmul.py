@@ -354,9 +354,11 @@ def _qgemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """y [M, N] = x @ W^T: per code position p, tl.dot of x's [BLOCK_M, BLOCK_K] tile and the
-    [BLOCK_K, BLOCK_C] weights of outputs P*c + p. BLOCK_K is a multiple of the group, or
-    (groups of 8) holds two: then each row of the tile reads its own group's scales."""
+    """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
+    [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
+    of the tensor-core tile, split across warps) and x's [BLOCK_K, BLOCK_M] tile. BLOCK_K is a
+    multiple of the group, or (groups of 8) holds two: then each weight reads its own
+    group's scales."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
     pid_c = tl.program_id(0)
@@ -365,63 +367,63 @@ def _qgemm_kernel(
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_m = offs_m < M
     mask_c = offs_c < C
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    acc0 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-    acc4 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-    acc5 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-    acc6 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-    acc7 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
+    acc0 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc4 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc5 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc6 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc7 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = (offs_k < K)[:, None] & mask_c[None, :]
-        word = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * C + offs_c[None, :], mask=mask,
+        mask = mask_c[:, None] & (offs_k < K)[None, :]
+        word = tl.load(w_ptr + offs_k[None, :].to(tl.int64) * C + offs_c[:, None], mask=mask,
                        other=0)  # fmt: skip
         if PER_ROW:
-            meta = (offs_k // GROUP)[:, None] * (P * C) + offs_c[None, :]
+            meta = (offs_k // GROUP)[None, :] * (P * C) + offs_c[:, None]
             meta_mask = mask
         else:
-            meta = (k0 // GROUP) * (P * C) + offs_c[None, :]
-            meta_mask = mask_c[None, :]
-        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
+            meta = (k0 // GROUP) * (P * C) + offs_c[:, None]
+            meta_mask = mask_c[:, None]
+        x = tl.load(x_cols + offs_k[:, None], mask=(offs_k < K)[:, None] & mask_m[None, :],
                     other=0.0)  # fmt: skip
         ty = x.dtype
         w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, C, INT4_KIND)
-        acc0 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+        acc0 += tl.dot(w.to(ty), x, input_precision=PRECISION)
         w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 1, C, INT4_KIND)
-        acc1 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+        acc1 += tl.dot(w.to(ty), x, input_precision=PRECISION)
         w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 2, C, INT4_KIND)
-        acc2 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+        acc2 += tl.dot(w.to(ty), x, input_precision=PRECISION)
         w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 3, C, INT4_KIND)
-        acc3 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+        acc3 += tl.dot(w.to(ty), x, input_precision=PRECISION)
         if INT4_KIND:
             w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 4, C, INT4_KIND)
-            acc4 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+            acc4 += tl.dot(w.to(ty), x, input_precision=PRECISION)
             w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 5, C, INT4_KIND)
-            acc5 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+            acc5 += tl.dot(w.to(ty), x, input_precision=PRECISION)
             w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 6, C, INT4_KIND)
-            acc6 += tl.dot(x, w.to(ty), input_precision=PRECISION)
+            acc6 += tl.dot(w.to(ty), x, input_precision=PRECISION)
             w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, C, INT4_KIND)
-            acc7 += tl.dot(x, w.to(ty), input_precision=PRECISION)
-    y_rows = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym
-    _gemm_store(y_rows, acc0, offs_c, mask_m, mask_c, N, 0, P)
-    _gemm_store(y_rows, acc1, offs_c, mask_m, mask_c, N, 1, P)
-    _gemm_store(y_rows, acc2, offs_c, mask_m, mask_c, N, 2, P)
-    _gemm_store(y_rows, acc3, offs_c, mask_m, mask_c, N, 3, P)
+            acc7 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+    y_cols = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym
+    _gemm_store(y_cols, acc0, offs_c, mask_m, mask_c, N, 0, P)
+    _gemm_store(y_cols, acc1, offs_c, mask_m, mask_c, N, 1, P)
+    _gemm_store(y_cols, acc2, offs_c, mask_m, mask_c, N, 2, P)
+    _gemm_store(y_cols, acc3, offs_c, mask_m, mask_c, N, 3, P)
     if INT4_KIND:
-        _gemm_store(y_rows, acc4, offs_c, mask_m, mask_c, N, 4, P)
-        _gemm_store(y_rows, acc5, offs_c, mask_m, mask_c, N, 5, P)
-        _gemm_store(y_rows, acc6, offs_c, mask_m, mask_c, N, 6, P)
-        _gemm_store(y_rows, acc7, offs_c, mask_m, mask_c, N, 7, P)
+        _gemm_store(y_cols, acc4, offs_c, mask_m, mask_c, N, 4, P)
+        _gemm_store(y_cols, acc5, offs_c, mask_m, mask_c, N, 5, P)
+        _gemm_store(y_cols, acc6, offs_c, mask_m, mask_c, N, 6, P)
+        _gemm_store(y_cols, acc7, offs_c, mask_m, mask_c, N, 7, P)
 
 
 @triton.jit
-def _gemm_store(y_rows, acc, offs_c, mask_m, mask_c, N, p: tl.constexpr, P: tl.constexpr):
-    out = offs_c * P + p
-    mask = mask_m[:, None] & (mask_c & (out < N))[None, :]
-    tl.store(y_rows + out[None, :], acc.to(y_rows.dtype.element_ty), mask=mask)
+def _gemm_store(y_cols, acc, offs_c, mask_m, mask_c, N, p: tl.constexpr, P: tl.constexpr):
+    out = offs_c * P + p  # acc [BLOCK_C, BLOCK_M]: outputs by rows of x
+    mask = (mask_c & (out < N))[:, None] & mask_m[None, :]
+    tl.store(y_cols + out[:, None], acc.to(y_cols.dtype.element_ty), mask=mask)
 
 
 @triton.jit
