@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -162,12 +164,31 @@ def recurrent_gated_delta_rule(
     return torch.einsum("bhkv,bhk->bhv", s, q), s
 
 
+FLA_CONFIGS = Path(__file__).resolve().parent.parent / "device" / "fla_configs"
+
+
+def fla_config_folder() -> Path:
+    """Where fla's autotune choices for this GPU are kept (``tools/tune_fla_prefill.py``
+    writes them): ``FLA_CONFIGS / <the GPU's name as fla spells it>``."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return FLA_CONFIGS / (re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_") or "unknown_gpu")
+
+
 @functools.cache
 def fla_chunk_rule() -> Any:
     """flash-linear-attention's ``chunk_gated_delta_rule`` when ``fla`` imports (and
-    TOKENPIPE_NO_FLA is not 1), else None."""
+    TOKENPIPE_NO_FLA is not 1), else None. When this GPU has a folder of kept choices
+    (``fla_config_folder``) and the environment does not choose otherwise, fla reads its
+    kernels' configs there instead of autotuning them (most of a first start's time); a kernel
+    or shape without an entry is autotuned as before."""
     if os.environ.get("TOKENPIPE_NO_FLA") == "1":
         return None
+    folder = fla_config_folder()
+    if folder.is_dir() and "FLA_CONFIG_DIR" not in os.environ:
+        os.environ["FLA_CONFIG_DIR"] = str(folder)  # read when fla is first imported
+        os.environ.setdefault("FLA_CACHE_MODE", "fuzzy")
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception:  # ImportError, or an install that does not run here
