@@ -6,7 +6,8 @@ logits, in process, before (the per-row sorting sampler this replaced) and now.
 Per case: host wall time of one call up to its ids on the host (`.tolist()`, the engine's
 one sync), and the GPU time between CUDA events around the call (median of --repeat).
 `--kernel-slots 0,1024` adds the GPU time of the Triton kernel alone per candidate-slot count
-(0: top-k by bisection, the kernel before compaction; 1024: the default).
+(0: top-k by bisection, the kernel before compaction; 1024: the default); "N/blocks" reduces
+across the block every iteration, as the kernel did before lane-wise passes.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def sample_before(logits: torch.Tensor, params: list[SamplingParams], gens: list
     return out
 
 
-def kernel_ms(logits: torch.Tensor, params: SamplingParams, slots: int, repeat: int) -> float:
-    """Median GPU ms of the Triton kernel alone, `slots` candidate slots per row."""
+def kernel_ms(logits: torch.Tensor, params: SamplingParams, variant: str, repeat: int) -> float:
+    """Median GPU ms of the Triton kernel alone: variant "N" or "N/blocks" (N slots a row)."""
+    slots, _, blocks = variant.partition("/")
     batch = logits.shape[0]
     row = RowSampling(params.temperature, params.top_k, params.top_p, params.min_p, seed=5)
     tensors = sampling_tensors([row] * batch, list(range(batch)), logits.device)
@@ -74,7 +76,7 @@ def kernel_ms(logits: torch.Tensor, params: SamplingParams, slots: int, repeat: 
     for i in range(repeat + 3):
         start, end = torch.cuda.Event(True), torch.cuda.Event(True)
         start.record()
-        sample_rows_triton(logits, *tensors, slots=slots)
+        sample_rows_triton(logits, *tensors, slots=int(slots), lanes=blocks != "blocks")
         end.record()
         end.synchronize()
         if i >= 3:
@@ -91,11 +93,11 @@ def main() -> int:
     p.add_argument("--scale", type=float, default=1.5, help="std of the random logits")
     p.add_argument("--kernel-slots", default="", help="e.g. 0,1024: kernel-alone GPU columns")
     args = p.parse_args()
-    slot_counts = [int(n) for n in args.kernel_slots.split(",") if n]
+    slot_counts = [n for n in args.kernel_slots.split(",") if n]
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     print(f"device {torch.cuda.get_device_name(dev) if cuda else 'cpu'}, vocab {args.vocab}")
-    extra = "".join(f" kernel, {n} slots: GPU ms |" for n in slot_counts)
+    extra = "".join(f" kernel {n}: GPU ms |" for n in slot_counts)
     head = "| batch | case | before: wall ms | before: GPU ms | now: wall ms | now: GPU ms |"
     print(head + extra)
     print("| --- " * (6 + len(slot_counts)) + "|")

@@ -120,16 +120,95 @@ def draw_from_candidates(
 
 
 @triton.jit
+def row_stats_lanes(base, vocab, inv_t, BLOCK: tl.constexpr):
+    """Pass 1 kept per lane (lane i: the elements i mod BLOCK), so the loop does no work
+    across threads: (max, first index of the max, lowest finite value, sum of exp(s - max),
+    each lane's max [BLOCK])."""
+    offs = tl.arange(0, BLOCK)
+    lane_top = tl.full((BLOCK,), -float("inf"), tl.float32)
+    lane_arg = tl.zeros((BLOCK,), tl.int32)
+    lane_sum = tl.zeros((BLOCK,), tl.float32)  # sum of exp(s - lane_top) over the lane
+    lane_low = tl.full((BLOCK,), float("inf"), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + offs
+        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32) * inv_t
+        grow = s > lane_top
+        finite = s > -float("inf")
+        e = tl.where(finite, tl.exp(-tl.abs(tl.where(finite, s, 0.0) - lane_top)), 0.0)
+        lane_sum = tl.where(grow, lane_sum * e + 1.0, lane_sum + e)
+        lane_arg = tl.where(grow, idx, lane_arg)
+        lane_top = tl.maximum(lane_top, s)
+        lane_low = tl.minimum(lane_low, tl.where(finite, s, float("inf")))
+    top = tl.max(lane_top, 0)
+    arg = tl.min(tl.where(lane_top == top, lane_arg, vocab), 0)
+    total = tl.sum(tl.where(lane_top > -float("inf"), lane_sum * tl.exp(lane_top - top), 0.0), 0)
+    return top, arg, tl.min(lane_low, 0), total, lane_top
+
+
+@triton.jit
+def mass_at_or_above(base, vocab, inv_t, floor, above_of, top, BLOCK: tl.constexpr):
+    """sum of exp(s - top) over s >= floor and s > above_of (per lane, one reduction)."""
+    offs = tl.arange(0, BLOCK)
+    lane_mass = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + offs
+        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32) * inv_t
+        lane_mass += tl.where((s >= floor) & (s > above_of), tl.exp(s - top), 0.0)
+    return tl.sum(lane_mass, 0)
+
+
+@triton.jit
+def count_at_or_above(base, vocab, inv_t, threshold, BLOCK: tl.constexpr):
+    """How many s >= threshold (per lane, one reduction)."""
+    offs = tl.arange(0, BLOCK)
+    lane_count = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + offs
+        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32) * inv_t
+        lane_count += (s >= threshold).to(tl.int32)
+    return tl.sum(lane_count, 0)
+
+
+@triton.jit
+def scan_to_target(base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK: tl.constexpr):
+    """The first token (in index order) among s >= floor, s > above_of at which the running
+    sum of exp(s - top) reaches target: a block's prefix sum only in the block that gets there."""
+    offs = tl.arange(0, BLOCK)
+    carry = tl.full((), 0.0, tl.float32)
+    token = tl.full((), -1, tl.int32)
+    lane_last = tl.full((BLOCK,), -1, tl.int32)
+    start = tl.full((), 0, tl.int32)
+    while (start < vocab) & (token < 0):
+        idx = start + offs
+        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32) * inv_t
+        keep = (s >= floor) & (s > above_of)
+        w = tl.where(keep, tl.exp(s - top), 0.0)
+        lane_last = tl.where(keep, idx, lane_last)
+        block_mass = tl.sum(w, 0)
+        if carry + block_mass >= target:
+            running = tl.cumsum(w, 0) + carry
+            first = tl.min(tl.where(keep & (running >= target), idx, vocab), 0)
+            token = tl.where(first < vocab, first, -1)
+        carry += block_mass
+        start += BLOCK
+    last = tl.maximum(arg, tl.max(lane_last, 0))  # rounding: u * Z past the sum
+    return tl.where(token < 0, last, token)
+
+
+@triton.jit
 def draw_from_row(
     base, vocab, inv_t, floor, top, total_all, top_p, key, arg,
-    BLOCK: tl.constexpr, MAX_TRIES: tl.constexpr,
+    BLOCK: tl.constexpr, MAX_TRIES: tl.constexpr, LANES: tl.constexpr,
 ):  # fmt: skip
     """The draw of the row over all its elements s >= floor: inverse CDF, top-p rejection."""
     offs = tl.arange(0, BLOCK)
     zero_f = tl.full((), 0.0, tl.float32)
     zero_i = tl.full((), 0, tl.int32)
     total = total_all
-    if floor > -float("inf"):
+    if LANES:
+        if floor > -float("inf"):
+            total = mass_at_or_above(base, vocab, inv_t, floor, -float("inf"), top, BLOCK)
+    elif floor > -float("inf"):
         total = zero_f
         for start in range(0, vocab, BLOCK):
             idx = start + offs
@@ -143,33 +222,17 @@ def draw_from_row(
     token = arg
     while searching > 0:
         target = draw_target(key, attempt, mass)
-        carry = zero_f
-        token = zero_i - 1
-        last = arg
-        start = zero_i
-        while (start < vocab) & (token < 0):
-            idx = start + offs
-            s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-            s = s.to(tl.float32) * inv_t
-            keep = (s >= floor) & (s > above_of)
-            w = tl.where(keep, tl.exp(s - top), 0.0)
-            running = tl.cumsum(w, 0) + carry
-            reached = tl.sum((running >= target).to(tl.int32), 0)
-            token = tl.where(reached > 0, start + BLOCK - reached, token)
-            last = tl.maximum(last, tl.max(tl.where(keep, idx, -1), 0))
-            carry += tl.sum(w, 0)
-            start += BLOCK
-        token = tl.where(token < 0, last, token)  # rounding: u * Z past the sum
+        if LANES:
+            token = scan_to_target(base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK)
+        else:
+            token = old_scan(base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK)
         searching = zero_i
         if top_p < 1.0:
             s_token = tl.load(base + token).to(tl.float32) * inv_t
-            above = zero_f
-            for start2 in range(0, vocab, BLOCK):
-                idx = start2 + offs
-                s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-                s = s.to(tl.float32) * inv_t
-                above += tl.sum(tl.where((s >= floor) & (s > s_token),
-                                         tl.exp(s - top), 0.0), 0)  # fmt: skip
+            if LANES:
+                above = mass_at_or_above(base, vocab, inv_t, floor, s_token, top, BLOCK)
+            else:
+                above = old_above(base, vocab, inv_t, floor, s_token, top, BLOCK)
             accepted = above < top_p * total
             above_of = s_token
             mass = above
@@ -180,10 +243,48 @@ def draw_from_row(
 
 
 @triton.jit
+def old_scan(base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    zero_f = tl.full((), 0.0, tl.float32)
+    zero_i = tl.full((), 0, tl.int32)
+    carry = zero_f
+    token = zero_i - 1
+    last = arg
+    start = zero_i
+    while (start < vocab) & (token < 0):
+        idx = start + offs
+        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
+        s = s.to(tl.float32) * inv_t
+        keep = (s >= floor) & (s > above_of)
+        w = tl.where(keep, tl.exp(s - top), 0.0)
+        running = tl.cumsum(w, 0) + carry
+        reached = tl.sum((running >= target).to(tl.int32), 0)
+        token = tl.where(reached > 0, start + BLOCK - reached, token)
+        last = tl.maximum(last, tl.max(tl.where(keep, idx, -1), 0))
+        carry += tl.sum(w, 0)
+        start += BLOCK
+    return tl.where(token < 0, last, token)  # rounding: u * Z past the sum
+
+
+@triton.jit
+def old_above(base, vocab, inv_t, floor, s_token, top, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    above = tl.full((), 0.0, tl.float32)
+    for start2 in range(0, vocab, BLOCK):
+        idx = start2 + offs
+        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
+        s = s.to(tl.float32) * inv_t
+        above += tl.sum(tl.where((s >= floor) & (s > s_token),
+                                         tl.exp(s - top), 0.0), 0)  # fmt: skip
+    return above
+
+
+@triton.jit
 def sample_kernel(
     logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, counter_ptr,
     out_ptr, cand_val_ptr, cand_id_ptr, slots, vocab,
     BLOCK: tl.constexpr, BUCKETS: tl.constexpr, SLOTS: tl.constexpr, MAX_TRIES: tl.constexpr,
+    LANES: tl.constexpr,
 ):  # fmt: skip
     """cand_val / cand_id: [rows, SLOTS] float32 / int32 scratch, of which the first `slots`
     (<= SLOTS) are used (0: no compaction, top-k always by bisection)."""
@@ -201,23 +302,26 @@ def sample_kernel(
     zero_f = tl.full((), 0.0, tl.float32)
     zero_i = tl.full((), 0, tl.int32)
     # pass 1: max, argmax, lowest finite value, normaliser (online), each lane's max
-    top = zero_f - float("inf")
-    low = zero_f + float("inf")
-    arg = zero_i
-    total_all = zero_f
-    lane_top = tl.full((BLOCK,), -float("inf"), tl.float32)  # lane i: elements i mod BLOCK
-    for start in range(0, vocab, BLOCK):
-        idx = start + offs
-        valid = idx < vocab
-        s = tl.load(base + idx, mask=valid, other=-float("inf")).to(tl.float32) * inv_t
-        block_top = tl.max(s, 0)
-        block_arg = tl.argmax(s, 0).to(tl.int32)
-        arg = tl.where(block_top > top, start + block_arg, arg)
-        new_top = tl.maximum(top, block_top)
-        total_all = total_all * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top), 0)
-        top = new_top
-        low = tl.minimum(low, tl.min(tl.where(s > -float("inf"), s, float("inf")), 0))
-        lane_top = tl.maximum(lane_top, s)
+    if LANES:
+        top, arg, low, total_all, lane_top = row_stats_lanes(base, vocab, inv_t, BLOCK)
+    else:
+        top = zero_f - float("inf")
+        low = zero_f + float("inf")
+        arg = zero_i
+        total_all = zero_f
+        lane_top = tl.full((BLOCK,), -float("inf"), tl.float32)  # lane i: elements i mod BLOCK
+        for start in range(0, vocab, BLOCK):
+            idx = start + offs
+            valid = idx < vocab
+            s = tl.load(base + idx, mask=valid, other=-float("inf")).to(tl.float32) * inv_t
+            block_top = tl.max(s, 0)
+            block_arg = tl.argmax(s, 0).to(tl.int32)
+            arg = tl.where(block_top > top, start + block_arg, arg)
+            new_top = tl.maximum(top, block_top)
+            total_all = total_all * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top), 0)
+            top = new_top
+            low = tl.minimum(low, tl.min(tl.where(s > -float("inf"), s, float("inf")), 0))
+            lane_top = tl.maximum(lane_top, s)
     picked = arg
     if sampling:
         floor = tl.where(min_p > 0.0, top + tl.log(tl.maximum(min_p, 1e-30)), -float("inf"))
@@ -240,10 +344,14 @@ def sample_kernel(
                 while (above_lo != top_k) & (tries < 64):
                     mid = lo + (hi - lo) * 0.5
                     above_lo = top_k * 0
-                    for start in range(0, vocab, BLOCK):
-                        idx = start + offs
-                        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-                        above_lo += tl.sum((s.to(tl.float32) * inv_t >= mid).to(tl.int32), 0)
+                    if LANES:
+                        above_lo += count_at_or_above(base, vocab, inv_t, mid, BLOCK)
+                    else:
+                        for start in range(0, vocab, BLOCK):
+                            idx = start + offs
+                            s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
+                            s = s.to(tl.float32) * inv_t
+                            above_lo += tl.sum((s >= mid).to(tl.int32), 0)
                     stuck = (mid <= lo) | (mid >= hi)  # no float between lo and hi
                     lo = tl.where(above_lo >= top_k, mid, lo)
                     hi = tl.where(above_lo >= top_k, hi, mid)
@@ -256,6 +364,6 @@ def sample_kernel(
             )  # fmt: skip
         else:
             picked = draw_from_row(
-                base, vocab, inv_t, floor, top, total_all, top_p, key, arg, BLOCK, MAX_TRIES
+                base, vocab, inv_t, floor, top, total_all, top_p, key, arg, BLOCK, MAX_TRIES, LANES
             )  # fmt: skip
     tl.store(out_ptr + row, picked.to(tl.int64))
