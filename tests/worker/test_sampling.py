@@ -148,3 +148,27 @@ def test_full_vocabulary_row() -> None:
         for _ in range(3):
             token = sample(logits[None], [SamplingParams(*setting)], [stream]).item()
             assert probs[token] > 0
+
+
+def test_kernel_replayed_in_a_cuda_graph_draws_the_eager_tokens() -> None:
+    """The Triton sampler captured in a CUDA graph (its candidate slots then come from the
+    graph's pool) draws the eager tokens at every draw number: top-k by compaction, top-k
+    with top-p, top-p alone, top-k above the bucket count (bisection). Full-size rows."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from worker.device.kernels.batched_sampling import sample_rows_triton
+
+    logits = torch.randn(4, 262_144, generator=torch.Generator().manual_seed(2)).cuda() * 1.5
+    rows = [RowSampling(0.8, 40, 1.0, 0.0, seed=1), RowSampling(0.8, 40, 0.95, 0.0, seed=2),
+            RowSampling(1.0, 0, 0.9, 0.0, seed=3), RowSampling(0.7, 300, 1.0, 0.0, seed=4)]  # fmt: skip
+    static = [t.clone() for t in sampling_tensors(rows, [0] * 4, logits.device)]
+    sample_rows_triton(logits, *static)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = sample_rows_triton(logits, *static)
+    for draw in range(6):
+        static[-1].fill_(draw)  # the counters
+        graph.replay()
+        eager = sample_rows_triton(logits, *sampling_tensors(rows, [draw] * 4, logits.device))
+        assert replayed.tolist() == eager.tolist()
