@@ -9,7 +9,9 @@
 - the routed experts at 1, 32 and 2,048 tokens: the grouped-GEMM Triton MoE against the
   per-expert loop, with the bandwidth of the expert weights it reads.
 
-    python tools/bench_qwen3_5_moe_kernels.py [--out DIR]
+    python tools/bench_qwen3_5_moe_kernels.py [--out DIR] [--only moe_1,sweep_int4_1,...]
+
+- ``sweep_{bf16,int4}_{1,32}``: the routed experts' time per tile choice (``SWEEP``).
 
 Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
 """
@@ -230,21 +232,89 @@ def moe(tokens: int) -> None:
     log(f"moe_t{tokens}_rel", round(rel(fused(), loop()), 5))
 
 
+# (block_m, gate_up_n, down_n, block_k, num_warps, num_stages); the first is choose_blocks'
+SWEEP = [
+    (16, 32, 64, 128, 4, 3),
+    (16, 16, 32, 128, 4, 3),
+    (16, 16, 64, 256, 4, 3),
+    (16, 32, 64, 256, 4, 3),
+    (16, 64, 128, 128, 4, 3),
+    (16, 32, 64, 128, 8, 4),
+    (16, 32, 64, 128, 4, 5),
+    (16, 64, 64, 64, 4, 4),
+]
+
+
+def moe_sweep(tokens: int, kind: str) -> None:
+    """The routed experts' time per tile choice (SWEEP) at ``tokens`` tokens, float (bf16) or
+    quantized (int4 / int8, group 32) experts, each in a CUDA graph."""
+    from worker.device.kernels.moe import MoeBlocks, choose_blocks, fused_moe_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    probs = torch.softmax(torch.randn(tokens, EXPERTS, device="cuda", generator=gen), -1)
+    weights, ids = torch.topk(probs, TOP_K, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+    if kind == "bf16":
+        gate_up = (torch.randn(EXPERTS, 2 * INNER, HIDDEN, device="cuda") * 0.02).bfloat16()
+        down = (torch.randn(EXPERTS, HIDDEN, INNER, device="cuda") * 0.04).bfloat16()
+        per_expert = 3 * INNER * HIDDEN * 2
+
+        def run(blocks: Any) -> torch.Tensor:
+            return fused_moe_triton(x, gate_up, down, weights, ids, blocks)
+    else:
+        from worker.device.kernels.moe_quant import fused_moe_quant_triton
+        from worker.layers.quant import QuantFormat
+        from worker.layers.quant_experts import QuantExperts
+
+        experts = QuantExperts(EXPERTS, HIDDEN, INNER, QuantFormat(kind, 32)).cuda()
+        experts.draw_random(0.02, torch.Generator(device="cuda").manual_seed(4), torch.bfloat16)
+        gu, dn = experts.matrix("gate_up_proj"), experts.matrix("down_proj")
+        per_expert = experts.nbytes // EXPERTS
+
+        def run(blocks: Any) -> torch.Tensor:
+            return fused_moe_quant_triton(x, gu, dn, weights, ids, blocks)
+
+    hit = int(torch.unique(ids).numel())
+    default = choose_blocks(tokens, HIDDEN, INNER)
+    log(f"moe_sweep_{kind}_t{tokens}_default", default)
+    want = run(None)
+    for choice in SWEEP:
+        blocks = MoeBlocks(*choice)
+        try:
+            t = graph_time(lambda b=blocks: run(b))
+            ok = rel(run(blocks), want) < 1e-2
+        except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
+            log(f"moe_sweep_{kind}_t{tokens}_{choice}", repr(exc)[:120])
+            continue
+        log(f"moe_sweep_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1),
+            f"{hit * per_expert / t / 1e12:.2f} TB/s{'' if ok else ' WRONG'}")  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=".")
+    p.add_argument("--only", default="", help="comma-separated case names (default: all)")
     args = p.parse_args()
     log("gpu", torch.cuda.get_device_name())
     log("torch", torch.__version__)
     started = time.perf_counter()
-    for name, fn in (
+    cases: list[tuple[str, Callable[[], None]]] = [
         ("moe_1", lambda: moe(1)),
         ("moe_32", lambda: moe(32)),
         ("moe_2048", lambda: moe(2048)),
         ("deltanet_decode_1", lambda: deltanet_decode(1)),
         ("deltanet_decode_32", lambda: deltanet_decode(32)),
         ("deltanet_prefill", deltanet_prefill),
-    ):
+        ("sweep_bf16_1", lambda: moe_sweep(1, "bf16")),
+        ("sweep_bf16_32", lambda: moe_sweep(32, "bf16")),
+        ("sweep_int4_1", lambda: moe_sweep(1, "int4")),
+        ("sweep_int4_32", lambda: moe_sweep(32, "int4")),
+    ]
+    only = [c for c in args.only.split(",") if c]
+    for name, fn in cases:
+        if only and name not in only:
+            continue
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - report and go on
