@@ -159,8 +159,12 @@ def test_kernel_replayed_in_a_cuda_graph_draws_the_eager_tokens() -> None:
     from worker.device.kernels.batched_sampling import sample_rows_triton
 
     logits = torch.randn(4, 262_144, generator=torch.Generator().manual_seed(2)).cuda() * 1.5
-    rows = [RowSampling(0.8, 40, 1.0, 0.0, seed=1), RowSampling(0.8, 40, 0.95, 0.0, seed=2),
-            RowSampling(1.0, 0, 0.9, 0.0, seed=3), RowSampling(0.7, 300, 1.0, 0.0, seed=4)]  # fmt: skip
+    rows = [
+        RowSampling(0.8, 40, 1.0, 0.0, seed=1),
+        RowSampling(0.8, 40, 0.95, 0.0, seed=2),
+        RowSampling(1.0, 0, 0.9, 0.0, seed=3),
+        RowSampling(0.7, 300, 1.0, 0.0, seed=4),
+    ]
     static = [t.clone() for t in sampling_tensors(rows, [0] * 4, logits.device)]
     sample_rows_triton(logits, *static)  # compiled before the capture
     torch.cuda.synchronize()
