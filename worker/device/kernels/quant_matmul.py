@@ -352,7 +352,7 @@ def _qgemm_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, C, K, stride_xm, stride_ym,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
@@ -378,7 +378,8 @@ def _qgemm_kernel(
     acc7 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = mask_c[:, None] & (offs_k < K)[None, :]
+        mask_k = (offs_k < K) | EVEN_K  # EVEN_K: K a multiple of BLOCK_K, no mask to compute
+        mask = mask_c[:, None] & mask_k[None, :]
         word = tl.load(w_ptr + offs_k[None, :].to(tl.int64) * C + offs_c[:, None], mask=mask,
                        other=0)  # fmt: skip
         if PER_ROW:
@@ -387,7 +388,7 @@ def _qgemm_kernel(
         else:
             meta = (k0 // GROUP) * (P * C) + offs_c[:, None]
             meta_mask = mask_c[:, None]
-        x = tl.load(x_cols + offs_k[:, None], mask=(offs_k < K)[:, None] & mask_m[None, :],
+        x = tl.load(x_cols + offs_k[:, None], mask=mask_k[:, None] & mask_m[None, :],
                     other=0.0)  # fmt: skip
         ty = x.dtype
         w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, C, INT4_KIND)
@@ -509,7 +510,7 @@ def qgemm(
         x.stride(0), y.stride(0),
         GROUP=group, INT4_KIND=packed.kind == INT4,
         BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
