@@ -11,7 +11,8 @@
 
     python tools/bench_qwen3_5_moe_kernels.py [--out DIR] [--only moe_1,sweep_int4_1,...]
 
-- ``sweep_{bf16,int4}_{1,32}``: the routed experts' time per tile choice (``SWEEP``).
+- ``sweep_{bf16,int4}_{1,32}``: the routed experts' time per tile choice (``SWEEP``);
+  ``sweep_deltanet_{1,32}``: the DeltaNet decode step's per value-dims tile and warps.
 
 Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
 """
@@ -232,6 +233,29 @@ def moe(tokens: int) -> None:
     log(f"moe_t{tokens}_rel", round(rel(fused(), loop()), 5))
 
 
+def deltanet_sweep(batch: int, slots_total: int = 40) -> None:
+    """The in-place DeltaNet decode step's time per (value dims per program, warps)."""
+    from worker.device.kernels.deltanet_decode import gated_delta_step_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    conv_out = torch.randn(batch, CONV_DIM, device="cuda", generator=gen).bfloat16()
+    a = torch.randn(batch, HV, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(batch, HV, device="cuda", generator=gen).bfloat16()
+    a_log, dt_bias = torch.randn(HV, device="cuda"), torch.randn(HV, device="cuda")
+    state = torch.randn(slots_total, HV, DK, DV, device="cuda") * 0.1
+    slots = torch.arange(batch, device="cuda") * (slots_total // batch)
+    for block_v, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
+
+        def step(bv: int = block_v, w: int = warps) -> torch.Tensor:
+            return gated_delta_step_triton(conv_out, a, b, a_log, dt_bias, state, slots,
+                                           num_key_heads=HK, key_dim=DK, block_v=bv,
+                                           num_warps=w)  # fmt: skip
+
+        t = graph_time(step)
+        log(f"deltanet_sweep_b{batch}_v{block_v}_w{warps}_us", round(t * 1e6, 1),
+            f"{2 * batch * HV * DK * DV * 4 / t / 1e12:.2f} TB/s of state")  # fmt: skip
+
+
 # (block_m, gate_up_n, down_n, block_k, num_warps, num_stages); the first is choose_blocks'
 SWEEP = [
     (16, 32, 64, 128, 4, 3),
@@ -310,6 +334,8 @@ def main() -> int:
         ("sweep_bf16_32", lambda: moe_sweep(32, "bf16")),
         ("sweep_int4_1", lambda: moe_sweep(1, "int4")),
         ("sweep_int4_32", lambda: moe_sweep(32, "int4")),
+        ("sweep_deltanet_1", lambda: deltanet_sweep(1)),
+        ("sweep_deltanet_32", lambda: deltanet_sweep(32)),
     ]
     only = [c for c in args.only.split(",") if c]
     for name, fn in cases:

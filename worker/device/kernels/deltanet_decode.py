@@ -124,22 +124,25 @@ def gated_delta_step_triton(
     slots: torch.Tensor,
     num_key_heads: int,
     key_dim: int,
+    block_v: int | None = None,
+    num_warps: int = 2,
 ) -> torch.Tensor:
     """conv_out [B, 2 * Hk * Dk + Hv * Dv] (q | k | v after the conv); a, b [B, Hv] (raw
     ``in_proj_a`` / ``in_proj_b`` outputs); A_log, dt_bias [Hv]; state [S, Hv, Dk, Dv] float32,
-    updated in place at each live row's slot -> o [B, Hv, Dv] float32."""
+    updated in place at each live row's slot -> o [B, Hv, Dv] float32. ``block_v`` value dims
+    per program (default 16)."""
     batch = conv_out.shape[0]
     _, heads_v, dk, dv = state.shape
     assert state.is_contiguous() and state.dtype == torch.float32 and dk == key_dim
     assert conv_out.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1
     out = torch.empty(batch, heads_v, dv, dtype=torch.float32, device=conv_out.device)
-    block_v = min(16, triton.next_power_of_2(dv))
+    block_v = block_v or min(16, triton.next_power_of_2(dv))
     grid = (batch, heads_v, triton.cdiv(dv, block_v))
     _gated_delta_step_kernel[grid](
         conv_out, a, b, a_log, dt_bias, state, out, slots,
         conv_out.stride(0), a.stride(0), b.stride(0), dk**-0.5,
         HK=num_key_heads, HV=heads_v, DK=dk, DV=dv,
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=2,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=num_warps,
     )  # fmt: skip
     return out
 
