@@ -212,6 +212,7 @@ def main() -> None:
         log(
             f"first turn of {pick} after the restart: {restart_ms:.1f} ms ({summary(restart_done)})"
         )
+        log(f"after the restart turn: {tier_stats(second)}")
         time.sleep(args.pause)
         done, cold_after = second.ask(turn(None, ids(77, length, vocab), 1, "cold-after"))
         log(f"cold in the second run: {cold_after:.1f} ms ({summary(checked(done))})")

@@ -3,7 +3,11 @@ directory is a logged skip or a clear error, never a crash and never a wrong cac
 
 from __future__ import annotations
 
+import json
 import os
+import struct
+import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -140,3 +144,54 @@ def test_host_tier_overflows_to_disk_then_drops(tmp_path: Path) -> None:
     no_disk.offload("a", state(), [1, 2, 3, 4, 5], 1)
     assert no_disk.offload("b", state(), [1, 2, 3, 4, 5], 1) == ["a"]  # a's cache is gone
     assert no_disk.take("a") is None and no_disk.dropped == 1
+
+
+def test_prefetch_serves_reads_and_a_write_drops_it(tmp_path: Path) -> None:
+    s, _ = store(tmp_path)
+    s.write("a", state(fill=1.0), [1, 2, 3, 4, 5], version=1)
+    s.write("b", state(fill=2.0), [1, 2, 3, 4, 6], version=1)
+    s.close()
+    again, logs = store(tmp_path)
+    names = [name for name, _, _ in again.scan()]
+    one_file = again.path_for("a").stat().st_size
+    again.prefetch(names, budget_bytes=2 * one_file)
+    for _ in range(200):
+        if again.prefetched == 2:
+            break
+        time.sleep(0.01)
+    assert again.prefetched == 2
+    again.path_for("a").unlink()  # served from memory now
+    got = again.read("a")
+    assert got is not None and torch.equal(got.state.tensors["k0"], state(fill=1.0).tensors["k0"])
+    again.write("b", state(fill=3.0), [1, 2, 3, 4, 7], version=2)  # newer than the prefetched
+    got = again.read("b")
+    assert got is not None and got.resident_ids == [1, 2, 3, 4, 7]
+    again.close()
+    assert not logs
+
+
+def test_format_1_files_are_still_read(tmp_path: Path) -> None:
+    s, _ = store(tmp_path)
+    s.write("chat", state(), [1, 2, 3, 4, 5], version=1)
+    s.close()
+    path = s.path_for("chat")
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[8:16])
+    header = json.loads(raw[16 : 16 + length])
+    payload = raw[16 + length + 4 :]
+    header["format"] = 1
+    header["payload_crc32"] = zlib.crc32(payload)
+    for spec in header["tensors"]:
+        del spec["crc32"]
+    encoded = json.dumps(header).encode()
+    path.write_bytes(
+        raw[:8] + struct.pack("<Q", len(encoded)) + encoded
+        + struct.pack("<I", zlib.crc32(encoded)) + payload
+    )  # fmt: skip
+    again, logs = store(tmp_path)
+    assert again.scan() and not logs
+    got = again.read("chat")
+    assert got is not None and torch.equal(got.state.tensors["v0"], state().tensors["v0"])
+    path.write_bytes(path.read_bytes()[:-1] + b"\xff")  # and its checksum still holds
+    damaged, logs = store(tmp_path)
+    assert damaged.scan() and damaged.read("chat") is None and "checksum" in logs[0]

@@ -180,7 +180,8 @@ class Engine:
             store = None
             if config.session_dir is not None:
                 fingerprint = model_fingerprint(self.model, self.tokenizer, self.kv.geometry())
-                store = SessionStore(config.session_dir, fingerprint, self.log)
+                pinned = self.device.type == "cuda"
+                store = SessionStore(config.session_dir, fingerprint, self.log, pinned)
             self.tiers = SessionTiers(config.host_cache_bytes, store)
         elif config.session_dir is not None:
             raise ValueError("--session-dir: this model's cache cannot be saved")
@@ -372,18 +373,11 @@ class Engine:
         clear_slot = getattr(self.kv, "clear_slot", None)
         if clear_slot is not None:
             clear_slot(slot)
-        where = self.tiers.where(session.name) if self.tiers is not None else None
-        started = time.perf_counter()
         copy = self.tiers.take(session.name) if self.tiers is not None else None
         if copy is None:
             session.clear()
             return
         state, resident_ids = copy
-        if where == "disk":
-            ms = (time.perf_counter() - started) * 1000
-            self.log(
-                f"session {session.name!r}: {state.nbytes / 1e6:.0f} MB read back in {ms:.0f} ms"
-            )
         try:
             if state.tokens != len(resident_ids):
                 raise ValueError(f"{state.tokens} cached tokens for {len(resident_ids)} ids")
@@ -427,6 +421,8 @@ class Engine:
             restored.append(name)
         if restored:
             self.log(f"restored {len(restored)} session(s) from {store.directory}")
+            # their caches are read back into memory in the background, newest first
+            store.prefetch(restored, self.config.host_cache_bytes)
         return restored
 
     def idle_work(self) -> bool:
