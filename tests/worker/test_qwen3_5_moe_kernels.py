@@ -73,6 +73,31 @@ def test_route_kernel_equals_router(triton_ready: None) -> None:
     torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 40, 6), (5, 256, 8), (16, 24, 8)])
+def test_route_align_kernel_equals_route_then_align(
+    triton_ready: None, tokens: int, experts: int, top_k: int
+) -> None:
+    """The one-launch routing and alignment of a decode step = the router then the torch
+    alignment (weights, ids, pair order, blocks), from strided logits."""
+    from worker.device.kernels.moe import align_pairs, route_align_triton
+
+    gen = torch.Generator().manual_seed(tokens)
+    wide = torch.randn(tokens, experts + 3, generator=gen) * 3
+    wide[:, 2] += 2.0  # one expert crowded: several blocks
+    logits = wide[:, 1 : experts + 1]  # strided rows, as in_proj's columns
+    probs = torch.softmax(logits, dim=-1)
+    want_weights, want_ids = torch.topk(probs, top_k, dim=-1)
+    want_weights = want_weights / want_weights.sum(dim=-1, keepdim=True)
+    weights, ids, aligned = route_align_triton(logits.to(DEVICE), top_k, 4)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-6, atol=1e-6)
+    want = align_pairs(want_ids, experts, 4)
+    blocks = aligned.block_expert.cpu()
+    assert torch.equal(blocks, want.block_expert)
+    used = int((blocks < experts).sum()) * 4  # rows past the used blocks are unset
+    assert torch.equal(aligned.sorted_pairs.cpu()[:used], want.sorted_pairs[:used])
+
+
 def _experts_loop(
     x: torch.Tensor,
     gate_up: torch.Tensor,

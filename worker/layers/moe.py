@@ -110,17 +110,16 @@ class SparseMoE(nn.Module):
         in the kernels' last launch on their path (the torch path's rounding: each sum rounded
         to x's dtype)."""
         logits, shared_gate, shared = self._project(x)
-        weights, ids = self.route(logits, x.dtype)
         if self._grouped_kernels(x):  # routed + shared (+ residual) in the kernels
-            return self._fused_triton(x, weights, ids, shared, shared_gate, residual)
+            return self._fused_triton(x, logits, shared, shared_gate, residual)
+        weights, ids = self.route(logits, x.dtype)
         routed = self._experts(x, weights, ids)
         out = routed + torch.sigmoid(shared_gate) * shared
         return out if residual is None else residual + out
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), tokens grouped by expert."""
-        if self._grouped_kernels(x):
-            return self._fused_triton(x, weights, ids)
+        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), tokens grouped by expert (the CPU
+        path's loop)."""
         t, k = ids.shape
         flat = ids.reshape(-1)  # [T * k]
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order within
@@ -166,21 +165,33 @@ class SparseMoE(nn.Module):
         return True
 
     def _fused_triton(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-        shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None,
+        self, x: torch.Tensor, logits: torch.Tensor, shared: torch.Tensor,
+        shared_gate: torch.Tensor, residual: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
+        """The kernels' path: routing (with the pairs' alignment in the same launch for a
+        few tokens), the grouped GEMMs, and the sum with the shared expert (and residual)."""
+        from worker.device.kernels.moe import (
+            ROUTE_ALIGN_MAX_PAIRS,
+            choose_blocks,
+            fused_moe_triton,
+            route_align_triton,
+        )
+
         experts = self.experts
+        blocks = choose_blocks(x.shape[0], x.shape[1], experts.inner)
+        aligned = None
+        if x.shape[0] * self.top_k <= ROUTE_ALIGN_MAX_PAIRS and logits.stride(1) == 1:
+            weights, ids, aligned = route_align_triton(logits, self.top_k, blocks.block_m)
+        else:
+            weights, ids = self.route(logits, x.dtype)
         if isinstance(experts, QuantExperts):
             from worker.device.kernels.moe_quant import fused_moe_quant_triton
 
             return fused_moe_quant_triton(
                 x, experts.matrix("gate_up_proj"), experts.matrix("down_proj"), weights, ids,
-                shared=shared, shared_gate=shared_gate, residual=residual,
+                blocks, shared, shared_gate, residual, aligned,
             )  # fmt: skip
-        from worker.device.kernels.moe import fused_moe_triton
-
         return fused_moe_triton(
-            x, experts.gate_up_proj, experts.down_proj, weights, ids,
-            shared=shared, shared_gate=shared_gate, residual=residual,
+            x, experts.gate_up_proj, experts.down_proj, weights, ids, blocks, shared,
+            shared_gate, residual, aligned,
         )  # fmt: skip

@@ -178,6 +178,100 @@ def route_triton(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
 
 
 @triton.jit
+def _route_align_kernel(
+    logits_ptr, weights_ptr, ids_ptr, sorted_ptr, block_expert_ptr, T, E, stride_row,
+    NUM_BLOCKS, TOP_K: tl.constexpr, T_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BINS: tl.constexpr, TAIL: tl.constexpr,
+):  # fmt: skip
+    """``_route_kernel`` for every token and then ``_align_kernel`` in one launch, for a few
+    tokens: program e routes all of them (cheap, and nothing to wait for), program 0 stores
+    the weights and ids, and each program places its own expert's pairs."""
+    e = tl.program_id(0)
+    rows = tl.arange(0, T_BLOCK)
+    cols = tl.arange(0, E_BLOCK)
+    live = rows < T
+    inside = live[:, None] & (cols < E)[None, :]
+    logit = tl.load(logits_ptr + rows[:, None] * stride_row + cols[None, :], mask=inside,
+                    other=-float("inf")).to(tl.float32)  # fmt: skip
+    logit = tl.where(live[:, None], logit, 0.0)  # padding rows: finite, never stored
+    numer = tl.exp(logit - tl.max(logit, 1)[:, None])
+    probs = numer / tl.sum(numer, 1)[:, None]
+    probs = tl.where((cols < E)[None, :], probs, -1.0)
+    slots = tl.arange(0, K_BLOCK)
+    picked = tl.zeros([T_BLOCK, K_BLOCK], dtype=tl.float32)
+    picked_ids = tl.zeros([T_BLOCK, K_BLOCK], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, 1)  # [T_BLOCK]
+        best_id = tl.min(tl.where(probs == best[:, None], cols[None, :], E_BLOCK), 1)
+        picked = tl.where(slots[None, :] == j, best[:, None], picked)
+        picked_ids = tl.where(slots[None, :] == j, best_id[:, None], picked_ids)
+        probs = tl.where(cols[None, :] == best_id[:, None], -1.0, probs)
+    picked = picked / tl.sum(picked, 1)[:, None]
+    valid = live[:, None] & (slots < TOP_K)[None, :]
+    pair = rows[:, None] * TOP_K + slots[None, :]  # [T_BLOCK, K_BLOCK]
+    if e == 0:
+        tl.store(weights_ptr + pair, picked.to(weights_ptr.dtype.element_ty), mask=valid)
+        tl.store(ids_ptr + pair, picked_ids.to(tl.int64), mask=valid)
+    flat_pair = tl.reshape(pair, [T_BLOCK * K_BLOCK])
+    expert = tl.reshape(tl.where(valid, picked_ids, BINS - 1), [T_BLOCK * K_BLOCK])
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < E, tl.histogram(expert, BINS), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    mine = bins == e
+    run_end = tl.sum(tl.where(mine, ends, 0), 0)
+    run_len = tl.sum(tl.where(mine, padded, 0), 0)
+    count = tl.sum(tl.where(mine, counts, 0), 0)
+    run_start = run_end - run_len
+    hit = expert == e
+    pos = run_start + tl.cumsum(hit.to(tl.int32), 0) - 1  # pair order within the run
+    tl.store(sorted_ptr + pos, flat_pair, mask=hit)
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + run_start + count + pad, T * TOP_K + pad * 0,
+             mask=count + pad < run_len)  # fmt: skip
+    tail = tl.arange(0, TAIL)
+    for b0 in range(0, run_len // BLOCK_M, TAIL):
+        block = b0 + tail
+        tl.store(block_expert_ptr + run_start // BLOCK_M + block, e + block * 0,
+                 mask=block < run_len // BLOCK_M)  # fmt: skip
+    if e == 0:
+        for b0 in range(tl.sum(padded, 0) // BLOCK_M, NUM_BLOCKS, TAIL):
+            block = b0 + tail
+            tl.store(block_expert_ptr + block, E + block * 0, mask=block < NUM_BLOCKS)
+
+
+ROUTE_ALIGN_MAX_PAIRS = 128
+"""``route_align_triton`` routes every token in every program: up to this many pairs (decode
+steps of up to 16 rows at top 8)."""
+
+
+def route_align_triton(
+    logits: torch.Tensor, top_k: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, AlignedPairs]:
+    """``route_triton`` then ``align_pairs_triton`` in one launch (at most
+    ROUTE_ALIGN_MAX_PAIRS pairs, T * k): logits [T, E] (rows may be strided) -> (weights
+    [T, k] in logits' dtype, ids [T, k] int64, their AlignedPairs)."""
+    tokens, experts = logits.shape
+    assert logits.stride(1) == 1 and tokens * top_k <= ROUTE_ALIGN_MAX_PAIRS
+    device = logits.device
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
+    pairs = tokens * top_k
+    length = padded_length(pairs, experts, block_m)
+    sorted_pairs = torch.empty(length, dtype=torch.int32, device=device)
+    block_expert = torch.empty(length // block_m, dtype=torch.int32, device=device)
+    if tokens:
+        _route_align_kernel[(experts,)](
+            logits, weights, ids, sorted_pairs, block_expert, tokens, experts, logits.stride(0),
+            length // block_m, TOP_K=top_k, T_BLOCK=max(2, triton.next_power_of_2(tokens)),
+            E_BLOCK=max(16, triton.next_power_of_2(experts)),
+            K_BLOCK=max(2, triton.next_power_of_2(top_k)), BLOCK_M=block_m,
+            BINS=1 << experts.bit_length(), TAIL=64, num_warps=4,
+        )  # fmt: skip
+    return weights, ids, AlignedPairs(sorted_pairs, block_expert, pairs, block_m)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, PAIRS, E,
     TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INNER: tl.constexpr,
@@ -360,6 +454,7 @@ def fused_moe_triton(
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    aligned: AlignedPairs | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], plus
     sigmoid(shared_gate[t]) * shared[t] when given (the shared expert, added in the same
@@ -367,7 +462,8 @@ def fused_moe_triton(
 
     x [T, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; weights [T, k] in x's
     dtype; ids [T, k] int64; shared [T, H], shared_gate [T, 1], residual [T, H] -> [T, H] in
-    x's dtype."""
+    x's dtype. ``aligned``: the pairs already aligned (``route_align_triton``) for
+    ``blocks.block_m``."""
     tokens, hidden = x.shape
     num_experts, two_inner, _ = gate_up.shape
     inner = two_inner // 2
@@ -375,7 +471,9 @@ def fused_moe_triton(
     assert gate_up.is_contiguous() and down.is_contiguous() and down.shape[1:] == (hidden, inner)
     x = x.contiguous()
     blocks = blocks or choose_blocks(tokens, hidden, inner)
-    aligned = align_pairs_triton(ids, num_experts, blocks.block_m)
+    if aligned is None:
+        aligned = align_pairs_triton(ids, num_experts, blocks.block_m)
+    assert aligned.block_m == blocks.block_m
     pairs = aligned.pairs
     num_blocks = aligned.block_expert.shape[0]
     ieee = x.dtype == torch.float32

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from worker.device.kernels.moe import (
+    AlignedPairs,
     MoeBlocks,
     _dot,
     _store_gated,
@@ -191,10 +192,12 @@ def fused_moe_quant_triton(
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    aligned: AlignedPairs | None = None,
 ) -> torch.Tensor:
     """``fused_moe_triton`` over quantized experts: x [T, H]; gate_up [E, 2I, H] and down
     [E, H, I] as ``ExpertMatrix``; weights [T, k] in x's dtype; ids [T, k] int64; shared
-    [T, H], shared_gate [T, 1], residual [T, H] -> [T, H] in x's dtype."""
+    [T, H], shared_gate [T, 1], residual [T, H] -> [T, H] in x's dtype (``aligned`` as
+    there)."""
     tokens, hidden = x.shape
     num_experts, two_inner, _ = gate_up.shape
     inner = two_inner // 2
@@ -202,7 +205,9 @@ def fused_moe_quant_triton(
     assert down.shape == (num_experts, hidden, inner) and gate_up.shape[2] == hidden
     x = x.contiguous()
     blocks = blocks or choose_blocks(tokens, hidden, inner)
-    aligned = align_pairs_triton(ids, num_experts, blocks.block_m)
+    if aligned is None:
+        aligned = align_pairs_triton(ids, num_experts, blocks.block_m)
+    assert aligned.block_m == blocks.block_m
     pairs = aligned.pairs
     num_blocks = aligned.block_expert.shape[0]
     ieee = x.dtype == torch.float32
