@@ -58,7 +58,7 @@ GEMM_MAX_ROWS = 64
 # GEMV: (BLOCK_C words, programs wanted (K split to reach them), num_warps, rows unrolled);
 # GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages)
 GEMV_CONFIG = (256, 264, 2, 8)
-GEMM_CONFIG = (32, 32, 4, 3)
+GEMM_CONFIG = (64, 32, 4, 3)
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 
 
@@ -558,7 +558,7 @@ def quant_linear(
 # fastest configs of the 31B shapes on an H200 were among these)
 GEMV_CANDIDATES = [(256, 264, 2, 8), (256, 528, 2, 8), (128, 528, 1, 8), (256, 264, 2, 32),
                    (512, 528, 4, 8)]  # fmt: skip
-GEMM_CANDIDATES = [(32, 32, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3), (16, 64, 4, 3)]
+GEMM_CANDIDATES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (32, 32, 4, 3)]
 
 
 def choose_configs(
