@@ -254,6 +254,29 @@ def deltanet_sweep(batch: int, slots_total: int = 40) -> None:
         t = graph_time(step)
         log(f"deltanet_sweep_b{batch}_v{block_v}_w{warps}_us", round(t * 1e6, 1),
             f"{2 * batch * HV * DK * DV * 4 / t / 1e12:.2f} TB/s of state")  # fmt: skip
+    from worker.device.kernels.deltanet_decode import (
+        gated_delta_norm_step_triton,
+        gated_rms_norm_triton,
+    )
+
+    z = torch.randn(batch, HV, DV, device="cuda", generator=gen).bfloat16()
+    norm_w = torch.randn(DV, device="cuda", generator=gen).bfloat16()
+
+    def two_kernels() -> torch.Tensor:
+        o = gated_delta_step_triton(conv_out, a, b, a_log, dt_bias, state, slots,
+                                    num_key_heads=HK, key_dim=DK)  # fmt: skip
+        return gated_rms_norm_triton(o, z, norm_w, 1e-6, torch.bfloat16)
+
+    log(f"deltanet_sweep_b{batch}_step_and_norm_us", round(graph_time(two_kernels) * 1e6, 1))
+    for block_v, warps in ((32, 4), (32, 8), (64, 4), (64, 8), (16, 4)):
+
+        def fused(bv: int = block_v, w: int = warps) -> torch.Tensor:
+            return gated_delta_norm_step_triton(conv_out, a, b, a_log, dt_bias, state, slots, z,
+                                                norm_w, 1e-6, num_key_heads=HK, key_dim=DK,
+                                                block_v=bv, num_warps=w)  # fmt: skip
+
+        log(f"deltanet_sweep_b{batch}_fused_norm_v{block_v}_w{warps}_us",
+            round(graph_time(fused) * 1e6, 1))  # fmt: skip
 
 
 # (block_m, gate_up_n, down_n, block_k, num_warps, num_stages); the first is choose_blocks'

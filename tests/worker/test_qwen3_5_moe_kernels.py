@@ -206,3 +206,39 @@ def test_deltanet_decode_step_matches_torch_step(triton_ready: None) -> None:
     untouched = [1, 3]  # no live row's slot: padding rows wrote nothing
     assert torch.equal(new_conv[untouched], conv_before[untouched])
     assert torch.equal(new_state[untouched], state_before[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deltanet_step_with_norm_equals_step_then_norm(
+    triton_ready: None, dtype: torch.dtype
+) -> None:
+    """The delta step and the layer's gated norm in one launch = the two kernels (padding rows
+    store no state), value dims in several tiles."""
+    from worker.device.kernels.deltanet_decode import (
+        gated_delta_norm_step_triton,
+        gated_delta_step_triton,
+        gated_rms_norm_triton,
+    )
+
+    gen = torch.Generator().manual_seed(4)
+    slots = torch.tensor([2, -1, 0])
+    t, dims = _decode_inputs(gen, len(slots), slots_total=4)
+    hk, hv, dk, dv = dims["hk"], dims["hv"], dims["dk"], dims["dv"]
+    wide_z = torch.randn(len(slots), hv * dv + 7, generator=gen)
+    weight = torch.randn(dv, generator=gen)
+    dev = {name: tensor.to(DEVICE) for name, tensor in t.items()}
+    conv_out = dev["x"].to(dtype)
+    z = wide_z.to(DEVICE, dtype)[:, 3 : 3 + hv * dv].view(len(slots), hv, dv)  # strided rows
+    w = weight.to(DEVICE, dtype)
+    args = (dev["a"], dev["b"], dev["a_log"], dev["dt_bias"])
+    state_two, state_one = dev["state"].clone(), dev["state"].clone()
+    o = gated_delta_step_triton(conv_out, *args, state_two, slots.to(DEVICE),
+                                num_key_heads=hk, key_dim=dk)  # fmt: skip
+    want = gated_rms_norm_triton(o, z, w, 1e-6, dtype)
+    got = gated_delta_norm_step_triton(conv_out, *args, state_one, slots.to(DEVICE), z, w, 1e-6,
+                                       num_key_heads=hk, key_dim=dk, block_v=4)  # fmt: skip
+    live = slots >= 0
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.cpu()[live].float(), want.cpu()[live].float(), **tol)
+    assert torch.equal(state_one.cpu(), state_two.cpu())  # the same updates, nothing for padding

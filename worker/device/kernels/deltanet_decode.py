@@ -148,6 +148,102 @@ def gated_delta_step_triton(
 
 
 @triton.jit
+def _gated_delta_norm_kernel(
+    conv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, o_ptr, slots_ptr,
+    z_ptr, w_ptr, out_ptr, stride_conv, stride_a, stride_b, stride_z, scale, eps,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """``_gated_delta_step_kernel`` for a whole value head (its value dims BLOCK_V at a time)
+    and then ``_gated_rms_norm_kernel`` of that head, one program per (row, value head)."""
+    row = tl.program_id(0)
+    hv = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < DK
+    hk = hv // (HV // HK)
+    slot = tl.load(slots_ptr + row)
+    line = conv_ptr + row.to(tl.int64) * stride_conv
+    q = tl.load(line + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(line + HK * DK + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    a = tl.load(a_ptr + row.to(tl.int64) * stride_a + hv).to(tl.float32)
+    a = a + tl.load(dt_bias_ptr + hv).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus)
+    beta = tl.load(b_ptr + row.to(tl.int64) * stride_b + hv).to(tl.float32)
+    beta = 1.0 / (1.0 + tl.exp(-beta))
+    base = state_ptr + (tl.maximum(slot, 0).to(tl.int64) * HV + hv) * DK * DV
+    o_row = o_ptr + (row.to(tl.int64) * HV + hv) * DV
+    out_ty = out_ptr.dtype.element_ty
+    squares = tl.sum(tl.zeros([BLOCK_V], dtype=tl.float32), axis=0)
+    for v0 in tl.static_range(0, DV, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < DV
+        live = (offs_v * 0 + slot) >= 0  # padding rows read zeros, store no state
+        v = tl.load(line + 2 * HK * DK + hv * DV + offs_v, mask=mask_v, other=0.0)
+        cells = base + offs_k[:, None] * DV + offs_v[None, :]  # [BLOCK_K, BLOCK_V]
+        mask = mask_k[:, None] & (mask_v & live)[None, :]
+        h = tl.load(cells, mask=mask, other=0.0) * decay
+        update = (v.to(tl.float32) - tl.sum(h * k[:, None], axis=0)) * beta
+        h += k[:, None] * update[None, :]
+        tl.store(cells, h, mask=mask)
+        o = tl.sum(h * q[:, None], axis=0)
+        tl.store(o_row + offs_v, o, mask=mask_v)
+        rounded = o.to(out_ty).to(tl.float32)
+        squares += tl.sum(tl.where(mask_v, rounded * rounded, 0.0), axis=0)
+    tl.debug_barrier()  # the head's outputs, written by every thread, read back below
+    root = tl.sqrt(squares / DV + eps)
+    z_row = z_ptr + row.to(tl.int64) * stride_z + hv * DV
+    out_row = out_ptr + (row.to(tl.int64) * HV + hv) * DV
+    for v0 in tl.static_range(0, DV, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < DV
+        x = tl.load(o_row + offs_v, mask=mask_v, other=0.0).to(out_ty).to(tl.float32)
+        normed = (x / root).to(out_ty).to(tl.float32)
+        w = tl.load(w_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        scaled = (w * normed).to(out_ty).to(tl.float32)
+        gate = tl.load(z_row + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        tl.store(out_row + offs_v, (scaled * (gate / (1.0 + tl.exp(-gate)))).to(out_ty),
+                 mask=mask_v)  # fmt: skip
+
+
+def gated_delta_norm_step_triton(
+    conv_out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    num_key_heads: int,
+    key_dim: int,
+    block_v: int = 32,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """``gated_delta_step_triton`` followed by ``gated_rms_norm_triton`` (gate z [B, Hv, Dv],
+    rows may be strided, heads packed; weight [Dv]) in one launch -> [B, Hv, Dv] in z's dtype,
+    the same roundings."""
+    batch = conv_out.shape[0]
+    _, heads_v, dk, dv = state.shape
+    assert state.is_contiguous() and state.dtype == torch.float32 and dk == key_dim
+    assert conv_out.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1
+    assert z.stride(2) == 1 and z.stride(1) == dv
+    scratch = torch.empty(batch, heads_v, dv, dtype=torch.float32, device=conv_out.device)
+    out = torch.empty(batch, heads_v, dv, dtype=z.dtype, device=conv_out.device)
+    _gated_delta_norm_kernel[(batch, heads_v)](
+        conv_out, a, b, a_log, dt_bias, state, scratch, slots, z, norm_weight, out,
+        conv_out.stride(0), a.stride(0), b.stride(0), z.stride(0), dk**-0.5, float(eps),
+        HK=num_key_heads, HV=heads_v, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk),
+        BLOCK_V=min(block_v, triton.next_power_of_2(dv)), num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, gate_ptr, w_ptr, out_ptr, HEADS, stride_gate_row, eps,
     D: tl.constexpr, BLOCK_D: tl.constexpr,
