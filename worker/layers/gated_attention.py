@@ -110,6 +110,12 @@ class GatedAttention(nn.Module):
             o = attend(q, k, v.contiguous(), cache, plan, self.scale)  # [T, H, D]
         else:
             o = plan.attend(q, k, v, cache, self.scale)
+        if use_triton(x):  # sigmoid(gate) * o in one launch, per (token, head) row
+            from worker.device.kernels.rmsnorm import gated_act_triton
+
+            gated = gated_act_triton(gate.reshape(t * h, d), o.reshape(t * h, d), "sigmoid")
+            out: torch.Tensor = self.o_proj(gated.view(t, h * d))
+            return out
         o = o * torch.sigmoid(gate)
-        out: torch.Tensor = self.o_proj(o.reshape(t, h * d))
+        out = self.o_proj(o.reshape(t, h * d))
         return out

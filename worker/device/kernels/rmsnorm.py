@@ -299,7 +299,7 @@ def rms_norm_partial_rope_triton(
 @triton.jit
 def _gated_act_kernel(
     g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, n,
-    GELU_TANH: tl.constexpr, BLOCK: tl.constexpr,
+    ACT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row, blk = tl.program_id(0), tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -307,17 +307,19 @@ def _gated_act_kernel(
     dt = y_ptr.dtype.element_ty
     g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
-    if GELU_TANH:
+    if ACT == 1:  # gelu, tanh approximation
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
         a = 0.5 * g * (1.0 + tanh)
+    elif ACT == 2:  # sigmoid (qwen3_5_moe's attention output gate)
+        a = tl.sigmoid(g)
     else:  # silu
         a = g * tl.sigmoid(g)
     y = a.to(dt).to(tl.float32) * u
     tl.store(y_ptr + row * stride_y + offs, y.to(dt), mask=mask)
 
 
-GATED_ACTIVATIONS = {"gelu_pytorch_tanh": True, "gelu_new": True, "silu": False, "swish": False}
+GATED_ACTIVATIONS = {"gelu_pytorch_tanh": 1, "gelu_new": 1, "silu": 0, "swish": 0, "sigmoid": 2}
 
 
 def gated_act_triton(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
@@ -332,6 +334,6 @@ def gated_act_triton(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Te
     block = 1024
     _gated_act_kernel[(rows, triton.cdiv(n, block))](
         gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n,
-        GELU_TANH=GATED_ACTIVATIONS[act], BLOCK=block, num_warps=4,
+        ACT=GATED_ACTIVATIONS[act], BLOCK=block, num_warps=4,
     )  # fmt: skip
     return y
