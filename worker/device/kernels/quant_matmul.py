@@ -57,8 +57,9 @@ GEMV_MAX_ROWS = 1
 GEMM_MAX_ROWS = 64
 # GEMV: (BLOCK_C words, programs wanted (K split to reach them), num_warps, rows unrolled);
 # GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages)
-GEMV_CONFIG = (256, 264, 2, 8)
+GEMV_CONFIG = (128, 264, 8, 8)
 GEMM_CONFIG = (64, 32, 4, 3)
+GEMM_PROGRAMS = 132  # about one per SM of an H200: small GEMMs split K up to this many programs
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 
 
@@ -238,43 +239,52 @@ def _gemv_store(y_ptr, acc, offs_c, mask_c, N, p: tl.constexpr, P: tl.constexpr)
 def _qgemv_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, N, C, K,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
+    WARPS: tl.constexpr,
 ):  # fmt: skip
     """y[split, :] = the partial x @ W^T over this split's groups (one row of x). Program
-    (i, s): word columns [i * BLOCK_C, ...), groups [s * span, (s + 1) * span)."""
+    (i, s): word columns [i * BLOCK_C, ...) over groups [s * span, (s + 1) * span), which its
+    WARPS warps share out (warp w takes groups w, w + WARPS, ...: each warp streams its own
+    rows, so many loads are in flight without splitting K over more programs), summed across
+    the warps at the end."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
+    lanes = tl.arange(0, WARPS)
     groups = K // GROUP
     span = tl.cdiv(groups, tl.num_programs(1))
     first = split * span
     last = tl.minimum(first + span, groups)
-    a0 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    a1 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    a4 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    a5 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    a6 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    a7 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for g in range(first, last):
-        d0 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        d1 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        d2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        d3 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        d4 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        d5 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        d6 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        d7 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        xs = tl.zeros([], dtype=tl.float32)
+    a0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a3 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a4 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a5 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a6 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    for g0 in range(first, last, WARPS):
+        g = g0 + lanes  # [WARPS]: one group per warp
+        mask_g = g < last
+        mask = mask_g[:, None] & mask_c[None, :]
+        d0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d3 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d4 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d5 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d6 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        xs = tl.zeros([WARPS], dtype=tl.float32)
         for r0 in range(0, GROUP, UNROLL):
             for r in tl.static_range(UNROLL):
-                row = g * GROUP + r0 + r
-                word = tl.load(w_ptr + row.to(tl.int64) * C + offs_c, mask=mask_c, other=0)
-                x = tl.load(x_ptr + row).to(tl.float32)
+                rows = g * GROUP + r0 + r
+                word = tl.load(w_ptr + rows[:, None].to(tl.int64) * C + offs_c[None, :],
+                               mask=mask, other=0)  # fmt: skip
+                x = tl.load(x_ptr + rows, mask=mask_g, other=0.0).to(tl.float32)
                 xs += x
-                xb = x * 1.2379400392853803e27  # 2^90: products stay normal floats
+                xb = (x * 1.2379400392853803e27)[:, None]  # 2^90: products stay normal floats
                 high = word >> 8
                 d0 += _code(word, high, 0, INT4_KIND) * xb
                 d1 += _code(word, high, 1, INT4_KIND) * xb
@@ -285,26 +295,27 @@ def _qgemv_kernel(
                     d5 += _code(word, high, 5, INT4_KIND) * xb
                     d6 += _code(word, high, 6, INT4_KIND) * xb
                     d7 += _code(word, high, 7, INT4_KIND) * xb
-        meta = g * P * C + offs_c
-        a0 = _gemv_group_end(a0, d0, s_ptr, o_ptr, meta, mask_c, xs, 0, C, INT4_KIND)
-        a1 = _gemv_group_end(a1, d1, s_ptr, o_ptr, meta, mask_c, xs, 1, C, INT4_KIND)
-        a2 = _gemv_group_end(a2, d2, s_ptr, o_ptr, meta, mask_c, xs, 2, C, INT4_KIND)
-        a3 = _gemv_group_end(a3, d3, s_ptr, o_ptr, meta, mask_c, xs, 3, C, INT4_KIND)
+        meta = g[:, None] * (P * C) + offs_c[None, :]
+        xsum = xs[:, None]
+        a0 = _gemv_group_end(a0, d0, s_ptr, o_ptr, meta, mask, xsum, 0, C, INT4_KIND)
+        a1 = _gemv_group_end(a1, d1, s_ptr, o_ptr, meta, mask, xsum, 1, C, INT4_KIND)
+        a2 = _gemv_group_end(a2, d2, s_ptr, o_ptr, meta, mask, xsum, 2, C, INT4_KIND)
+        a3 = _gemv_group_end(a3, d3, s_ptr, o_ptr, meta, mask, xsum, 3, C, INT4_KIND)
         if INT4_KIND:
-            a4 = _gemv_group_end(a4, d4, s_ptr, o_ptr, meta, mask_c, xs, 4, C, INT4_KIND)
-            a5 = _gemv_group_end(a5, d5, s_ptr, o_ptr, meta, mask_c, xs, 5, C, INT4_KIND)
-            a6 = _gemv_group_end(a6, d6, s_ptr, o_ptr, meta, mask_c, xs, 6, C, INT4_KIND)
-            a7 = _gemv_group_end(a7, d7, s_ptr, o_ptr, meta, mask_c, xs, 7, C, INT4_KIND)
+            a4 = _gemv_group_end(a4, d4, s_ptr, o_ptr, meta, mask, xsum, 4, C, INT4_KIND)
+            a5 = _gemv_group_end(a5, d5, s_ptr, o_ptr, meta, mask, xsum, 5, C, INT4_KIND)
+            a6 = _gemv_group_end(a6, d6, s_ptr, o_ptr, meta, mask, xsum, 6, C, INT4_KIND)
+            a7 = _gemv_group_end(a7, d7, s_ptr, o_ptr, meta, mask, xsum, 7, C, INT4_KIND)
     y_ptr += split * N
-    _gemv_store(y_ptr, a0, offs_c, mask_c, N, 0, P)
-    _gemv_store(y_ptr, a1, offs_c, mask_c, N, 1, P)
-    _gemv_store(y_ptr, a2, offs_c, mask_c, N, 2, P)
-    _gemv_store(y_ptr, a3, offs_c, mask_c, N, 3, P)
+    _gemv_store(y_ptr, tl.sum(a0, axis=0), offs_c, mask_c, N, 0, P)
+    _gemv_store(y_ptr, tl.sum(a1, axis=0), offs_c, mask_c, N, 1, P)
+    _gemv_store(y_ptr, tl.sum(a2, axis=0), offs_c, mask_c, N, 2, P)
+    _gemv_store(y_ptr, tl.sum(a3, axis=0), offs_c, mask_c, N, 3, P)
     if INT4_KIND:
-        _gemv_store(y_ptr, a4, offs_c, mask_c, N, 4, P)
-        _gemv_store(y_ptr, a5, offs_c, mask_c, N, 5, P)
-        _gemv_store(y_ptr, a6, offs_c, mask_c, N, 6, P)
-        _gemv_store(y_ptr, a7, offs_c, mask_c, N, 7, P)
+        _gemv_store(y_ptr, tl.sum(a4, axis=0), offs_c, mask_c, N, 4, P)
+        _gemv_store(y_ptr, tl.sum(a5, axis=0), offs_c, mask_c, N, 5, P)
+        _gemv_store(y_ptr, tl.sum(a6, axis=0), offs_c, mask_c, N, 6, P)
+        _gemv_store(y_ptr, tl.sum(a7, axis=0), offs_c, mask_c, N, 7, P)
 
 
 @triton.jit
@@ -363,6 +374,12 @@ def _qgemm_kernel(
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
     pid_c = tl.program_id(0)
     pid_m = tl.program_id(1)
+    split = tl.program_id(2)  # K split: partial sums into y[split] (fp32), added by _reduce_kernel
+    tiles = tl.cdiv(K, BLOCK_K)
+    span = tl.cdiv(tiles, tl.num_programs(2))
+    k_first = split * span * BLOCK_K
+    k_last = tl.minimum((split + 1) * span, tiles) * BLOCK_K
+    y_ptr += split * M * N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_m = offs_m < M
@@ -376,7 +393,7 @@ def _qgemm_kernel(
     acc5 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     acc6 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     acc7 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_first, k_last, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = (offs_k < K) | EVEN_K  # EVEN_K: K a multiple of BLOCK_K, no mask to compute
         mask = mask_c[:, None] & mask_k[None, :]
@@ -456,10 +473,11 @@ def _offsets(packed: KMajorWeight) -> torch.Tensor:
     return packed.offsets if packed.offsets is not None else packed.scales  # int8: never read
 
 
-def split_for(columns: int, groups: int, block_c: int, programs: int) -> int:
+def split_for(columns: int, groups: int, block_c: int, programs: int, warps: int = 1) -> int:
     """K splits (whole groups each) that bring the GEMV to about ``programs`` programs: a
-    matrix of few outputs (5,376 of them, K 21,504) otherwise leaves most SMs idle."""
-    return max(1, min(groups, programs // triton.cdiv(columns, block_c)))
+    matrix of few outputs (5,376 of them, K 21,504) otherwise leaves most SMs idle. Each
+    split keeps at least one group per warp."""
+    return max(1, min(groups // warps, programs // triton.cdiv(columns, block_c)))
 
 
 def qgemv(
@@ -476,13 +494,13 @@ def qgemv(
     groups = k // packed.group_size
     unroll = min(unroll, packed.group_size)
     if split is None:
-        split = split_for(packed.columns, groups, block_c, programs)
+        split = split_for(packed.columns, groups, block_c, programs, num_warps)
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, n), device=x.device, dtype=torch.float32)
     _qgemv_kernel[(triton.cdiv(packed.columns, block_c), split)](
         x, packed.words, packed.scales, _offsets(packed), out, n, packed.columns, k,
         GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
-        UNROLL=unroll, num_warps=num_warps,
+        UNROLL=unroll, WARPS=num_warps, num_warps=num_warps,
     )  # fmt: skip
     if split > 1:
         block = 256  # many programs: a split of 88 (5,376 outputs) reads 1.9 MB of partials
@@ -491,9 +509,11 @@ def qgemv(
 
 
 def qgemm(
-    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, int, int, int] | None = None
-) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N], weights dequantized in registers for ``tl.dot``."""
+    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, int, int, int] | None = None,
+    split: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ W^T -> [M, N], weights dequantized in registers for ``tl.dot``; K split
+    over ``split`` programs (None: enough for about GEMM_PROGRAMS programs), summed in fp32."""
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
@@ -503,16 +523,25 @@ def qgemm(
     if block_k > group and group < 16:
         block_k = 16  # groups of 8: two per tile, scales read per row
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    tiles = (triton.cdiv(packed.columns, block_c), triton.cdiv(m, block_m))
+    if split is None:  # few word columns (5,376 outputs: 11 tiles of 64): split K
+        split = max(1, min(triton.cdiv(k, block_k), GEMM_PROGRAMS // (tiles[0] * tiles[1])))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(packed.columns, block_c), triton.cdiv(m, block_m))
-    _qgemm_kernel[grid](
-        x, packed.words, packed.scales, _offsets(packed), y, m, n, packed.columns, k,
-        x.stride(0), y.stride(0),
+    out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    _qgemm_kernel[(*tiles, split)](
+        x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
+        x.stride(0), n if split > 1 else y.stride(0),
         GROUP=group, INT4_KIND=packed.kind == INT4,
         BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if split > 1:
+        block = 256
+        count = m * n
+        _reduce_kernel[(triton.cdiv(count, block),)](
+            out, y, count, SPLIT=split, BLOCK=block, num_warps=2
+        )
     return y
 
 
@@ -556,9 +585,9 @@ def quant_linear(
 
 # candidates timed per matrix shape at start-up (tools/bench_quant_kernels.py --sweep: the
 # fastest configs of the 31B shapes on an H200 were among these)
-GEMV_CANDIDATES = [(256, 264, 2, 8), (256, 528, 2, 8), (128, 528, 1, 8), (256, 264, 2, 32),
-                   (512, 528, 4, 8)]  # fmt: skip
-GEMM_CANDIDATES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (32, 32, 4, 3)]
+GEMV_CANDIDATES = [(128, 264, 8, 8), (128, 528, 4, 8), (64, 264, 8, 8), (128, 264, 8, 16),
+                   (256, 264, 8, 8)]  # fmt: skip
+GEMM_CANDIDATES = [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2)]
 
 
 def choose_configs(
