@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 # real launch then finds each variant there (never builds its IR) and goes on to launch.
 SCRIPT = textwrap.dedent(
     """
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -49,9 +50,15 @@ SCRIPT = textwrap.dedent(
     weight = torch.zeros(64, 256, dtype=torch.bfloat16)
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     configs = [(16, 256, 4, 4), (8, 128, 4, 2)]
-    pool = CompilePool(ThreadPoolExecutor(2), 2)
-    traced = pool.compile_launches(lambda: [gemv_triton(x, weight, c) for c in configs * 2])
-    print("compiled", *traced)
+    pool = CompilePool(ThreadPoolExecutor(1), 1)
+    a, b = (lambda c=c: gemv_triton(x, weight, c) for c in configs)
+    settle = lambda: time.sleep(3)  # the pool's answers are in by the next stage
+    first = pool.compile_launches([a, b, settle, a])
+    print("first", first.variants, first.cache_hits, first.failed, first.stages_traced)
+    # skipped launches left nothing in memory: a is sent again, the pool finds it on disk,
+    # and the trace stops once that is known (a warm cache), by `settle`: b is never traced
+    again = pool.compile_launches([a, settle, b])
+    print("again", again.variants, again.cache_hits, again.failed, again.stages_traced < 3)
 
     def build_ir(*args, **kwargs):
         raise AssertionError("compiled again: not found in the cache")
@@ -74,7 +81,8 @@ def test_recorded_launches_compile_into_the_cache(triton_ready: None, tmp_path: 
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.split("\n")
-    assert "compiled 2 0" in lines  # two variants (four launches), none failed
+    assert "first 2 0 0 4" in lines, result.stdout  # two variants compiled, every stage traced
+    assert "again 1 1 0 True" in lines, result.stdout  # found in the cache: the trace stopped
     assert "found (16, 256, 4, 4)" in lines and "found (8, 128, 4, 2)" in lines
 
 
@@ -89,15 +97,16 @@ def test_no_pool_runs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class TracingPool(compile_ahead.CompilePool):
-    """Runs each trace (no Triton on the CPU path: nothing to record)."""
+    """Runs every stage (no Triton on the CPU path: nothing to record)."""
 
     def __init__(self) -> None:
         self.processes, self.traces = 1, 0
 
-    def compile_launches(self, trace):  # type: ignore[no-untyped-def]
-        trace()
+    def compile_launches(self, stages):  # type: ignore[no-untyped-def]
+        for stage in stages:
+            stage()
         self.traces += 1
-        return 0, 0
+        return compile_ahead.AheadReport(stages_traced=len(stages))
 
 
 def test_graph_start_traces_its_warm_up_once_and_stores_nothing() -> None:

@@ -5,20 +5,27 @@ candidates, the attention and norm kernels of each graph bucket): each is Triton
 LLVM, ptxas and a C build of its launcher, about half a second, one after another as each
 first launches. A `CompilePool` compiles them side by side instead:
 
-    pool = start_compile_pool()    # before the load: its processes import meanwhile
-    compile_ahead(pool, warm_up)   # warm_up runs with its Triton launches recorded, not run
-    warm_up()                      # the real pass: every variant is in Triton's disk cache
+    pool = start_compile_pool()              # before the load: its processes import meanwhile
+    compile_ahead(pool, [bucket_64, ...])    # each stage runs with its Triton launches skipped
+    warm_up()                                # the real pass: every variant in the disk cache
     pool.close()
 
 Inside `compile_ahead`, a launch of a kernel variant this process has not compiled is
 skipped (Triton's ``jit_cache_hook``) and its specialisation, in Triton's own serialised form,
-goes to the pool. Each pool process compiles it and builds its launcher into Triton's on-disk
-cache (``TRITON_CACHE_DIR``); the call returns when all are done, and the real pass loads each
-variant from there. So the traced code must not depend on what the skipped kernels would have
-written: the warm-up passes qualify (shapes and control flow come from the host; their
-outputs are thrown away). A variant that fails ahead (an unexpected specialisation, a lost
-process) is compiled as before when the real pass launches it: this changes how long a start
-takes, never what runs. TOKENPIPE_COMPILE_AHEAD=0 turns it off.
+goes to the pool at once, so compiling overlaps the rest of the trace. Each pool process
+compiles it and builds its launcher into Triton's on-disk cache (``TRITON_CACHE_DIR``); the
+call returns when all are done, and the real pass loads each variant from there. So the
+traced code must not depend on what the skipped kernels would have written: the warm-up
+passes qualify (shapes and control flow come from the host; their outputs are thrown away).
+
+A warm cache (a restart) gains nothing from the trace, so the stages stop early: before each
+stage after the first, when every variant sent so far has come back already in the cache, the
+cache is taken as warm and the real pass loads the rest itself.
+
+A variant that fails ahead (an unexpected specialisation, a lost process) is compiled as
+before when the real pass launches it: this changes how long a start takes, never what runs.
+`close` logs the variants the start-up still compiled itself. TOKENPIPE_COMPILE_AHEAD=0 turns
+it off.
 """
 
 from __future__ import annotations
@@ -29,12 +36,35 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor, ProcessPoolExecutor, wait
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_PROCESSES = 16
 WAIT_SECONDS = 120.0  # a compile still running then is left to the start-up's own pass
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One variant compiled (or found in the cache) by a pool process."""
+
+    name: str
+    seconds: float
+    cache_hit: bool
+
+
+@dataclass
+class AheadReport:
+    """What one `compile_launches` did."""
+
+    variants: int = 0
+    cache_hits: int = 0
+    failed: int = 0
+    stages_traced: int = 0
+    trace_seconds: float = 0.0
+    slowest: Compiled | None = None
+    errors: list[str] = field(default_factory=list)
 
 
 class CompilePool:
@@ -43,45 +73,94 @@ class CompilePool:
     def __init__(self, executor: Executor, processes: int) -> None:
         self._executor = executor
         self.processes = processes
+        self._compiled_here: list[str] | None = None  # the start-up's own compiles, from then
+        self._listener: Any = None
 
-    def compile_launches(self, trace: Callable[[], object]) -> tuple[int, int]:
-        """Run `trace` with the launches of uncompiled kernel variants skipped; compile those
-        variants on the pool. -> (variants, failed), once every compile has ended."""
+    def compile_launches(self, stages: Sequence[Callable[[], object]]) -> AheadReport:
+        """Run the stages in order with the launches of uncompiled kernel variants skipped,
+        each variant compiled on the pool as soon as it is seen; -> the report, once every
+        compile has ended. Stops before a stage when the cache looks warm (module doc)."""
         import torch
         import triton
         from triton import knobs
 
-        recorded: dict[str, None] = {}  # serialised specialisations, in launch order
+        self._watch_compiles_here()
+        target = triton.runtime.driver.active.get_current_target()
+        sent: dict[str, Future[Compiled]] = {}  # serialised specialisation -> its compile
 
         def record(*, compile: dict[str, Any], **_: Any) -> bool:
             spec = compile.get("specialization_data")
             if not isinstance(spec, str):
                 return False  # compile it now, as without the hook
-            recorded[spec] = None
+            if spec not in sent:
+                sent[spec] = self._executor.submit(compile_variant, spec, target)
             return True  # skip the compile and the launch
 
+        report = AheadReport()
+        started = time.perf_counter()
         previous = knobs.runtime.jit_cache_hook
         knobs.runtime.jit_cache_hook = record
         # the trace leaves the random state as it found it (a timing run draws its inputs)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             try:
-                trace()
+                for stage in stages:
+                    if report.stages_traced and _all_cache_hits(sent.values()):
+                        break
+                    stage()
+                    report.stages_traced += 1
             except Exception as exc:  # noqa: BLE001 - the real pass runs the same code and says
-                _log(f"compile_ahead: the trace stopped early ({exc!r})")
+                report.errors.append(f"the trace stopped early: {exc!r}")
             finally:
                 knobs.runtime.jit_cache_hook = previous
-        target = triton.runtime.driver.active.get_current_target()
-        futures = [self._executor.submit(compile_variant, spec, target) for spec in recorded]
-        done, late = wait(futures, timeout=WAIT_SECONDS)
-        errors = [f.exception() for f in done if f.exception() is not None]
-        if errors or late:
-            first = repr(errors[0]) if errors else f"{len(late)} still compiling"
-            _log(f"compile_ahead: {len(errors) + len(late)} variants left to the start-up: {first}")
-        return len(recorded), len(errors) + len(late)
+        report.trace_seconds = time.perf_counter() - started
+        done, late = wait(sent.values(), timeout=WAIT_SECONDS)
+        report.variants = len(sent)
+        report.failed = len(late)
+        for future in done:
+            if future.exception() is not None:
+                report.failed += 1
+                report.errors.append(repr(future.exception()))
+                continue
+            compiled = future.result()
+            report.cache_hits += compiled.cache_hit
+            if report.slowest is None or compiled.seconds > report.slowest.seconds:
+                report.slowest = compiled
+        return report
+
+    def _watch_compiles_here(self) -> None:
+        """From the first trace on, note each kernel this process compiles itself (not found
+        in the disk cache): the variants no trace saw, for `close` to log."""
+        from triton import knobs
+
+        if self._compiled_here is not None or knobs.compilation.listener is not None:
+            return
+        compiled_here: list[str] = []
+
+        def listen(*, src: Any, cache_hit: bool, **_: Any) -> None:
+            if not cache_hit:
+                compiled_here.append(str(getattr(src, "name", src)))
+
+        knobs.compilation.listener = self._listener = listen
+        self._compiled_here = compiled_here
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._compiled_here is None:
+            return
+        from triton import knobs
+
+        if knobs.compilation.listener is self._listener:
+            knobs.compilation.listener = None
+        if self._compiled_here:
+            names = ", ".join(sorted(set(self._compiled_here)))
+            _log(f"compile_ahead: the start-up compiled {len(self._compiled_here)} variants "
+                 f"itself: {names}")  # fmt: skip
+
+
+def _all_cache_hits(futures: Any) -> bool:
+    """Every compile sent so far has ended, each one finding its variant in the cache."""
+    return all(f.done() and f.exception() is None and f.result().cache_hit for f in futures)
 
 
 def start_compile_pool(processes: int | None = None) -> CompilePool | None:
@@ -105,16 +184,24 @@ def start_compile_pool(processes: int | None = None) -> CompilePool | None:
     return CompilePool(executor, processes)
 
 
-def compile_ahead(pool: CompilePool | None, trace: Callable[[], object], what: str) -> None:
-    """`pool.compile_launches(trace)`, logged; nothing without a pool (`trace` is not run)."""
+def compile_ahead(
+    pool: CompilePool | None, stages: Sequence[Callable[[], object]], what: str
+) -> None:
+    """`pool.compile_launches(stages)`, logged; nothing without a pool (no stage runs)."""
     if pool is None:
         return
     started = time.perf_counter()
-    variants, failed = pool.compile_launches(trace)
+    report = pool.compile_launches(stages)
+    seconds = time.perf_counter() - started
+    compiled = report.variants - report.cache_hits - report.failed
+    slowest = report.slowest
     _log(
-        f"compile_ahead: {variants} Triton kernel variants of the {what} compiled on "
-        f"{pool.processes} processes in {time.perf_counter() - started:.1f}s"
-        + (f" ({failed} failed)" if failed else "")
+        f"compile_ahead: {what}: {report.variants} Triton kernel variants ({compiled} compiled, "
+        f"{report.cache_hits} already in the cache, {report.failed} failed) on "
+        f"{pool.processes} processes in {seconds:.1f}s; traced {report.stages_traced} of "
+        f"{len(stages)} stages in {report.trace_seconds:.1f}s"
+        + (f"; slowest {slowest.name} {slowest.seconds:.1f}s" if slowest else "")
+        + (f"; {report.errors[0]}" if report.errors else "")
     )
 
 
@@ -124,7 +211,7 @@ def compile_ahead(pool: CompilePool | None, trace: Callable[[], object], what: s
 def _prepare_process() -> None:
     """Imports, and the once-per-process part of a compile (hashing Triton's own files for
     its cache keys: ~0.4 s), before the first task."""
-    os.nice(5)  # the worker's own start-up goes first
+    os.nice(10)  # the worker's own start-up goes first
     import torch  # noqa: F401 - the kernel modules import it
     import triton.compiler.code_generator  # noqa: F401
 
@@ -140,16 +227,17 @@ def _ready() -> None:
     """A task that only waits for its process to be up."""
 
 
-def compile_variant(spec: str, target: Any) -> str:
+def compile_variant(spec: str, target: Any) -> Compiled:
     """Compile one specialisation recorded by `CompilePool.compile_launches` for `target` (a
-    triton GPUTarget) and build its launcher, both into Triton's on-disk cache; -> the
-    kernel's name. The specialisation is decoded as Triton's ``JITFunction.preload`` does,
-    without touching a device."""
+    triton GPUTarget) and build its launcher, both into Triton's on-disk cache. The
+    specialisation is decoded as Triton's ``JITFunction.preload`` does, without a device."""
     import triton
     import triton.language as tl
+    from triton import knobs
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    started = time.perf_counter()
     data = json.loads(spec)
     module, _, name = data["name"].rpartition(".")
     fn = getattr(importlib.import_module(module), name)
@@ -171,9 +259,16 @@ def compile_variant(spec: str, target: Any) -> str:
     attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"], strict=True)}
     signature = {k: _tuples(v) for k, v in data["signature"].items()}
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
-    kernel = triton.compile(
-        ASTSource(fn, signature, constexprs, attrs), target=target, options=options
+    source = ASTSource(fn, signature, constexprs, attrs)
+    hits: list[bool] = []
+    previous = knobs.compilation.listener
+    knobs.compilation.listener = lambda *, src, cache_hit, **_: (
+        hits.append(cache_hit) if src is source else None
     )
+    try:
+        kernel = triton.compile(source, target=target, options=options)
+    finally:
+        knobs.compilation.listener = previous
     if target.backend == "cuda":
         try:  # a C build per signature (cached by its source); needs libcuda to link
             from triton.backends.nvidia.driver import CudaLauncher
@@ -181,7 +276,7 @@ def compile_variant(spec: str, target: Any) -> str:
             CudaLauncher(kernel.src, kernel.metadata)
         except Exception:  # noqa: BLE001 - the worker builds it at the first launch
             pass
-    return str(fn.__name__)
+    return Compiled(str(fn.__name__), time.perf_counter() - started, all(hits) and bool(hits))
 
 
 def _tuples(value: Any) -> Any:

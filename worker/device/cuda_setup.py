@@ -121,7 +121,7 @@ def _time_quantized(inner: Any, compiles: CompilePool | None) -> int:
         device_name=torch.cuda.get_device_name(device),
     )  # fmt: skip
     # the candidates of the shapes not remembered, each launched once
-    compile_ahead(compiles, lambda: choose(timer=_launch_once, remember=False), "tile timing")
+    compile_ahead(compiles, [lambda: choose(timer=_launch_once, remember=False)], "tile timing")
     return choose()
 
 
@@ -147,7 +147,7 @@ def _install_gemv(inner: Any, compiles: CompilePool | None) -> None:
         head = inner.model.embed_tokens.weight if inner.lm_head is None else inner.lm_head.weight
         if all(m.shape != head.shape for m in matrices):  # a tied embedding is no nn.Linear
             matrices.append(head)
-    compile_ahead(compiles, lambda: gemv.launch_candidates(matrices), "GEMV candidates")
+    compile_ahead(compiles, [lambda: gemv.launch_candidates(matrices)], "GEMV timing")
     chosen = gemv.install_decode_gemv(inner)
     if head is None:
         faster = sum(c is not None for c in chosen.values())

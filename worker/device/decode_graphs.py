@@ -209,12 +209,12 @@ class DecodeGraphRunner:
         self.input_ids.zero_()
         self.positions.zero_()
 
-    def warm_up(self, sample: bool) -> None:
-        """Every bucket's step once, eagerly, on padding rows: the kernels the capture will
-        launch (worker/device/graphed_lm.py compiles them ahead)."""
+    def warm_up(self, sample: bool, sizes: Sequence[int] | None = None) -> None:
+        """The step of each of `sizes` (default: every bucket) once, eagerly, on padding rows:
+        the kernels the capture launches (worker/device/graphed_lm.py compiles them ahead)."""
         self._pad_inputs()
         with torch.inference_mode():
-            for size in sorted(self.buckets, reverse=True):
+            for size in sorted(sizes or self.buckets, reverse=True):
                 self._body(size, sample)
 
     def capture(self, sample: bool = False, sizes: Sequence[int] | None = None) -> None:

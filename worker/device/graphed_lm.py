@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,7 +126,7 @@ class GraphedCausalLM:
             if self.runner.device.type == "cuda":
                 self._side = torch.cuda.Stream(self.runner.device)
         if self._capture:
-            compile_ahead(self._compiles, lambda: self._warm_up(kv), "CUDA graphs")
+            compile_ahead(self._compiles, self._warm_up_stages(kv), "CUDA graphs")
             self._compiles = None  # the worker closes the pool once it is ready
             for lane in self._lanes:
                 lane.capture(sample=False)
@@ -136,14 +136,23 @@ class GraphedCausalLM:
             self._warm_up_prefill(kv)
         return kv
 
-    def _warm_up(self, kv: Any) -> None:
-        """Every kernel the captures and the prefill warm-up launch, run once eagerly (the
-        sampling body: the same forward as the argmax one, plus the sampler)."""
-        assert self.runner is not None
-        self.runner.warm_up(sample=True)
-        if self.prefill is not None:
-            self.prefill.warm_up()
-        self._warm_up_prefill(kv)
+    def _warm_up_stages(self, kv: Any) -> list[Callable[[], object]]:
+        """The kernels the captures and the prefill warm-up launch, as eager runs in capture
+        order, a bucket each: the decode step that samples (the argmax one is the same
+        forward without the sampler), the short prefills, the eager prefill."""
+        decode, prefill = self.runner, self.prefill
+        assert decode is not None
+        stages: list[Callable[[], object]] = [
+            functools.partial(decode.warm_up, True, [size])
+            for size in sorted(decode.buckets, reverse=True)
+        ]
+        if prefill is not None:
+            stages += [
+                functools.partial(prefill.warm_up, [size])
+                for size in sorted(prefill.buckets, reverse=True)
+            ]
+        stages.append(functools.partial(self._warm_up_prefill, kv))
+        return stages
 
     def _warm_up_prefill(self, kv: Any) -> None:
         """Compile the prefill kernels now, not in the first request: two tokens from scratch

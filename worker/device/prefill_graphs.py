@@ -40,10 +40,19 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256)
 class FusedPrefillPlan:
     """Tensor-only attention plan of one sequence's padded prefill (see the module doc)."""
 
-    def __init__(self, row_slots: torch.Tensor, positions: torch.Tensor, meta: torch.Tensor):
+    def __init__(
+        self,
+        row_slots: torch.Tensor,
+        positions: torch.Tensor,
+        meta: torch.Tensor,
+        state_meta: torch.Tensor | None = None,
+    ):
         self.row_slots = row_slots  # [N] int64: the slot, or -1 on padding rows
         self.positions = positions  # [N] int64
         self.meta = meta  # [3] int64: slot, cached, n
+        # [5] int64: slot, cached, n, then a recurrent state's snapshot inside the step: its
+        # row count (0: none) and entry (worker.device.kernels.deltanet_decode's short prefill)
+        self.state_meta = state_meta
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, scale: float
@@ -81,9 +90,13 @@ class PrefillGraphRunner:
         self.buckets = tuple(sorted(buckets))
         size = self.buckets[-1]
         pin = self.device.type == "cuda"
-        # [ids | positions | row slots] of `size` rows, then meta (slot, cached, n)
-        self._host = torch.zeros(3 * size + 3, dtype=torch.int64, pin_memory=pin)
-        self._dev = torch.zeros(3 * size + 3, dtype=torch.int64, device=self.device)
+        # [ids | positions | row slots] of `size` rows, then meta (slot, cached, n) and a
+        # hybrid cache's snapshot inside the step (rows, entry)
+        self._host = torch.zeros(3 * size + 5, dtype=torch.int64, pin_memory=pin)
+        self._dev = torch.zeros(3 * size + 5, dtype=torch.int64, device=self.device)
+        # a hybrid cache (recurrent state): padding passes run no row (n = 0), so a capture
+        # never advances a slot's state
+        self._pad_n = 0 if callable(getattr(kv, "begin_step", None)) else 1
         self._copied: Any = None  # CUDA event after the last host-to-device copy
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -93,11 +106,14 @@ class PrefillGraphRunner:
     def _views(self, size: int) -> tuple[torch.Tensor, ...]:
         top = self.buckets[-1]
         d = self._dev
-        return d[:size], d[top : top + size], d[2 * top : 2 * top + size], d[3 * top :]
+        return (
+            d[:size], d[top : top + size], d[2 * top : 2 * top + size], d[3 * top : 3 * top + 3],
+            d[3 * top :],
+        )  # fmt: skip
 
     def _body(self, size: int) -> torch.Tensor:
-        ids, positions, row_slots, meta = self._views(size)
-        plan = FusedPrefillPlan(row_slots, positions, meta)
+        ids, positions, row_slots, meta, state_meta = self._views(size)
+        plan = FusedPrefillPlan(row_slots, positions, meta, state_meta)
         last = (meta[2:3] - 1).clamp(0, size - 1)  # [1]: the last real row
         return rows_logits(self.model, self.kv, ids, positions, plan, last)
 
@@ -108,14 +124,14 @@ class PrefillGraphRunner:
         top = self.buckets[-1]
         self._dev.zero_()
         self._dev[2 * top : 3 * top].fill_(-1)
-        self._dev[3 * top + 2] = 1
+        self._dev[3 * top + 2] = self._pad_n
 
-    def warm_up(self) -> None:
-        """Every bucket's step once, eagerly, on padding rows: the kernels the capture will
-        launch (worker/device/graphed_lm.py compiles them ahead)."""
+    def warm_up(self, sizes: Sequence[int] | None = None) -> None:
+        """The step of each of `sizes` (default: every bucket) once, eagerly, on padding rows:
+        the kernels the capture launches (worker/device/graphed_lm.py compiles them ahead)."""
         self._pad_inputs()
         with torch.inference_mode():
-            for size in sorted(self.buckets, reverse=True):
+            for size in sorted(sizes or self.buckets, reverse=True):
                 self._body(size)
 
     def capture(self, sizes: Sequence[int] | None = None) -> None:
@@ -151,9 +167,10 @@ class PrefillGraphRunner:
         size = bucket_for(n, self.buckets)
         return n <= self.max_new and size is not None and cached + size <= self.kv.max_context
 
-    def logits(self, step: Any) -> torch.Tensor:
+    def logits(self, step: Any, snapshot: tuple[int, int] = (0, 0)) -> torch.Tensor:
         """[1, vocab] float32 logits of the last new token of a StepInput that `fits` (a
-        static buffer: valid until the next call)."""
+        static buffer: valid until the next call). ``snapshot``: (rows, entry) of a hybrid
+        cache's snapshot inside the step (rows 0: none)."""
         n, cached, slot = step.new_lens[0], step.cached_lens[0], step.slots[0]
         size = bucket_for(n, self.buckets)
         assert size is not None  # the caller checked `fits`
@@ -164,7 +181,7 @@ class PrefillGraphRunner:
         host[top : top + size] = torch.arange(cached, cached + size)
         host[2 * top : 2 * top + size] = -1
         host[2 * top : 2 * top + n] = slot
-        host[3 * top :] = torch.tensor([slot, cached, n])
+        host[3 * top :] = torch.tensor([slot, cached, n, *snapshot])
         ids = step.input_ids
         if not ids.is_cuda:
             host[:n] = ids
