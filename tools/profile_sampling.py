@@ -6,8 +6,8 @@ logits, in process, before (the per-row sorting sampler this replaced) and now.
 Per case: host wall time of one call up to its ids on the host (`.tolist()`, the engine's
 one sync), and the GPU time between CUDA events around the call (median of --repeat).
 `--kernel-slots 0,1024` adds the GPU time of the Triton kernel alone per candidate-slot count
-(0: top-k by bisection, the kernel before compaction; 1024: the default); "N/blocks" reduces
-across the block every iteration, as the kernel did before lane-wise passes.
+(0: top-k by bisection, the kernel before compaction; 1024: the default); "N/noprefetch"
+waits for each block's load before it works on the block.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def sample_before(logits: torch.Tensor, params: list[SamplingParams], gens: list
 
 
 def kernel_ms(logits: torch.Tensor, params: SamplingParams, variant: str, repeat: int) -> float:
-    """Median GPU ms of the Triton kernel alone: variant "N" or "N/blocks" (N slots a row)."""
-    slots, _, blocks = variant.partition("/")
+    """Median GPU ms of the Triton kernel alone: variant "N" or "N/noprefetch" (N slots a row)."""
+    slots, _, flag = variant.partition("/")
     batch = logits.shape[0]
     row = RowSampling(params.temperature, params.top_k, params.top_p, params.min_p, seed=5)
     tensors = sampling_tensors([row] * batch, list(range(batch)), logits.device)
@@ -76,7 +76,7 @@ def kernel_ms(logits: torch.Tensor, params: SamplingParams, variant: str, repeat
     for i in range(repeat + 3):
         start, end = torch.cuda.Event(True), torch.cuda.Event(True)
         start.record()
-        sample_rows_triton(logits, *tensors, slots=int(slots), lanes=blocks != "blocks")
+        sample_rows_triton(logits, *tensors, slots=int(slots), prefetch=flag != "noprefetch")
         end.record()
         end.synchronize()
         if i >= 3:

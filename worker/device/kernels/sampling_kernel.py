@@ -1,6 +1,8 @@
 """The Triton kernel of `worker.device.kernels.batched_sampling.sample_rows` (see its module
 doc for the algorithm): one program per row, a few passes over the row's logits, no sort of
-the row.
+the row. A full pass accumulates per lane (lane i: the elements i mod BLOCK) and reduces
+across threads once at its end; only the draw's scan reduces per block (it must stop at the
+token), and it takes a prefix sum only in the block where the target is reached.
 
 Top-k (k <= BUCKETS) by compaction: the first pass also keeps the maximum of each of BUCKETS
 disjoint buckets of the row; each is a distinct element, so at least k elements are >= the
@@ -59,16 +61,62 @@ def kth_largest(values, k):
 
 
 @triton.jit
+def load_block(base, idx, vocab):
+    """Logits at idx (-inf past the row), as stored."""
+    return tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
+
+
+# Each full pass below keeps one block's load in flight while it works on the block before
+# (PREFETCH): one program reads its row at the latency of the loads, not their bandwidth.
+
+
+@triton.jit
+def row_stats(base, vocab, inv_t, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """Pass 1, kept per lane (lane i: the elements i mod BLOCK), so the loop does no work
+    across threads: (max, first index of the max, sum of exp(s - max), each lane's max)."""
+    offs = tl.arange(0, BLOCK)
+    lane_top = tl.full((BLOCK,), -float("inf"), tl.float32)
+    lane_arg = tl.zeros((BLOCK,), tl.int32)
+    lane_sum = tl.zeros((BLOCK,), tl.float32)  # sum of exp(s - lane_top) over the lane
+    ahead = load_block(base, offs, vocab)
+    for start in range(0, vocab, BLOCK):
+        idx = start + offs
+        if PREFETCH:
+            raw = ahead
+            ahead = load_block(base, idx + BLOCK, vocab)
+        else:
+            raw = load_block(base, idx, vocab)
+        s = raw.to(tl.float32) * inv_t
+        grow = s > lane_top
+        finite = s > -float("inf")
+        e = tl.where(finite, tl.exp(-tl.abs(tl.where(finite, s, 0.0) - lane_top)), 0.0)
+        lane_sum = tl.where(grow, lane_sum * e + 1.0, lane_sum + e)
+        lane_arg = tl.where(grow, idx, lane_arg)
+        lane_top = tl.maximum(lane_top, s)
+    top = tl.max(lane_top, 0)
+    arg = tl.min(tl.where(lane_top == top, lane_arg, vocab), 0)
+    total = tl.sum(tl.where(lane_top > -float("inf"), lane_sum * tl.exp(lane_top - top), 0.0), 0)
+    return top, arg, total, lane_top
+
+
+@triton.jit
 def compact_candidates(
-    base, vocab, inv_t, bound, cand_val, cand_id, slots, BLOCK: tl.constexpr,
+    base, vocab, inv_t, bound, cand_val, cand_id, slots,
+    BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Copy the finite scaled values >= bound and their ids into the first `slots` candidate
     slots, in index order. Returns how many there are (may exceed `slots`)."""
     offs = tl.arange(0, BLOCK)
     count = tl.full((), 0, tl.int32)
+    ahead = load_block(base, offs, vocab)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32) * inv_t
+        if PREFETCH:
+            raw = ahead
+            ahead = load_block(base, idx + BLOCK, vocab)
+        else:
+            raw = load_block(base, idx, vocab)
+        s = raw.to(tl.float32) * inv_t
         take = (s >= bound) & (s > -float("inf"))
         taken = tl.sum(take.to(tl.int32), 0)
         if taken > 0:
@@ -120,57 +168,47 @@ def draw_from_candidates(
 
 
 @triton.jit
-def row_stats_lanes(base, vocab, inv_t, BLOCK: tl.constexpr):
-    """Pass 1 kept per lane (lane i: the elements i mod BLOCK), so the loop does no work
-    across threads: (max, first index of the max, lowest finite value, sum of exp(s - max),
-    each lane's max [BLOCK])."""
-    offs = tl.arange(0, BLOCK)
-    lane_top = tl.full((BLOCK,), -float("inf"), tl.float32)
-    lane_arg = tl.zeros((BLOCK,), tl.int32)
-    lane_sum = tl.zeros((BLOCK,), tl.float32)  # sum of exp(s - lane_top) over the lane
-    lane_low = tl.full((BLOCK,), float("inf"), tl.float32)
-    for start in range(0, vocab, BLOCK):
-        idx = start + offs
-        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32) * inv_t
-        grow = s > lane_top
-        finite = s > -float("inf")
-        e = tl.where(finite, tl.exp(-tl.abs(tl.where(finite, s, 0.0) - lane_top)), 0.0)
-        lane_sum = tl.where(grow, lane_sum * e + 1.0, lane_sum + e)
-        lane_arg = tl.where(grow, idx, lane_arg)
-        lane_top = tl.maximum(lane_top, s)
-        lane_low = tl.minimum(lane_low, tl.where(finite, s, float("inf")))
-    top = tl.max(lane_top, 0)
-    arg = tl.min(tl.where(lane_top == top, lane_arg, vocab), 0)
-    total = tl.sum(tl.where(lane_top > -float("inf"), lane_sum * tl.exp(lane_top - top), 0.0), 0)
-    return top, arg, tl.min(lane_low, 0), total, lane_top
-
-
-@triton.jit
-def mass_at_or_above(base, vocab, inv_t, floor, above_of, top, BLOCK: tl.constexpr):
+def mass_above(
+    base, vocab, inv_t, floor, above_of, top, BLOCK: tl.constexpr, PREFETCH: tl.constexpr
+):  # fmt: skip
     """sum of exp(s - top) over s >= floor and s > above_of (per lane, one reduction)."""
     offs = tl.arange(0, BLOCK)
     lane_mass = tl.zeros((BLOCK,), tl.float32)
+    ahead = load_block(base, offs, vocab)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32) * inv_t
+        if PREFETCH:
+            raw = ahead
+            ahead = load_block(base, idx + BLOCK, vocab)
+        else:
+            raw = load_block(base, idx, vocab)
+        s = raw.to(tl.float32) * inv_t
         lane_mass += tl.where((s >= floor) & (s > above_of), tl.exp(s - top), 0.0)
     return tl.sum(lane_mass, 0)
 
 
 @triton.jit
-def count_at_or_above(base, vocab, inv_t, threshold, BLOCK: tl.constexpr):
+def count_at_or_above(base, vocab, inv_t, threshold, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
     """How many s >= threshold (per lane, one reduction)."""
     offs = tl.arange(0, BLOCK)
     lane_count = tl.zeros((BLOCK,), tl.int32)
+    ahead = load_block(base, offs, vocab)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32) * inv_t
-        lane_count += (s >= threshold).to(tl.int32)
+        if PREFETCH:
+            raw = ahead
+            ahead = load_block(base, idx + BLOCK, vocab)
+        else:
+            raw = load_block(base, idx, vocab)
+        lane_count += (raw.to(tl.float32) * inv_t >= threshold).to(tl.int32)
     return tl.sum(lane_count, 0)
 
 
 @triton.jit
-def scan_to_target(base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK: tl.constexpr):
+def scan_to_target(
+    base, vocab, inv_t, floor, above_of, top, target, arg,
+    BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
     """The first token (in index order) among s >= floor, s > above_of at which the running
     sum of exp(s - top) reaches target: a block's prefix sum only in the block that gets there."""
     offs = tl.arange(0, BLOCK)
@@ -178,9 +216,15 @@ def scan_to_target(base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK:
     token = tl.full((), -1, tl.int32)
     lane_last = tl.full((BLOCK,), -1, tl.int32)
     start = tl.full((), 0, tl.int32)
+    ahead = load_block(base, offs, vocab)
     while (start < vocab) & (token < 0):
         idx = start + offs
-        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf")).to(tl.float32) * inv_t
+        if PREFETCH:
+            raw = ahead
+            ahead = load_block(base, idx + BLOCK, vocab)
+        else:
+            raw = load_block(base, idx, vocab)
+        s = raw.to(tl.float32) * inv_t
         keep = (s >= floor) & (s > above_of)
         w = tl.where(keep, tl.exp(s - top), 0.0)
         lane_last = tl.where(keep, idx, lane_last)
@@ -198,41 +242,26 @@ def scan_to_target(base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK:
 @triton.jit
 def draw_from_row(
     base, vocab, inv_t, floor, top, total_all, top_p, key, arg,
-    BLOCK: tl.constexpr, MAX_TRIES: tl.constexpr, LANES: tl.constexpr,
+    BLOCK: tl.constexpr, MAX_TRIES: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """The draw of the row over all its elements s >= floor: inverse CDF, top-p rejection."""
-    offs = tl.arange(0, BLOCK)
-    zero_f = tl.full((), 0.0, tl.float32)
-    zero_i = tl.full((), 0, tl.int32)
     total = total_all
-    if LANES:
-        if floor > -float("inf"):
-            total = mass_at_or_above(base, vocab, inv_t, floor, -float("inf"), top, BLOCK)
-    elif floor > -float("inf"):
-        total = zero_f
-        for start in range(0, vocab, BLOCK):
-            idx = start + offs
-            s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-            s = s.to(tl.float32) * inv_t
-            total += tl.sum(tl.where(s >= floor, tl.exp(s - top), 0.0), 0)
-    above_of = zero_f - float("inf")  # candidates: s >= floor and s > above_of
+    if floor > -float("inf"):
+        total = mass_above(base, vocab, inv_t, floor, -float("inf"), top, BLOCK, PREFETCH)
+    above_of = tl.full((), -float("inf"), tl.float32)  # candidates: s >= floor, s > above_of
     mass = total  # their mass
-    attempt = zero_i
-    searching = zero_i + 1
+    attempt = tl.full((), 0, tl.int32)
+    searching = attempt + 1
     token = arg
     while searching > 0:
         target = draw_target(key, attempt, mass)
-        if LANES:
-            token = scan_to_target(base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK)
-        else:
-            token = old_scan(base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK)
-        searching = zero_i
+        token = scan_to_target(
+            base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK, PREFETCH
+        )  # fmt: skip
+        searching = attempt * 0
         if top_p < 1.0:
             s_token = tl.load(base + token).to(tl.float32) * inv_t
-            if LANES:
-                above = mass_at_or_above(base, vocab, inv_t, floor, s_token, top, BLOCK)
-            else:
-                above = old_above(base, vocab, inv_t, floor, s_token, top, BLOCK)
+            above = mass_above(base, vocab, inv_t, floor, s_token, top, BLOCK, PREFETCH)
             accepted = above < top_p * total
             above_of = s_token
             mass = above
@@ -243,48 +272,11 @@ def draw_from_row(
 
 
 @triton.jit
-def old_scan(base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    zero_f = tl.full((), 0.0, tl.float32)
-    zero_i = tl.full((), 0, tl.int32)
-    carry = zero_f
-    token = zero_i - 1
-    last = arg
-    start = zero_i
-    while (start < vocab) & (token < 0):
-        idx = start + offs
-        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-        s = s.to(tl.float32) * inv_t
-        keep = (s >= floor) & (s > above_of)
-        w = tl.where(keep, tl.exp(s - top), 0.0)
-        running = tl.cumsum(w, 0) + carry
-        reached = tl.sum((running >= target).to(tl.int32), 0)
-        token = tl.where(reached > 0, start + BLOCK - reached, token)
-        last = tl.maximum(last, tl.max(tl.where(keep, idx, -1), 0))
-        carry += tl.sum(w, 0)
-        start += BLOCK
-    return tl.where(token < 0, last, token)  # rounding: u * Z past the sum
-
-
-@triton.jit
-def old_above(base, vocab, inv_t, floor, s_token, top, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    above = tl.full((), 0.0, tl.float32)
-    for start2 in range(0, vocab, BLOCK):
-        idx = start2 + offs
-        s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-        s = s.to(tl.float32) * inv_t
-        above += tl.sum(tl.where((s >= floor) & (s > s_token),
-                                         tl.exp(s - top), 0.0), 0)  # fmt: skip
-    return above
-
-
-@triton.jit
 def sample_kernel(
     logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, counter_ptr,
     out_ptr, cand_val_ptr, cand_id_ptr, slots, vocab,
     BLOCK: tl.constexpr, BUCKETS: tl.constexpr, SLOTS: tl.constexpr, MAX_TRIES: tl.constexpr,
-    LANES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """cand_val / cand_id: [rows, SLOTS] float32 / int32 scratch, of which the first `slots`
     (<= SLOTS) are used (0: no compaction, top-k always by bisection)."""
@@ -298,41 +290,19 @@ def sample_kernel(
     min_p = tl.load(min_p_ptr + row)
     sampling = (temperature > 0.0) & (top_k != 1)
     inv_t = 1.0 / tl.where(sampling, temperature, 1.0)
-    offs = tl.arange(0, BLOCK)
-    zero_f = tl.full((), 0.0, tl.float32)
-    zero_i = tl.full((), 0, tl.int32)
-    # pass 1: max, argmax, lowest finite value, normaliser (online), each lane's max
-    if LANES:
-        top, arg, low, total_all, lane_top = row_stats_lanes(base, vocab, inv_t, BLOCK)
-    else:
-        top = zero_f - float("inf")
-        low = zero_f + float("inf")
-        arg = zero_i
-        total_all = zero_f
-        lane_top = tl.full((BLOCK,), -float("inf"), tl.float32)  # lane i: elements i mod BLOCK
-        for start in range(0, vocab, BLOCK):
-            idx = start + offs
-            valid = idx < vocab
-            s = tl.load(base + idx, mask=valid, other=-float("inf")).to(tl.float32) * inv_t
-            block_top = tl.max(s, 0)
-            block_arg = tl.argmax(s, 0).to(tl.int32)
-            arg = tl.where(block_top > top, start + block_arg, arg)
-            new_top = tl.maximum(top, block_top)
-            total_all = total_all * tl.exp(top - new_top) + tl.sum(tl.exp(s - new_top), 0)
-            top = new_top
-            low = tl.minimum(low, tl.min(tl.where(s > -float("inf"), s, float("inf")), 0))
-            lane_top = tl.maximum(lane_top, s)
+    top, arg, total_all, lane_top = row_stats(base, vocab, inv_t, BLOCK, PREFETCH)
     picked = arg
     if sampling:
         floor = tl.where(min_p > 0.0, top + tl.log(tl.maximum(min_p, 1e-30)), -float("inf"))
-        count = zero_i - 1  # candidates in the slots (-1: none, draw from the row)
+        count = arg * 0 - 1  # candidates in the slots (-1: none, draw from the row)
         if (top_k > 0) & (top_k < vocab):
-            lo = tl.maximum(floor, low)
+            # below top - 104, exp(s - top) is 0 in float32: such s are never drawn
+            lo = tl.maximum(floor, top - 104.0)
             if (top_k <= BUCKETS) & (slots > 0):
                 bucket_top = tl.max(tl.reshape(lane_top, (BUCKETS, BLOCK // BUCKETS)), 1)
                 bound = kth_largest(bucket_top, top_k)
                 count = compact_candidates(
-                    base, vocab, inv_t, bound, cand_val, cand_id, slots, BLOCK
+                    base, vocab, inv_t, bound, cand_val, cand_id, slots, BLOCK, PREFETCH
                 )  # fmt: skip
                 lo = tl.maximum(lo, bound)
                 count = tl.where(count <= slots, count, -1)
@@ -340,18 +310,12 @@ def sample_kernel(
                 # bisection for the k-th largest value: count(s >= lo) >= k > count(s >= hi)
                 hi = top + 1.0
                 above_lo = top_k + 1  # unknown: != top_k
-                tries = zero_i
+                tries = arg * 0
                 while (above_lo != top_k) & (tries < 64):
                     mid = lo + (hi - lo) * 0.5
-                    above_lo = top_k * 0
-                    if LANES:
-                        above_lo += count_at_or_above(base, vocab, inv_t, mid, BLOCK)
-                    else:
-                        for start in range(0, vocab, BLOCK):
-                            idx = start + offs
-                            s = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-                            s = s.to(tl.float32) * inv_t
-                            above_lo += tl.sum((s >= mid).to(tl.int32), 0)
+                    above_lo = top_k * 0 + count_at_or_above(
+                        base, vocab, inv_t, mid, BLOCK, PREFETCH
+                    )
                     stuck = (mid <= lo) | (mid >= hi)  # no float between lo and hi
                     lo = tl.where(above_lo >= top_k, mid, lo)
                     hi = tl.where(above_lo >= top_k, hi, mid)
@@ -364,6 +328,7 @@ def sample_kernel(
             )  # fmt: skip
         else:
             picked = draw_from_row(
-                base, vocab, inv_t, floor, top, total_all, top_p, key, arg, BLOCK, MAX_TRIES, LANES
+                base, vocab, inv_t, floor, top, total_all, top_p, key, arg,
+                BLOCK, MAX_TRIES, PREFETCH,
             )  # fmt: skip
     tl.store(out_ptr + row, picked.to(tl.int64))
