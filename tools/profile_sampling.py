@@ -7,7 +7,7 @@ Per case: host wall time of one call up to its ids on the host (`.tolist()`, the
 one sync), and the GPU time between CUDA events around the call (median of --repeat).
 `--kernel-slots 0,1024` adds the GPU time of the Triton kernel alone per candidate-slot count
 (0: top-k by bisection, the kernel before compaction; 1024: the default); "N/noprefetch"
-waits for each block's load before it works on the block.
+waits for each block's load before it works on the block; "N/wW" runs W warps a row.
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ def sample_before(logits: torch.Tensor, params: list[SamplingParams], gens: list
 
 
 def kernel_ms(logits: torch.Tensor, params: SamplingParams, variant: str, repeat: int) -> float:
-    """Median GPU ms of the Triton kernel alone: variant "N" or "N/noprefetch" (N slots a row)."""
+    """Median GPU ms of the Triton kernel alone: variant "N", "N/noprefetch" or "N/wW"."""
     slots, _, flag = variant.partition("/")
+    options = {"slots": int(slots), "prefetch": flag != "noprefetch"}
+    options["warps"] = int(flag[1:]) if flag.startswith("w") else 0
     batch = logits.shape[0]
     row = RowSampling(params.temperature, params.top_k, params.top_p, params.min_p, seed=5)
     tensors = sampling_tensors([row] * batch, list(range(batch)), logits.device)
@@ -76,7 +78,7 @@ def kernel_ms(logits: torch.Tensor, params: SamplingParams, variant: str, repeat
     for i in range(repeat + 3):
         start, end = torch.cuda.Event(True), torch.cuda.Event(True)
         start.record()
-        sample_rows_triton(logits, *tensors, slots=int(slots), prefetch=flag != "noprefetch")
+        sample_rows_triton(logits, *tensors, **options)
         end.record()
         end.synchronize()
         if i >= 3:

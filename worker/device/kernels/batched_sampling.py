@@ -117,7 +117,7 @@ BUCKETS = 256  # the first pass's bucket maxima: top-k by compaction for k <= th
 def sample_rows_triton(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-    slots: int = CANDIDATE_SLOTS, prefetch: bool = True,
+    slots: int = CANDIDATE_SLOTS, prefetch: bool = True, warps: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """`sample_rows` by the Triton kernel (one program per row). `slots`: how many top-k
     candidates a row may compact before it falls back to bisection (0: always bisection)."""
@@ -137,7 +137,8 @@ def sample_rows_triton(
     sample_kernel[(batch,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, counters, out,
         cand_val, cand_id, slots, vocab, BLOCK=block, BUCKETS=min(BUCKETS, block), SLOTS=width,
-        MAX_TRIES=MAX_ATTEMPTS, PREFETCH=prefetch, num_warps=8 if block >= 2048 else 4,
+        MAX_TRIES=MAX_ATTEMPTS, PREFETCH=prefetch,
+        num_warps=warps or (8 if block >= 2048 else 4),
     )  # fmt: skip
     return out
 
