@@ -264,3 +264,45 @@ def test_shared_prefix_blocks_equal_a_cold_prefill(loaded: Any) -> None:
     one_turn(tight, "b", shared.prefix_ids + words(rng, 560))
     stats = tight.stats()["prefix_cache"]
     assert stats["blocks"] == 3 and stats["evictions"] == 1, stats
+
+
+class Wrapped:
+    """A model behind a wrapper holding it as ``inner``, as the CUDA graphs' one does: the
+    engine opens --session-dir before building the cache and reads sessions back early."""
+
+    def __init__(self, model: Any) -> None:
+        self.inner = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+def test_sessions_are_read_back_before_the_first_turn(loaded: Any, tmp_path: Path) -> None:
+    rng = random.Random(4)
+    first = make_engine(loaded, max_sessions=4, session_dir=str(tmp_path))
+    prompts = {sid: first.prefix_ids + words(rng, 50) for sid in ("a", "b")}
+    replies = {sid: one_turn(first, sid, p).generated_token_ids or [] for sid, p in prompts.items()}
+    first.close()
+    shim = SimpleNamespace(
+        model=Wrapped(loaded.model), tokenizer=loaded.tokenizer, config=loaded.config, meta={}
+    )
+    config = EngineConfig(max_sessions=4, max_context=MAX_CONTEXT, prefill_chunk=64,
+                          prefix_cache_bytes=0, session_dir=str(tmp_path))  # fmt: skip
+    logs: list[str] = []
+    second = Engine(shim, config, "cpu", log=logs.append)
+    assert second.tiers is not None and second.tiers.store is not None
+    store = second.tiers.store
+    for _ in range(500):
+        if store.prefetched == 2:
+            break
+        time.sleep(0.01)
+    assert store.prefetched == 2 and sorted(second.restored_names) == ["a", "b"]
+    for sid, prompt in prompts.items():
+        store.path_for(sid).unlink()  # what the turn reads comes from memory
+        follow = prompt + replies[sid] + words(rng, 3)
+        done = one_turn(second, sid, follow)
+        assert done.reused_prompt_tokens == len(prompt) + len(replies[sid]) - 1, done
+    assert logs == ["restored 2 session(s) from " + str(tmp_path)], logs

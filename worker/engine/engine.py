@@ -173,6 +173,8 @@ class Engine:
         if self.device.type == "cpu" and callable(prepare):
             prepare()  # decode-friendly weight layout (worker.device.cpu_gemv); else a no-op
         self.log = log or _stderr_log
+        early_lines: list[str] = []  # its log, kept for when the engine keeps the store
+        early_store = self._early_store(config, early_lines.append)
         self.kv = self.model.make_kv_cache(config.resident, config.max_context)
         self.pool = SessionPool(config.max_sessions, config.resident)
         self.tiers: SessionTiers | None = None
@@ -180,8 +182,15 @@ class Engine:
             store = None
             if config.session_dir is not None:
                 fingerprint = model_fingerprint(self.model, self.tokenizer, self.kv.geometry())
-                pinned = self.device.type == "cuda"
-                store = SessionStore(config.session_dir, fingerprint, self.log, pinned)
+                if early_store is not None and early_store.fingerprint == fingerprint:
+                    store, early_store.log = early_store, self.log
+                    for line in early_lines:  # what it logged meanwhile
+                        self.log(line)
+                else:
+                    if early_store is not None:
+                        early_store.close()
+                    pinned = self.device.type == "cuda"
+                    store = SessionStore(config.session_dir, fingerprint, self.log, pinned)
             self.tiers = SessionTiers(config.host_cache_bytes, store)
         elif config.session_dir is not None:
             raise ValueError("--session-dir: this model's cache cannot be saved")
@@ -400,6 +409,27 @@ class Engine:
         drop_ahead = getattr(self.model, "_drop_ahead", None)
         if callable(drop_ahead):
             drop_ahead()
+
+    def _early_store(self, config: EngineConfig, log: Callable[[str], None]) -> SessionStore | None:
+        """With --session-dir and a model in the CUDA graphs' wrapper: the session directory
+        opened before the KV cache and the graphs are built (seconds), its newest files
+        already being read back then (``SessionStore.prefetch``, into pinned memory on CUDA),
+        so a restored session's first turn finds its cache in memory. The fingerprint's cache
+        geometry comes from a meta-device cache of the eager model; the engine keeps this
+        store only if the real cache's fingerprint is the same."""
+        inner = getattr(self.model, "inner", None)  # the CUDA graphs' wrapper holds the model
+        if config.session_dir is None or inner is None:
+            return None
+        try:
+            meta = inner.make_kv_cache(config.resident, config.max_context, device="meta")
+            fingerprint = model_fingerprint(self.model, self.tokenizer, meta.geometry())
+        except (AttributeError, TypeError, RuntimeError):
+            return None
+        pinned = self.device.type == "cuda"
+        store = SessionStore(config.session_dir, fingerprint, log, pin_memory=pinned)
+        names = [name for name, _, _ in store.scan()][: config.max_sessions - 1]
+        store.prefetch(names, config.host_cache_bytes)
+        return store
 
     def _restore_sessions(self) -> list[str]:
         """Named sessions found in --session-dir at start: registered, their caches on disk.
