@@ -28,8 +28,10 @@ JSON of the schema's shape that never ends within the limit. The tokenizer's EOS
 renamed away (config `eos_token_id: []`, `<end_of_turn>` no longer spelt so), so neither
 stream stops early: every request decodes exactly --tokens, and the rates compare the same
 numbers of tokens. The figure is decode tok/s over the window where every request of the
-batch decodes (tokens counted by `token_ids`, not by lines); runs alternate free /
-constrained; the worker's decode-ahead hits and misses are logged per case.
+batch decodes: the worker's `stats` (asked every 0.1 s during the run) counts the tokens
+(`generated_tokens`), since random weights may stream only empty-text special ids for a
+while; runs alternate free / constrained; the worker's decode-ahead hits and misses and the
+grammar's mask figures are logged per case.
 """
 
 from __future__ import annotations
@@ -132,26 +134,62 @@ def never_ending(schema: dict[str, Any]) -> dict[str, Any]:
     return {**lifted, "type": "array", "items": inner, "minItems": NEVER_ENDS}
 
 
-def window_rate(lines: dict[int, list[Any]]) -> dict[str, float]:
-    """Decode tok/s over the window where every request decodes (from the last first token
-    to the first `done`), tokens counted by their ids; and the fewest tokens a request got."""
-    firsts, ends, stamps = [], [], []
-    counts = []
-    for req_lines in lines.values():
-        tokens = [ln for ln in req_lines if ln.msg.get("event") == "token"]
-        done = req_lines[-1]
-        firsts.append(tokens[0].t if tokens else done.t)
-        ends.append(done.t)
-        stamps.extend((ln.t, len(ln.msg.get("token_ids") or [])) for ln in tokens)
-        counts.append(int(done.msg.get("completion_tokens", 0)))
-    start, end = max(firsts), min(ends)
-    in_window = sum(n for t, n in stamps if start < t <= end)
+def steady_rate(worker: Any, requests: list[dict[str, Any]], timeout: float,
+                poll_s: float = 0.1) -> tuple[dict[str, float], dict[int, list[Any]]]:  # fmt: skip
+    """Send the batch; while it runs, ask the worker's `stats` every `poll_s`. The rate is
+    its `generated_tokens` counter over the steady window: from the first answer where every
+    request of the batch is active with a token, to the last before one ends (random weights
+    may stream only empty-text special ids for a while: token lines cannot time it)."""
+    import queue
+
+    ids = []
+    for req in requests:
+        ids.append(worker.new_id())
+        worker.send({"add_prefix": False, "temperature": 0.0, **req, "id": ids[-1]})
+    lines: dict[int, list[Any]] = {rid: [] for rid in ids}
+    samples: list[tuple[float, dict[str, Any]]] = []
+    open_ids, asked, next_poll = set(ids), None, 0.0
+    deadline = time.perf_counter() + timeout
+    while open_ids:
+        now = time.perf_counter()
+        if now > deadline:
+            raise TimeoutError(f"{len(open_ids)} requests still open")
+        if asked is None and now >= next_poll:
+            asked, next_poll = worker.new_id(), now + poll_s
+            worker.send({"op": "stats", "id": asked})
+        try:
+            line = worker.lines.get(timeout=0.01)
+        except queue.Empty:
+            continue
+        if line is None:
+            raise RuntimeError(f"worker exited with {worker.proc.wait()}")
+        rid = line.msg.get("id")
+        if rid == asked:
+            samples.append((line.t, line.msg["stats"]))
+            asked = None
+        elif rid in lines:
+            lines[rid].append(line)
+            if line.msg.get("event") == "error":
+                raise RuntimeError(f"request {rid} failed: {line.msg}")
+            if line.msg.get("event") == "done":
+                open_ids.discard(rid)
+    steady = [
+        (t, stats["generated_tokens"])
+        for t, stats in samples
+        if len(stats["requests"]) == len(ids)
+        and all(r["completion_tokens"] > 0 for r in stats["requests"])
+    ]
+    counts = [int(req_lines[-1].msg.get("completion_tokens", 0)) for req_lines in lines.values()]
+    rate = 0.0
+    if len(steady) >= 2 and steady[-1][0] > steady[0][0]:
+        rate = (steady[-1][1] - steady[0][1]) / (steady[-1][0] - steady[0][0])
     return {
-        "tok_s": in_window / (end - start) if end > start else 0.0,
-        "window_s": end - start,
+        "tok_s": rate,
+        "window_s": steady[-1][0] - steady[0][0] if steady else 0.0,
+        "samples": len(steady),
         "min_tokens": min(counts),
         "max_tokens": max(counts),
-    }
+    }, lines
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -214,8 +252,7 @@ def worker_main(args: argparse.Namespace) -> None:
                         before = ahead()
                         first = round_index if batch == 1 else 0
                         reqs = requests(batch, constrained, sampling, first, tokens)
-                        _, lines = worker.generate(reqs, args.timeout)
-                        rate = window_rate(lines)
+                        rate, lines = steady_rate(worker, reqs, args.timeout)
                         after = ahead()
                         grew = {k: float(v) - float(before.get(k, 0)) for k, v in after.items()}
                         kind = "constrained" if constrained else "free"
@@ -225,13 +262,16 @@ def worker_main(args: argparse.Namespace) -> None:
                             f"{case} x{batch} {kind}"
                             + (f" ({schema})" if constrained else "")
                             + f": {rate['tok_s']:.1f} tok/s, tokens {rate['min_tokens']}-"
-                            f"{rate['max_tokens']}, window {rate['window_s']:.2f}s, decode "
+                            f"{rate['max_tokens']}, window {rate['window_s']:.2f}s "
+                            f"({rate['samples']} samples), decode "
                             f"ahead +{grew.get('hits', 0):.0f} hits "
                             f"+{grew.get('misses', 0):.0f} misses"
                             + (
                                 f", masks: {grew.get('masked_steps', 0):.0f} steps, fill "
-                                f"{grew.get('mask_fill_ms', 0):.0f} ms, waited "
-                                f"{grew.get('mask_wait_ms', 0):.0f} ms"
+                                f"{grew.get('mask_fill_ms', 0):.0f} ms (started after "
+                                f"{grew.get('mask_start_ms', 0):.0f} ms), waited "
+                                f"{grew.get('mask_wait_ms', 0):.0f} ms; slowest fill so far "
+                                f"{after.get('mask_fill_max_ms', 0):.1f} ms"
                                 if constrained
                                 else ""
                             )

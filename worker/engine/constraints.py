@@ -158,6 +158,8 @@ class Constraints:
         self._turn = 0
         self.masks = 0  # steps with a constrained row
         self.fill_s = 0.0  # time filling their masks (helper thread)
+        self.fill_max_s = 0.0  # the slowest step's fill
+        self.start_s = 0.0  # time from the request for a fill to its start (the GIL)
         self.wait_s = 0.0  # time the steps waited for them (`MaskJob.result`)
 
     @property
@@ -203,7 +205,8 @@ class Constraints:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self.masks += 1
-        return MaskJob(self._pool.submit(self._fill, len(keys), rows), None, self)
+        job = self._pool.submit(self._fill, len(keys), rows, time.perf_counter())
+        return MaskJob(job, None, self)
 
     def _buffer(self, batch: int) -> torch.Tensor:
         self._turn ^= 1
@@ -220,13 +223,16 @@ class Constraints:
         return {
             "masked_steps": self.masks,
             "mask_fill_ms": round(self.fill_s * 1000, 1),
+            "mask_fill_max_ms": round(self.fill_max_s * 1000, 1),
+            "mask_start_ms": round(self.start_s * 1000, 1),
             "mask_wait_ms": round(self.wait_s * 1000, 1),
             "compiles": self.cache.compiles,
             "cache_hits": self.cache.hits,
         }
 
-    def _fill(self, batch: int, rows: list[tuple[int, Any]]) -> torch.Tensor:
+    def _fill(self, batch: int, rows: list[tuple[int, Any]], asked: float) -> torch.Tensor:
         started = time.perf_counter()
+        self.start_s += started - asked
         mask = self._buffer(batch)
         mask.fill_(-1)
         row_bytes = self.words * 4
@@ -245,7 +251,9 @@ class Constraints:
 
                 self._executor = llguidance.LLExecutor()
             self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), row_bytes, batch)
-        self.fill_s += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.fill_s += took
+        self.fill_max_s = max(self.fill_max_s, took)
         return mask
 
     def accept(self, key: int, token: int) -> bool:
