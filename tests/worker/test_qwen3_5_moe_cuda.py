@@ -149,6 +149,44 @@ def test_fused_kernels_qwen3_5_moe_match_torch_path(
                 monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
 
     _run_side_by_side(TorchPath(), graphed, "cpu", steps=3, tolerance=1e-4, chunk=45)
+    assert graphed.prefill is not None and graphed.prefill.replays == 4  # every prefill
+
+
+@pytest.mark.skipif(CUDA, reason="CPU tensors through the interpreter")
+def test_prefill_graph_body_keeps_the_snapshots(
+    triton_ready: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Short prefills through the prefill graphs' body (the in-place Triton recurrence; the
+    interpreter here): a snapshot inside the step, a rollback to it and a new turn from it
+    give the torch path's logits and snapshot bookkeeping."""
+    import worker.layers.deltanet as deltanet
+
+    ref, fast = _model(), _model()
+    monkeypatch.setattr(deltanet, "FUSED_PROJECTION_DEVICES", ("cuda", "cpu"))
+    fast.fuse_projections()
+    monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
+    graphed = GraphedCausalLM(fast, use_graphs=False, capture=False)
+    kv_ref, kv = ref.make_kv_cache(3, 128), graphed.make_kv_cache(3, 128)
+    assert graphed.prefill is not None
+
+    def both(step: StepInput) -> None:
+        monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "0")
+        want = ref(step, kv_ref)
+        monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
+        got = graphed(step, kv)
+        assert _rel(got, want) < 1e-4
+
+    ids = _ids(40, 7)
+    for cache in (kv_ref, kv):
+        cache.snapshot_at(1, 17)  # inside the first step
+    both(StepInput.single(ids[:20], 1, 0))
+    both(StepInput.single(ids[20:23], 1, 20))
+    assert kv.snapshot_lens[1] == kv_ref.snapshot_lens[1] and 17 in kv.snapshot_lens[1]
+    for cache in (kv_ref, kv):
+        cache.truncate(1, 17)  # a rollback to the snapshot
+    both(StepInput.single(ids[30:40], 1, 17))
+    assert kv.live_len[1] == kv_ref.live_len[1] == 27
+    assert graphed.prefill.replays == 3
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -242,3 +242,64 @@ def test_deltanet_step_with_norm_equals_step_then_norm(
     assert got.dtype == dtype
     torch.testing.assert_close(got.cpu()[live].float(), want.cpu()[live].float(), **tol)
     assert torch.equal(state_one.cpu(), state_two.cpu())  # the same updates, nothing for padding
+
+
+@pytest.mark.parametrize("cached,n,split", [(5, 7, 6), (0, 10, 3), (2, 1, 0), (4, 0, 0)])
+def test_deltanet_seq_kernels_equal_torch_prefill(
+    triton_ready: None, cached: int, n: int, split: int
+) -> None:
+    """The short prefill of one sequence (conv + recurrence over its rows, in place, with a
+    snapshot inside the chunk, padding rows after n) = the torch path's conv and per-token
+    recurrence; n == 0 changes nothing."""
+    from worker.device.kernels.deltanet_decode import conv_seq_triton, gated_delta_seq_triton
+    from worker.layers.deltanet import causal_conv1d
+
+    gen = torch.Generator().manual_seed(10 + n)
+    rows, slot, entry = 12, 2, 1
+    t, dims = _decode_inputs(gen, rows, slots_total=4)
+    hk, hv, dk, dv = dims["hk"], dims["hv"], dims["dk"], dims["dv"]
+    snap_conv = torch.randn(4, 3, *t["conv_state"].shape[1:], generator=gen)
+    snap_state = torch.randn(4, 3, hv, dk, dv, generator=gen)
+    # the torch path over rows 0 .. n - 1 from the slot's state (zeros when nothing is cached)
+    conv0 = t["conv_state"][slot] if cached else None
+    state0 = t["state"][slot] if cached else torch.zeros(hv, dk, dv)
+    want_conv, want_conv_state = causal_conv1d(t["x"][: max(n, 1)], conv0, t["weight"])
+    q, k, v = torch.split(want_conv, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q = l2_normalize(q.reshape(-1, hk, dk)).repeat_interleave(hv // hk, dim=1) * dk**-0.5
+    k = l2_normalize(k.reshape(-1, hk, dk)).repeat_interleave(hv // hk, dim=1)
+    g = -t["a_log"].exp() * F.softplus(t["a"][:n] + t["dt_bias"])
+    beta = t["b"][:n].sigmoid()
+    state, outs, snap_at_split = state0[None], [], None
+    for i in range(n):
+        o, state = recurrent_gated_delta_rule(q[i : i + 1], k[i : i + 1],
+                                              v[i : i + 1].reshape(1, hv, dv), g[i : i + 1],
+                                              beta[i : i + 1], state)  # fmt: skip
+        outs.append(o[0])
+        if i + 1 == split:
+            snap_at_split = state[0].clone()
+    dev = {name: tensor.to(DEVICE) for name, tensor in t.items()}
+    dev_snap_conv, dev_snap_state = snap_conv.to(DEVICE), snap_state.to(DEVICE)
+    meta = torch.tensor([slot, cached, n, split, entry], device=DEVICE)
+    got_conv = conv_seq_triton(dev["x"], dev["conv_state"], dev_snap_conv, dev["weight"], meta)
+    got = gated_delta_seq_triton(got_conv, dev["a"], dev["b"], dev["a_log"], dev["dt_bias"],
+                                 dev["state"], dev_snap_state, meta, num_key_heads=hk,
+                                 key_dim=dk)  # fmt: skip
+    got_conv, got = got_conv.cpu(), got.cpu()
+    assert not got_conv[n:].any() and not got[n:].any()  # padding rows
+    others = [s for s in range(4) if s != slot]
+    assert torch.equal(dev["conv_state"].cpu()[others], t["conv_state"][others])
+    if n == 0:
+        assert torch.equal(dev["conv_state"].cpu(), t["conv_state"])
+        assert torch.equal(dev["state"].cpu(), t["state"])
+        return
+    torch.testing.assert_close(got_conv[:n], want_conv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:n], torch.stack(outs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dev["conv_state"].cpu()[slot], want_conv_state, rtol=0, atol=0)
+    torch.testing.assert_close(dev["state"].cpu()[slot], state[0], rtol=1e-5, atol=1e-5)
+    if 0 < split < n:
+        _, conv_at_split = causal_conv1d(t["x"][:split], conv0, t["weight"])
+        assert torch.equal(dev_snap_conv.cpu()[slot, entry], conv_at_split)
+        torch.testing.assert_close(dev_snap_state.cpu()[slot, entry], snap_at_split,
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+    else:
+        assert torch.equal(dev_snap_state.cpu(), snap_state)

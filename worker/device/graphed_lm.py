@@ -9,9 +9,12 @@ chunks; every row when the decoders exceed the largest bucket). See the class fo
 ahead.
 
 A hybrid cache (qwen3_5_moe: recurrent DeltaNet state next to the KV, ``begin_step`` /
-``end_step`` around each forward) gets decode graphs only: no decode ahead (a step launched
-ahead would advance a recurrent state that cannot be rewound) and no prefill graphs; each
-replay is framed by the cache's ``begin_step`` / ``end_step`` as the eager forward is.
+``end_step`` around each forward) gets no decode ahead (a step launched ahead would advance a
+recurrent state that cannot be rewound). Its short prefills replay prefill graphs whose
+DeltaNet layers run the in-place Triton recurrence over the rows (padding rows and the
+captures' warm-up rows advance no state; a snapshot inside the step goes in as device data):
+the eager 64-token prefill was bound by the host (~150 ms of launches for ~21 ms of GPU work).
+Each replay is framed by the cache's ``begin_step`` / ``end_step`` as the eager forward is.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from worker.device.compile_ahead import CompilePool, compile_ahead
 from worker.device.decode_graphs import DecodeGraphRunner, bucket_for, split_decode_rows, sub_step
+from worker.device.kernels.attention import use_triton
 from worker.device.kernels.batched_sampling import RowSampling
 from worker.device.prefill_graphs import PrefillGraphRunner
 
@@ -108,7 +112,10 @@ class GraphedCausalLM:
     def make_kv_cache(self, num_slots: int, max_context: int, **kwargs: Any) -> Any:
         kv = self.inner.make_kv_cache(num_slots, max_context, **kwargs)
         if _is_hybrid(kv):  # see the module doc
-            self._decode_ahead, self._prefill_graphs = False, False
+            self._decode_ahead = False
+            # its short prefills run the Triton recurrence (worker/layers/deltanet.py)
+            probe = torch.empty(0, device=self.inner.device)
+            self._prefill_graphs = self._prefill_graphs and use_triton(probe)
         lanes = 2 if self._decode_ahead else 1
         self._lanes = [
             DecodeGraphRunner(self.inner, kv, num_slots, use_graphs=self._use_graphs)
@@ -210,7 +217,13 @@ class GraphedCausalLM:
                 # capture stream, so their cuBLAS kernels share one workspace (concurrent
                 # replays hung the GPU). The guess stays valid; only the overlap is lost.
                 self._wait(self._ahead)
-            return self.prefill.logits(step)
+            if not _is_hybrid(kv):
+                return self.prefill.logits(step)
+            kv.begin_step(step)  # the snapshot bookkeeping, as the eager forward does
+            slot, cached = step.slots[0], step.cached_lens[0]
+            logits = self.prefill.logits(step, kv.step_snapshot(slot, cached))
+            kv.end_step()
+            return logits
         return self.inner(step, kv)
 
     def _framed_decode(self, step: Any, kv: Any) -> torch.Tensor:

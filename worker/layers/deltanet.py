@@ -280,7 +280,10 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed, z, a, b = self._project(x)  # [T, conv_dim], [T, Hv, Dv], [T, Hv], [T, Hv]
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        if not isinstance(plan, AttentionPlan):
+        state_meta = getattr(plan, "state_meta", None)
+        if state_meta is not None:  # one sequence's short prefill, captured (module doc)
+            out = self._prefill_rows(mixed, a, b, weight, cache, state_meta)
+        elif not isinstance(plan, AttentionPlan):
             out = self._decode_rows(mixed, a, b, weight, cache, plan.slots, padded=True)
         else:
             out = torch.empty(t, self.num_v_heads, self.dv, dtype=torch.float32, device=x.device)
@@ -389,6 +392,27 @@ class GatedDeltaNet(nn.Module):
             use_qk_l2norm_in_kernel=True,
         )
         return out[0].float(), final[0]
+
+    def _prefill_rows(
+        self,
+        mixed: torch.Tensor,  # [N, conv_dim]
+        a: torch.Tensor,  # [N, Hv]
+        b: torch.Tensor,  # [N, Hv]
+        weight: torch.Tensor,
+        cache: DeltaNetLayerCache,
+        state_meta: torch.Tensor,  # [5] int64: slot, cached, n, snapshot rows, entry
+    ) -> torch.Tensor:
+        """The rows of one sequence's prefill (padding after n) through the in-place Triton
+        conv and recurrence, its snapshot inside the step included -> out [N, Hv, Dv]
+        float32. The prefill graphs' path (worker/device/prefill_graphs.py): no host value
+        read, one launch each."""
+        from worker.device.kernels.deltanet_decode import conv_seq_triton, gated_delta_seq_triton
+
+        conv_out = conv_seq_triton(mixed, cache.conv, cache.snap_conv, weight, state_meta)
+        return gated_delta_seq_triton(
+            conv_out, a, b, self.A_log, self.dt_bias, cache.recurrent, cache.snap_recurrent,
+            state_meta, num_key_heads=self.num_k_heads, key_dim=self.dk,
+        )  # fmt: skip
 
     def _decode_rows(
         self,

@@ -214,6 +214,14 @@ class HybridCache:
                     pending.discard(tokens)
                     self._end_of_step.append((slot, self._free_entry(slot)))
 
+    def step_snapshot(self, slot: int, cached: int) -> tuple[int, int]:
+        """(rows into this step, entry) of the snapshot the step begun by ``begin_step`` takes
+        inside its chunk for ``slot`` (which continues from ``cached``), or (0, 0): what a
+        captured prefill writes (worker/device/prefill_graphs.py)."""
+        if slot not in self._captures:
+            return 0, 0
+        return self._captures[slot] - cached, self._capture_entry[slot]
+
     def end_step(self) -> None:
         """The forward succeeded: the slots hold their new lengths, the snapshots are valid."""
         for slot, tokens in self._step_lens:

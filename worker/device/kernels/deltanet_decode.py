@@ -279,3 +279,195 @@ def gated_rms_norm_triton(
             D=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()), num_warps=1,
         )  # fmt: skip
     return out
+
+
+# -- a short prefill of one sequence, in place and capturable (the prefill graphs) -----------
+#
+# meta: int64 [5] on the device: (slot, cached, n, split, entry). Rows 0 .. n - 1 of the step
+# continue the slot's state (zeros when cached == 0); rows n .. N - 1 are padding (zero
+# outputs, nothing stored; n == 0 stores nothing at all). When 0 < split < n the state after
+# `split` rows also goes to snapshot `entry` of the slot (a snapshot inside the chunk).
+
+
+@triton.jit
+def _conv_seq_kernel(
+    x_ptr, state_ptr, snap_ptr, w_ptr, out_ptr, meta_ptr, C, N, stride_x, stride_out,
+    stride_snap_slot, stride_snap_entry,
+    KM1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Program (channel block, row block): the conv + SiLU of its rows; the row block 0
+    program also writes the new conv state (and the snapshot's) after reading the old one."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    block_t = tl.program_id(1)
+    rows = block_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_c = offs_c < C
+    slot = tl.load(meta_ptr).to(tl.int64)
+    cached = tl.load(meta_ptr + 1)
+    n = tl.load(meta_ptr + 2)
+    split = tl.load(meta_ptr + 3)
+    entry = tl.load(meta_ptr + 4).to(tl.int64)
+    held = (offs_c * 0 + cached) > 0  # [BLOCK_C] (vector conditions: the interpreter's too)
+    base = state_ptr + slot * C * KM1 + offs_c.to(tl.int64) * KM1  # [BLOCK_C]
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(KM1 + 1):
+        src = rows - KM1 + j  # the input row this tap reads; < 0: the held history
+        from_x = (src >= 0) & (rows < n)
+        from_state = (src < 0) & (rows < n)
+        xs = tl.load(
+            x_ptr + tl.maximum(src, 0)[:, None].to(tl.int64) * stride_x + offs_c[None, :],
+            mask=from_x[:, None] & mask_c[None, :],
+            other=0.0,
+        )
+        hs = tl.load(base[None, :] + (KM1 + tl.minimum(src, -1))[:, None],
+                     mask=from_state[:, None] & (mask_c & held)[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + offs_c * (KM1 + 1) + j, mask=mask_c, other=0.0).to(tl.float32)
+        acc += (xs.to(tl.float32) + hs.to(tl.float32)) * w[None, :]
+    conv = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the conv's output, rounded
+    silu = tl.where((rows < n)[:, None], conv / (1.0 + tl.exp(-conv)), 0.0)
+    tl.store(
+        out_ptr + rows[:, None].to(tl.int64) * stride_out + offs_c[None, :],
+        silu.to(out_ptr.dtype.element_ty),
+        mask=(rows < N)[:, None] & mask_c[None, :],
+    )
+    if block_t == 0:
+        tl.debug_barrier()  # every thread has read the old history
+        snap = snap_ptr + slot * stride_snap_slot + entry * stride_snap_entry
+        snap = snap + offs_c.to(tl.int64) * KM1
+        take_snap = (offs_c * 0 + split > 0) & (offs_c * 0 + split < n)  # [BLOCK_C]
+        for i in tl.static_range(KM1):  # the snapshot first: it reads the old history too
+            value = _held_input(x_ptr, base, offs_c, mask_c, held, split - KM1 + i, stride_x, KM1)
+            tl.store(snap + i, value.to(snap_ptr.dtype.element_ty), mask=mask_c & take_snap)
+        for i in tl.static_range(KM1):  # entry i is read (at n + i > i) before it is written
+            value = _held_input(x_ptr, base, offs_c, mask_c, held, n - KM1 + i, stride_x, KM1)
+            tl.store(
+                base + i, value.to(state_ptr.dtype.element_ty), mask=mask_c & (offs_c * 0 + n > 0)
+            )
+
+
+@triton.jit
+def _held_input(x_ptr, base, offs_c, mask_c, held, src, stride_x, KM1: tl.constexpr):
+    """Input row `src` of the sequence ([BLOCK_C] float32): a row of x, or (src < 0) an entry
+    of the held history (zeros when nothing is held)."""
+    src = offs_c * 0 + src  # [BLOCK_C]
+    xv = tl.load(x_ptr + tl.maximum(src, 0).to(tl.int64) * stride_x + offs_c,
+                 mask=mask_c & (src >= 0), other=0.0)  # fmt: skip
+    hv = tl.load(base + KM1 + tl.minimum(src, -1), mask=mask_c & (src < 0) & held, other=0.0)
+    return tl.where(src >= 0, xv.to(tl.float32), hv.to(tl.float32))
+
+
+def conv_seq_triton(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    snap_conv: torch.Tensor,
+    weight: torch.Tensor,
+    meta: torch.Tensor,
+) -> torch.Tensor:
+    """The causal conv + SiLU of one sequence's rows (see above for ``meta``): x [N, C] (rows
+    may be strided); conv_state [S, C, K - 1] and snap_conv [S, snapshots, C, K - 1], updated
+    in place; weight [C, K] -> [N, C] in x's dtype (padding rows zero).
+    ``worker.layers.deltanet.causal_conv1d`` of rows 0 .. n - 1, capturable."""
+    rows, channels = x.shape
+    kernel = weight.shape[-1]
+    assert conv_state.is_contiguous() and conv_state.shape[1:] == (channels, kernel - 1)
+    assert snap_conv.stride(-1) == 1 and snap_conv.stride(-2) == kernel - 1
+    assert x.stride(1) == 1
+    weight = weight.contiguous()
+    out = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+    block_t, block_c = 16, 128
+    _conv_seq_kernel[(triton.cdiv(channels, block_c), triton.cdiv(rows, block_t))](
+        x, conv_state, snap_conv, weight, out, meta, channels, rows, x.stride(0), out.stride(0),
+        snap_conv.stride(0), snap_conv.stride(1),
+        KM1=kernel - 1, BLOCK_T=max(block_t, triton.next_power_of_2(kernel)), BLOCK_C=block_c,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _delta_seq_kernel(
+    conv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, snap_ptr, out_ptr, meta_ptr,
+    N, stride_conv, stride_a, stride_b, stride_snap_slot, stride_snap_entry, scale,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Program (value head, block of value dims): the recurrence over the sequence's rows,
+    its state tile held in registers from the slot's state to the end (and to the snapshot
+    at `split`)."""
+    hv = tl.program_id(0)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_v = offs_v < DV
+    mask_k = offs_k < DK
+    mask = mask_k[:, None] & mask_v[None, :]
+    hk = hv // (HV // HK)
+    slot = tl.load(meta_ptr).to(tl.int64)
+    cached = tl.load(meta_ptr + 1)
+    n = tl.load(meta_ptr + 2)
+    split = tl.load(meta_ptr + 3)
+    entry = tl.load(meta_ptr + 4).to(tl.int64)
+    cells = (slot * HV + hv) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    zero = offs_v[None, :] * 0  # [1, BLOCK_V]: scalar conditions as tensors (the interpreter)
+    h = tl.load(state_ptr + cells, mask=mask & (zero + cached > 0), other=0.0)
+    snap_cells = (slot * stride_snap_slot + entry * stride_snap_entry + hv * DK * DV
+                  + offs_k[:, None] * DV + offs_v[None, :])  # fmt: skip
+    a_log = tl.load(a_log_ptr + hv).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+    for t in range(0, n):
+        line = conv_ptr + t * stride_conv
+        q = tl.load(line + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(line + HK * DK + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(line + 2 * HK * DK + hv * DV + offs_v, mask=mask_v, other=0.0)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        a = tl.load(a_ptr + t * stride_a + hv).to(tl.float32) + dt_bias
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+        g = -tl.exp(a_log) * softplus
+        beta = tl.load(b_ptr + t * stride_b + hv).to(tl.float32)
+        beta = 1.0 / (1.0 + tl.exp(-beta))
+        h = h * tl.exp(g)
+        update = (v.to(tl.float32) - tl.sum(h * k[:, None], axis=0)) * beta
+        h += k[:, None] * update[None, :]
+        o = tl.sum(h * q[:, None], axis=0)
+        tl.store(out_ptr + (t * HV + hv) * DV + offs_v, o, mask=mask_v)
+        at_split = (zero + t + 1 == split) & (zero + split < n)
+        tl.store(snap_ptr + snap_cells, h, mask=mask & at_split)
+    tl.store(state_ptr + cells, h, mask=mask & (zero + n > 0))
+    for t in range(n, N):  # padding rows: zeros
+        tl.store(out_ptr + (t * HV + hv) * DV + offs_v,
+                 tl.zeros([BLOCK_V], dtype=tl.float32), mask=mask_v)  # fmt: skip
+
+
+def gated_delta_seq_triton(
+    conv_out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    snap_state: torch.Tensor,
+    meta: torch.Tensor,
+    num_key_heads: int,
+    key_dim: int,
+    block_v: int = 16,
+) -> torch.Tensor:
+    """The gated delta rule over one sequence's rows, one row after the other (see above for
+    ``meta``): conv_out [N, 2 * Hk * Dk + Hv * Dv]; a, b [N, Hv] (raw projections); state
+    [S, Hv, Dk, Dv] and snap_state [S, snapshots, Hv, Dk, Dv] float32, updated in place ->
+    o [N, Hv, Dv] float32 (padding rows zero). ``recurrent_gated_delta_rule`` row by row,
+    capturable: for a short prefill (tens of rows) it is one launch where the chunked form
+    takes a dozen."""
+    rows = conv_out.shape[0]
+    _, heads_v, dk, dv = state.shape
+    assert state.is_contiguous() and state.dtype == torch.float32 and dk == key_dim
+    assert snap_state.stride(-1) == 1 and snap_state.stride(2) == dk * dv
+    assert conv_out.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1
+    out = torch.empty(rows, heads_v, dv, dtype=torch.float32, device=conv_out.device)
+    block_v = min(block_v, triton.next_power_of_2(dv))
+    _delta_seq_kernel[(heads_v, triton.cdiv(dv, block_v))](
+        conv_out, a, b, a_log, dt_bias, state, snap_state, out, meta, rows,
+        conv_out.stride(0), a.stride(0), b.stride(0), snap_state.stride(0),
+        snap_state.stride(1), dk**-0.5,
+        HK=num_key_heads, HV=heads_v, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk),
+        BLOCK_V=block_v, num_warps=2,
+    )  # fmt: skip
+    return out
