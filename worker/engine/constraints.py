@@ -234,7 +234,13 @@ class Constraints:
         started = time.perf_counter()
         self.start_s += started - asked
         mask = self._buffer(batch)
-        mask.fill_(-1)
+        # free rows allow everything; constrained rows are written whole below (one row at
+        # a time: a fill of the whole buffer is an OpenMP region, whose threads would then
+        # spin on the cores llguidance's threads need)
+        constrained = {i for i, _ in rows}
+        for i in range(batch):
+            if i not in constrained:
+                mask[i].fill_(-1)
         row_bytes = self.words * 4
         live = []
         for i, matcher in rows:
