@@ -190,8 +190,21 @@ def report(prof: Any, what: str) -> None:
     )  # fmt: skip
     graphs = sum(a.count for a in averages if a.key == "cudaGraphLaunch")
     log(f"{what}: {launches} kernel launches, {graphs} graph launches")
-    print(averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
-    print(averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+
+    def gpu_us(a: Any) -> float:
+        total = getattr(a, "self_device_time_total", 0) or getattr(a, "self_cuda_time_total", 0)
+        return float(total)
+
+    kernels = sorted((a for a in averages if gpu_us(a) > 0), key=gpu_us, reverse=True)
+    total = sum(gpu_us(a) for a in kernels)
+    count = sum(a.count for a in kernels)
+    print(f"GPU ops: {count} calls, {total / 1000:.2f} ms of GPU time; top 30 (calls, ms, name):")
+    for a in kernels[:30]:
+        print(f"  {a.count:6d} {gpu_us(a) / 1000:8.3f}  {a.key[:90]}")
+    cpu = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
+    print("top self CPU (calls, ms, name):")
+    for a in cpu:
+        print(f"  {a.count:6d} {a.self_cpu_time_total / 1000:8.3f}  {a.key[:90]}")
 
 
 def decode(driver: Driver, sessions: int, new: int, vocab: int) -> None:
@@ -267,6 +280,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=0, help="default: what the cases need")
     p.add_argument("--profile", action="store_true", help="torch.profiler over timed turns")
     p.add_argument("--cprofile", action="store_true", help="cProfile of one warm turn")
+    p.add_argument("--profile-decode", action="store_true", help="torch.profiler over decode")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--fla-configs", action="store_true")
     p.add_argument("--fla-first-config", action="store_true",
@@ -319,8 +333,12 @@ def main() -> int:
         print("FLA_CONFIGS " + json.dumps(fla_configs()), flush=True)
     for s in sessions:
         decode(driver, s, args.decode_tokens, vocab)
-        if profile is not None:
-            with profile() as prof:
+        if args.profile_decode:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            kinds = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+            with torch_profile(activities=kinds) as prof:
                 decode(driver, s, 32, vocab)
             report(prof, f"decode x{s} (32 new tokens after a 32-token prompt)")
     return 0
