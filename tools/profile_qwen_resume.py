@@ -158,6 +158,9 @@ def ttft(driver: Driver, args: argparse.Namespace, vocab: int, profile: Any) -> 
     turn("warm (timed)", base + more, 1, timed=True)
     turn("rollback to resident again", base, 0)
     turn("warm again (timed)", base + ids(args.extra, vocab, 10), 1, timed=True)
+    # the last turn's new tokens replaced by others in one request: back to the snapshot at
+    # the resident prompt's end, then the new ones
+    turn("rollback 64 + 64 new (timed)", base + ids(args.extra, vocab, 16), 1, timed=True)
     turn("cold (timed)", ids(args.resident + args.extra, vocab, 11), 1, timed=True)
     turn("cold again (timed)", ids(args.resident + args.extra, vocab, 12), 1, timed=True)
     log(f"fla autotune keys added by the timed turns: {autotuned_keys() - tuned}")
