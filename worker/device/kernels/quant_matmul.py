@@ -586,7 +586,7 @@ def quant_linear(
 # candidates timed per matrix shape at start-up (tools/bench_quant_kernels.py --sweep: the
 # fastest configs of the 31B shapes on an H200 were among these)
 GEMV_CANDIDATES = [(128, 264, 8, 8), (128, 528, 4, 8), (64, 264, 8, 8), (128, 264, 8, 16),
-                   (256, 264, 8, 8)]  # fmt: skip
+                   (256, 264, 8, 8), (32, 64, 8, 16), (64, 132, 8, 16)]  # fmt: skip
 GEMM_CANDIDATES = [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2)]
 
 
