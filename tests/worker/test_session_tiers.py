@@ -150,10 +150,16 @@ def test_no_bleed_64_sessions_8_slots(loaded: Any, tmp_path: Path) -> None:
     continuation equals the same conversation replayed alone."""
     t0 = time.perf_counter()
     engine = make_engine(
-        loaded, max_resident=8, host_cache_bytes=8 << 20, session_dir=str(tmp_path)
+        loaded,
+        max_resident=8,
+        host_cache_bytes=8 << 20,
+        session_dir=str(tmp_path),
+        prefix_cache_bytes=128 << 20,  # shared blocks of 16 tokens too (the alone run has none)
+        prefix_block=16,
     )
     log = play(engine, sessions=64, turns=TURNS, seed=16)
     t_play = time.perf_counter() - t0
+    assert engine.stats()["prefix_cache"]["inserts"] > 0
     stats = engine.stats()["tiers"]
     assert stats["offloads"] >= TURNS // 8 and stats["reloads"] >= (TURNS - 64) // 4, stats
     assert stats["disk_writes"] > 0 and stats["disk_write_errors"] == 0, stats
@@ -163,6 +169,20 @@ def test_no_bleed_64_sessions_8_slots(loaded: Any, tmp_path: Path) -> None:
     for sid, turns in log.items():
         assert [g for _, _, g in turns] == alone[sid], sid
     print(f"{TURNS} turns: {t_play:.1f} s interleaved, {time.perf_counter() - t0:.1f} s in all")
+
+
+def test_no_bleed_with_shared_blocks(loaded: Any) -> None:
+    """Fewer, longer conversations (rollbacks past the rings reuse earlier blocks): the
+    interleaved run with shared 16-token blocks gives what each replayed alone without."""
+    engine = make_engine(
+        loaded, max_sessions=7, max_resident=4, prefix_cache_bytes=6 << 20, prefix_block=16
+    )
+    log = play(engine, sessions=6, turns=80, seed=7)
+    shared = engine.stats()["prefix_cache"]
+    assert shared["hits"] > 0 and shared["evictions"] > 0, shared
+    alone = replay_alone(make_engine(loaded, max_sessions=2), log)
+    for sid, turns in log.items():
+        assert [g for _, _, g in turns] == alone[sid], sid
 
 
 def one_turn(engine: Engine, sid: str | None, prompt: list[int], n: int = 3) -> DoneEvent:
