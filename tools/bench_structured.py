@@ -270,7 +270,8 @@ def worker_main(args: argparse.Namespace) -> None:
                                 f", masks: {grew.get('masked_steps', 0):.0f} steps, fill "
                                 f"{grew.get('mask_fill_ms', 0):.0f} ms (started after "
                                 f"{grew.get('mask_start_ms', 0):.0f} ms), waited "
-                                f"{grew.get('mask_wait_ms', 0):.0f} ms; slowest fill so far "
+                                f"{grew.get('mask_wait_ms', 0):.0f} ms, rows filled ahead "
+                                f"{grew.get('mask_rows_ahead', 0):.0f}; slowest fill so far "
                                 f"{after.get('mask_fill_max_ms', 0):.1f} ms"
                                 if constrained
                                 else ""

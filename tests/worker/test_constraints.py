@@ -55,3 +55,33 @@ def test_rows_filled_together_equal_rows_filled_alone(eos: bool) -> None:
             allowed = _allowed(together[position], vocab)
             assert allowed and len(allowed) < vocab
             assert constraints.accept(key, min(allowed))
+
+
+def test_masks_filled_ahead_equal_masks_filled_for_the_step() -> None:
+    tok = _tokenizer(True)
+    ahead, plain = Constraints(tok), Constraints(tok)
+    for c in (ahead, plain):
+        for key, schema in enumerate(SCHEMAS[:2]):
+            c.open(key, GenerateRequest(prompt="x", json_schema=schema))
+    vocab = tok.vocab_size
+    steps: list[list[int]] = [
+        [0, 1],  # nothing filled ahead yet
+        [0, 1],  # the rows filled ahead, in order: their job itself
+        [1, 0],  # another order: rows copied from it
+        [0, 9, 1],  # a free row in between
+        [0, 1, 2],  # a new constrained row: filled for the step
+        [2, 0],  # row 1 left the step (its ahead mask is not used)
+    ]
+    for step, keys in enumerate(steps):
+        if step == 4:
+            for c in (ahead, plain):
+                c.open(2, GenerateRequest(prompt="x", json_schema=SCHEMAS[2]))
+        got = ahead.start_masks(keys).result()
+        want = plain.start_masks(keys).result()
+        assert got is not None and want is not None and torch.equal(got, want), step
+        tokens = {k: min(_allowed(want[i], vocab)) for i, k in enumerate(keys) if k != 9}
+        for c in (ahead, plain):
+            for key, token in tokens.items():
+                assert c.accept(key, token)
+        ahead.fill_ahead(keys)  # the free row is left out
+    assert ahead.ahead_rows == 2 * (len(steps) - 1)

@@ -137,6 +137,7 @@ class MaskJob:
 
 
 NO_MASK = MaskJob(None, None)
+_AHEAD, _STEP = 0, 1  # host mask buffers: filled ahead, assembled for a step
 
 
 class Constraints:
@@ -155,7 +156,8 @@ class Constraints:
         # read) before step t + 2 refills the buffer. Pinned with CUDA (an async copy).
         self._pinned = torch.cuda.is_available()
         self._buffers: list[torch.Tensor] = []
-        self._turn = 0
+        self._ahead: tuple[tuple[int, ...], Future[torch.Tensor]] | None = None
+        self.ahead_rows = 0  # rows whose mask `fill_ahead` had started
         self.masks = 0  # steps with a constrained row
         self.fill_s = 0.0  # time filling their masks (helper thread)
         self.fill_max_s = 0.0  # the slowest step's fill
@@ -196,27 +198,74 @@ class Constraints:
     def constrained(self, key: int) -> bool:
         return key in self._matchers
 
+    def fill_ahead(self, keys: Sequence[int]) -> None:
+        """Start filling the masks of the constrained rows among `keys` (in order) now, right
+        after their tokens were accepted, so the fill runs while the host streams the tokens
+        and plans the next step; that step's `start_masks` takes the rows it has."""
+        ahead_keys = tuple(k for k in keys if k in self._matchers)
+        self._ahead = None
+        if not ahead_keys:
+            return
+        rows = [(i, self._matchers[k]) for i, k in enumerate(ahead_keys)]
+        job = self._submit(self._fill, len(rows), rows, time.perf_counter(), _AHEAD)
+        self._ahead = (ahead_keys, job)
+
     def start_masks(self, keys: Sequence[int]) -> MaskJob:
         """Start filling the bitmask of these sampling rows (in order); NO_MASK when none of
-        them is constrained."""
+        them is constrained. Rows `fill_ahead` started are taken from it (all of them: its
+        job itself)."""
         rows = [(i, self._matchers[k]) for i, k in enumerate(keys) if k in self._matchers]
         if not rows:
             return NO_MASK
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self.masks += 1
-        job = self._pool.submit(self._fill, len(keys), rows, time.perf_counter())
+        ahead, self._ahead = self._ahead, None
+        asked = time.perf_counter()
+        if ahead is None:
+            return MaskJob(self._submit(self._fill, len(keys), rows, asked, _STEP), None, self)
+        ahead_keys, ahead_job = ahead
+        if tuple(keys) == ahead_keys:
+            self.ahead_rows += len(rows)
+            return MaskJob(ahead_job, None, self)
+        where = {k: j for j, k in enumerate(ahead_keys)}
+        taken = [(i, where[k]) for i, k in enumerate(keys) if k in where]
+        fresh = [(i, m) for i, m in rows if keys[i] not in where]
+        self.ahead_rows += len(taken)
+        job = self._submit(self._assemble, len(keys), ahead_job, taken, fresh, asked)
         return MaskJob(job, None, self)
 
-    def _buffer(self, batch: int) -> torch.Tensor:
-        self._turn ^= 1
-        if len(self._buffers) < 2 or self._buffers[self._turn].shape[0] < batch:
-            rows = max(batch, self._buffers[0].shape[0] if self._buffers else 0)
-            self._buffers = [
-                torch.empty((rows, self.words), dtype=torch.int32, pin_memory=self._pinned)
-                for _ in range(2)
-            ]
-        return self._buffers[self._turn][:batch]
+    def _submit(self, fn: Any, *args: Any) -> Future[torch.Tensor]:
+        # one thread: jobs run in order, so a job's matchers are never filled twice at once
+        # and a fill started ahead is done when a later job is
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._pool.submit(fn, *args)
+
+    def _buffer(self, which: int, batch: int) -> torch.Tensor:
+        """Host buffer `which` (_AHEAD, _STEP) for `batch` rows. A buffer is refilled only
+        after the step that copied it to the device read its ids (that copy is done)."""
+        while len(self._buffers) <= which:
+            self._buffers.append(torch.empty((0, self.words), dtype=torch.int32))
+        if self._buffers[which].shape[0] < batch:
+            self._buffers[which] = torch.empty(
+                (batch, self.words), dtype=torch.int32, pin_memory=self._pinned
+            )
+        return self._buffers[which][:batch]
+
+    def _assemble(
+        self,
+        batch: int,
+        ahead_job: Future[torch.Tensor],
+        taken: list[tuple[int, int]],
+        fresh: list[tuple[int, Any]],
+        asked: float,
+    ) -> torch.Tensor:
+        """The step's mask from the rows filled ahead (`taken`: step row, ahead row) and the
+        rest filled now (`fresh`: step row, matcher); free rows allow everything."""
+        ahead = ahead_job.result()  # done: it ran before on this thread
+        mask = self._fill(batch, fresh, asked, _STEP)
+        for i, j in taken:
+            mask[i].copy_(ahead[j])
+        return mask
 
     def stats(self) -> dict[str, Any]:
         """The worker's `stats` figures of constrained decoding."""
@@ -226,14 +275,17 @@ class Constraints:
             "mask_fill_max_ms": round(self.fill_max_s * 1000, 1),
             "mask_start_ms": round(self.start_s * 1000, 1),
             "mask_wait_ms": round(self.wait_s * 1000, 1),
+            "mask_rows_ahead": self.ahead_rows,
             "compiles": self.cache.compiles,
             "cache_hits": self.cache.hits,
         }
 
-    def _fill(self, batch: int, rows: list[tuple[int, Any]], asked: float) -> torch.Tensor:
+    def _fill(
+        self, batch: int, rows: list[tuple[int, Any]], asked: float, which: int
+    ) -> torch.Tensor:
         started = time.perf_counter()
         self.start_s += started - asked
-        mask = self._buffer(batch)
+        mask = self._buffer(which, batch)
         # free rows allow everything; constrained rows are written whole below (one row at
         # a time: a fill of the whole buffer is an OpenMP region, whose threads would then
         # spin on the cores llguidance's threads need)

@@ -703,6 +703,8 @@ class Engine:
                 events.extend(self._accept_token(a, token))
             else:  # max_new_tokens == 0: prefill only
                 events.extend(self._finish(a, "length"))
+        # the constrained rows that go on: their next masks start filling now
+        self.structured.fill_ahead([rows[i][0].key for i in sampling_rows])
 
     def _accept_token(self, a: _Active, token: int) -> list[Event]:
         """Stream one sampled token; finish the request when it ends the turn."""

@@ -5,6 +5,8 @@ engine's request key:
     open(key, req)            at admission: compile the constraint (a ConstraintError or None)
     token_mask(keys)          before the forward: start the step's bitmask (None: no row is
                               constrained); `worker.engine.sampling.sample_step` joins it
+    fill_ahead(keys)          after a step's tokens were accepted: start the masks of the
+                              rows that go on (the next step's `token_mask` takes them)
     top_logprobs(reqs)        per sampling row: -1, or how many top tokens to report
     accept(key, req, token, row_logprobs, eos)   after sampling: advance the grammar, keep
                               the token's log-probabilities until its text is streamed
@@ -58,6 +60,11 @@ class StructuredRows:
         if not self._constraints:
             return None
         return self._constraints.start_masks(keys).result
+
+    def fill_ahead(self, keys: Sequence[int]) -> None:
+        """After a step's tokens were accepted: start the masks of its rows that go on."""
+        if self._constraints:
+            self._constraints.fill_ahead(keys)
 
     @staticmethod
     def top_logprobs(reqs: Sequence[GenerateRequest]) -> list[int] | None:
