@@ -456,12 +456,26 @@ def _dequant_kernel(
     mask = (offs_k < K)[:, None] & (offs_c < C)[None, :]
     word = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * C + offs_c[None, :], mask=mask, other=0)
     meta = (offs_k // GROUP)[:, None] * (P * C) + offs_c[None, :]
-    out_rows = out_ptr + offs_k[:, None].to(tl.int64) * N
     ty = out_ptr.dtype.element_ty
-    for p in tl.static_range(P):
-        w = _weights(word, s_ptr, o_ptr, meta, mask, p, C, INT4_KIND)
-        out = offs_c * P + p
-        tl.store(out_rows + out[None, :], w.to(ty), mask=mask & (out < N)[None, :])
+    w0 = _weights(word, s_ptr, o_ptr, meta, mask, 0, C, INT4_KIND).to(ty)
+    w1 = _weights(word, s_ptr, o_ptr, meta, mask, 1, C, INT4_KIND).to(ty)
+    w2 = _weights(word, s_ptr, o_ptr, meta, mask, 2, C, INT4_KIND).to(ty)
+    w3 = _weights(word, s_ptr, o_ptr, meta, mask, 3, C, INT4_KIND).to(ty)
+    # the P positions of a word side by side (join's new last axis, in registers): each
+    # thread stores its words' P outputs as one contiguous vector
+    if INT4_KIND:
+        w4 = _weights(word, s_ptr, o_ptr, meta, mask, 4, C, INT4_KIND).to(ty)
+        w5 = _weights(word, s_ptr, o_ptr, meta, mask, 5, C, INT4_KIND).to(ty)
+        w6 = _weights(word, s_ptr, o_ptr, meta, mask, 6, C, INT4_KIND).to(ty)
+        w7 = _weights(word, s_ptr, o_ptr, meta, mask, 7, C, INT4_KIND).to(ty)
+        evens = tl.join(tl.join(w0, w4), tl.join(w2, w6))  # [.., a, b] = w(4a + 2b)
+        odds = tl.join(tl.join(w1, w5), tl.join(w3, w7))
+        tile = tl.reshape(tl.join(evens, odds), [BLOCK_K, BLOCK_C * P])
+    else:
+        tile = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), [BLOCK_K, BLOCK_C * P])
+    cols = tl.program_id(0) * BLOCK_C * P + tl.arange(0, BLOCK_C * P)
+    out = out_ptr + offs_k[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(out, tile, mask=(offs_k < K)[:, None] & (cols < N)[None, :])
 
 
 def _check(x: torch.Tensor, packed: KMajorWeight) -> None:
