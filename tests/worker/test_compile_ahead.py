@@ -59,6 +59,8 @@ SCRIPT = textwrap.dedent(
     # and the trace stops once that is known (a warm cache), by `settle`: b is never traced
     again = pool.compile_launches([a, settle, b])
     print("again", again.variants, again.cache_hits, again.failed, again.stages_traced < 3)
+    after = pool.compile_launches([b])  # the last call found the cache warm: no trace
+    print("after", after.variants, after.stages_traced)
 
     def build_ir(*args, **kwargs):
         raise AssertionError("compiled again: not found in the cache")
@@ -83,6 +85,7 @@ def test_recorded_launches_compile_into_the_cache(triton_ready: None, tmp_path: 
     lines = result.stdout.split("\n")
     assert "first 2 0 0 4" in lines, result.stdout  # two variants compiled, every stage traced
     assert "again 1 1 0 True" in lines, result.stdout  # found in the cache: the trace stopped
+    assert "after 0 0" in lines, result.stdout
     assert "found (16, 256, 4, 4)" in lines and "found (8, 128, 4, 2)" in lines
 
 

@@ -18,9 +18,16 @@ call returns when all are done, and the real pass loads each variant from there.
 traced code must not depend on what the skipped kernels would have written: the warm-up
 passes qualify (shapes and control flow come from the host; their outputs are thrown away).
 
-A warm cache (a restart) gains nothing from the trace, so the stages stop early: before each
-stage after the first, when every variant sent so far has come back already in the cache, the
-cache is taken as warm and the real pass loads the rest itself.
+A warm cache (a restart) gains nothing from the trace (its first stage, the first eager step,
+costs seconds), so tracing stops once the cache shows it is warm: before each stage after the
+first, when every variant this call sent has come back already in the cache; and for whole
+calls after one whose variants all came back cached (on a restart the GEMV candidates, traced
+first, answer for the graph kernels). The real pass then loads the rest itself; a variant it
+does not find is compiled there, as without a pool.
+
+The pool's processes are forked from a server that imports torch and Triton once (the
+kernel modules import torch), not spawned each with its own imports: 15 processes importing
+at once slowed the worker's own load, and were not up in time for the first trace.
 
 A variant that fails ahead (an unexpected specialisation, a lost process) is compiled as
 before when the real pass launches it: this changes how long a start takes, never what runs.
@@ -35,6 +42,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, wait
@@ -75,6 +83,7 @@ class CompilePool:
         self.processes = processes
         self._compiled_here: list[str] | None = None  # the start-up's own compiles, from then
         self._listener: Any = None
+        self.warm = False  # the last call that sent variants found them all in the cache
 
     def compile_launches(self, stages: Sequence[Callable[[], object]]) -> AheadReport:
         """Run the stages in order with the launches of uncompiled kernel variants skipped,
@@ -97,6 +106,8 @@ class CompilePool:
             return True  # skip the compile and the launch
 
         report = AheadReport()
+        if self.warm:
+            return report  # traced nothing: see the module doc
         started = time.perf_counter()
         previous = knobs.runtime.jit_cache_hook
         knobs.runtime.jit_cache_hook = record
@@ -126,6 +137,8 @@ class CompilePool:
             report.cache_hits += compiled.cache_hit
             if report.slowest is None or compiled.seconds > report.slowest.seconds:
                 report.slowest = compiled
+        if report.variants:
+            self.warm = report.cache_hits == report.variants
         return report
 
     def _watch_compiles_here(self) -> None:
@@ -175,12 +188,16 @@ def start_compile_pool(processes: int | None = None) -> CompilePool | None:
         processes = min(MAX_PROCESSES, len(os.sched_getaffinity(0)) - 1)
     if processes < 2 or not triton_available():
         return None
-    # spawn: the worker has CUDA and threads, which a forked child must not inherit
-    executor = ProcessPoolExecutor(
-        processes, mp_context=multiprocessing.get_context("spawn"), initializer=_prepare_process
-    )
-    for _ in range(processes):  # processes start on demand: one per task waiting
-        executor.submit(_ready)
+    # forked from a fresh server process, never from the worker (CUDA and threads there)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "triton.compiler.code_generator"])
+    executor = ProcessPoolExecutor(processes, mp_context=context, initializer=_prepare_process)
+    # processes start on demand, one per task waiting; the first waits for the server's
+    # imports (seconds), so they are asked for off the worker's thread
+    threading.Thread(
+        target=lambda: [executor.submit(_ready) for _ in range(processes)],
+        name="compile-pool-start", daemon=True,
+    ).start()  # fmt: skip
     return CompilePool(executor, processes)
 
 
@@ -193,6 +210,9 @@ def compile_ahead(
     started = time.perf_counter()
     report = pool.compile_launches(stages)
     seconds = time.perf_counter() - started
+    if not report.stages_traced and not report.errors:
+        _log(f"compile_ahead: {what}: not traced (the Triton cache answered as warm before)")
+        return
     compiled = report.variants - report.cache_hits - report.failed
     slowest = report.slowest
     _log(
@@ -209,11 +229,10 @@ def compile_ahead(
 
 
 def _prepare_process() -> None:
-    """Imports, and the once-per-process part of a compile (hashing Triton's own files for
-    its cache keys: ~0.4 s), before the first task."""
+    """The once-per-process part of a compile (hashing Triton's own files for its cache
+    keys: ~0.4 s), before the first task."""
     os.nice(10)  # the worker's own start-up goes first
-    import torch  # noqa: F401 - the kernel modules import it
-    import triton.compiler.code_generator  # noqa: F401
+    os.dup2(2, 1)  # the worker's stdout carries its protocol: nothing of ours goes there
 
     try:
         from triton.runtime.cache import triton_key
