@@ -190,6 +190,8 @@ def sampling_tensors(
         [[r.top_k, r.seed & ((1 << 63) - 1), c] for r, c in zip(rows, counters, strict=True)],
         dtype=torch.int64,
     )
-    floats = floats.reshape(-1, 3).T.contiguous().to(device)  # [3, B]
-    ints = ints.reshape(-1, 3).T.contiguous().to(device)  # [3, B]
+    # non_blocking: a blocking copy waits for the stream, i.e. for a decode step launched
+    # ahead, and the step after it would start late (a masked step samples outside the graph)
+    floats = floats.reshape(-1, 3).T.contiguous().to(device, non_blocking=True)  # [3, B]
+    ints = ints.reshape(-1, 3).T.contiguous().to(device, non_blocking=True)  # [3, B]
     return floats[0], ints[0], floats[1], floats[2], ints[1], ints[2]
