@@ -296,7 +296,7 @@ def worker_main(args: argparse.Namespace) -> None:
             print(
                 f"| {case} | {batch} | {f_med:.1f} [{min(free):.1f}-{max(free):.1f}] | "
                 f"{c_med:.1f} [{min(held):.1f}-{max(held):.1f}] | "
-                f"{100 * (c_med / f_med - 1):+.1f}% |"
+                + (f"{100 * (c_med / f_med - 1):+.1f}% |" if f_med else "- |")
             )
     print(json.dumps({"results": results}))
 
