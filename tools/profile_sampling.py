@@ -6,8 +6,8 @@ logits, in process, before (the per-row sorting sampler this replaced) and now.
 Per case: host wall time of one call up to its ids on the host (`.tolist()`, the engine's
 one sync), and the GPU time between CUDA events around the call (median of --repeat).
 `--kernel-slots 0,1024` adds the GPU time of the Triton kernel alone per candidate-slot count
-(0: top-k by bisection, the kernel before compaction; 1024: the default); "N/noprefetch"
-waits for each block's load before it works on the block; "N/wW" runs W warps a row.
+(0: top-k by bisection, the kernel before compaction; 1024: the default); "N/wW" runs W
+warps a row (default 16).
 """
 
 from __future__ import annotations
@@ -67,10 +67,8 @@ def sample_before(logits: torch.Tensor, params: list[SamplingParams], gens: list
 
 
 def kernel_ms(logits: torch.Tensor, params: SamplingParams, variant: str, repeat: int) -> float:
-    """Median GPU ms of the Triton kernel alone: variant "N", "N/noprefetch" or "N/wW"."""
-    slots, _, flag = variant.partition("/")
-    options = {"slots": int(slots), "prefetch": flag != "noprefetch"}
-    options["warps"] = int(flag[1:]) if flag.startswith("w") else 0
+    """Median GPU ms of the Triton kernel alone: variant "N" or "N/wW"."""
+    slots, _, warps = variant.partition("/")
     batch = logits.shape[0]
     row = RowSampling(params.temperature, params.top_k, params.top_p, params.min_p, seed=5)
     tensors = sampling_tensors([row] * batch, list(range(batch)), logits.device)
@@ -78,7 +76,7 @@ def kernel_ms(logits: torch.Tensor, params: SamplingParams, variant: str, repeat
     for i in range(repeat + 3):
         start, end = torch.cuda.Event(True), torch.cuda.Event(True)
         start.record()
-        sample_rows_triton(logits, *tensors, **options)
+        sample_rows_triton(logits, *tensors, slots=int(slots), warps=int(warps[1:] or 0))
         end.record()
         end.synchronize()
         if i >= 3:

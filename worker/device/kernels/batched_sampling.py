@@ -117,10 +117,11 @@ BUCKETS = 256  # the first pass's bucket maxima: top-k by compaction for k <= th
 def sample_rows_triton(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-    slots: int = CANDIDATE_SLOTS, prefetch: bool = True, warps: int = 0,
+    slots: int = CANDIDATE_SLOTS, warps: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """`sample_rows` by the Triton kernel (one program per row). `slots`: how many top-k
-    candidates a row may compact before it falls back to bisection (0: always bisection)."""
+    candidates a row may compact before it falls back to bisection (0: always bisection);
+    `warps`: a program's warps (0: 16 for a full vocabulary, which measured fastest)."""
     from worker.device.kernels.sampling_kernel import sample_kernel
 
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -130,6 +131,7 @@ def sample_rows_triton(
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     block = 4096 if vocab >= 4096 else max(16, 1 << (vocab - 1).bit_length())
+    warps = warps or (16 if block >= 4096 else 8 if block >= 2048 else 4)
     width = max(16, 1 << (max(slots, 1) - 1).bit_length())  # registers for the candidates
     # scratch of the compaction (inside a CUDA graph: from the graph's pool, fixed addresses)
     cand_val = torch.empty((batch, width), dtype=torch.float32, device=logits.device)
@@ -137,8 +139,7 @@ def sample_rows_triton(
     sample_kernel[(batch,)](
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, counters, out,
         cand_val, cand_id, slots, vocab, BLOCK=block, BUCKETS=min(BUCKETS, block), SLOTS=width,
-        MAX_TRIES=MAX_ATTEMPTS, PREFETCH=prefetch,
-        num_warps=warps or (8 if block >= 2048 else 4),
+        MAX_TRIES=MAX_ATTEMPTS, num_warps=warps,
     )  # fmt: skip
     return out
 

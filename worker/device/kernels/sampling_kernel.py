@@ -66,12 +66,11 @@ def load_block(base, idx, vocab):
     return tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
 
 
-# Each full pass below keeps one block's load in flight while it works on the block before
-# (PREFETCH): one program reads its row at the latency of the loads, not their bandwidth.
+# Each pass below keeps the next block's load in flight while it works on a block.
 
 
 @triton.jit
-def row_stats(base, vocab, inv_t, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+def row_stats(base, vocab, inv_t, BLOCK: tl.constexpr):
     """Pass 1, kept per lane (lane i: the elements i mod BLOCK), so the loop does no work
     across threads: (max, first index of the max, sum of exp(s - max), each lane's max)."""
     offs = tl.arange(0, BLOCK)
@@ -81,11 +80,8 @@ def row_stats(base, vocab, inv_t, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
     ahead = load_block(base, offs, vocab)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        if PREFETCH:
-            raw = ahead
-            ahead = load_block(base, idx + BLOCK, vocab)
-        else:
-            raw = load_block(base, idx, vocab)
+        raw = ahead
+        ahead = load_block(base, idx + BLOCK, vocab)  # in flight while this block is used
         s = raw.to(tl.float32) * inv_t
         grow = s > lane_top
         finite = s > -float("inf")
@@ -102,7 +98,7 @@ def row_stats(base, vocab, inv_t, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
 @triton.jit
 def compact_candidates(
     base, vocab, inv_t, bound, cand_val, cand_id, slots,
-    BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Copy the finite scaled values >= bound and their ids into the first `slots` candidate
     slots, in index order. Returns how many there are (may exceed `slots`)."""
@@ -111,11 +107,8 @@ def compact_candidates(
     ahead = load_block(base, offs, vocab)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        if PREFETCH:
-            raw = ahead
-            ahead = load_block(base, idx + BLOCK, vocab)
-        else:
-            raw = load_block(base, idx, vocab)
+        raw = ahead
+        ahead = load_block(base, idx + BLOCK, vocab)  # in flight while this block is used
         s = raw.to(tl.float32) * inv_t
         take = (s >= bound) & (s > -float("inf"))
         taken = tl.sum(take.to(tl.int32), 0)
@@ -169,7 +162,7 @@ def draw_from_candidates(
 
 @triton.jit
 def mass_above(
-    base, vocab, inv_t, floor, above_of, top, BLOCK: tl.constexpr, PREFETCH: tl.constexpr
+    base, vocab, inv_t, floor, above_of, top, BLOCK: tl.constexpr
 ):  # fmt: skip
     """sum of exp(s - top) over s >= floor and s > above_of (per lane, one reduction)."""
     offs = tl.arange(0, BLOCK)
@@ -177,29 +170,23 @@ def mass_above(
     ahead = load_block(base, offs, vocab)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        if PREFETCH:
-            raw = ahead
-            ahead = load_block(base, idx + BLOCK, vocab)
-        else:
-            raw = load_block(base, idx, vocab)
+        raw = ahead
+        ahead = load_block(base, idx + BLOCK, vocab)  # in flight while this block is used
         s = raw.to(tl.float32) * inv_t
         lane_mass += tl.where((s >= floor) & (s > above_of), tl.exp(s - top), 0.0)
     return tl.sum(lane_mass, 0)
 
 
 @triton.jit
-def count_at_or_above(base, vocab, inv_t, threshold, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+def count_at_or_above(base, vocab, inv_t, threshold, BLOCK: tl.constexpr):
     """How many s >= threshold (per lane, one reduction)."""
     offs = tl.arange(0, BLOCK)
     lane_count = tl.zeros((BLOCK,), tl.int32)
     ahead = load_block(base, offs, vocab)
     for start in range(0, vocab, BLOCK):
         idx = start + offs
-        if PREFETCH:
-            raw = ahead
-            ahead = load_block(base, idx + BLOCK, vocab)
-        else:
-            raw = load_block(base, idx, vocab)
+        raw = ahead
+        ahead = load_block(base, idx + BLOCK, vocab)  # in flight while this block is used
         lane_count += (raw.to(tl.float32) * inv_t >= threshold).to(tl.int32)
     return tl.sum(lane_count, 0)
 
@@ -207,7 +194,7 @@ def count_at_or_above(base, vocab, inv_t, threshold, BLOCK: tl.constexpr, PREFET
 @triton.jit
 def scan_to_target(
     base, vocab, inv_t, floor, above_of, top, target, arg,
-    BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The first token (in index order) among s >= floor, s > above_of at which the running
     sum of exp(s - top) reaches target: a block's prefix sum only in the block that gets there."""
@@ -219,11 +206,8 @@ def scan_to_target(
     ahead = load_block(base, offs, vocab)
     while (start < vocab) & (token < 0):
         idx = start + offs
-        if PREFETCH:
-            raw = ahead
-            ahead = load_block(base, idx + BLOCK, vocab)
-        else:
-            raw = load_block(base, idx, vocab)
+        raw = ahead
+        ahead = load_block(base, idx + BLOCK, vocab)  # in flight while this block is used
         s = raw.to(tl.float32) * inv_t
         keep = (s >= floor) & (s > above_of)
         w = tl.where(keep, tl.exp(s - top), 0.0)
@@ -242,12 +226,12 @@ def scan_to_target(
 @triton.jit
 def draw_from_row(
     base, vocab, inv_t, floor, top, total_all, top_p, key, arg,
-    BLOCK: tl.constexpr, MAX_TRIES: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK: tl.constexpr, MAX_TRIES: tl.constexpr,
 ):  # fmt: skip
     """The draw of the row over all its elements s >= floor: inverse CDF, top-p rejection."""
     total = total_all
     if floor > -float("inf"):
-        total = mass_above(base, vocab, inv_t, floor, -float("inf"), top, BLOCK, PREFETCH)
+        total = mass_above(base, vocab, inv_t, floor, -float("inf"), top, BLOCK)
     above_of = tl.full((), -float("inf"), tl.float32)  # candidates: s >= floor, s > above_of
     mass = total  # their mass
     attempt = tl.full((), 0, tl.int32)
@@ -256,12 +240,12 @@ def draw_from_row(
     while searching > 0:
         target = draw_target(key, attempt, mass)
         token = scan_to_target(
-            base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK, PREFETCH
+            base, vocab, inv_t, floor, above_of, top, target, arg, BLOCK
         )  # fmt: skip
         searching = attempt * 0
         if top_p < 1.0:
             s_token = tl.load(base + token).to(tl.float32) * inv_t
-            above = mass_above(base, vocab, inv_t, floor, s_token, top, BLOCK, PREFETCH)
+            above = mass_above(base, vocab, inv_t, floor, s_token, top, BLOCK)
             accepted = above < top_p * total
             above_of = s_token
             mass = above
@@ -276,7 +260,6 @@ def sample_kernel(
     logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, counter_ptr,
     out_ptr, cand_val_ptr, cand_id_ptr, slots, vocab,
     BLOCK: tl.constexpr, BUCKETS: tl.constexpr, SLOTS: tl.constexpr, MAX_TRIES: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """cand_val / cand_id: [rows, SLOTS] float32 / int32 scratch, of which the first `slots`
     (<= SLOTS) are used (0: no compaction, top-k always by bisection)."""
@@ -290,7 +273,7 @@ def sample_kernel(
     min_p = tl.load(min_p_ptr + row)
     sampling = (temperature > 0.0) & (top_k != 1)
     inv_t = 1.0 / tl.where(sampling, temperature, 1.0)
-    top, arg, total_all, lane_top = row_stats(base, vocab, inv_t, BLOCK, PREFETCH)
+    top, arg, total_all, lane_top = row_stats(base, vocab, inv_t, BLOCK)
     picked = arg
     if sampling:
         floor = tl.where(min_p > 0.0, top + tl.log(tl.maximum(min_p, 1e-30)), -float("inf"))
@@ -302,7 +285,7 @@ def sample_kernel(
                 bucket_top = tl.max(tl.reshape(lane_top, (BUCKETS, BLOCK // BUCKETS)), 1)
                 bound = kth_largest(bucket_top, top_k)
                 count = compact_candidates(
-                    base, vocab, inv_t, bound, cand_val, cand_id, slots, BLOCK, PREFETCH
+                    base, vocab, inv_t, bound, cand_val, cand_id, slots, BLOCK
                 )  # fmt: skip
                 lo = tl.maximum(lo, bound)
                 count = tl.where(count <= slots, count, -1)
@@ -313,9 +296,7 @@ def sample_kernel(
                 tries = arg * 0
                 while (above_lo != top_k) & (tries < 64):
                     mid = lo + (hi - lo) * 0.5
-                    above_lo = top_k * 0 + count_at_or_above(
-                        base, vocab, inv_t, mid, BLOCK, PREFETCH
-                    )
+                    above_lo = top_k * 0 + count_at_or_above(base, vocab, inv_t, mid, BLOCK)
                     stuck = (mid <= lo) | (mid >= hi)  # no float between lo and hi
                     lo = tl.where(above_lo >= top_k, mid, lo)
                     hi = tl.where(above_lo >= top_k, hi, mid)
@@ -329,6 +310,6 @@ def sample_kernel(
         else:
             picked = draw_from_row(
                 base, vocab, inv_t, floor, top, total_all, top_p, key, arg,
-                BLOCK, MAX_TRIES, PREFETCH,
+                BLOCK, MAX_TRIES,
             )  # fmt: skip
     tl.store(out_ptr + row, picked.to(tl.int64))
