@@ -178,7 +178,8 @@ class SparseMoE(nn.Module):
         )
 
         experts = self.experts
-        blocks = choose_blocks(x.shape[0], x.shape[1], experts.inner)
+        quantized = isinstance(experts, QuantExperts)
+        blocks = choose_blocks(x.shape[0], x.shape[1], experts.inner, quantized)
         aligned = None
         if x.shape[0] * self.top_k <= ROUTE_ALIGN_MAX_PAIRS and logits.stride(1) == 1:
             weights, ids, aligned = route_align_triton(logits, self.top_k, blocks.block_m)

@@ -25,6 +25,7 @@ it only after `worker.device.kernels.triton_available()`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -408,9 +409,14 @@ def _tile(limit: int, size: int) -> int:
     return max(16, min(limit, 1 << (size - 1).bit_length()))
 
 
-def choose_blocks(tokens: int, hidden: int, inner: int) -> MoeBlocks:
+def choose_blocks(tokens: int, hidden: int, inner: int, quantized: bool = False) -> MoeBlocks:
     """Small steps (decode) want many programs over the weights and little row padding;
-    prefill chunks want bigger tiles (pure)."""
+    prefill chunks want bigger tiles (pure, but for TOKENPIPE_MOE_QUANT_BLOCKS: six
+    comma-separated MoeBlocks fields for quantized experts' steps of <= 64 tokens, the tile
+    sweep's choice of tools/bench_qwen3_5_moe_kernels.py)."""
+    override = os.environ.get("TOKENPIPE_MOE_QUANT_BLOCKS")
+    if quantized and tokens <= 64 and override:
+        return MoeBlocks(*(int(v) for v in override.split(",")))
     if tokens <= 64:
         k = _tile(128, min(hidden, inner))
         return MoeBlocks(16, _tile(32, inner), _tile(64, hidden), k, 4, 3)

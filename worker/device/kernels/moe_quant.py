@@ -204,7 +204,7 @@ def fused_moe_quant_triton(
     top_k = ids.shape[1]
     assert down.shape == (num_experts, hidden, inner) and gate_up.shape[2] == hidden
     x = x.contiguous()
-    blocks = blocks or choose_blocks(tokens, hidden, inner)
+    blocks = blocks or choose_blocks(tokens, hidden, inner, quantized=True)
     if aligned is None:
         aligned = align_pairs_triton(ids, num_experts, blocks.block_m)
     assert aligned.block_m == blocks.block_m
