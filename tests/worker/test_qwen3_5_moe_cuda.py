@@ -28,9 +28,11 @@ def _config(**overrides: Any) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
-def _model(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
+def _model(
+    device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any
+) -> Any:
     """The tiny model with seeded weights of a realistic scale (identical on every device)."""
-    model = build_model(_config(), "cpu", torch.float32)
+    model = build_model(_config(**overrides), "cpu", torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -43,7 +45,7 @@ def _model(device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
     if device == "cpu" and dtype == torch.float32:
         return model
-    out = build_model(_config(), device, dtype)
+    out = build_model(_config(**overrides), device, dtype)
     out.load_state_dict(model.state_dict())
     return out
 
@@ -161,7 +163,8 @@ def test_prefill_graph_body_keeps_the_snapshots(
     give the torch path's logits and snapshot bookkeeping."""
     import worker.layers.deltanet as deltanet
 
-    ref, fast = _model(), _model()
+    ref, fast = _model(num_hidden_layers=4), _model(num_hidden_layers=4)  # 3 DeltaNet, 1 full
+    assert [layer.is_linear for layer in fast.model.layers] == [True, True, True, False]
     monkeypatch.setattr(deltanet, "FUSED_PROJECTION_DEVICES", ("cuda", "cpu"))
     fast.fuse_projections()
     monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
