@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -195,3 +196,19 @@ def test_format_1_files_are_still_read(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-1] + b"\xff")  # and its checksum still holds
     damaged, logs = store(tmp_path)
     assert damaged.scan() and damaged.read("chat") is None and "checksum" in logs[0]
+
+
+def test_pending_state_is_the_copy_a_write_holds(tmp_path: Path, monkeypatch) -> None:
+    s, _ = store(tmp_path)
+    gate = threading.Event()
+    write_file = SessionStore._write_file
+    monkeypatch.setattr(
+        SessionStore, "_write_file", lambda self, item: (gate.wait(5), write_file(self, item))[1]
+    )
+    saved = state(fill=4.0)
+    s.write("chat", saved, [1, 2, 3, 4, 5], version=3)
+    assert s.pending_state("chat", 3) is saved and s.pending_state("chat", 2) is None
+    gate.set()
+    s.flush()
+    assert s.pending_state("chat", 3) is None  # on disk now: the copy is let go
+    s.close()

@@ -208,6 +208,12 @@ class SessionStore:
             self._versions[name] = version
         self._queue.put(item)
 
+    def pending_state(self, name: str, version: int) -> SlotState | None:
+        """The host copy of ``name`` at ``version`` that a write not yet done holds, or None."""
+        with self._lock:
+            item = self._pending.get(name)
+            return item.state if item is not None and item.version == version else None
+
     def delete(self, name: str) -> None:
         with self._lock:
             self._prefetched.pop(name, None)

@@ -28,34 +28,19 @@ class SlotState:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-_ALIGN = 64  # bytes: every tensor of a state starts aligned in its shared buffer
-
-
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies on the host: from CUDA, views of one pinned buffer filled asynchronously (one
-    sync at the end; one allocation per state, so the allocator's cached blocks serve the next
-    state of a similar size: pinning fresh memory costs ~0.55 s a GB); on the CPU, plain clones
-    (the slot is reused, so a view would not do)."""
-    on_cuda = [t for t in tensors.values() if t.is_cuda]
-    if not on_cuda:
-        return {name: t.clone() for name, t in tensors.items()}
-    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-    total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
-    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    """Copies on the host: pinned and asynchronous from CUDA (one sync at the end), plain
+    clones on the CPU (the slot is reused, so a view would not do)."""
     out: dict[str, torch.Tensor] = {}
-    offset = 0
+    cuda = False
     for name, t in tensors.items():
-        host = buffer[offset : offset + sizes[name]].view(t.dtype).view(t.shape)
-        host.copy_(t, non_blocking=True)
-        out[name] = host
-        offset += -(-sizes[name] // _ALIGN) * _ALIGN
-    torch.cuda.synchronize()
+        if t.is_cuda:
+            cuda = True
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out[name] = host
+        else:
+            out[name] = t.clone()
+    if cuda:
+        torch.cuda.synchronize()
     return out
-
-
-def warm_pinned(nbytes: int, count: int) -> None:
-    """Pin ``count`` buffers of ``nbytes`` and free them: the CUDA host allocator keeps them,
-    so the first offloads (``to_host``) of states up to that size find pinned memory ready.
-    Meant for a background thread at start."""
-    buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
-    del buffers
