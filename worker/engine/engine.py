@@ -417,11 +417,9 @@ class Engine:
 
     def _early_store(self, config: EngineConfig, log: Callable[[str], None]) -> SessionStore | None:
         """With --session-dir and a model in the CUDA graphs' wrapper: the session directory
-        opened before the KV cache and the graphs are built (seconds), its newest files
-        already being read back then (``SessionStore.prefetch``, into pinned memory on CUDA),
-        so a restored session's first turn finds its cache in memory. The fingerprint's cache
-        geometry comes from a meta-device cache of the eager model; the engine keeps this
-        store only if the real cache's fingerprint is the same."""
+        opened and scanned before the KV cache and the graphs are built. The fingerprint's
+        cache geometry comes from a meta-device cache of the eager model; the engine keeps
+        this store only if the real cache's fingerprint is the same."""
         inner = getattr(self.model, "inner", None)  # the CUDA graphs' wrapper holds the model
         if config.session_dir is None or inner is None:
             return None
@@ -432,8 +430,9 @@ class Engine:
             return None
         pinned = self.device.type == "cuda"
         store = SessionStore(config.session_dir, fingerprint, log, pin_memory=pinned)
-        names = [name for name, _, _ in store.scan()][: config.max_sessions - 1]
-        store.prefetch(names, config.host_cache_bytes)
+        store.scan()  # its files' headers checked now; their payloads are read after the
+        # graphs are captured (_restore_sessions): pinning host memory from another thread
+        # during a capture would be an unsafe CUDA call
         return store
 
     def _restore_sessions(self) -> list[str]:
