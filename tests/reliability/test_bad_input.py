@@ -225,8 +225,9 @@ def test_open_close_storm(target: LineProcess) -> None:
     by_id = {e["id"]: e for e in events}
     for i in range(100):  # sequential per session: each open/reset/close of one id succeeds
         assert by_id[f"open-{i}"]["event"] in ("opened", "error"), by_id[f"open-{i}"]
-        if by_id[f"open-{i}"]["event"] == "error":
-            assert by_id[f"open-{i}"]["code"] == "capacity_exhausted"
+        if by_id[f"open-{i}"]["event"] == "error":  # no slot, or (a slow, loaded box) a full
+            # queue: 300 requests at once against --max-queue 64 per worker
+            assert by_id[f"open-{i}"]["code"] in ("capacity_exhausted", "overloaded")
     assert sum(e["event"] == "opened" for e in events) >= ready_named
     # Requests with ids may run in any order, so some storm session may be left open: close
     # them all (idempotent), then nothing may be held.
