@@ -330,7 +330,7 @@ def moe_sweep(tokens: int, kind: str) -> None:
 
     hit = int(torch.unique(ids).numel())
     default = choose_blocks(tokens, HIDDEN, INNER)
-    log(f"moe_sweep_{kind}_t{tokens}_default", default)
+    log(f"moe_sweep_{kind}_t{tokens}_default", str(default))
     want = run(None)
     for choice in SWEEP:
         blocks = MoeBlocks(*choice)
