@@ -12,6 +12,7 @@
     python tools/bench_qwen3_5_moe_kernels.py [--out DIR] [--only moe_1,sweep_int4_1,...]
 
 - ``sweep_{bf16,int4}_{1,32}``: the routed experts' time per tile choice (``SWEEP``);
+  ``gemv_{int4,int8}_{1,4}``: quantized experts' per-pair GEMVs per tile (``GEMV_SWEEP``);
   ``sweep_deltanet_{1,32}``: the DeltaNet decode step's per value-dims tile and warps.
 
 Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
@@ -326,7 +327,7 @@ def moe_sweep(tokens: int, kind: str) -> None:
         per_expert = experts.nbytes // EXPERTS
 
         def run(blocks: Any) -> torch.Tensor:
-            return fused_moe_quant_triton(x, gu, dn, weights, ids, blocks)
+            return fused_moe_quant_triton(x, gu, dn, weights, ids, blocks, gemv=False)
 
     hit = int(torch.unique(ids).numel())
     default = choose_blocks(tokens, HIDDEN, INNER)
@@ -342,6 +343,45 @@ def moe_sweep(tokens: int, kind: str) -> None:
             continue
         log(f"moe_sweep_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1),
             f"{hit * per_expert / t / 1e12:.2f} TB/s{'' if ok else ' WRONG'}")  # fmt: skip
+
+
+# GemvTiles fields: (block_n, warps, programs)
+GEMV_SWEEP = [(128, 4, 528), (64, 4, 528), (32, 4, 528), (256, 4, 528), (128, 8, 528),
+              (128, 2, 528), (64, 8, 1056), (128, 4, 1056), (128, 4, 264), (64, 2, 1056),
+              (256, 8, 1056), (32, 8, 1056)]  # fmt: skip
+
+
+def gemv_sweep(tokens: int, kind: str) -> None:
+    """Quantized routed experts (group 32) at a few tokens: the per-pair GEMVs
+    (``moe_quant_gemv``) per tile choice (GEMV_SWEEP) against the grouped GEMMs, each in a
+    CUDA graph, with the bandwidth of the expert bytes they read."""
+    from worker.device.kernels.moe_quant import fused_moe_quant_triton
+    from worker.device.kernels.moe_quant_gemv import GemvTiles, moe_quant_gemv
+    from worker.layers.quant import QuantFormat
+    from worker.layers.quant_experts import QuantExperts
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    probs = torch.softmax(torch.randn(tokens, EXPERTS, device="cuda", generator=gen), -1)
+    weights, ids = torch.topk(probs, TOP_K, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+    experts = QuantExperts(EXPERTS, HIDDEN, INNER, QuantFormat(kind, 32)).cuda()
+    experts.draw_random(0.02, torch.Generator(device="cuda").manual_seed(4), torch.bfloat16)
+    gu, dn = experts.matrix("gate_up_proj"), experts.matrix("down_proj")
+    read = int(torch.unique(ids).numel()) * experts.nbytes // EXPERTS
+    want = fused_moe_quant_triton(x, gu, dn, weights, ids, gemv=False)
+    t = graph_time(lambda: fused_moe_quant_triton(x, gu, dn, weights, ids, gemv=False))
+    log(f"gemv_sweep_{kind}_t{tokens}_grouped_us", round(t * 1e6, 1), f"{read / t / 1e12:.2f} TB/s")
+    for choice in GEMV_SWEEP:
+        tiles = GemvTiles(*choice)
+        try:
+            t = graph_time(lambda c=tiles: moe_quant_gemv(x, gu, dn, weights, ids, t=c))
+            err = rel(moe_quant_gemv(x, gu, dn, weights, ids, t=tiles), want)
+        except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
+            log(f"gemv_sweep_{kind}_t{tokens}_{choice}", repr(exc)[:120])
+            continue
+        note = f"{read / t / 1e12:.2f} TB/s rel {err:.1e}{'' if err < 1e-2 else ' WRONG'}"
+        log(f"gemv_sweep_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
 
 
 def main() -> int:
@@ -363,6 +403,9 @@ def main() -> int:
         ("sweep_bf16_32", lambda: moe_sweep(32, "bf16")),
         ("sweep_int4_1", lambda: moe_sweep(1, "int4")),
         ("sweep_int4_32", lambda: moe_sweep(32, "int4")),
+        ("gemv_int4_1", lambda: gemv_sweep(1, "int4")),
+        ("gemv_int4_4", lambda: gemv_sweep(4, "int4")),
+        ("gemv_int8_1", lambda: gemv_sweep(1, "int8")),
         ("sweep_deltanet_1", lambda: deltanet_sweep(1)),
         ("sweep_deltanet_32", lambda: deltanet_sweep(32)),
     ]

@@ -115,18 +115,25 @@ def test_cpu_moe_over_quantized_experts_equals_float_over_dequantized(fmt: Quant
 
 
 @pytest.mark.parametrize(
-    "tokens,hidden,inner,fmt",
+    "tokens,hidden,inner,fmt,gemv",
     [
-        (1, 64, 24, QuantFormat("int4", 8)),
-        (5, 64, 32, QuantFormat("int8", 16)),
-        (70, 48, 24, QuantFormat("int4", 8)),
-        (3, 64, 32, QuantFormat("int4", 32)),
-        (9, 32, 16, QuantFormat("int8", 8)),
+        (1, 64, 24, QuantFormat("int4", 8), False),
+        (5, 64, 32, QuantFormat("int8", 16), False),
+        (70, 48, 24, QuantFormat("int4", 8), False),
+        (3, 64, 32, QuantFormat("int4", 32), False),
+        (9, 32, 16, QuantFormat("int8", 8), False),
+        (1, 64, 24, QuantFormat("int4", 8), True),
+        (5, 64, 32, QuantFormat("int8", 16), True),
+        (3, 64, 32, QuantFormat("int4", 32), True),
+        (9, 32, 16, QuantFormat("int8", 8), True),
+        (2, 128, 32, QuantFormat("int8", 32), True),
     ],
 )
 def test_quantized_moe_kernels_match_the_reference(
-    triton_ready: None, tokens: int, hidden: int, inner: int, fmt: QuantFormat
+    triton_ready: None, tokens: int, hidden: int, inner: int, fmt: QuantFormat, gemv: bool
 ) -> None:
+    """The grouped GEMMs and the per-pair GEMVs (moe_quant_gemv: K split over programs
+    at these sizes, outputs past N masked) against the CPU MoE over dequantized experts."""
     from worker.device.kernels.moe_quant import fused_moe_quant_triton, supports
 
     gen = torch.Generator().manual_seed(tokens * 1000 + hidden)
@@ -145,13 +152,51 @@ def test_quantized_moe_kernels_match_the_reference(
     got = fused_moe_quant_triton(
         x.to(DEVICE), module.matrix("gate_up_proj"), module.matrix("down_proj"),
         weights.to(DEVICE), ids.to(DEVICE), shared=shared.to(DEVICE),
-        shared_gate=shared_gate.to(DEVICE),
+        shared_gate=shared_gate.to(DEVICE), gemv=gemv,
     ).cpu()  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _tiny_checkpoint(tmp_path: Path, per_expert: bool) -> Path:
-    """A tiny qwen3_5_moe checkpoint (8 experts, hidden 64, inner 24) with random weights."""
+@pytest.mark.parametrize("fmt", [QuantFormat("int4", 8), QuantFormat("int8", 16)],
+                         ids=lambda f: f.describe())  # fmt: skip
+def test_quantized_moe_gemv_tiles_and_residual(triton_ready: None, fmt: QuantFormat) -> None:
+    """Narrow column blocks (several per matrix), two warps, a split that leaves the last
+    program fewer groups than warps, in bf16 with a residual: the kernels' result within
+    bf16 rounding of the CPU MoE's, and the same for every tile choice (fp32 sums)."""
+    from worker.device.kernels.moe_quant_gemv import GemvTiles, moe_quant_gemv, split_for
+
+    gen = torch.Generator().manual_seed(11)
+    tokens, hidden, inner, top_k = 2, 80, 48, 3
+    gate_up, down = _float_experts(6, hidden, inner, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = _routing(tokens, 6, top_k, gen)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    residual = torch.randn(tokens, hidden, generator=gen)
+    shared = torch.randn(tokens, hidden, generator=gen)
+    shared_gate = torch.randn(tokens, 1, generator=gen)
+    reference = _moe(gate_up, down, _fused(_reference(gate_up, fmt), _reference(down, fmt)))
+    routed = reference._experts(x, weights, ids)  # type: ignore[operator]
+    want = routed + torch.sigmoid(shared_gate) * shared + residual
+    module = _quantized(gate_up, down, fmt).to(DEVICE)
+    gu, dn = module.matrix("gate_up_proj"), module.matrix("down_proj")
+    narrow = GemvTiles(block_n=16, warps=2, programs=200)
+    assert split_for(tokens * top_k, 80, 80 // fmt.group_size, narrow) > 1
+    results = []
+    for t in (narrow, GemvTiles(block_n=64, warps=4, programs=1)):
+        got = moe_quant_gemv(
+            x.to(DEVICE).bfloat16(), gu, dn, weights.to(DEVICE).bfloat16(), ids.to(DEVICE),
+            shared.to(DEVICE).bfloat16(), shared_gate.to(DEVICE).bfloat16(),
+            residual.to(DEVICE).bfloat16(), t,
+        ).cpu()  # fmt: skip
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=0.03, atol=0.03)
+        results.append(got)
+    assert (results[0].float() - results[1].float()).abs().max() <= 0.02
+
+
+def _tiny_checkpoint(tmp_path: Path, per_expert: bool, layers: int = 8) -> Path:
+    """A tiny qwen3_5_moe checkpoint (8 experts, hidden 64, inner 24; ``layers`` layers, every
+    fourth full attention) with random weights."""
     from safetensors.torch import save_file
     from test_models_qwen3_5_moe import _text_config
     from tiny_models import byte_level_tokenizer_json
@@ -162,6 +207,8 @@ def _tiny_checkpoint(tmp_path: Path, per_expert: bool) -> Path:
 
     config = _text_config().to_dict()
     config["vocab_size"] = 263  # the byte-level tokenizer's
+    config["num_hidden_layers"] = layers
+    config["layer_types"] = config["layer_types"][:layers]
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
     model = build_model(ModelConfig.from_hf(config), "cpu", torch.float32)

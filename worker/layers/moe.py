@@ -181,16 +181,22 @@ class SparseMoE(nn.Module):
         quantized = isinstance(experts, QuantExperts)
         blocks = choose_blocks(x.shape[0], x.shape[1], experts.inner, quantized)
         aligned = None
-        if x.shape[0] * self.top_k <= ROUTE_ALIGN_MAX_PAIRS and logits.stride(1) == 1:
+        pairs = x.shape[0] * self.top_k
+        gemv = False
+        if quantized:
+            from worker.device.kernels.moe_quant import use_gemv
+
+            gemv = use_gemv(pairs)
+        if not gemv and pairs <= ROUTE_ALIGN_MAX_PAIRS and logits.stride(1) == 1:
             weights, ids, aligned = route_align_triton(logits, self.top_k, blocks.block_m)
-        else:
+        else:  # (the per-pair GEMVs need no alignment)
             weights, ids = self.route(logits, x.dtype)
         if isinstance(experts, QuantExperts):
             from worker.device.kernels.moe_quant import fused_moe_quant_triton
 
             return fused_moe_quant_triton(
                 x, experts.matrix("gate_up_proj"), experts.matrix("down_proj"), weights, ids,
-                blocks, shared, shared_gate, residual, aligned,
+                blocks, shared, shared_gate, residual, aligned, gemv,
             )  # fmt: skip
         return fused_moe_triton(
             x, experts.gate_up_proj, experts.down_proj, weights, ids, blocks, shared,

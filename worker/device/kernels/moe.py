@@ -426,18 +426,28 @@ def choose_blocks(tokens: int, hidden: int, inner: int, quantized: bool = False)
 @triton.jit
 def _combine_kernel(
     pairs_ptr, shared_ptr, gate_ptr, residual_ptr, out_ptr, stride_gate, stride_residual, HIDDEN,
-    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
+    route_ptr, PAIRS, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, ROUTED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out[t] = round(sum_j pairs[t, j]) (+ round(round(sigmoid(gate[t])) * shared[t])), each
-    sum rounded; then residual[t] + that, rounded, when given."""
+    sum rounded; then residual[t] + that, rounded, when given. ROUTED: pairs are fp32 partial
+    sums [SPLIT, PAIRS, HIDDEN] not yet routed; pair p is round(round(sum_s) * route[p])
+    (``_store_routed``'s rounding; worker.device.kernels.moe_quant_gemv)."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HIDDEN
     out_ty = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(pairs_ptr + (token * TOP_K + j) * HIDDEN + offs, mask=mask).to(tl.float32)
+        pair = token * TOP_K + j
+        if ROUTED:
+            part = tl.zeros([BLOCK], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                part += tl.load(pairs_ptr + (s * PAIRS + pair) * HIDDEN + offs, mask=mask)
+            route = tl.load(route_ptr + pair).to(tl.float32)
+            acc += (part.to(out_ty).to(tl.float32) * route).to(out_ty).to(tl.float32)
+        else:
+            acc += tl.load(pairs_ptr + pair * HIDDEN + offs, mask=mask).to(tl.float32)
     out = acc.to(out_ty).to(tl.float32)
     if HAS_SHARED:
         logit = tl.load(gate_ptr + token * stride_gate).to(tl.float32)
@@ -525,7 +535,7 @@ def combine_pairs(
             shared_gate if has_shared else out, residual if residual is not None else out,
             result, shared_gate.stride(0) if has_shared else 0,  # type: ignore[union-attr]
             residual.stride(0) if residual is not None else 0,
-            hidden, TOP_K=top_k, HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None,
-            BLOCK=256, num_warps=2,
+            hidden, out, 0, TOP_K=top_k, HAS_SHARED=has_shared,
+            HAS_RESIDUAL=residual is not None, SPLIT=1, ROUTED=False, BLOCK=256, num_warps=2,
         )  # fmt: skip
     return result

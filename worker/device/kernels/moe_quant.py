@@ -19,6 +19,8 @@ CUDA). This module imports Triton: import it only after
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,9 +35,16 @@ from worker.device.kernels.moe import (
     choose_blocks,
     combine_pairs,
 )
+from worker.device.kernels.moe_quant_gemv import GEMV_MAX_PAIRS, moe_quant_gemv
 from worker.device.kernels.quant_matmul import _extract
 from worker.layers.quant import INT4
 from worker.layers.quant_experts import ExpertMatrix, QuantExperts
+
+
+def use_gemv(pairs: int) -> bool:
+    """A step of ``pairs`` (token, expert) pairs takes the per-pair GEMVs (decode); the grouped
+    GEMMs otherwise, or always with TOKENPIPE_MOE_QUANT_GEMV=0 (for comparison)."""
+    return pairs <= GEMV_MAX_PAIRS and os.environ.get("TOKENPIPE_MOE_QUANT_GEMV", "1") != "0"
 
 
 def supports(experts: QuantExperts) -> bool:
@@ -193,11 +202,17 @@ def fused_moe_quant_triton(
     shared_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     aligned: AlignedPairs | None = None,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     """``fused_moe_triton`` over quantized experts: x [T, H]; gate_up [E, 2I, H] and down
     [E, H, I] as ``ExpertMatrix``; weights [T, k] in x's dtype; ids [T, k] int64; shared
     [T, H], shared_gate [T, 1], residual [T, H] -> [T, H] in x's dtype (``aligned`` as
-    there)."""
+    there). ``gemv``: the per-pair GEMVs of ``moe_quant_gemv`` instead of the grouped GEMMs
+    (None: for steps of at most GEMV_MAX_PAIRS pairs, ``use_gemv``)."""
+    if gemv is None:
+        gemv = use_gemv(ids.numel())
+    if gemv:
+        return moe_quant_gemv(x, gate_up, down, weights, ids, shared, shared_gate, residual)
     tokens, hidden = x.shape
     num_experts, two_inner, _ = gate_up.shape
     inner = two_inner // 2

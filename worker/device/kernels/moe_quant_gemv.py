@@ -1,0 +1,284 @@
+"""Decode-sized steps of the quantized MoE (a few tokens): one GEMV per (token, expert) pair on
+the CUDA cores, no pair alignment and no ``tl.dot``.
+
+    gate_up: part[s, pair, :2I] = x[pair // k] @ W_gate_up[e]^T over split s's groups
+    act[pair] = silu(sum_s gate) * sum_s up             (one small kernel)
+    down:    part[s, pair, :H]  = act[pair] @ W_down[e]^T over split s's groups
+    out[t] = sum_j route[t, j] * sum_s part[s, t*k + j]  (+ shared, + residual: the combine)
+
+The grouped GEMMs of ``worker.device.kernels.moe_quant`` run 16-row blocks through the tensor
+cores; a decode step's block holds one token, so each [BLOCK_K, BLOCK_N] weight tile was
+dequantized for one row's product (0.04-0.09 TB/s on the H200). Here a program owns one pair
+and BLOCK_N output columns of its expert and reads each word once: its WARPS warps take one
+quantization group each (the experts' words are K-major, ``worker.layers.quant_experts``: a
+group is GROUP / P word rows of one column), every lane a column. A code becomes an fp32
+operand in one AND (``_code``: the code at bits a.. read as a denormal, code * 2^(a - 149);
+the codes above bit 23 come from ``word >> 8``), multiplied by its x scaled by 2^90 (exact)
+into one accumulator per code position; at a group's end the positions' sums take their power
+of two back and the group's scale (and offset, or int8's 128) applies once. int8 words are
+XORed with 0x80808080 first, so their codes read as code + 128. K is split over programs
+(``split``) when the pairs and column blocks alone leave the SMs idle; the partial sums are
+added in a fixed order (deterministic) by the epilogue kernels.
+
+Each weight is ``code * scale (+ offset)`` in fp32, as ``worker.layers.quant.dequantize``;
+the gate / up / pair outputs are rounded to x's dtype where the float kernels round them.
+This module imports Triton: import it only after ``worker.device.kernels.triton_available()``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.device.kernels.moe import _combine_kernel
+from worker.layers.quant import INT4
+from worker.layers.quant_experts import ExpertMatrix
+
+GEMV_MAX_PAIRS = 32  # steps of up to this many (token, expert) pairs take this path
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """Output columns per program, warps per program (one group each at a time), and the
+    programs wanted per launch (K is split over programs to reach them)."""
+
+    block_n: int = 128
+    warps: int = 4
+    programs: int = 528  # 4 per SM of an H200
+
+
+def tiles() -> GemvTiles:
+    """The default tiles, or TOKENPIPE_MOE_GEMV_TILES (three comma-separated fields: the tile
+    sweep's choice, tools/bench_qwen3_5_moe_kernels.py)."""
+    override = os.environ.get("TOKENPIPE_MOE_GEMV_TILES")
+    return GemvTiles(*(int(v) for v in override.split(","))) if override else GemvTiles()
+
+
+def split_for(pairs: int, n: int, groups: int, t: GemvTiles) -> int:
+    """K splits (whole groups, at least one per warp each) that bring the launch to about
+    ``t.programs`` programs (pure)."""
+    programs = pairs * triton.cdiv(n, t.block_n)
+    return max(1, min(groups // t.warps, triton.cdiv(t.programs, programs)))
+
+
+@triton.jit
+def _code(word, high, p: tl.constexpr, INT4_KIND: tl.constexpr):
+    """Code p of each word as the fp32 code * 2^(a_p - 149) (a denormal, exact); ``high`` is
+    ``word >> 8`` (the codes above bit 23 taken from bits 16..23)."""
+    if INT4_KIND:
+        if p < 6:
+            bits = word & (15 << (4 * p))
+        else:
+            bits = high & (15 << (4 * p - 8))
+    else:
+        if p < 3:
+            bits = word & (255 << (8 * p))
+        else:
+            bits = high & (255 << 16)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unscale(p: tl.constexpr, INT4_KIND: tl.constexpr):
+    """2^(59 - a_p): ``_code`` times an x scaled by 2^90, times this, is code * x (a_p the
+    code's lowest bit: 4p / 8p, or 16 / 20 for int4's codes 6 and 7, 16 for int8's code 3)."""
+    if INT4_KIND:
+        if p == 0:
+            u = 5.764607523034235e17  # 2^59
+        elif p == 1:
+            u = 3.602879701896397e16  # 2^55
+        elif p == 2:
+            u = 2251799813685248.0  # 2^51
+        elif p == 3:
+            u = 140737488355328.0  # 2^47
+        elif p == 4 or p == 6:
+            u = 8796093022208.0  # 2^43
+        else:
+            u = 549755813888.0  # 2^39
+    else:
+        if p == 0:
+            u = 5.764607523034235e17  # 2^59
+        elif p == 1:
+            u = 2251799813685248.0  # 2^51
+        else:
+            u = 8796093022208.0  # 2^43
+    return u
+
+
+@triton.jit
+def _pair_gemv_kernel(
+    x_ptr, ids_ptr, w_ptr, s_ptr, o_ptr, part_ptr, PAIRS,
+    X_DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+    INT4_KIND: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
+):  # fmt: skip
+    """part[split, pair, n] = sum over this split's groups of x[pair // X_DIV, k] * W[e, n, k],
+    e = ids[pair]; words int32 [E, K / P, N], scales (offsets) fp16 [E, K / GROUP, N]."""
+    P: tl.constexpr = 8 if INT4_KIND else 4
+    R: tl.constexpr = GROUP // P  # word rows per group
+    GROUPS: tl.constexpr = K // GROUP
+    pair = tl.program_id(0)
+    split = tl.program_id(2)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // X_DIV).to(tl.int64) * K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w_base = w_ptr + expert * (K // P * N)
+    meta_base = expert * (GROUPS * N)
+    lanes = tl.arange(0, WARPS)
+    span = tl.cdiv(GROUPS, tl.num_programs(2))
+    first = split * span
+    last = tl.minimum(first + span, GROUPS)
+    acc = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+    for g0 in range(first, last, WARPS):
+        g = g0 + lanes  # [WARPS]: one group per warp
+        mask_g = g < last
+        mask = mask_g[:, None] & mask_n[None, :]
+        d0 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+        d1 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+        d2 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+        d3 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+        d4 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+        d5 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+        d6 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+        d7 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+        xs = tl.zeros([WARPS], dtype=tl.float32)
+        for r in tl.static_range(R):
+            rows = g * R + r  # [WARPS] word rows
+            word = tl.load(w_base + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+            if not INT4_KIND:
+                word = word ^ -2139062144  # 0x80808080: each signed byte + 128
+            high = word >> 8
+            xk = x_row + rows * P
+            x0 = tl.load(xk + 0, mask=mask_g, other=0.0).to(tl.float32)
+            x1 = tl.load(xk + 1, mask=mask_g, other=0.0).to(tl.float32)
+            x2 = tl.load(xk + 2, mask=mask_g, other=0.0).to(tl.float32)
+            x3 = tl.load(xk + 3, mask=mask_g, other=0.0).to(tl.float32)
+            d0 += _code(word, high, 0, INT4_KIND) * (x0 * 1.2379400392853803e27)[:, None]
+            d1 += _code(word, high, 1, INT4_KIND) * (x1 * 1.2379400392853803e27)[:, None]
+            d2 += _code(word, high, 2, INT4_KIND) * (x2 * 1.2379400392853803e27)[:, None]
+            d3 += _code(word, high, 3, INT4_KIND) * (x3 * 1.2379400392853803e27)[:, None]
+            xs += x0 + x1 + x2 + x3
+            if INT4_KIND:
+                x4 = tl.load(xk + 4, mask=mask_g, other=0.0).to(tl.float32)
+                x5 = tl.load(xk + 5, mask=mask_g, other=0.0).to(tl.float32)
+                x6 = tl.load(xk + 6, mask=mask_g, other=0.0).to(tl.float32)
+                x7 = tl.load(xk + 7, mask=mask_g, other=0.0).to(tl.float32)
+                d4 += _code(word, high, 4, INT4_KIND) * (x4 * 1.2379400392853803e27)[:, None]
+                d5 += _code(word, high, 5, INT4_KIND) * (x5 * 1.2379400392853803e27)[:, None]
+                d6 += _code(word, high, 6, INT4_KIND) * (x6 * 1.2379400392853803e27)[:, None]
+                d7 += _code(word, high, 7, INT4_KIND) * (x7 * 1.2379400392853803e27)[:, None]
+                xs += x4 + x5 + x6 + x7
+        dot = d0 * _unscale(0, INT4_KIND) + d1 * _unscale(1, INT4_KIND)
+        dot += d2 * _unscale(2, INT4_KIND) + d3 * _unscale(3, INT4_KIND)
+        if INT4_KIND:
+            dot += d4 * _unscale(4, INT4_KIND) + d5 * _unscale(5, INT4_KIND)
+            dot += d6 * _unscale(6, INT4_KIND) + d7 * _unscale(7, INT4_KIND)
+        meta = meta_base + g[:, None] * N + offs_n[None, :]
+        scale = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        if INT4_KIND:
+            offset = tl.load(o_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+            acc += dot * scale + offset * xs[:, None]
+        else:
+            acc += (dot - 128.0 * xs[:, None]) * scale
+    dst = part_ptr + (split * PAIRS + pair).to(tl.int64) * N + offs_n
+    tl.store(dst, tl.sum(acc, axis=0), mask=mask_n)
+
+
+@triton.jit
+def _gated_sum_kernel(
+    part_ptr, act_ptr, PAIRS, INNER: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr
+):
+    """act[pair] = silu(gate) * up over the summed splits of part [SPLIT, PAIRS, 2 * INNER],
+    rounded as ``moe._store_gated`` rounds."""
+    pair = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < INNER
+    gate = tl.zeros([BLOCK], dtype=tl.float32)
+    up = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        row = part_ptr + (s * PAIRS + pair) * (2 * INNER)
+        gate += tl.load(row + offs, mask=mask, other=0.0)
+        up += tl.load(row + INNER + offs, mask=mask, other=0.0)
+    out_ty = act_ptr.dtype.element_ty
+    gate = gate.to(out_ty).to(tl.float32)
+    up = up.to(out_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    tl.store(act_ptr + pair * INNER + offs, (act * up).to(out_ty), mask=mask)
+
+
+def _offsets(matrix: ExpertMatrix) -> torch.Tensor:
+    return matrix.offsets if matrix.offsets is not None else matrix.scales  # int8: never read
+
+
+def pair_gemv(
+    x: torch.Tensor, matrix: ExpertMatrix, ids: torch.Tensor, rows_per_x: int, t: GemvTiles
+) -> torch.Tensor:
+    """x [R, K], ids [pairs] (the expert of each pair; pair p reads x[p // rows_per_x]) ->
+    fp32 partial sums [split, pairs, N] (``split_for``)."""
+    num_experts, n, k = matrix.shape
+    pairs = ids.numel()
+    split = split_for(pairs, n, k // matrix.group_size, t)
+    part = torch.empty((split, pairs, n), dtype=torch.float32, device=x.device)
+    if pairs:
+        _pair_gemv_kernel[(pairs, triton.cdiv(n, t.block_n), split)](
+            x, ids, matrix.words, matrix.scales, _offsets(matrix), part, pairs,
+            X_DIV=rows_per_x, N=n, K=k, GROUP=matrix.group_size, INT4_KIND=matrix.kind == INT4,
+            BLOCK_N=t.block_n, WARPS=t.warps, num_warps=t.warps,
+        )  # fmt: skip
+    return part
+
+
+def supports_gemv(gate_up: ExpertMatrix, down: ExpertMatrix) -> bool:
+    """Groups of whole words (a multiple of P codes), a power of two from 8."""
+    return all(m.group_size >= 8 and m.group_size & (m.group_size - 1) == 0
+               for m in (gate_up, down))  # fmt: skip
+
+
+def moe_quant_gemv(
+    x: torch.Tensor,
+    gate_up: ExpertMatrix,
+    down: ExpertMatrix,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    t: GemvTiles | None = None,
+) -> torch.Tensor:
+    """``moe_quant.fused_moe_quant_triton`` for a few tokens (module docstring): x [T, H];
+    weights [T, k] in x's dtype; ids [T, k] int64 -> [T, H] in x's dtype."""
+    t = t or tiles()
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    inner = gate_up.shape[1] // 2
+    pairs = tokens * top_k
+    x = x.contiguous()
+    flat_ids = ids.reshape(-1).contiguous()
+    part = pair_gemv(x, gate_up, flat_ids, top_k, t)
+    act = torch.empty(pairs, inner, dtype=x.dtype, device=x.device)
+    if pairs:
+        block = 256
+        _gated_sum_kernel[(pairs, triton.cdiv(inner, block))](
+            part, act, pairs, INNER=inner, SPLIT=part.shape[0], BLOCK=block, num_warps=2
+        )
+    out = pair_gemv(act, down, flat_ids, 1, t)
+    route = weights.reshape(-1).contiguous()
+    result = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    has_shared = shared is not None and shared_gate is not None
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    if tokens:
+        _combine_kernel[(tokens, triton.cdiv(hidden, 256))](
+            out, shared.contiguous() if has_shared else out,  # type: ignore[union-attr]
+            shared_gate if has_shared else out, residual if residual is not None else out,
+            result, shared_gate.stride(0) if has_shared else 0,  # type: ignore[union-attr]
+            residual.stride(0) if residual is not None else 0,
+            hidden, route, pairs, TOP_K=top_k, HAS_SHARED=has_shared,
+            HAS_RESIDUAL=residual is not None, SPLIT=out.shape[0], ROUTED=True,
+            BLOCK=256, num_warps=2,
+        )  # fmt: skip
+    return result
