@@ -53,6 +53,7 @@ INVALID_GENERATE = [
     (gen(prompt_segments=[{"ids": [0, -5]}]), "prompt_segments[0].ids[1]: must be in [0, "),
     (gen(prompt_segments=[{"ids": [2**31]}]), "prompt_segments[0].ids[0]: must be in [0, "),
     (gen(prompt_segments=[{"ids": [True]}]), "prompt_segments[0].ids[0]: expected int, got bool"),
+    (gen(prompt_segments=[{"ids": [7] * 5000 + [2.5]}]), "prompt_segments[0].ids[5000]: expect"),
     (gen(prompt_segments=[{"text": 3}]), "prompt_segments[0].text: expected str, got int"),
     (gen(prompt_segments=[{"ids": "1"}]), "prompt_segments[0].ids: expected array, got str"),
     (gen(prompt_segments=[{"text": "a", "ids": [1]}]), "prompt_segments[0]: expected {"),
