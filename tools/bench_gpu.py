@@ -391,14 +391,16 @@ def prefill_rate(worker: WorkerProcess, n: int, vocab: int, timeout: float) -> d
 def ttft(worker: WorkerProcess, resident: int, extra: int, vocab: int, timeout: float,
          repeat: int = 3) -> dict[str, float]:  # fmt: skip
     """Time to the first new token for `extra` new prompt tokens on a resident session
-    (warm) and a prompt of the same length on a fresh session (cold: ids no session or prefix
+    (warm), for the last `extra` tokens of a resident session replaced by `extra` new ones
+    (rollback: an agent regenerating its last turn; a hybrid model restores a state snapshot),
+    and for a prompt of the same length on a fresh session (cold: ids no session or prefix
     block has seen, so the shared-prefix cache cannot serve any of it), the median of `repeat`
     runs each; max_new_tokens 1, so the `done` line ends the first token."""
     out: dict[str, float] = {}
-    for name in ("warm", "cold"):
+    for name in ("warm", "rollback", "cold"):
         runs: list[dict[str, float]] = []
         for i in range(repeat):
-            seed = 7 if name == "warm" else 1000 + i
+            seed = 1000 + i if name == "cold" else 7
             base = random_ids(resident, vocab, seed)
             more = random_ids(extra, vocab, seed + 1)
             sid = f"ttft-{name}-{i}"
@@ -412,6 +414,13 @@ def ttft(worker: WorkerProcess, resident: int, extra: int, vocab: int, timeout: 
                                 timeout)  # fmt: skip
                 worker.generate([{"session_id": sid, "prompt_segments": [{"ids": base}],
                                   "max_new_tokens": 0}], timeout)  # fmt: skip
+            if name == "rollback":  # turns base, base + 64, then an untimed rollback like it
+                worker.generate([{"session_id": sid, "prompt_segments": [{"ids": base}],
+                                  "max_new_tokens": 0}], timeout)  # fmt: skip
+                for other in (9, 10):
+                    worker.generate([{"session_id": sid, "max_new_tokens": 0, "prompt_segments":
+                                      [{"ids": base + random_ids(extra, vocab, other)}]}],
+                                    timeout)  # fmt: skip
             req = {"session_id": sid, "prompt_segments": [{"ids": base + more}],
                    "max_new_tokens": 1}  # fmt: skip
             t0, lines = worker.generate([req], timeout)
@@ -721,6 +730,12 @@ def main(argv: list[str] | None = None) -> int:
             f"prefilled {t['warm_prefilled']:.0f} tokens; warm/cold = {fmt(ratio, 3)}; "
             f"median of {len(t['warm_runs_s'])}: {t['warm_runs_s']} s",
         )
+        if t.get("rollback_s"):
+            res.add(f"TTFT rollback of {args.extra} + {args.extra} new, {args.resident}",
+                    t["rollback_s"] * 1000, None, None, "ms",
+                    f"prefilled {t['rollback_prefilled']:.0f} tokens; rollback/cold = "
+                    f"{fmt(t['rollback_s'] / t['cold_s'] if t.get('cold_s') else None, 3)}; "
+                    f"median of {len(t['rollback_runs_s'])}: {t['rollback_runs_s']} s")  # fmt: skip
         res.add(f"TTFT cold, {args.resident}+{args.extra}", t["cold_s"] * 1000, None, None, "ms",
                 f"prefilled {t['cold_prefilled']:.0f} tokens")  # fmt: skip
     pt = results.get("prefix_ttft", {})
