@@ -12,7 +12,7 @@
     python tools/bench_qwen3_5_moe_kernels.py [--out DIR] [--only moe_1,sweep_int4_1,...]
 
 - ``sweep_{bf16,int4}_{1,32}``: the routed experts' time per tile choice (``SWEEP``);
-  ``gemv_{int4,int8}_{1,4}``: quantized experts' per-pair GEMVs per tile (``GEMV_SWEEP``);
+  ``gemv_{int4,int8}_{1,4,32}``: quantized experts' per-pair GEMVs per tile (``GEMV_SWEEP``);
   ``sweep_deltanet_{1,32}``: the DeltaNet decode step's per value-dims tile and warps.
 
 Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
@@ -405,6 +405,7 @@ def main() -> int:
         ("sweep_int4_32", lambda: moe_sweep(32, "int4")),
         ("gemv_int4_1", lambda: gemv_sweep(1, "int4")),
         ("gemv_int4_4", lambda: gemv_sweep(4, "int4")),
+        ("gemv_int4_32", lambda: gemv_sweep(32, "int4")),
         ("gemv_int8_1", lambda: gemv_sweep(1, "int8")),
         ("sweep_deltanet_1", lambda: deltanet_sweep(1)),
         ("sweep_deltanet_32", lambda: deltanet_sweep(32)),
