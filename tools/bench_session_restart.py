@@ -121,7 +121,11 @@ def restart(args: Any, flags: list[str], history: dict[str, list[int]], length: 
     second = Run(flags, args.quiet)
     restored = second.ready.get("restored_sessions") or []
     log(f"restored: {restored}")
-    picks = [f"s{i}" for i in range(args.resumes, args.sessions)] or ["s0"]
+    resumed = [f"s{i}" for i in range(args.resume_first, args.resume_first + args.resumes)]
+    others = [f"s{i}" for i in range(args.sessions) if f"s{i}" not in resumed]
+    # the sessions used last first (an agent comes back to those; the restart reads them
+    # back first), then the oldest one (its file read when its turn comes, if not before)
+    picks = (resumed[::-1] + others[:1]) or ["s0"]
     time.sleep(args.pause)
     restart_ms, restart_done = float("nan"), {}
     for pick in picks:  # in turn: the prefetch of the later ones goes on meanwhile
@@ -150,6 +154,25 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sessions", type=int, default=1, help="named sessions to create")
     parser.add_argument("--resumes", type=int, default=1, help="host-tier resumes to time")
+    parser.add_argument(
+        "--resume-first",
+        type=int,
+        default=0,
+        help="the first session resumed (s<N>; the oldest go to disk first)",
+    )
+    parser.add_argument(
+        "--disk-resumes",
+        type=int,
+        default=0,
+        help="also time resuming s0.. (before the host resumes; on disk when "
+        "the host cache holds fewer than the sessions created)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds idle before the timed resumes (the idle saves finish)",
+    )
     parser.add_argument("--max-resident", type=int, default=None)
     parser.add_argument("--host-cache-gb", type=float, default=None)
     parser.add_argument(
@@ -161,12 +184,13 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true", help="drop the workers' logs")
     parser.add_argument("--worker-arg", action="append", default=[], help="extra run flag")
     args = parser.parse_args()
-    if args.resumes > args.sessions:
-        parser.error("--resumes must be <= --sessions")
+    if args.resume_first + args.resumes > args.sessions:
+        parser.error("--resume-first + --resumes must be <= --sessions")
 
     with tempfile.TemporaryDirectory() as directory:
         vocab = 200_000
-        flags = ["--max-context", str(args.tokens + args.extra + 16),
+        # a session takes up to three turns of --extra new ids (disk or host resume, restart)
+        flags = ["--max-context", str(args.tokens + 3 * (args.extra + 2) + 16),
                  "--max-sessions", str(args.sessions + args.cold + 3)]  # fmt: skip
         if not args.no_restart:
             flags += ["--session-dir", str(Path(directory) / "sessions")]
@@ -216,8 +240,20 @@ def main() -> None:
             history[name] = ids(i + 1, args.tokens, vocab) + checked(done)["generated_token_ids"]
             log(f"created {name}: {ms:.1f} ms ({summary(done)})")
         log(f"after creating: {tier_stats(first)}")
+        time.sleep(args.settle)
+        log(f"after settling: {tier_stats(first)}")
+        for i in range(args.disk_resumes):
+            name = f"s{i}"
+            time.sleep(args.pause)
+            prompt = history[name] + ids(800 + i, args.extra + 1, vocab)[1:]
+            done, ms = first.ask(turn(name, prompt, 1, f"disk-resume-{i}"))
+            history[name] = prompt + checked(done)["generated_token_ids"]
+            log(f"resume {name} (disk?): {ms:.1f} ms ({summary(done)})")
+        if args.disk_resumes:
+            log(f"after the disk resumes: {tier_stats(first)}")
+            time.sleep(args.settle)
         resumed = []
-        for i in range(args.resumes):
+        for i in range(args.resume_first, args.resume_first + args.resumes):
             name = f"s{i}"
             time.sleep(args.pause)
             prompt = history[name] + ids(900 + i, args.extra + 1, vocab)[1:]

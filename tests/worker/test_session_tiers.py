@@ -164,6 +164,13 @@ def test_no_bleed_64_sessions_8_slots(loaded: Any, tmp_path: Path) -> None:
     assert stats["offloads"] >= TURNS // 8 and stats["reloads"] >= (TURNS - 64) // 4, stats
     assert stats["disk_writes"] > 0 and stats["disk_write_errors"] == 0, stats
     assert stats["dropped_caches"] == 0, stats
+    # the host copies used the pool's buffers, and every buffer in use is a host copy's
+    pool, tiers = engine.host_pool, engine.tiers
+    assert pool is not None and tiers is not None and tiers.store is not None
+    tiers.store.flush()
+    held = [e.state.buffer for e in tiers.host.entries.values() if e.state.buffer is not None]
+    assert len(pool.buffers) >= 2 and held, stats
+    assert sum(b.holders for b in pool.buffers) == len(held), stats
     # the sessions really kept their caches: most turns reused tokens
     alone = replay_alone(make_engine(loaded, max_sessions=2), log)
     for sid, turns in log.items():

@@ -18,7 +18,7 @@ import functools
 import itertools
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ from protocol import (
     TokenizeRequest,
     TokensEvent,
 )
+from worker.engine.host_pool import HostBuffer, HostPool, lay_out
 from worker.engine.prefix_cache import DEFAULT_BLOCK, PrefixCache, block_keys
 from worker.engine.prompt import PromptError, build_prompt, chat_template_for
 from worker.engine.resume import NEW, TRUNCATED, ResumePlan, plan_resume
@@ -69,6 +70,7 @@ from worker.engine.session_store import SessionStore, model_fingerprint
 from worker.engine.structured import StructuredRows
 from worker.engine.text import TextStream
 from worker.engine.tiers import SessionTiers
+from worker.layers.slot_state import SlotState
 from worker.models.step import StepInput
 
 SMALL_STEP_TOKENS = 64  # CPU steps of at most this many tokens run torch ops on one thread
@@ -174,12 +176,15 @@ class Engine:
             prepare()  # decode-friendly weight layout (worker.device.cpu_gemv); else a no-op
         self.log = log or _stderr_log
         early_lines: list[str] = []  # its log, kept for when the engine keeps the store
+        self.pool = SessionPool(config.max_sessions, config.resident)
+        self.host_pool: HostPool | None = None  # the tiers' pinned buffers, made once
         early_store = self._early_store(config, early_lines.append)
         self.kv = self.model.make_kv_cache(config.resident, config.max_context)
-        self.pool = SessionPool(config.max_sessions, config.resident)
         self.tiers: SessionTiers | None = None
         if hasattr(self.kv, "export_slot"):
             store = None
+            if self.host_pool is None:
+                self.host_pool = self._make_host_pool(self.kv)
             if config.session_dir is not None:
                 fingerprint = model_fingerprint(self.model, self.tokenizer, self.kv.geometry())
                 if early_store is not None and early_store.fingerprint == fingerprint:
@@ -189,9 +194,10 @@ class Engine:
                 else:
                     if early_store is not None:
                         early_store.close()
-                    pinned = self.device.type == "cuda"
-                    store = SessionStore(config.session_dir, fingerprint, self.log, pinned)
-            self.tiers = SessionTiers(config.host_cache_bytes, store)
+                    store = SessionStore(
+                        config.session_dir, fingerprint, self.log, self._prefetch_buffer
+                    )
+            self.tiers = SessionTiers(config.host_cache_bytes, store, self.host_pool)
         elif config.session_dir is not None:
             raise ValueError("--session-dir: this model's cache cannot be saved")
         self.prefix_cache: PrefixCache | None = None
@@ -355,10 +361,10 @@ class Engine:
         candidates = self._evictable(keep)
         if not candidates:
             return False
-        self._offload(candidates[0])
+        self._offload(candidates[0], keep)
         return True
 
-    def _offload(self, session: Session) -> None:
+    def _offload(self, session: Session, keep: Collection[str | None] = ()) -> None:
         assert session.slot is not None and session.name is not None
         if self.tiers is None or not session.resident_ids or session.dirty:
             session.clear()
@@ -367,16 +373,66 @@ class Engine:
         self._settle_slots()
         store = self.tiers.store
         # the copy an idle save made of this very version, if the writer still holds it: no
-        # second device-to-host copy, and no fresh pinned memory (~0.55 s a GB) in a request
+        # second device-to-host copy
         state = store.pending_state(session.name, session.version) if store else None
         if state is None:
-            state = self.kv.export_slot(session.slot, len(session.resident_ids))
+            state = self._export(session, evict=True, keep=keep)
         self.pool.detach(session)
         lost = self.tiers.offload(session.name, state, session.resident_ids, session.version)
         for name in lost:  # no room anywhere: those sessions will re-prefill
             dropped = self.pool.get(name)
             if dropped is not None and dropped.slot is None:
                 dropped.clear()
+
+    def _export(
+        self,
+        session: Session,
+        evict: bool,
+        keep: set[str | None] = frozenset(),  # type: ignore[assignment]
+    ) -> SlotState:
+        """The session's slot copied to the host: into a pool buffer when one is free (with
+        ``evict``, after pushing a host copy not in ``keep`` out if the pool is exhausted),
+        else pageable."""
+        assert session.slot is not None and self.tiers is not None
+        buffer = self.tiers.buffer(0, evict, keep)
+        state = self.kv.export_slot(session.slot, len(session.resident_ids), buffer)
+        if buffer is not None and state.buffer is not buffer:  # did not fit or not used
+            buffer.release()
+        return state
+
+    def _prefetch_buffer(self, nbytes: int) -> HostBuffer | None:
+        """A pool buffer for a session read from disk (any thread), or None."""
+        pool = self.host_pool
+        return pool.take(nbytes) if pool is not None else None
+
+    def _make_host_pool(self, kv: Any) -> HostPool | None:
+        """The tiers' buffers (``--host-cache-gb`` worth, each a whole slot's state), pinned
+        here on CUDA, once; None without tiers or a session directory, or for a cache that
+        cannot lay a slot out."""
+        config = self.config
+        if not (self.pool.tiered or config.session_dir is not None):
+            return None
+        views = getattr(kv, "slot_views", None)
+        if views is None or config.host_cache_bytes <= 0:
+            return None
+        _, buffer_bytes = lay_out(views(0, 1 << 62))
+        pinned = self.device.type == "cuda"
+        count = config.host_cache_bytes // buffer_bytes if buffer_bytes else 0
+        if pinned and count:
+            self.log(
+                f"host cache: pinning {count} buffers of {buffer_bytes / 1e9:.2f} GB "
+                f"({count * buffer_bytes / 1e9:.1f} GB, --host-cache-gb)"
+            )
+        pool = HostPool(buffer_bytes, count, pinned, progress=self.log)
+        if pinned and count:
+            rate = pool.total_bytes / max(pool.pin_seconds, 1e-9) / 1e9
+            self.log(f"host cache: pinned in {pool.pin_seconds:.1f} s ({rate:.1f} GB/s)")
+        elif count == 0:
+            self.log(
+                f"host cache: --host-cache-gb holds no whole session state ({buffer_bytes} "
+                "bytes each): host copies go to pageable memory"
+            )
+        return pool
 
     def _bring_in(self, session: Session) -> None:
         """A named session without a slot gets one (free: admission made sure) and its
@@ -400,12 +456,22 @@ class Engine:
             self.log(
                 f"session {session.name!r}: its saved cache does not fit ({exc}); rebuilding it"
             )
+            state.release(self._copied_event())
             if clear_slot is not None:
                 clear_slot(slot)
             session.clear()
             return
+        state.release(self._copied_event())  # its buffer is free once the copy has run
         session.resident_ids = list(resident_ids)
         session.dirty = False
+
+    def _copied_event(self) -> torch.cuda.Event | None:
+        """An event after the copies launched so far (CUDA), or None."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _settle_slots(self) -> None:
         """Before a slot's cache is copied out or replaced between steps: no decode step
@@ -428,11 +494,14 @@ class Engine:
             fingerprint = model_fingerprint(self.model, self.tokenizer, meta.geometry())
         except (AttributeError, TypeError, RuntimeError):
             return None
-        pinned = self.device.type == "cuda"
-        store = SessionStore(config.session_dir, fingerprint, log, pin_memory=pinned)
-        store.scan()  # its files' headers checked now; their payloads are read after the
-        # graphs are captured (_restore_sessions): pinning host memory from another thread
-        # during a capture would be an unsafe CUDA call
+        # the tiers' buffers, pinned now (before the graphs are captured), so that the saved
+        # sessions' payloads can be read into them while the graphs are captured: the reads
+        # make no CUDA call (pinning from another thread during a capture would be unsafe)
+        self.host_pool = self._make_host_pool(meta)
+        store = SessionStore(config.session_dir, fingerprint, log, self._prefetch_buffer)
+        found = [name for name, _ids, _mtime in store.scan()][: self.pool.max_named]
+        if found and self.host_pool is not None and self.host_pool.buffers:
+            store.prefetch(found, self.host_pool.total_bytes)
         return store
 
     def _restore_sessions(self) -> list[str]:
@@ -455,7 +524,8 @@ class Engine:
             restored.append(name)
         if restored:
             self.log(f"restored {len(restored)} session(s) from {store.directory}")
-            # their caches are read back into memory in the background, newest first
+            # their caches are read back into memory in the background, newest first (on
+            # CUDA this began before the graphs were captured: _early_store)
             store.prefetch(restored, self.config.host_cache_bytes)
         return restored
 
@@ -473,12 +543,13 @@ class Engine:
             if store.has_version(session.name, session.version):
                 continue
             if session.slot is not None:
-                state = self.kv.export_slot(session.slot, len(session.resident_ids))
+                state = self._export(session, evict=False)
             else:
                 entry = self.tiers.host.entries.get(session.name) if self.tiers else None
                 if entry is None or entry.version != session.version:
                     continue
                 state = entry.state
+                state.retain()  # held by the host tier and the writer
             store.write(session.name, state, session.resident_ids, session.version)
             return True
         return False
@@ -877,6 +948,7 @@ class Engine:
             "bytes_per_session": int(getattr(self.kv, "bytes_per_slot", 0)),
             "max_resident": self.pool.max_resident,
             "host_cache_bytes": self.config.host_cache_bytes,
+            "host_pool": self.host_pool.stats() if self.host_pool is not None else None,
             "session_dir": self.config.session_dir,
             "prefix_cache_bytes": self.config.prefix_cache_bytes if self.prefix_cache else 0,
             "prefix_block": self.config.prefix_block,

@@ -13,11 +13,15 @@ prompt prefilled).
 
 Reads are parallel: the tensors are read and checked by a pool of threads (file reads and
 crc32 both leave the GIL). ``prefetch`` reads the sessions found at start, newest first and
-within a byte budget, on a thread of its own, into pinned memory on CUDA (the copy to the
-device is then a DMA at 54 GB/s: 28 ms for a 1.5 GB session of Gemma 4 31B at 8k tokens), so
-a restored session's first turn finds its cache in memory. A read that a turn waits for goes
-to pageable memory: pinning costs ~0.55 s a GB on an H200 host, more than the slower copy
-(6.8 GB/s) it would save.
+within a byte budget, on a thread of its own, into the tiers' pinned buffers (``buffers``:
+worker/engine/host_pool.py; the copy to the device is then a DMA at 54 GB/s: 28 ms for a
+1.5 GB session of Gemma 4 31B at 8k tokens), so a restored session's first turn finds its cache
+in memory. The prefetch makes no CUDA call (the buffers were pinned before), so it may run
+while the CUDA graphs are captured. A read without a free buffer goes to pageable memory; no
+read pins memory (~0.55 s a GB on an H200 host, stalling the GPU).
+
+A state given to ``write`` is the writer's to ``release`` once written (or superseded, or
+failed); a state ``read`` returns is the caller's.
 
 Writes go through one writer thread, in the order they were asked for (a ``close`` after a
 write deletes the file the write made). Each write goes to ``<file>.tmp``, is fsynced and then
@@ -103,12 +107,13 @@ class SessionStore:
         directory: str | Path,
         fingerprint: str,
         log: Callable[[str], None],
-        pin_memory: bool = False,
+        buffers: Callable[[int], Any] | None = None,
     ):
         self.directory = Path(directory)
         self.fingerprint = fingerprint
         self.log = log
-        self.pin_memory = pin_memory  # read into page-locked memory (CUDA)
+        # a held HostBuffer of at least n bytes for a prefetch, or None (pageable)
+        self.buffers = buffers
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -124,6 +129,7 @@ class SessionStore:
         self.prefetched = 0
         self.last_read: tuple[int, float] = (0, 0.0)  # bytes, seconds of the last file read
         self._prefetched: dict[str, Future[StoredSession | None]] = {}
+        self._read: set[str] = set()  # read since start: no prefetch of it any more
         self._readers: ThreadPoolExecutor | None = None
         self._closing = False
         self._prefetching = False
@@ -199,24 +205,49 @@ class SessionStore:
     # -- writes (asynchronous) -----------------------------------------------------------------
 
     def write(self, name: str, state: SlotState, resident_ids: list[int], version: int) -> None:
+        """Save ``state`` (the caller's hold on it passes to the writer)."""
         if not self.writable:
+            state.release()
             return
         item = _Write(name, state, list(resident_ids), version)
         with self._lock:
-            self._prefetched.pop(name, None)
+            self._drop_prefetched(name)
             self._pending[name] = item
             self._versions[name] = version
         self._queue.put(item)
 
     def pending_state(self, name: str, version: int) -> SlotState | None:
-        """The host copy of ``name`` at ``version`` that a write not yet done holds, or None."""
+        """The host copy of ``name`` at ``version`` that a write not yet done holds (held once
+        more for the caller), or None."""
         with self._lock:
             item = self._pending.get(name)
-            return item.state if item is not None and item.version == version else None
+            if item is None or item.version != version:
+                return None
+            item.state.retain()
+            return item.state
+
+    def _drop_prefetched(self, name: str) -> None:
+        """A prefetched copy no longer wanted (lock held); one still being read is released
+        by the prefetcher when it finds its future gone."""
+        future = self._prefetched.pop(name, None)
+        if future is not None and future.done():
+            stored = future.result()
+            if stored is not None:
+                stored.state.release()
+
+    def drop_a_prefetch(self) -> bool:
+        """Let go of the prefetched copy read last (its file stays); False if none is done."""
+        with self._lock:
+            for name in reversed(list(self._prefetched)):
+                future = self._prefetched[name]
+                if future.done() and future.result() is not None:
+                    self._drop_prefetched(name)
+                    return True
+        return False
 
     def delete(self, name: str) -> None:
         with self._lock:
-            self._prefetched.pop(name, None)
+            self._drop_prefetched(name)
             self._pending.pop(name, None)
             self._versions.pop(name, None)
             self._on_disk.discard(name)
@@ -231,6 +262,9 @@ class SessionStore:
         self.flush()
         self._queue.put(_STOP)
         self._thread.join(timeout=60)
+        with self._lock:
+            for name in list(self._prefetched):
+                self._drop_prefetched(name)
         if self._readers is not None:
             self._readers.shutdown(wait=True)
 
@@ -245,6 +279,7 @@ class SessionStore:
                     continue
                 with self._lock:
                     if self._pending.get(item.name) is not item:
+                        item.state.release()
                         continue  # superseded by a newer write or a delete
                 try:
                     self.bytes_written += self._write_file(item)
@@ -264,6 +299,7 @@ class SessionStore:
                     with self._lock:
                         if self._pending.get(item.name) is item:
                             del self._pending[item.name]
+                    item.state.release()
             finally:
                 self._queue.task_done()
 
@@ -351,10 +387,11 @@ class SessionStore:
 
     def read(self, name: str) -> StoredSession | None:
         """The session's newest copy (a pending write's state, a prefetched copy, else its
-        file), or None."""
+        file), or None. The caller holds the state it returns (``release``)."""
         with self._lock:
             pending = self._pending.get(name)
             if pending is not None:
+                pending.state.retain()
                 return StoredSession(name, list(pending.resident_ids), pending.state)
             if name not in self._on_disk:
                 return None
@@ -362,8 +399,9 @@ class SessionStore:
             mine = future is None
             if future is None:  # read it here (a prefetch of it now would skip it)
                 future = self._prefetched[name] = Future()
-        if mine:  # pageable: pinning 1.5 GB costs more than the copy it speeds up
-            future.set_result(self._load(name, pinned=False))
+            self._read.add(name)
+        if mine:  # a pool buffer if one is free, else pageable (never pinned here)
+            future.set_result(self._load(name))
         stored = future.result()  # None: the file failed its checks (logged once)
         with self._lock:
             if self._prefetched.get(name) is future:
@@ -392,33 +430,49 @@ class SessionStore:
                 return
             future: Future[StoredSession | None] = Future()
             with self._lock:
-                if name in self._pending or name not in self._on_disk or name in self._prefetched:
-                    continue
+                if (
+                    name in self._pending
+                    or name not in self._on_disk
+                    or name in self._prefetched
+                    or name in self._read
+                ):
+                    continue  # newer in memory, gone, being read or read already
                 self._prefetched[name] = future
             budget_bytes -= size
             try:
-                future.set_result(self._load(name, pinned=self.pin_memory))
-                self.prefetched += 1
+                stored = self._load(name)
             except BaseException as exc:  # noqa: BLE001 - a reader waiting must not hang
-                future.set_result(None)
+                stored = None
                 self.log(f"prefetching session {name!r} failed: {exc!r}")
+            with self._lock:
+                wanted = self._prefetched.get(name) is future
+                if stored is not None and not wanted:  # a write or delete came meanwhile
+                    stored.state.release()
+                    stored = None
+                future.set_result(stored)
+            self.prefetched += stored is not None
 
-    def _load(self, name: str, pinned: bool) -> StoredSession | None:
-        """Read and check the session's file, tensors in parallel, into page-locked memory
-        with ``pinned``; None (logged) if bad."""
+    def _load(self, name: str) -> StoredSession | None:
+        """Read and check the session's file, tensors in parallel, into a pool buffer when one
+        is free; None (logged) if bad."""
         started = time.perf_counter()
-        stored = self._load_file(name, pinned)
+        stored = self._load_file(name)
         if stored is not None:
             self.last_read = (stored.state.nbytes, time.perf_counter() - started)
         return stored
 
-    def _load_file(self, name: str, pinned: bool) -> StoredSession | None:
+    def _load_file(self, name: str) -> StoredSession | None:
         path = self.path_for(name)
+        buffer: Any = None
         try:
             with path.open("rb") as f:
                 header, start = self._read_header(f, path)
                 size = int(header["payload_bytes"])
-                payload = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+                buffer = self.buffers(size) if self.buffers is not None else None
+                if buffer is not None:
+                    payload = buffer.data[:size]
+                else:
+                    payload = torch.empty(size, dtype=torch.uint8)
                 specs = header["tensors"]
                 for spec in specs:
                     if spec["offset"] < 0 or spec["offset"] + spec["nbytes"] > size:
@@ -446,9 +500,11 @@ class SessionStore:
                 if spec["offset"] % dtype.itemsize:  # a view needs an aligned start
                     raw = raw.clone()
                 tensors[spec["name"]] = raw.view(dtype).reshape(spec["shape"])
-            state = SlotState(int(header["tokens"]), tensors, dict(header["meta"]))
+            state = SlotState(int(header["tokens"]), tensors, dict(header["meta"]), buffer)
             return StoredSession(name, [int(i) for i in header["resident_ids"]], state)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            if buffer is not None:
+                buffer.release()
             self.read_errors += 1
             self.log(f"ignoring session file {path} ({name!r}): {exc}; rebuilding it")
             with self._lock:

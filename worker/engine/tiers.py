@@ -10,13 +10,20 @@ memory, and host memory overflows to disk by writing its newest copy.
 Every copy carries the resident ids it describes (``version``: the session's change counter),
 so a session never resumes from a copy of other tokens. No copy anywhere: the session's
 resident ids are cleared and its next turn prefills from scratch (slow, never wrong).
+
+Host copies live in the buffers of ``pool`` (``HostPool``, pinned once at start; a copy that
+finds none free goes to pageable memory). Each holder of a state releases it once: the host
+tier for the entries it drops, the disk writer for the writes it was given, and whoever
+``take``s a state after its copy to the device.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
+from worker.engine.host_pool import HostBuffer, HostPool
 from worker.engine.session_store import SessionStore, StoredSession
 from worker.layers.slot_state import SlotState
 
@@ -38,8 +45,10 @@ class HostTier:
 
     def put(self, name: str, entry: HostEntry) -> list[tuple[str, HostEntry]]:
         """Keep ``entry`` (newest); return the entries pushed out (oldest first), which may
-        include ``entry`` itself when it alone is over the budget."""
-        self.pop(name)
+        include ``entry`` itself when it alone is over the budget. The caller owns those."""
+        replaced = self.pop(name)
+        if replaced is not None:
+            replaced.state.release()
         self.entries[name] = entry
         self.nbytes += entry.state.nbytes
         out: list[tuple[str, HostEntry]] = []
@@ -62,33 +71,71 @@ class HostTier:
 class SessionTiers:
     """Host memory and (optionally) disk for the engine's named sessions."""
 
-    def __init__(self, host_budget_bytes: int, store: SessionStore | None) -> None:
+    def __init__(
+        self, host_budget_bytes: int, store: SessionStore | None, pool: HostPool | None = None
+    ) -> None:
         self.host = HostTier(host_budget_bytes)
         self.store = store
+        self.pool = pool
         self.offloads = 0
         self.reloads = 0
         self.dropped = 0  # caches lost for want of room (their sessions re-prefill)
+        self._lost: list[str] = []  # dropped, not yet reported (take_lost)
+
+    def buffer(
+        self, nbytes: int, evict: bool, keep: Collection[str | None] = ()
+    ) -> HostBuffer | None:
+        """A pool buffer for a copy of ``nbytes`` (held once), or None: pageable memory. With
+        ``evict``, an exhausted pool first pushes the least recently used host copy (not one of
+        ``keep``: sessions about to come back) out: its
+        buffer is free at once when it is on disk already or dropped (no --session-dir:
+        ``take_lost`` names it); one still to be written frees its buffer only once written,
+        so this copy goes to pageable memory (never waiting for the disk)."""
+        if self.pool is None or nbytes > self.pool.buffer_bytes:
+            return None
+        buffer = self.pool.take(nbytes)
+        if buffer is None and evict:
+            oldest = [n for n, e in self.host.entries.items() if e.state.buffer and n not in keep]
+            if oldest:
+                old = self.host.pop(oldest[0])
+                assert old is not None
+                self._push_out(oldest[0], old)
+                buffer = self.pool.take(nbytes)
+        if buffer is None and evict and self.store is not None and self.store.drop_a_prefetch():
+            buffer = self.pool.take(nbytes)  # a restored session's read-back (still on disk)
+        return buffer
 
     def offload(
         self, name: str, state: SlotState, resident_ids: list[int], version: int
     ) -> list[str]:
-        """A session's slot state moves to host memory. Returns the sessions whose caches are
-        now nowhere (host memory full and no usable disk): their resident ids must be cleared."""
+        """A session's slot state (the caller's hold on it passes to the tier) moves to host
+        memory. Returns the sessions whose caches are now nowhere (host memory full and no
+        usable disk): their resident ids must be cleared."""
         self.offloads += 1
-        lost: list[str] = []
         for old_name, old in self.host.put(name, HostEntry(state, list(resident_ids), version)):
-            if self.store is not None and self.store.has_version(old_name, old.version):
-                continue  # already on disk as it is
-            if self.store is not None and self.store.writable:
-                self.store.write(old_name, old.state, old.resident_ids, old.version)
-                continue
-            self.dropped += 1
-            lost.append(old_name)
+            self._push_out(old_name, old)
+        return self.take_lost()
+
+    def take_lost(self) -> list[str]:
+        """The sessions whose caches were dropped since the last call."""
+        lost, self._lost = self._lost, []
         return lost
+
+    def _push_out(self, name: str, old: HostEntry) -> None:
+        """A host copy leaves host memory: to disk if it is not there yet, else dropped."""
+        if self.store is not None and self.store.has_version(name, old.version):
+            old.state.release()  # already on disk as it is
+        elif self.store is not None and self.store.writable:
+            self.store.write(name, old.state, old.resident_ids, old.version)  # the writer's now
+        else:
+            old.state.release()
+            self.dropped += 1
+            self._lost.append(name)
 
     def take(self, name: str) -> tuple[SlotState, list[int]] | None:
         """The newest copy of ``name``'s cache and the ids it holds, out of its tier (a disk
-        copy stays on disk), or None (none, or a file that failed its checks: logged)."""
+        copy stays on disk), or None (none, or a file that failed its checks: logged). The
+        caller holds the state: ``release`` it after its copy to the device."""
         entry = self.host.pop(name)
         if entry is not None:
             self.reloads += 1
@@ -110,7 +157,9 @@ class SessionTiers:
 
     def forget(self, name: str, delete_file: bool) -> None:
         """Drop every copy (reset: the host one; close: the file too)."""
-        self.host.pop(name)
+        entry = self.host.pop(name)
+        if entry is not None:
+            entry.state.release()
         if delete_file and self.store is not None:
             self.store.delete(name)
 
@@ -122,4 +171,5 @@ class SessionTiers:
             "offloads": self.offloads,
             "reloads": self.reloads,
             "dropped_caches": self.dropped,
+            **(self.pool.stats() if self.pool is not None else {}),
         }

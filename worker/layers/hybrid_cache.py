@@ -246,27 +246,30 @@ class HybridCache:
         ]
         return self.kv.geometry() + extra
 
-    def export_slot(self, slot: int, tokens: int) -> SlotState:
-        """The KV entries of ``tokens`` tokens, the live DeltaNet state (describing
-        ``live_len``), every snapshot and the bookkeeping. Call between steps only."""
-        if self.live_len[slot] != tokens:
-            raise ValueError(
-                f"slot {slot}: exporting {tokens} tokens, the state holds {self.live_len[slot]}"
-            )
-        state = self.kv.export_slot(slot, tokens)
-        views: dict[str, torch.Tensor] = {}
+    def slot_views(self, slot: int, tokens: int) -> dict[str, torch.Tensor]:
+        """The KV entries of ``tokens`` tokens, the live DeltaNet state and every snapshot."""
+        views = self.kv.slot_views(slot, tokens)
         for i, layer in enumerate(self.layers):
             if isinstance(layer, DeltaNetLayerCache):
                 views[f"conv{i}"] = layer.conv[slot]
                 views[f"recurrent{i}"] = layer.recurrent[slot]
                 views[f"snap_conv{i}"] = layer.snap_conv[slot]
                 views[f"snap_recurrent{i}"] = layer.snap_recurrent[slot]
-        state.tensors.update(to_host(views))
-        state.meta = {
+        return views
+
+    def export_slot(self, slot: int, tokens: int, buffer: Any = None) -> SlotState:
+        """``slot_views`` on the host (into ``buffer`` when it fits, as ``KVCache``'s) and the
+        bookkeeping. Call between steps only."""
+        if self.live_len[slot] != tokens:
+            raise ValueError(
+                f"slot {slot}: exporting {tokens} tokens, the state holds {self.live_len[slot]}"
+            )
+        tensors, held = to_host(self.slot_views(slot, tokens), buffer)
+        meta = {
             "snapshot_lens": list(self.snapshot_lens[slot]),
             "pending": sorted(self._pending[slot]),
         }
-        return state
+        return SlotState(tokens, tensors, meta, held)
 
     def import_slot(self, slot: int, state: SlotState) -> None:
         self.kv.import_slot(slot, state)

@@ -143,8 +143,8 @@ class KVCache:
             for layer in self.layers
         ]
 
-    def export_slot(self, slot: int, tokens: int) -> SlotState:
-        """The entries describing the slot's first ``tokens`` tokens, copied to the host: a full
+    def slot_views(self, slot: int, tokens: int) -> dict[str, torch.Tensor]:
+        """The entries describing the slot's first ``tokens`` tokens (device views): a full
         layer's positions [0, tokens), a sliding layer's ring indices [0, min(tokens, R)) (ring
         index = position % R, so this is the ring exactly as the slot holds it)."""
         views: dict[str, torch.Tensor] = {}
@@ -154,7 +154,13 @@ class KVCache:
             n = min(tokens, layer.capacity)
             views[f"k{i}"] = layer.k[slot, :, :n]
             views[f"v{i}"] = layer.v[slot, :, :n]
-        return SlotState(tokens, to_host(views), {})
+        return views
+
+    def export_slot(self, slot: int, tokens: int, buffer: Any = None) -> SlotState:
+        """``slot_views`` copied to the host, into ``buffer`` (a held ``HostBuffer``, which the
+        state then holds) when it fits, else into pageable memory."""
+        tensors, held = to_host(self.slot_views(slot, tokens), buffer)
+        return SlotState(tokens, tensors, {}, held)
 
     def import_slot(self, slot: int, state: SlotState) -> None:
         """Put an exported state into ``slot`` (any slot of a cache of the same geometry)."""

@@ -22,25 +22,49 @@ class SlotState:
     tokens: int  # the slot's cached length it describes
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
+    # the tiers' pinned buffer (worker/engine/host_pool.py) the tensors are views of, or None
+    buffer: Any = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def retain(self) -> None:
+        """One more holder of the state's buffer (the host tier and the disk writer)."""
+        if self.buffer is not None:
+            self.buffer.retain()
 
-def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies on the host: pinned and asynchronous from CUDA (one sync at the end), plain
-    clones on the CPU (the slot is reused, so a view would not do)."""
+    def release(self, ready: Any = None) -> None:
+        """A holder is done with the state; ``ready``: the CUDA event after the last copy
+        that reads it. Its tensors must not be used by that holder afterwards."""
+        if self.buffer is not None:
+            self.buffer.release(ready)
+
+
+def to_host(
+    tensors: dict[str, torch.Tensor], buffer: Any = None
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Copies on the host and the buffer they are views of: laid into ``buffer`` (a
+    ``HostBuffer`` the caller holds) when it is big enough, else into fresh pageable memory
+    (None; the caller still holds ``buffer``). Asynchronous from CUDA with one sync at the end;
+    plain copies on the CPU (the slot is reused, so a view would not do)."""
+    from worker.engine.host_pool import lay_out
+
+    offsets, used = lay_out(tensors)
+    if buffer is not None and used > buffer.nbytes:
+        buffer = None
     out: dict[str, torch.Tensor] = {}
     cuda = False
     for name, t in tensors.items():
-        if t.is_cuda:
-            cuda = True
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            out[name] = host
+        if buffer is not None:
+            nbytes = t.numel() * t.element_size()
+            raw = buffer.data[offsets[name] : offsets[name] + nbytes]
+            host = raw.view(t.dtype).view(t.shape)
         else:
-            out[name] = t.clone()
+            host = torch.empty(t.shape, dtype=t.dtype)
+        cuda = cuda or t.is_cuda
+        host.copy_(t, non_blocking=t.is_cuda)
+        out[name] = host
     if cuda:
         torch.cuda.synchronize()
-    return out
+    return out, buffer

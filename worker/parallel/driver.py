@@ -76,7 +76,8 @@ class DriverCache:
         geometry: list[list[Any]] = self.local.geometry()
         return [*geometry, ["tensor_parallel", self.group.world]]
 
-    def export_slot(self, slot: int, tokens: int) -> SlotState:
+    def export_slot(self, slot: int, tokens: int, buffer: Any = None) -> SlotState:
+        """The ranks' states merged (pageable: ``buffer`` is not used; the caller keeps it)."""
         try:
             self.group.send(("export", slot, tokens))
             return merge_states(self.group.gather(self.local.export_slot(slot, tokens)))
