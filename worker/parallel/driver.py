@@ -33,7 +33,10 @@ from worker.models.step import StepInput
 from worker.parallel.group import TensorParallelGroup
 
 _MIRRORED = frozenset({"truncate", "snapshot_at", "clear_slot"})
-_NOT_IN_A_GROUP = frozenset({"make_pool", "slot_to_pool", "pool_to_slot", "set_capture"})
+# slot_views: no pinned pool in a group (its states are merged from the ranks, pageable)
+_NOT_IN_A_GROUP = frozenset(
+    {"make_pool", "slot_to_pool", "pool_to_slot", "set_capture", "slot_views"}
+)
 
 
 def merge_states(states: list[SlotState]) -> SlotState:
