@@ -180,7 +180,7 @@ def test_quantized_moe_gemv_tiles_and_residual(triton_ready: None, fmt: QuantFor
     module = _quantized(gate_up, down, fmt).to(DEVICE)
     gu, dn = module.matrix("gate_up_proj"), module.matrix("down_proj")
     narrow = GemvTiles(block_n=16, warps=2, programs=200)
-    assert split_for(tokens * top_k, 80, 80 // fmt.group_size, narrow) > 1
+    assert split_for(tokens * top_k, 80, 80 // fmt.group_size, narrow)[0] > 1
     results = []
     for t in (narrow, GemvTiles(block_n=64, warps=4, programs=1)):
         got = moe_quant_gemv(

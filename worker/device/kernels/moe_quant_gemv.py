@@ -58,11 +58,13 @@ def tiles() -> GemvTiles:
     return GemvTiles(*(int(v) for v in override.split(","))) if override else GemvTiles()
 
 
-def split_for(pairs: int, n: int, groups: int, t: GemvTiles) -> int:
-    """K splits (whole groups, at least one per warp each) that bring the launch to about
-    ``t.programs`` programs (pure)."""
+def split_for(pairs: int, n: int, groups: int, t: GemvTiles) -> tuple[int, int]:
+    """(splits, groups per split) of K that bring the launch to about ``t.programs``
+    programs: a split's groups a multiple of the warps where K allows, none empty (pure)."""
     programs = pairs * triton.cdiv(n, t.block_n)
-    return max(1, min(groups // t.warps, triton.cdiv(t.programs, programs)))
+    wanted = max(1, min(groups // t.warps, triton.cdiv(t.programs, programs)))
+    span = triton.cdiv(triton.cdiv(groups, wanted), t.warps) * t.warps
+    return triton.cdiv(groups, span), span
 
 
 @triton.jit
@@ -111,7 +113,7 @@ def _unscale(p: tl.constexpr, INT4_KIND: tl.constexpr):
 
 @triton.jit
 def _pair_gemv_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, o_ptr, part_ptr, PAIRS,
+    x_ptr, ids_ptr, w_ptr, s_ptr, o_ptr, part_ptr, PAIRS, SPAN,
     X_DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
     INT4_KIND: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
 ):  # fmt: skip
@@ -129,9 +131,8 @@ def _pair_gemv_kernel(
     w_base = w_ptr + expert * (K // P * N)
     meta_base = expert * (GROUPS * N)
     lanes = tl.arange(0, WARPS)
-    span = tl.cdiv(GROUPS, tl.num_programs(2))
-    first = split * span
-    last = tl.minimum(first + span, GROUPS)
+    first = split * SPAN
+    last = tl.minimum(first + SPAN, GROUPS)
     acc = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
     for g0 in range(first, last, WARPS):
         g = g0 + lanes  # [WARPS]: one group per warp
@@ -221,11 +222,11 @@ def pair_gemv(
     fp32 partial sums [split, pairs, N] (``split_for``)."""
     num_experts, n, k = matrix.shape
     pairs = ids.numel()
-    split = split_for(pairs, n, k // matrix.group_size, t)
+    split, span = split_for(pairs, n, k // matrix.group_size, t)
     part = torch.empty((split, pairs, n), dtype=torch.float32, device=x.device)
     if pairs:
         _pair_gemv_kernel[(pairs, triton.cdiv(n, t.block_n), split)](
-            x, ids, matrix.words, matrix.scales, _offsets(matrix), part, pairs,
+            x, ids, matrix.words, matrix.scales, _offsets(matrix), part, pairs, span,
             X_DIV=rows_per_x, N=n, K=k, GROUP=matrix.group_size, INT4_KIND=matrix.kind == INT4,
             BLOCK_N=t.block_n, WARPS=t.warps, num_warps=t.warps,
         )  # fmt: skip
