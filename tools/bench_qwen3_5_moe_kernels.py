@@ -12,7 +12,8 @@
     python tools/bench_qwen3_5_moe_kernels.py [--out DIR] [--only moe_1,sweep_int4_1,...]
 
 - ``sweep_{bf16,int4}_{1,32}``: the routed experts' time per tile choice (``SWEEP``);
-  ``gemv_{int4,int8}_{1,4,32}``: quantized experts' per-pair GEMVs per tile (``GEMV_SWEEP``);
+  ``gemv_{int4,int8}_{1,4,32}``, ``gemv_bf16_1``: the per-pair GEMVs per tile (``GEMV_SWEEP``,
+  ``FLOAT_GEMV_SWEEP``);
   ``sweep_deltanet_{1,32}``: the DeltaNet decode step's per value-dims tile and warps.
 
 Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
@@ -353,10 +354,10 @@ GEMV_SWEEP = [(128, 4, 528), (64, 4, 528), (32, 4, 528), (256, 4, 528), (128, 8,
 
 def gemv_sweep(tokens: int, kind: str) -> None:
     """Quantized routed experts (group 32) at a few tokens: the per-pair GEMVs
-    (``moe_quant_gemv``) per tile choice (GEMV_SWEEP) against the grouped GEMMs, each in a
+    (``moe_gemv.moe_quant_gemv``) per tile choice (GEMV_SWEEP) against the grouped GEMMs, each in a
     CUDA graph, with the bandwidth of the expert bytes they read."""
+    from worker.device.kernels.moe_gemv import GemvTiles, moe_quant_gemv
     from worker.device.kernels.moe_quant import fused_moe_quant_triton
-    from worker.device.kernels.moe_quant_gemv import GemvTiles, moe_quant_gemv
     from worker.layers.quant import QuantFormat
     from worker.layers.quant_experts import QuantExperts
 
@@ -384,6 +385,41 @@ def gemv_sweep(tokens: int, kind: str) -> None:
         log(f"gemv_sweep_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
 
 
+# FloatTiles fields: (block_n, block_k, warps, programs)
+FLOAT_GEMV_SWEEP = [(16, 256, 4, 528), (8, 256, 4, 528), (32, 128, 4, 528), (16, 512, 4, 528),
+                    (16, 256, 8, 528), (4, 512, 4, 528), (16, 256, 4, 1056), (8, 512, 8, 1056),
+                    (32, 256, 8, 528), (16, 128, 2, 1056)]  # fmt: skip
+
+
+def float_gemv_sweep(tokens: int) -> None:
+    """bf16 routed experts at a token or two: the per-pair GEMVs (``moe_gemv.moe_float_gemv``)
+    per tile choice (FLOAT_GEMV_SWEEP) against the grouped GEMMs, each in a CUDA graph."""
+    from worker.device.kernels.moe import fused_moe_triton
+    from worker.device.kernels.moe_gemv import FloatTiles, moe_float_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    probs = torch.softmax(torch.randn(tokens, EXPERTS, device="cuda", generator=gen), -1)
+    weights, ids = torch.topk(probs, TOP_K, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+    gate_up = (torch.randn(EXPERTS, 2 * INNER, HIDDEN, device="cuda") * 0.02).bfloat16()
+    down = (torch.randn(EXPERTS, HIDDEN, INNER, device="cuda") * 0.04).bfloat16()
+    read = int(torch.unique(ids).numel()) * 3 * INNER * HIDDEN * 2
+    want = fused_moe_triton(x, gate_up, down, weights, ids)
+    t = graph_time(lambda: fused_moe_triton(x, gate_up, down, weights, ids))
+    log(f"gemv_sweep_bf16_t{tokens}_grouped_us", round(t * 1e6, 1), f"{read / t / 1e12:.2f} TB/s")
+    for choice in FLOAT_GEMV_SWEEP:
+        tiles = FloatTiles(*choice)
+        try:
+            t = graph_time(lambda c=tiles: moe_float_gemv(x, gate_up, down, weights, ids, t=c))
+            err = rel(moe_float_gemv(x, gate_up, down, weights, ids, t=tiles), want)
+        except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
+            log(f"gemv_sweep_bf16_t{tokens}_{choice}", repr(exc)[:120])
+            continue
+        note = f"{read / t / 1e12:.2f} TB/s rel {err:.1e}{'' if err < 1e-2 else ' WRONG'}"
+        log(f"gemv_sweep_bf16_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=".")
@@ -407,6 +443,7 @@ def main() -> int:
         ("gemv_int4_4", lambda: gemv_sweep(4, "int4")),
         ("gemv_int4_32", lambda: gemv_sweep(32, "int4")),
         ("gemv_int8_1", lambda: gemv_sweep(1, "int8")),
+        ("gemv_bf16_1", lambda: float_gemv_sweep(1)),
         ("sweep_deltanet_1", lambda: deltanet_sweep(1)),
         ("sweep_deltanet_32", lambda: deltanet_sweep(32)),
     ]

@@ -132,7 +132,7 @@ def test_cpu_moe_over_quantized_experts_equals_float_over_dequantized(fmt: Quant
 def test_quantized_moe_kernels_match_the_reference(
     triton_ready: None, tokens: int, hidden: int, inner: int, fmt: QuantFormat, gemv: bool
 ) -> None:
-    """The grouped GEMMs and the per-pair GEMVs (moe_quant_gemv: K split over programs
+    """The grouped GEMMs and the per-pair GEMVs (moe_gemv: K split over programs
     at these sizes, outputs past N masked) against the CPU MoE over dequantized experts."""
     from worker.device.kernels.moe_quant import fused_moe_quant_triton, supports
 
@@ -163,7 +163,7 @@ def test_quantized_moe_gemv_tiles_and_residual(triton_ready: None, fmt: QuantFor
     """Narrow column blocks (several per matrix), two warps, a split that leaves the last
     program fewer groups than warps, in bf16 with a residual: the kernels' result within
     bf16 rounding of the CPU MoE's, and the same for every tile choice (fp32 sums)."""
-    from worker.device.kernels.moe_quant_gemv import GemvTiles, moe_quant_gemv, split_for
+    from worker.device.kernels.moe_gemv import GemvTiles, moe_quant_gemv, split_for
 
     gen = torch.Generator().manual_seed(11)
     tokens, hidden, inner, top_k = 2, 80, 48, 3

@@ -121,12 +121,25 @@ def _experts_loop(
 
 
 @pytest.mark.parametrize(
-    "tokens,hidden,inner", [(1, 64, 24), (5, 64, 32), (70, 48, 24), (3, 32, 16)]
-)
+    "tokens,hidden,inner,path",
+    [(1, 64, 24, "grouped"), (5, 64, 32, "grouped"), (70, 48, 24, "grouped"),
+     (3, 32, 16, "grouped"), (1, 64, 24, "gemv"), (1, 48, 24, "gemv_split"),
+     (3, 64, 40, "gemv_split")],
+)  # fmt: skip
 def test_fused_moe_matches_expert_loop(
-    triton_ready: None, tokens: int, hidden: int, inner: int
+    triton_ready: None, tokens: int, hidden: int, inner: int, path: str
 ) -> None:
+    """The grouped GEMMs and the per-pair GEMVs (``moe_gemv.moe_float_gemv``; gemv_split:
+    narrow tiles, K split over programs, outputs past N masked) against the CPU loop."""
     from worker.device.kernels.moe import fused_moe_triton
+    from worker.device.kernels.moe_gemv import FloatTiles, float_split_for, moe_float_gemv
+
+    if path != "grouped":
+        tiles = FloatTiles(16, 16, 2, 400) if path == "gemv_split" else FloatTiles()
+        assert (float_split_for(2 * tokens, hidden, inner, tiles)[0] > 1) == (path != "gemv")
+
+        def fused_moe_triton(*args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+            return moe_float_gemv(*args, **kwargs, t=tiles)  # type: ignore[arg-type]
 
     gen = torch.Generator().manual_seed(tokens * 1000 + hidden)
     experts, top_k = 8, 2

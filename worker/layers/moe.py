@@ -182,11 +182,14 @@ class SparseMoE(nn.Module):
         blocks = choose_blocks(x.shape[0], x.shape[1], experts.inner, quantized)
         aligned = None
         pairs = x.shape[0] * self.top_k
-        gemv = False
         if quantized:
             from worker.device.kernels.moe_quant import use_gemv
 
             gemv = use_gemv(pairs)
+        else:
+            from worker.device.kernels.moe_gemv import use_float_gemv
+
+            gemv = use_float_gemv(pairs)
         if not gemv and pairs <= ROUTE_ALIGN_MAX_PAIRS and logits.stride(1) == 1:
             weights, ids, aligned = route_align_triton(logits, self.top_k, blocks.block_m)
         else:  # (the per-pair GEMVs need no alignment)
@@ -197,6 +200,13 @@ class SparseMoE(nn.Module):
             return fused_moe_quant_triton(
                 x, experts.matrix("gate_up_proj"), experts.matrix("down_proj"), weights, ids,
                 blocks, shared, shared_gate, residual, aligned, gemv,
+            )  # fmt: skip
+        if gemv:
+            from worker.device.kernels.moe_gemv import moe_float_gemv
+
+            return moe_float_gemv(
+                x, experts.gate_up_proj, experts.down_proj, weights, ids, shared, shared_gate,
+                residual,
             )  # fmt: skip
         return fused_moe_triton(
             x, experts.gate_up_proj, experts.down_proj, weights, ids, blocks, shared,

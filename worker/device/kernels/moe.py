@@ -432,7 +432,7 @@ def _combine_kernel(
     """out[t] = round(sum_j pairs[t, j]) (+ round(round(sigmoid(gate[t])) * shared[t])), each
     sum rounded; then residual[t] + that, rounded, when given. ROUTED: pairs are fp32 partial
     sums [SPLIT, PAIRS, HIDDEN] not yet routed; pair p is round(round(sum_s) * route[p])
-    (``_store_routed``'s rounding; worker.device.kernels.moe_quant_gemv)."""
+    (``_store_routed``'s rounding; worker.device.kernels.moe_gemv)."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HIDDEN

@@ -35,7 +35,7 @@ from worker.device.kernels.moe import (
     choose_blocks,
     combine_pairs,
 )
-from worker.device.kernels.moe_quant_gemv import GEMV_MAX_PAIRS, moe_quant_gemv
+from worker.device.kernels.moe_gemv import GEMV_MAX_PAIRS, moe_quant_gemv
 from worker.device.kernels.quant_matmul import _extract
 from worker.layers.quant import INT4
 from worker.layers.quant_experts import ExpertMatrix, QuantExperts
@@ -207,7 +207,7 @@ def fused_moe_quant_triton(
     """``fused_moe_triton`` over quantized experts: x [T, H]; gate_up [E, 2I, H] and down
     [E, H, I] as ``ExpertMatrix``; weights [T, k] in x's dtype; ids [T, k] int64; shared
     [T, H], shared_gate [T, 1], residual [T, H] -> [T, H] in x's dtype (``aligned`` as
-    there). ``gemv``: the per-pair GEMVs of ``moe_quant_gemv`` instead of the grouped GEMMs
+    there). ``gemv``: the per-pair GEMVs of ``moe_gemv.moe_quant_gemv`` instead of the grouped GEMMs
     (None: for steps of at most GEMV_MAX_PAIRS pairs, ``use_gemv``)."""
     if gemv is None:
         gemv = use_gemv(ids.numel())

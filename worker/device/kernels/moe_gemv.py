@@ -1,33 +1,41 @@
-"""Decode-sized steps of the quantized MoE (a few tokens): one GEMV per (token, expert) pair on
-the CUDA cores, no pair alignment and no ``tl.dot``.
+"""Decode-sized steps of the MoE (a few tokens): one GEMV per (token, expert) pair on the CUDA
+cores, no pair alignment and no ``tl.dot``; quantized experts (``moe_quant_gemv``) and float
+ones (``moe_float_gemv``).
 
-    gate_up: part[s, pair, :2I] = x[pair // k] @ W_gate_up[e]^T over split s's groups
+    gate_up: part[s, pair, :2I] = x[pair // k] @ W_gate_up[e]^T over split s of K
     act[pair] = silu(sum_s gate) * sum_s up             (one small kernel)
-    down:    part[s, pair, :H]  = act[pair] @ W_down[e]^T over split s's groups
+    down:    part[s, pair, :H]  = act[pair] @ W_down[e]^T over split s of K
     out[t] = sum_j route[t, j] * sum_s part[s, t*k + j]  (+ shared, + residual: the combine)
 
-The grouped GEMMs of ``worker.device.kernels.moe_quant`` run 16-row blocks through the tensor
-cores; a decode step's block holds one token, so each [BLOCK_K, BLOCK_N] weight tile was
-dequantized for one row's product (0.04-0.09 TB/s on the H200). Here a program owns one pair
-and BLOCK_N output columns of its expert and reads each word once: its WARPS warps take one
-quantization group each (the experts' words are K-major, ``worker.layers.quant_experts``: a
-group is GROUP / P word rows of one column), every lane a column. A code becomes an fp32
-operand in one AND (``_code``: the code at bits a.. read as a denormal, code * 2^(a - 149);
-the codes above bit 23 come from ``word >> 8``), multiplied by its x scaled by 2^90 (exact)
-into one accumulator per code position; at a group's end the positions' sums take their power
-of two back and the group's scale (and offset, or int8's 128) applies once. int8 words are
-XORed with 0x80808080 first, so their codes read as code + 128. K is split over programs
-(``split``) when the pairs and column blocks alone leave the SMs idle; the partial sums are
-added in a fixed order (deterministic) by the epilogue kernels.
+The grouped GEMMs (``worker.device.kernels.moe`` / ``moe_quant``) run 16-row blocks through
+the tensor cores; a decode step's block holds one token, so quantized experts had each
+[BLOCK_K, BLOCK_N] weight tile dequantized for one row's product (0.04-0.09 TB/s on the
+H200), and float ones pad 15 of 16 rows. Here a program owns one pair and BLOCK_N outputs of
+its expert and reads each weight once.
 
-Each weight is ``code * scale (+ offset)`` in fp32, as ``worker.layers.quant.dequantize``;
-the gate / up / pair outputs are rounded to x's dtype where the float kernels round them.
+Quantized: its WARPS warps take one quantization group each (the experts' words are K-major,
+``worker.layers.quant_experts``: a group is GROUP / P word rows of one column), every lane a
+column. A code becomes an fp32 operand in one AND (``_code``: the code at bits a.. read as a
+denormal, code * 2^(a - 149); the codes above bit 23 come from ``word >> 8``), multiplied by
+its x scaled by 2^90 (exact) into one accumulator per code position; at a group's end the
+positions' sums take their power of two back and the group's scale (and offset, or int8's
+128) applies once. int8 words are XORed with 0x80808080 first, so their codes read as
+code + 128. Each weight is ``code * scale (+ offset)`` in fp32, as
+``worker.layers.quant.dequantize``.
+
+Float: [BLOCK_N, BLOCK_K] tiles of the expert's rows (K contiguous), fp32 products summed
+along K at the end.
+
+K is split over programs when the pairs and output blocks alone leave the SMs idle; the
+partial sums (fp32) are added in a fixed order (deterministic) by the epilogue kernels, and
+the gate / up / pair outputs are rounded to x's dtype where the grouped kernels round them.
 This module imports Triton: import it only after ``worker.device.kernels.triton_available()``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +46,8 @@ from worker.device.kernels.moe import _combine_kernel
 from worker.layers.quant import INT4
 from worker.layers.quant_experts import ExpertMatrix
 
-GEMV_MAX_PAIRS = 32  # steps of up to this many (token, expert) pairs take this path
+GEMV_MAX_PAIRS = 32  # quantized: steps of up to this many (token, expert) pairs take this path
+FLOAT_GEMV_MAX_PAIRS = 8  # float: one token of top-8
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,59 @@ def split_for(pairs: int, n: int, groups: int, t: GemvTiles) -> tuple[int, int]:
     wanted = max(1, min(groups // t.warps, triton.cdiv(t.programs, programs)))
     span = triton.cdiv(triton.cdiv(groups, wanted), t.warps) * t.warps
     return triton.cdiv(groups, span), span
+
+
+@dataclass(frozen=True)
+class FloatTiles:
+    """Float experts: outputs and K elements per tile, warps, programs wanted per launch."""
+
+    block_n: int = 16
+    block_k: int = 256
+    warps: int = 4
+    programs: int = 528
+
+
+def float_tiles() -> FloatTiles:
+    """The default tiles, or TOKENPIPE_MOE_FLOAT_GEMV_TILES (four comma-separated fields)."""
+    override = os.environ.get("TOKENPIPE_MOE_FLOAT_GEMV_TILES")
+    return FloatTiles(*(int(v) for v in override.split(","))) if override else FloatTiles()
+
+
+def float_split_for(pairs: int, n: int, k: int, t: FloatTiles) -> tuple[int, int]:
+    """(splits, K elements per split: whole tiles, none empty) for about ``t.programs``
+    programs (pure)."""
+    programs = pairs * triton.cdiv(n, t.block_n)
+    wanted = max(1, min(triton.cdiv(k, t.block_k), triton.cdiv(t.programs, programs)))
+    span = triton.cdiv(triton.cdiv(k, wanted), t.block_k) * t.block_k
+    return triton.cdiv(k, span), span
+
+
+@triton.jit
+def _pair_gemv_float_kernel(
+    x_ptr, ids_ptr, w_ptr, part_ptr, PAIRS, SPAN,
+    X_DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """part[split, pair, n] = sum over this split's K of x[pair // X_DIV, k] * W[e, n, k],
+    e = ids[pair]; W [E, N, K] contiguous."""
+    pair = tl.program_id(0)
+    split = tl.program_id(2)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // X_DIV).to(tl.int64) * K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w_rows = w_ptr + expert * (N * K) + offs_n[:, None].to(tl.int64) * K
+    first = split * SPAN
+    last = tl.minimum(first + SPAN, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(first, last, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < last
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_row + offs_k, mask=mask_k, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    dst = part_ptr + (split * PAIRS + pair).to(tl.int64) * N + offs_n
+    tl.store(dst, tl.sum(acc, axis=1), mask=mask_n)
 
 
 @triton.jit
@@ -218,8 +280,8 @@ def _offsets(matrix: ExpertMatrix) -> torch.Tensor:
 def pair_gemv(
     x: torch.Tensor, matrix: ExpertMatrix, ids: torch.Tensor, rows_per_x: int, t: GemvTiles
 ) -> torch.Tensor:
-    """x [R, K], ids [pairs] (the expert of each pair; pair p reads x[p // rows_per_x]) ->
-    fp32 partial sums [split, pairs, N] (``split_for``)."""
+    """Quantized: x [R, K], ids [pairs] (the expert of each pair; pair p reads
+    x[p // rows_per_x]) -> fp32 partial sums [split, pairs, N] (``split_for``)."""
     num_experts, n, k = matrix.shape
     pairs = ids.numel()
     split, span = split_for(pairs, n, k // matrix.group_size, t)
@@ -233,40 +295,45 @@ def pair_gemv(
     return part
 
 
-def supports_gemv(gate_up: ExpertMatrix, down: ExpertMatrix) -> bool:
-    """Groups of whole words (a multiple of P codes), a power of two from 8."""
-    return all(m.group_size >= 8 and m.group_size & (m.group_size - 1) == 0
-               for m in (gate_up, down))  # fmt: skip
-
-
-def moe_quant_gemv(
-    x: torch.Tensor,
-    gate_up: ExpertMatrix,
-    down: ExpertMatrix,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    shared: torch.Tensor | None = None,
-    shared_gate: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    t: GemvTiles | None = None,
+def pair_gemv_float(
+    x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, rows_per_x: int, t: FloatTiles
 ) -> torch.Tensor:
-    """``moe_quant.fused_moe_quant_triton`` for a few tokens (module docstring): x [T, H];
-    weights [T, k] in x's dtype; ids [T, k] int64 -> [T, H] in x's dtype."""
-    t = t or tiles()
+    """Float: x [R, K], weight [E, N, K] -> fp32 partial sums [split, pairs, N]."""
+    num_experts, n, k = weight.shape
+    pairs = ids.numel()
+    split, span = float_split_for(pairs, n, k, t)
+    part = torch.empty((split, pairs, n), dtype=torch.float32, device=x.device)
+    if pairs:
+        _pair_gemv_float_kernel[(pairs, triton.cdiv(n, t.block_n), split)](
+            x, ids, weight, part, pairs, span, X_DIV=rows_per_x, N=n, K=k,
+            BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps,
+        )  # fmt: skip
+    return part
+
+
+Project = Callable[[torch.Tensor, str, torch.Tensor, int], torch.Tensor]
+
+
+def _moe_gemv(
+    x: torch.Tensor, inner: int, weights: torch.Tensor, ids: torch.Tensor, project: Project,
+    shared: torch.Tensor | None, shared_gate: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """The module docstring's four launches; ``project(x, matrix, ids, rows_per_x)`` the
+    partial sums of one matrix ("gate_up_proj" / "down_proj")."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
-    inner = gate_up.shape[1] // 2
     pairs = tokens * top_k
     x = x.contiguous()
     flat_ids = ids.reshape(-1).contiguous()
-    part = pair_gemv(x, gate_up, flat_ids, top_k, t)
+    part = project(x, "gate_up_proj", flat_ids, top_k)
     act = torch.empty(pairs, inner, dtype=x.dtype, device=x.device)
     if pairs:
         block = 256
         _gated_sum_kernel[(pairs, triton.cdiv(inner, block))](
             part, act, pairs, INNER=inner, SPLIT=part.shape[0], BLOCK=block, num_warps=2
         )
-    out = pair_gemv(act, down, flat_ids, 1, t)
+    out = project(act, "down_proj", flat_ids, 1)
     route = weights.reshape(-1).contiguous()
     result = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     has_shared = shared is not None and shared_gate is not None
@@ -283,3 +350,56 @@ def moe_quant_gemv(
             BLOCK=256, num_warps=2,
         )  # fmt: skip
     return result
+
+
+def moe_quant_gemv(
+    x: torch.Tensor,
+    gate_up: ExpertMatrix,
+    down: ExpertMatrix,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    t: GemvTiles | None = None,
+) -> torch.Tensor:
+    """``moe_quant.fused_moe_quant_triton`` for a few tokens: x [T, H]; weights [T, k] in x's
+    dtype; ids [T, k] int64 -> [T, H] in x's dtype."""
+    tiles_ = t or tiles()
+    matrices = {"gate_up_proj": gate_up, "down_proj": down}
+
+    def project(x: torch.Tensor, name: str, ids: torch.Tensor, rows: int) -> torch.Tensor:
+        return pair_gemv(x, matrices[name], ids, rows, tiles_)
+
+    inner = gate_up.shape[1] // 2
+    return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual)
+
+
+def moe_float_gemv(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    t: FloatTiles | None = None,
+) -> torch.Tensor:
+    """``moe.fused_moe_triton`` for a token or two: gate_up [E, 2I, H], down [E, H, I]
+    (contiguous); the rest as there."""
+    tiles_ = t or float_tiles()
+    matrices = {"gate_up_proj": gate_up, "down_proj": down}
+
+    def project(x: torch.Tensor, name: str, ids: torch.Tensor, rows: int) -> torch.Tensor:
+        return pair_gemv_float(x, matrices[name], ids, rows, tiles_)
+
+    inner = gate_up.shape[1] // 2
+    return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual)
+
+
+def use_float_gemv(pairs: int) -> bool:
+    """Float experts take the per-pair GEMVs for a step of ``pairs`` pairs: at most
+    FLOAT_GEMV_MAX_PAIRS, and only with TOKENPIPE_MOE_FLOAT_GEMV=1 (until measured on the
+    H200 against the grouped GEMMs)."""
+    return pairs <= FLOAT_GEMV_MAX_PAIRS and os.environ.get("TOKENPIPE_MOE_FLOAT_GEMV") == "1"
