@@ -440,10 +440,10 @@ def main() -> int:
         ("sweep_int4_1", lambda: moe_sweep(1, "int4")),
         ("sweep_int4_32", lambda: moe_sweep(32, "int4")),
         ("gemv_int4_1", lambda: gemv_sweep(1, "int4")),
-        ("gemv_int4_4", lambda: gemv_sweep(4, "int4")),
-        ("gemv_int4_32", lambda: gemv_sweep(32, "int4")),
-        ("gemv_int8_1", lambda: gemv_sweep(1, "int8")),
         ("gemv_bf16_1", lambda: float_gemv_sweep(1)),
+        ("gemv_int4_32", lambda: gemv_sweep(32, "int4")),
+        ("gemv_int4_4", lambda: gemv_sweep(4, "int4")),
+        ("gemv_int8_1", lambda: gemv_sweep(1, "int8")),
         ("sweep_deltanet_1", lambda: deltanet_sweep(1)),
         ("sweep_deltanet_32", lambda: deltanet_sweep(32)),
     ]
