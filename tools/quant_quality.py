@@ -161,9 +161,8 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def sensitivity(kind: str, positions: int | None) -> list[Quality]:
     """Quality with only one slice of the decoder's matmuls in ``kind`` g32: each projection
     across the layers, then each layer whole."""
-    from worker.layers.quant import QuantFormat, quantize
-
     sys.path.insert(0, str(ROOT))
+    from worker.layers.quant import QuantFormat, quantize
     from worker.loading.loader import load_model
 
     base = load_model(None, "cpu", torch.float32, progress=False)  # torch path, float weights
