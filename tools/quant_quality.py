@@ -8,6 +8,8 @@ Teacher-forced over a fixed passage of English (tests/worker/data/quality_passag
 variant's next-token predictions against the float model (the GGUF dequantized, `--quantize
 none`): top-1 agreement and perplexity. Variants: `auto` (the GGUF kept quantized), `int8` and
 `int4` g32 of the float weights. Then greedy continuations of reference prompts, `auto` vs float.
+`int4-mixed` is `--quantize int4-mixed`: int4 g32 except every v_proj and the down_proj of the
+layers llama.cpp's Q4_K_M gives more bits, which are int8 g32 (the share of int4 is printed).
 Every variant runs the CPU path the worker runs (``prepare_for_cpu``: the packed kernels).
 
 ``--sensitivity KIND`` instead quantizes one slice of the float model at a time (each projection
@@ -15,7 +17,9 @@ kind across all layers, then each layer's seven matmuls) with KIND g32 and print
 cost: where the error comes from (the torch path with the weights replaced in place).
 
 Targets: auto gives the float path's greedy tokens; int8 top-1 >= 98%, perplexity +<= 1%;
-int4 g32 top-1 >= 90%, perplexity +<= 8%.
+int4 g32 top-1 >= 90%, perplexity +<= 8%. Neither int4 variant meets the last on this model and
+passage (the float model's perplexity on it is 2.0: it knows the text by heart, and a quarter of
+int4's error in every matmul already costs +10%; ARCHITECTURE.md "Quantized weights").
 """
 
 from __future__ import annotations
@@ -40,7 +44,12 @@ REFERENCE_PROMPTS = [
     "In distributed systems, consensus protocols",
     "The old lighthouse keeper looked at the sea and",
 ]
-VARIANTS = {"auto": ("auto", None), "int8": ("int8", None), "int4-g32": ("int4", 32)}
+VARIANTS = {
+    "auto": ("auto", None),
+    "int8": ("int8", None),
+    "int4-g32": ("int4", 32),
+    "int4-mixed": ("int4-mixed", 32),  # int4 g32, its sensitive matmuls int8 (keeps_int8)
+}
 
 
 @dataclass
@@ -50,6 +59,7 @@ class Quality:
     top1_agreement: float  # fraction of positions whose argmax equals the float model's
     perplexity: float
     perplexity_increase: float  # relative to the float model's
+    int4_share: float = 0.0  # of the decoder layers' matmul weights, the fraction stored int4
 
 
 def load(mode: str, group_size: int | None = None) -> Any:
@@ -63,6 +73,18 @@ def load(mode: str, group_size: int | None = None) -> Any:
     )
     loaded.model.prepare_for_cpu()
     return loaded
+
+
+def int4_share(model: Any) -> float:
+    """The fraction of the decoder layers' quantized matmul weights (by count) that are int4."""
+    from worker.layers.quant import INT4, QuantLinear
+
+    counts = {True: 0, False: 0}
+    for name, module in model.named_modules():
+        if name.startswith("model.layers.") and isinstance(module, QuantLinear):
+            counts[module.format.kind == INT4] += module.in_features * module.out_features
+    total = counts[True] + counts[False]
+    return counts[True] / total if total else 0.0
 
 
 def passage_ids(tokenizer: Any, positions: int | None) -> list[int]:
@@ -146,7 +168,9 @@ def measure(
     for name in variants:
         mode, group = VARIANTS[name]
         loaded = load(mode, group)
-        results.append(compare(reference, teacher_forced(loaded.model, ids), name))
+        quality = compare(reference, teacher_forced(loaded.model, ids), name)
+        quality.int4_share = int4_share(loaded.model)
+        results.append(quality)
         if name == "auto":
             for prompt in REFERENCE_PROMPTS:
                 tokens = greedy(loaded.model, loaded.tokenizer, prompt, prompt_tokens)
@@ -195,6 +219,8 @@ def sensitivity(kind: str, positions: int | None) -> list[Quality]:
 @click.option("--threads", type=int, default=None, help="torch threads (default torch's).")
 @click.option("--prompt-tokens", type=int, default=24, show_default=True)
 @click.option("--json", "json_path", default=None, help="Also write the results here.")
+@click.option("--variant", "variants", multiple=True, type=click.Choice(list(VARIANTS)),
+              help="Measure only these (repeatable; default all).")  # fmt: skip
 @click.option("--sensitivity", "sensitivity_kind", type=click.Choice(["int8", "int4"]),
               default=None, help="Quantize one slice of the model at a time instead.")  # fmt: skip
 def main(
@@ -202,6 +228,7 @@ def main(
     threads: int | None,
     prompt_tokens: int,
     json_path: str | None,
+    variants: tuple[str, ...],
     sensitivity_kind: str | None,
 ) -> None:
     if threads:
@@ -214,13 +241,12 @@ def main(
                   f"{q.perplexity_increase:+10.2%}", flush=True)  # fmt: skip
         print(f"({time.perf_counter() - started:.1f}s)")
         return
-    results, same = measure(positions, list(VARIANTS), prompt_tokens)
-    print(
-        f"{'variant':10} {'positions':>9} {'top-1 agree':>11} {'perplexity':>10} {'ppl change':>10}"
-    )
+    results, same = measure(positions, list(variants or VARIANTS), prompt_tokens)
+    print(f"{'variant':10} {'positions':>9} {'top-1 agree':>11} {'perplexity':>10} "
+          f"{'ppl change':>10} {'int4 share':>10}")  # fmt: skip
     for q in results:
         print(f"{q.variant:10} {q.positions:9d} {q.top1_agreement:11.2%} {q.perplexity:10.3f} "
-              f"{q.perplexity_increase:+10.2%}")  # fmt: skip
+              f"{q.perplexity_increase:+10.2%} {q.int4_share:10.1%}")  # fmt: skip
     for prompt, equal in same.items():
         print(f"auto greedy {prompt_tokens} tokens == float: {equal}  ({prompt!r})")
     print(f"({time.perf_counter() - started:.1f}s)")

@@ -394,10 +394,11 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
         ),
         click.option(
             "--quantize",
-            type=click.Choice(["auto", "none", "int8", "int4"]),
+            type=click.Choice(["auto", "none", "int8", "int4", "int4-mixed"]),
             default="auto",
             show_default=True,
-            help="Weights: auto keeps a GGUF's quantized tensors; int8/int4 quantize at load.",
+            help="Weights: auto keeps a GGUF's quantized tensors; int8/int4 quantize at load "
+            "(int4-mixed: every v_proj and some down_proj int8, for quality).",
         ),
         click.option(
             "--tensor-parallel",

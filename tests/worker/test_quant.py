@@ -227,3 +227,33 @@ def test_int8_gemv_with_integer_activations(
             assert float((out - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
     finally:
         torch.set_num_threads(before)
+
+
+def test_int4_mixed_plan_keeps_the_sensitive_matmuls_int8() -> None:
+    """int4-mixed: every v_proj and the down_proj of Q4_K_M's more-bits layers int8, the rest
+    int4; plain int4 stays int4 everywhere (the memory and speed targets' format)."""
+    from tiny_models import tiny_config
+
+    from worker.loading.quantize import keeps_int8, plan_for_model
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    more_bits = [i for i in range(18) if keeps_int8(f"model.layers.{i}.mlp.down_proj", 18)]
+    assert more_bits == [0, 1, 4, 7, 10, 13, 15, 16, 17]  # the default model's Q6_K layers
+    assert keeps_int8("model.layers.5.self_attn.v_proj", 18)
+    assert not keeps_int8("model.layers.5.mlp.gate_proj", 18)
+    assert not keeps_int8("model.layers.3.mlp.experts", 18)
+
+    config = ModelConfig.from_hf(tiny_config("llama", 300, num_hidden_layers=8))
+    model = build_model(config, "meta", torch.float32)
+    mixed = plan_for_model(model, QuantizeOptions("int4-mixed"))
+    plain = plan_for_model(model, QuantizeOptions("int4"))
+    assert mixed.keys() == plain.keys()
+    assert {f.kind for f in plain.values() if f.group_size == 32} == {"int4", "int8"}
+    int8 = sorted(name for name, fmt in mixed.items() if fmt.kind == "int8")
+    assert int8 == sorted(
+        ["lm_head", "model.embed_tokens"]
+        + [f"model.layers.{i}.self_attn.v_proj" for i in range(8)]
+        + [f"model.layers.{i}.mlp.down_proj" for i in (0, 3, 6, 7)]
+    )
+    assert all(plain[name].kind == "int4" for name in plain if name.startswith("model.layers."))

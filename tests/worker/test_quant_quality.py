@@ -56,14 +56,28 @@ def test_int8_quality(reference: Any) -> None:
     assert quality.perplexity_increase <= 0.01
 
 
+@pytest.fixture(scope="module")
+def int4_qualities(reference: Any) -> dict[str, Any]:
+    return {mode: _quality(reference, mode, 32) for mode in ("int4", "int4-mixed")}
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="int4 g32 of this model: 55% top-1, +334% perplexity with the error-minimising fit "
-    "(Gaussian noise of the same squared error is worse; see ARCHITECTURE.md)",
+    reason="int4 g32 of this model on a passage it knows by heart: 59% top-1, +262% perplexity "
+    "(668 positions); int4-mixed 69% / +113%. A quarter of int4's error in every matmul "
+    "already costs +10% (see ARCHITECTURE.md, Quantized weights)",
 )
-def test_int4_g32_quality(reference: Any) -> None:
-    quality = _quality(reference, "int4", 32)
+@pytest.mark.parametrize("mode", ["int4", "int4-mixed"])
+def test_int4_g32_quality(int4_qualities: dict[str, Any], mode: str) -> None:
+    quality = int4_qualities[mode]
     assert quality.top1_agreement >= 0.90 and quality.perplexity_increase <= 0.08
+
+
+def test_int4_mixed_beats_plain_int4(int4_qualities: dict[str, Any]) -> None:
+    plain, mixed = int4_qualities["int4"], int4_qualities["int4-mixed"]
+    # measured at 320 positions: plain 55.0% / +334%, mixed 65.0% / +126%
+    assert mixed.top1_agreement >= plain.top1_agreement + 0.04
+    assert 1 + mixed.perplexity_increase <= 0.6 * (1 + plain.perplexity_increase)
 
 
 def test_group_size_that_does_not_divide_fails_before_loading(default_model_gguf: Path) -> None:
