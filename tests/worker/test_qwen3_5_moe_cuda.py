@@ -242,9 +242,10 @@ def test_gpu_quantized_path_equals_cpu_path(
     GEMMs for the prefills, per-pair GEMVs for the decode steps; decode graphs) against the
     CPU path over the same checkpoint quantized the same way (the CPU dequantizes the experts
     a step hits). Four layers (3 DeltaNet, 1 full), the kernels' default tiles (no start-up
-    timing, which compiles every candidate): well under a minute with a cold Triton cache."""
+    timing, which compiles every candidate), the graphs' kernels compiled by a pool."""
     from test_quant_experts import _tiny_checkpoint
 
+    from worker.device.compile_ahead import start_compile_pool
     from worker.device.cuda_setup import prepare_model_for_device
     from worker.layers.quant_experts import QuantExperts
     from worker.loading.loader import load_model
@@ -256,6 +257,11 @@ def test_gpu_quantized_path_equals_cpu_path(
     ref = load_model(path, "cpu", torch.float32, progress=False, quantize=options).model
     loaded = load_model(path, "cuda", dtype, progress=False, quantize=options)
     assert sum(isinstance(m, QuantExperts) for m in loaded.model.modules()) == 4
-    gpu = prepare_model_for_device(loaded, "cuda")
-    assert isinstance(gpu, GraphedCausalLM)
-    _run_side_by_side(ref, gpu, "cuda", 4, tolerance, same_tokens=dtype == torch.float32)
+    pool = start_compile_pool()  # the graphs' kernels compiled side by side, as at a start
+    try:
+        gpu = prepare_model_for_device(loaded, "cuda", compiles=pool)
+        assert isinstance(gpu, GraphedCausalLM)
+        _run_side_by_side(ref, gpu, "cuda", 4, tolerance, same_tokens=dtype == torch.float32)
+    finally:
+        if pool is not None:
+            pool.close()
