@@ -71,6 +71,10 @@ def test_route_kernel_equals_router(triton_ready: None) -> None:
     weights, ids = route_triton(logits.to(DEVICE), 6)
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-6, atol=1e-6)
+    ties = torch.zeros(2, 40)
+    ties[1, [3, 7, 30]] = 1.0  # three top experts, then 37 equal ones
+    _, ids = route_triton(ties.to(DEVICE), 6)
+    assert ids.cpu().tolist() == [[0, 1, 2, 3, 4, 5], [3, 7, 30, 0, 1, 2]]  # lowest index first
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 40, 6), (5, 256, 8), (16, 24, 8)])

@@ -148,15 +148,19 @@ def _route_kernel(
     numer = tl.exp(logit - tl.max(logit, 0))
     probs = numer / tl.sum(numer, 0)
     probs = tl.where(offs < E, probs, -1.0)
+    # one max per pick: (the probability's bits, a non-negative float's order as an int) above
+    # (E_BLOCK - 1 - index), the lowest index winning a tie; taken experts drop to -1
+    key = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_BLOCK - 1 - offs)
     slots = tl.arange(0, K_BLOCK)
     picked = tl.zeros([K_BLOCK], dtype=tl.float32)
     picked_ids = tl.zeros([K_BLOCK], dtype=tl.int64)
     for j in tl.static_range(TOP_K):
-        best = tl.max(probs, 0)
-        best_id = tl.min(tl.where(probs == best, offs, E_BLOCK), 0)
+        best_key = tl.max(key, 0)
+        best_id = E_BLOCK - 1 - (best_key & 0xFFFFFFFF)
+        best = (best_key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         picked = tl.where(slots == j, best, picked)
-        picked_ids = tl.where(slots == j, best_id.to(tl.int64), picked_ids)
-        probs = tl.where(offs == best_id, -1.0, probs)
+        picked_ids = tl.where(slots == j, best_id, picked_ids)
+        key = tl.where(offs == best_id, -1, key)
     picked = picked / tl.sum(picked, 0)
     out = row * TOP_K + slots
     tl.store(weights_ptr + out, picked.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
@@ -173,7 +177,7 @@ def route_triton(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
         _route_kernel[(tokens,)](
             logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
             E_BLOCK=max(16, 1 << (experts - 1).bit_length()),
-            K_BLOCK=max(2, 1 << (top_k - 1).bit_length()), num_warps=4,
+            K_BLOCK=max(2, 1 << (top_k - 1).bit_length()), num_warps=1,  # shuffles only
         )  # fmt: skip
     return weights, ids
 
