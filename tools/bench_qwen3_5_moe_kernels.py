@@ -347,9 +347,9 @@ def moe_sweep(tokens: int, kind: str) -> None:
 
 
 # GemvTiles fields: (block_n, warps, programs)
-GEMV_SWEEP = [(128, 4, 528), (64, 4, 528), (32, 4, 528), (256, 4, 528), (128, 8, 528),
-              (128, 2, 528), (64, 8, 1056), (128, 4, 1056), (128, 4, 264), (64, 2, 1056),
-              (256, 8, 1056), (32, 8, 1056)]  # fmt: skip
+GEMV_SWEEP = [(128, 4, 264), (128, 2, 264), (64, 4, 264), (128, 4, 132), (128, 2, 528),
+              (64, 4, 528), (32, 4, 1), (64, 4, 1), (32, 8, 1), (64, 8, 1), (128, 4, 1),
+              (16, 4, 1)]  # fmt: skip  (programs 1: no K split, gate_up's kernel gated)
 
 
 def gemv_sweep(tokens: int, kind: str) -> None:

@@ -179,37 +179,46 @@ def _unscale(p: tl.constexpr, INT4_KIND: tl.constexpr):
 def _pair_gemv_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, o_ptr, part_ptr, PAIRS, SPAN,
     X_DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-    INT4_KIND: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
+    INT4_KIND: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """part[split, pair, n] = sum over this split's groups of x[pair // X_DIV, k] * W[e, n, k],
-    e = ids[pair]; words int32 [E, K / P, N], scales (offsets) fp16 [E, K / GROUP, N]."""
+    e = ids[pair]; words int32 [E, K / P, N], scales (offsets) fp16 [E, K / GROUP, N].
+    GATED (gate_up, one split): the program takes BLOCK_N gate columns and the same up
+    columns (N = 2I) and stores act[pair, :I] = silu(gate) * up in part's dtype instead."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     R: tl.constexpr = GROUP // P  # word rows per group
     GROUPS: tl.constexpr = K // GROUP
+    COLS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     pair = tl.program_id(0)
     split = tl.program_id(2)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // X_DIV).to(tl.int64) * K
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    if GATED:  # columns j < BLOCK_N: gate rows; the rest: the up rows INNER further
+        j = tl.arange(0, COLS)
+        col = tl.program_id(1) * BLOCK_N + j % BLOCK_N
+        mask_n = col < N // 2
+        offs_n = tl.where(mask_n, col, 0) + (j // BLOCK_N) * (N // 2)
+    else:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     w_base = w_ptr + expert * (K // P * N)
     meta_base = expert * (GROUPS * N)
     lanes = tl.arange(0, WARPS)
     first = split * SPAN
     last = tl.minimum(first + SPAN, GROUPS)
-    acc = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([WARPS, COLS], dtype=tl.float32)
     for g0 in range(first, last, WARPS):
         g = g0 + lanes  # [WARPS]: one group per warp
         mask_g = g < last
         mask = mask_g[:, None] & mask_n[None, :]
-        d0 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
-        d1 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
-        d2 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
-        d3 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
-        d4 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
-        d5 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
-        d6 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
-        d7 = tl.zeros([WARPS, BLOCK_N], dtype=tl.float32)
+        d0 = tl.zeros([WARPS, COLS], dtype=tl.float32)
+        d1 = tl.zeros([WARPS, COLS], dtype=tl.float32)
+        d2 = tl.zeros([WARPS, COLS], dtype=tl.float32)
+        d3 = tl.zeros([WARPS, COLS], dtype=tl.float32)
+        d4 = tl.zeros([WARPS, COLS], dtype=tl.float32)
+        d5 = tl.zeros([WARPS, COLS], dtype=tl.float32)
+        d6 = tl.zeros([WARPS, COLS], dtype=tl.float32)
+        d7 = tl.zeros([WARPS, COLS], dtype=tl.float32)
         xs = tl.zeros([WARPS], dtype=tl.float32)
         for r in tl.static_range(R):
             rows = g * R + r  # [WARPS] word rows
@@ -249,8 +258,20 @@ def _pair_gemv_kernel(
             acc += dot * scale + offset * xs[:, None]
         else:
             acc += (dot - 128.0 * xs[:, None]) * scale
-    dst = part_ptr + (split * PAIRS + pair).to(tl.int64) * N + offs_n
-    tl.store(dst, tl.sum(acc, axis=0), mask=mask_n)
+    total = tl.sum(acc, axis=0)  # [COLS]
+    if GATED:
+        both = tl.reshape(total, [2, BLOCK_N])
+        half = tl.arange(0, 2)[:, None]
+        out_ty = part_ptr.dtype.element_ty
+        gate = tl.sum(tl.where(half == 0, both, 0.0), axis=0).to(out_ty).to(tl.float32)
+        up = tl.sum(tl.where(half == 1, both, 0.0), axis=0).to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        dst = part_ptr + pair.to(tl.int64) * (N // 2) + col
+        tl.store(dst, (act * up).to(out_ty), mask=col < N // 2)
+    else:
+        dst = part_ptr + (split * PAIRS + pair).to(tl.int64) * N + offs_n
+        tl.store(dst, total, mask=mask_n)
 
 
 @triton.jit
@@ -280,19 +301,26 @@ def _offsets(matrix: ExpertMatrix) -> torch.Tensor:
 
 
 def pair_gemv(
-    x: torch.Tensor, matrix: ExpertMatrix, ids: torch.Tensor, rows_per_x: int, t: GemvTiles
-) -> torch.Tensor:
+    x: torch.Tensor, matrix: ExpertMatrix, ids: torch.Tensor, rows_per_x: int, t: GemvTiles,
+    gated: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """Quantized: x [R, K], ids [pairs] (the expert of each pair; pair p reads
-    x[p // rows_per_x]) -> fp32 partial sums [split, pairs, N] (``split_for``)."""
+    x[p // rows_per_x]) -> fp32 partial sums [split, pairs, N] (``split_for``); ``gated``
+    (gate_up) and one split: act [pairs, N / 2] in x's dtype, silu(gate) * up."""
     num_experts, n, k = matrix.shape
     pairs = ids.numel()
     split, span = split_for(pairs, n, k // matrix.group_size, t)
-    part = torch.empty((split, pairs, n), dtype=torch.float32, device=x.device)
+    gated = gated and split == 1
+    if gated:
+        part = torch.empty((pairs, n // 2), dtype=x.dtype, device=x.device)
+    else:
+        part = torch.empty((split, pairs, n), dtype=torch.float32, device=x.device)
     if pairs:
-        _pair_gemv_kernel[(pairs, triton.cdiv(n, t.block_n), split)](
+        columns = n // 2 if gated else n
+        _pair_gemv_kernel[(pairs, triton.cdiv(columns, t.block_n), split)](
             x, ids, matrix.words, matrix.scales, _offsets(matrix), part, pairs, span,
             X_DIV=rows_per_x, N=n, K=k, GROUP=matrix.group_size, INT4_KIND=matrix.kind == INT4,
-            BLOCK_N=t.block_n, WARPS=t.warps, num_warps=t.warps,
+            BLOCK_N=t.block_n, WARPS=t.warps, GATED=gated, num_warps=t.warps,
         )  # fmt: skip
     return part
 
@@ -313,7 +341,7 @@ def pair_gemv_float(
     return part
 
 
-Project = Callable[[torch.Tensor, str, torch.Tensor, int], torch.Tensor]
+Project = Callable[[torch.Tensor, str, torch.Tensor, int, bool], torch.Tensor]
 
 
 def _moe_gemv(
@@ -321,21 +349,22 @@ def _moe_gemv(
     shared: torch.Tensor | None, shared_gate: torch.Tensor | None,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
-    """The module docstring's four launches; ``project(x, matrix, ids, rows_per_x)`` the
-    partial sums of one matrix ("gate_up_proj" / "down_proj")."""
+    """The module docstring's four launches; ``project(x, matrix, ids, rows_per_x, gated)``
+    the partial sums of one matrix ("gate_up_proj" / "down_proj"), or with ``gated`` the
+    activations themselves (2-D) where it can (one launch fewer)."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     pairs = tokens * top_k
     x = x.contiguous()
     flat_ids = ids.reshape(-1).contiguous()
-    part = project(x, "gate_up_proj", flat_ids, top_k)
-    act = torch.empty(pairs, inner, dtype=x.dtype, device=x.device)
-    if pairs:
+    part = project(x, "gate_up_proj", flat_ids, top_k, True)
+    act = part if part.dim() == 2 else torch.empty(pairs, inner, dtype=x.dtype, device=x.device)
+    if pairs and part.dim() == 3:
         block = 256
         _gated_sum_kernel[(pairs, triton.cdiv(inner, block))](
             part, act, pairs, INNER=inner, SPLIT=part.shape[0], BLOCK=block, num_warps=2
         )
-    out = project(act, "down_proj", flat_ids, 1)
+    out = project(act, "down_proj", flat_ids, 1, False)
     route = weights.reshape(-1).contiguous()
     result = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     has_shared = shared is not None and shared_gate is not None
@@ -370,8 +399,10 @@ def moe_quant_gemv(
     tiles_ = t or tiles()
     matrices = {"gate_up_proj": gate_up, "down_proj": down}
 
-    def project(x: torch.Tensor, name: str, ids: torch.Tensor, rows: int) -> torch.Tensor:
-        return pair_gemv(x, matrices[name], ids, rows, tiles_)
+    def project(
+        x: torch.Tensor, name: str, ids: torch.Tensor, rows: int, gated: bool
+    ) -> torch.Tensor:
+        return pair_gemv(x, matrices[name], ids, rows, tiles_, gated)
 
     inner = gate_up.shape[1] // 2
     return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual)
@@ -393,7 +424,9 @@ def moe_float_gemv(
     tiles_ = t or float_tiles()
     matrices = {"gate_up_proj": gate_up, "down_proj": down}
 
-    def project(x: torch.Tensor, name: str, ids: torch.Tensor, rows: int) -> torch.Tensor:
+    def project(
+        x: torch.Tensor, name: str, ids: torch.Tensor, rows: int, gated: bool
+    ) -> torch.Tensor:
         return pair_gemv_float(x, matrices[name], ids, rows, tiles_)
 
     inner = gate_up.shape[1] // 2
