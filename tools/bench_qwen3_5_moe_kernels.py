@@ -346,10 +346,10 @@ def moe_sweep(tokens: int, kind: str) -> None:
             f"{hit * per_expert / t / 1e12:.2f} TB/s{'' if ok else ' WRONG'}")  # fmt: skip
 
 
-# GemvTiles fields: (block_n, warps, programs)
+# GemvTiles fields: (block_n, warps, programs); programs 1: no K split (gate_up's kernel gated)
 GEMV_SWEEP = [(128, 4, 264), (128, 2, 264), (64, 4, 264), (128, 4, 132), (128, 2, 528),
               (64, 4, 528), (32, 4, 1), (64, 4, 1), (32, 8, 1), (64, 8, 1), (128, 4, 1),
-              (16, 4, 1)]  # fmt: skip  (programs 1: no K split, gate_up's kernel gated)
+              (16, 4, 1)]  # fmt: skip
 
 
 def gemv_sweep(tokens: int, kind: str) -> None:
