@@ -23,8 +23,10 @@ code: ~8.4 instructions per weight against ~3 now (SASS counts in BENCHMARKS.md)
 
 Three paths, by the number of rows M:
 
-- **GEMV, M == 1** (batch-1 decode): CUDA cores, fp32 accumulation, K split over programs
-  for matrices of few outputs (partial sums added in a fixed order: deterministic).
+- **GEMV, M == 1** (batch-1 decode): CUDA cores, fp32 accumulation, software-pipelined (the
+  next rows' words are in flight while the current ones are summed), K split over programs
+  for matrices of few outputs (partial sums added in a fixed order by the last program of a
+  column block to finish: deterministic, and no second kernel).
 - **GEMM, 1 < M <= GEMM_MAX_ROWS** (decode batches): per code position p, the
   [K tile, N / P tile] weights dequantized in registers (an AND and an FMA with the scale,
   then x's dtype) and multiplied on the tensor cores (``tl.dot``) into the outputs P*c + p.
@@ -55,9 +57,9 @@ from worker.layers.quant import INT4, QuantizedWeight, unpack_nibbles
 
 GEMV_MAX_ROWS = 1
 GEMM_MAX_ROWS = 64
-# GEMV: (BLOCK_C words, programs wanted (K split to reach them), num_warps, rows unrolled);
+# GEMV: (BLOCK_C words, programs wanted (K split to reach them), num_warps, rows a step: 4 or 8);
 # GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages)
-GEMV_CONFIG = (128, 264, 8, 8)
+GEMV_CONFIG = (32, 264, 8, 8)
 GEMM_CONFIG = (64, 32, 4, 3)
 GEMM_PROGRAMS = 132  # about one per SM of an H200: small GEMMs split K up to this many programs
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
@@ -76,6 +78,16 @@ class KMajorWeight:
     # tile configs timed for this matrix on this GPU (choose_configs); None: the defaults
     gemv_config: tuple[int, int, int, int] | None = None
     gemm_config: tuple[int, int, int, int] | None = None
+    # the K-split GEMV's arrival counters, one per column block (zero between calls)
+    arrivals: torch.Tensor | None = None
+
+    def counters(self, blocks: int) -> torch.Tensor:
+        """At least ``blocks`` zeroed counters of this weight's own (made by ``pack``, before
+        any CUDA graph capture; a weight is used on one stream at a time)."""
+        if self.arrivals is None or self.arrivals.numel() < blocks:
+            self.arrivals = torch.zeros(max(blocks, triton.cdiv(self.columns, 8)),
+                                        dtype=torch.int32, device=self.words.device)  # fmt: skip
+        return self.arrivals
 
     @property
     def per_word(self) -> int:
@@ -129,9 +141,11 @@ class KMajorWeight:
             return padded.t().reshape(-1, columns, per_word).transpose(1, 2).contiguous()
 
         offsets = None if qw.offsets is None else by_position(qw.offsets)
-        return KMajorWeight(
+        packed = KMajorWeight(
             qw.kind, qw.shape, qw.group_size, words, by_position(qw.scales), offsets
         )
+        packed.counters(1)  # now, not inside a graph capture
+        return packed
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` [T] of the dequantized weight -> [T, K] (an embedding lookup from a
@@ -217,12 +231,16 @@ def _unscale(p: tl.constexpr, INT4_KIND: tl.constexpr):
 
 
 @triton.jit
-def _gemv_group_end(acc, dot, s_ptr, o_ptr, meta, mask, xs, p: tl.constexpr, C,
-                    INT4_KIND: tl.constexpr):  # fmt: skip
-    """acc += this group's sum for code position p (scale, offset / int8's 128 applied)."""
-    scale = tl.load(s_ptr + meta + p * C, mask=mask, other=0.0).to(tl.float32)
+def _gemv_meta(ptr, meta, mask, p: tl.constexpr, C):
+    """The fp32 scales (or offsets) of code position p for a [WARPS, BLOCK_C] tile."""
+    return tl.load(ptr + meta + p * C, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gemv_group_end(acc, dot, scale, offset, xs, p: tl.constexpr, INT4_KIND: tl.constexpr):
+    """acc += one group's sum for code position p, scaled (int4: plus offset * sum x; int8:
+    minus the 128 of the stored codes)."""
     if INT4_KIND:
-        offset = tl.load(o_ptr + meta + p * C, mask=mask, other=0.0).to(tl.float32)
         acc += dot * (scale * _unscale(p, INT4_KIND)) + offset * xs
     else:
         acc += (dot * _unscale(p, INT4_KIND) - 128.0 * xs) * scale
@@ -236,26 +254,68 @@ def _gemv_store(y_ptr, acc, offs_c, mask_c, N, p: tl.constexpr, P: tl.constexpr)
 
 
 @triton.jit
+def _gemv_row(w_ptr, x_ptr, g, row, mask_g, mask_c, offs_c, C, GROUP: tl.constexpr):
+    """Row ``row`` of each warp's group g: the words [WARPS, BLOCK_C] and x [WARPS] (fp32)."""
+    base = w_ptr + (g * GROUP)[:, None].to(tl.int64) * C + offs_c[None, :]
+    word = tl.load(base + row * C, mask=mask_g[:, None] & mask_c[None, :], other=0)
+    x = tl.load(x_ptr + g * GROUP + row, mask=mask_g, other=0.0).to(tl.float32)
+    return word, x
+
+
+@triton.jit
+def _gemv_dot_row(d0, d1, d2, d3, d4, d5, d6, d7, xs, word, x, INT4_KIND: tl.constexpr):
+    """The group sums d_p += code_p * x of one row (codes as denormals, x scaled by 2^90)."""
+    xs += x
+    xb = (x * 1.2379400392853803e27)[:, None]  # 2^90: products stay normal floats
+    high = word >> 8
+    d0 += _code(word, high, 0, INT4_KIND) * xb
+    d1 += _code(word, high, 1, INT4_KIND) * xb
+    d2 += _code(word, high, 2, INT4_KIND) * xb
+    d3 += _code(word, high, 3, INT4_KIND) * xb
+    if INT4_KIND:
+        d4 += _code(word, high, 4, INT4_KIND) * xb
+        d5 += _code(word, high, 5, INT4_KIND) * xb
+        d6 += _code(word, high, 6, INT4_KIND) * xb
+        d7 += _code(word, high, 7, INT4_KIND) * xb
+    return d0, d1, d2, d3, d4, d5, d6, d7, xs
+
+
+@triton.jit
 def _qgemv_kernel(
-    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, N, C, K,
-    GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
-    WARPS: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, y_ptr, count_ptr, N, C, K,
+    GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
+    WARPS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """y[split, :] = the partial x @ W^T over this split's groups (one row of x). Program
-    (i, s): word columns [i * BLOCK_C, ...) over groups [s * span, (s + 1) * span), which its
-    WARPS warps share out (warp w takes groups w, w + WARPS, ...: each warp streams its own
-    rows, so many loads are in flight without splitting K over more programs), summed across
-    the warps at the end."""
+    """y = x @ W^T for one row of x. Program (i, s): word columns [i * BLOCK_C, ...) over the
+    groups of K split s, which its WARPS warps share out (warp w takes groups w, w + WARPS,
+    ...). Software-pipelined: each step handles ROWS (4 or 8) rows of a warp's group, and the
+    next step's words are loaded before this step's math, so loads stay in flight while it
+    runs; a group's scales are loaded when the group starts. With K split (SPLIT), each program
+    writes fp32 partial sums and the last program of a column block to arrive (a counter per
+    block, reset by that program) adds them in split order: deterministic, one kernel."""
     P: tl.constexpr = 8 if INT4_KIND else 4
+    SUB: tl.constexpr = GROUP // ROWS
     pid = tl.program_id(0)
     split = tl.program_id(1)
+    splits = tl.num_programs(1)
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
     lanes = tl.arange(0, WARPS)
     groups = K // GROUP
-    span = tl.cdiv(groups, tl.num_programs(1))
+    span = tl.cdiv(groups, splits)
     first = split * span
     last = tl.minimum(first + span, groups)
+    g = first + lanes
+    mask_g = g < last
+    w0, x0 = _gemv_row(w_ptr, x_ptr, g, 0, mask_g, mask_c, offs_c, C, GROUP)
+    w1, x1 = _gemv_row(w_ptr, x_ptr, g, 1, mask_g, mask_c, offs_c, C, GROUP)
+    w2, x2 = _gemv_row(w_ptr, x_ptr, g, 2, mask_g, mask_c, offs_c, C, GROUP)
+    w3, x3 = _gemv_row(w_ptr, x_ptr, g, 3, mask_g, mask_c, offs_c, C, GROUP)
+    if ROWS == 8:
+        w4, x4 = _gemv_row(w_ptr, x_ptr, g, 4, mask_g, mask_c, offs_c, C, GROUP)
+        w5, x5 = _gemv_row(w_ptr, x_ptr, g, 5, mask_g, mask_c, offs_c, C, GROUP)
+        w6, x6 = _gemv_row(w_ptr, x_ptr, g, 6, mask_g, mask_c, offs_c, C, GROUP)
+        w7, x7 = _gemv_row(w_ptr, x_ptr, g, 7, mask_g, mask_c, offs_c, C, GROUP)
     a0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
     a1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
     a2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
@@ -265,9 +325,27 @@ def _qgemv_kernel(
     a6 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
     a7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
     for g0 in range(first, last, WARPS):
-        g = g0 + lanes  # [WARPS]: one group per warp
+        g = g0 + lanes
         mask_g = g < last
         mask = mask_g[:, None] & mask_c[None, :]
+        meta = g[:, None] * (P * C) + offs_c[None, :]
+        s0 = _gemv_meta(s_ptr, meta, mask, 0, C)
+        s1 = _gemv_meta(s_ptr, meta, mask, 1, C)
+        s2 = _gemv_meta(s_ptr, meta, mask, 2, C)
+        s3 = _gemv_meta(s_ptr, meta, mask, 3, C)
+        if INT4_KIND:
+            s4 = _gemv_meta(s_ptr, meta, mask, 4, C)
+            s5 = _gemv_meta(s_ptr, meta, mask, 5, C)
+            s6 = _gemv_meta(s_ptr, meta, mask, 6, C)
+            s7 = _gemv_meta(s_ptr, meta, mask, 7, C)
+            o0 = _gemv_meta(o_ptr, meta, mask, 0, C)
+            o1 = _gemv_meta(o_ptr, meta, mask, 1, C)
+            o2 = _gemv_meta(o_ptr, meta, mask, 2, C)
+            o3 = _gemv_meta(o_ptr, meta, mask, 3, C)
+            o4 = _gemv_meta(o_ptr, meta, mask, 4, C)
+            o5 = _gemv_meta(o_ptr, meta, mask, 5, C)
+            o6 = _gemv_meta(o_ptr, meta, mask, 6, C)
+            o7 = _gemv_meta(o_ptr, meta, mask, 7, C)
         d0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
         d1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
         d2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
@@ -277,45 +355,82 @@ def _qgemv_kernel(
         d6 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
         d7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
         xs = tl.zeros([WARPS], dtype=tl.float32)
-        for r0 in range(0, GROUP, UNROLL):
-            for r in tl.static_range(UNROLL):
-                rows = g * GROUP + r0 + r
-                word = tl.load(w_ptr + rows[:, None].to(tl.int64) * C + offs_c[None, :],
-                               mask=mask, other=0)  # fmt: skip
-                x = tl.load(x_ptr + rows, mask=mask_g, other=0.0).to(tl.float32)
-                xs += x
-                xb = (x * 1.2379400392853803e27)[:, None]  # 2^90: products stay normal floats
-                high = word >> 8
-                d0 += _code(word, high, 0, INT4_KIND) * xb
-                d1 += _code(word, high, 1, INT4_KIND) * xb
-                d2 += _code(word, high, 2, INT4_KIND) * xb
-                d3 += _code(word, high, 3, INT4_KIND) * xb
-                if INT4_KIND:
-                    d4 += _code(word, high, 4, INT4_KIND) * xb
-                    d5 += _code(word, high, 5, INT4_KIND) * xb
-                    d6 += _code(word, high, 6, INT4_KIND) * xb
-                    d7 += _code(word, high, 7, INT4_KIND) * xb
-        meta = g[:, None] * (P * C) + offs_c[None, :]
+        for sub in tl.static_range(SUB):
+            if sub + 1 < SUB:  # the next step: this group's next rows, or the next group's first
+                ng = g
+            else:
+                ng = g + WARPS
+            nm = ng < last
+            r0 = ((sub + 1) % SUB) * ROWS
+            n0, y0 = _gemv_row(w_ptr, x_ptr, ng, r0, nm, mask_c, offs_c, C, GROUP)
+            n1, y1 = _gemv_row(w_ptr, x_ptr, ng, r0 + 1, nm, mask_c, offs_c, C, GROUP)
+            n2, y2 = _gemv_row(w_ptr, x_ptr, ng, r0 + 2, nm, mask_c, offs_c, C, GROUP)
+            n3, y3 = _gemv_row(w_ptr, x_ptr, ng, r0 + 3, nm, mask_c, offs_c, C, GROUP)
+            if ROWS == 8:
+                n4, y4 = _gemv_row(w_ptr, x_ptr, ng, r0 + 4, nm, mask_c, offs_c, C, GROUP)
+                n5, y5 = _gemv_row(w_ptr, x_ptr, ng, r0 + 5, nm, mask_c, offs_c, C, GROUP)
+                n6, y6 = _gemv_row(w_ptr, x_ptr, ng, r0 + 6, nm, mask_c, offs_c, C, GROUP)
+                n7, y7 = _gemv_row(w_ptr, x_ptr, ng, r0 + 7, nm, mask_c, offs_c, C, GROUP)
+            d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
+                d0, d1, d2, d3, d4, d5, d6, d7, xs, w0, x0, INT4_KIND)  # fmt: skip
+            d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
+                d0, d1, d2, d3, d4, d5, d6, d7, xs, w1, x1, INT4_KIND)  # fmt: skip
+            d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
+                d0, d1, d2, d3, d4, d5, d6, d7, xs, w2, x2, INT4_KIND)  # fmt: skip
+            d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
+                d0, d1, d2, d3, d4, d5, d6, d7, xs, w3, x3, INT4_KIND)  # fmt: skip
+            w0, x0, w1, x1, w2, x2, w3, x3 = n0, y0, n1, y1, n2, y2, n3, y3
+            if ROWS == 8:
+                d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
+                    d0, d1, d2, d3, d4, d5, d6, d7, xs, w4, x4, INT4_KIND)  # fmt: skip
+                d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
+                    d0, d1, d2, d3, d4, d5, d6, d7, xs, w5, x5, INT4_KIND)  # fmt: skip
+                d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
+                    d0, d1, d2, d3, d4, d5, d6, d7, xs, w6, x6, INT4_KIND)  # fmt: skip
+                d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
+                    d0, d1, d2, d3, d4, d5, d6, d7, xs, w7, x7, INT4_KIND)  # fmt: skip
+                w4, x4, w5, x5, w6, x6, w7, x7 = n4, y4, n5, y5, n6, y6, n7, y7
         xsum = xs[:, None]
-        a0 = _gemv_group_end(a0, d0, s_ptr, o_ptr, meta, mask, xsum, 0, C, INT4_KIND)
-        a1 = _gemv_group_end(a1, d1, s_ptr, o_ptr, meta, mask, xsum, 1, C, INT4_KIND)
-        a2 = _gemv_group_end(a2, d2, s_ptr, o_ptr, meta, mask, xsum, 2, C, INT4_KIND)
-        a3 = _gemv_group_end(a3, d3, s_ptr, o_ptr, meta, mask, xsum, 3, C, INT4_KIND)
         if INT4_KIND:
-            a4 = _gemv_group_end(a4, d4, s_ptr, o_ptr, meta, mask, xsum, 4, C, INT4_KIND)
-            a5 = _gemv_group_end(a5, d5, s_ptr, o_ptr, meta, mask, xsum, 5, C, INT4_KIND)
-            a6 = _gemv_group_end(a6, d6, s_ptr, o_ptr, meta, mask, xsum, 6, C, INT4_KIND)
-            a7 = _gemv_group_end(a7, d7, s_ptr, o_ptr, meta, mask, xsum, 7, C, INT4_KIND)
-    y_ptr += split * N
-    _gemv_store(y_ptr, tl.sum(a0, axis=0), offs_c, mask_c, N, 0, P)
-    _gemv_store(y_ptr, tl.sum(a1, axis=0), offs_c, mask_c, N, 1, P)
-    _gemv_store(y_ptr, tl.sum(a2, axis=0), offs_c, mask_c, N, 2, P)
-    _gemv_store(y_ptr, tl.sum(a3, axis=0), offs_c, mask_c, N, 3, P)
+            a0 = _gemv_group_end(a0, d0, s0, o0, xsum, 0, INT4_KIND)
+            a1 = _gemv_group_end(a1, d1, s1, o1, xsum, 1, INT4_KIND)
+            a2 = _gemv_group_end(a2, d2, s2, o2, xsum, 2, INT4_KIND)
+            a3 = _gemv_group_end(a3, d3, s3, o3, xsum, 3, INT4_KIND)
+            a4 = _gemv_group_end(a4, d4, s4, o4, xsum, 4, INT4_KIND)
+            a5 = _gemv_group_end(a5, d5, s5, o5, xsum, 5, INT4_KIND)
+            a6 = _gemv_group_end(a6, d6, s6, o6, xsum, 6, INT4_KIND)
+            a7 = _gemv_group_end(a7, d7, s7, o7, xsum, 7, INT4_KIND)
+        else:
+            a0 = _gemv_group_end(a0, d0, s0, s0, xsum, 0, INT4_KIND)
+            a1 = _gemv_group_end(a1, d1, s1, s1, xsum, 1, INT4_KIND)
+            a2 = _gemv_group_end(a2, d2, s2, s2, xsum, 2, INT4_KIND)
+            a3 = _gemv_group_end(a3, d3, s3, s3, xsum, 3, INT4_KIND)
+    out = y_ptr
+    if SPLIT:  # partials [splits, C * P] in fp32, indexed like the outputs
+        out = part_ptr + split * (C * P)
+    _gemv_store(out, tl.sum(a0, axis=0), offs_c, mask_c, N, 0, P)
+    _gemv_store(out, tl.sum(a1, axis=0), offs_c, mask_c, N, 1, P)
+    _gemv_store(out, tl.sum(a2, axis=0), offs_c, mask_c, N, 2, P)
+    _gemv_store(out, tl.sum(a3, axis=0), offs_c, mask_c, N, 3, P)
     if INT4_KIND:
-        _gemv_store(y_ptr, tl.sum(a4, axis=0), offs_c, mask_c, N, 4, P)
-        _gemv_store(y_ptr, tl.sum(a5, axis=0), offs_c, mask_c, N, 5, P)
-        _gemv_store(y_ptr, tl.sum(a6, axis=0), offs_c, mask_c, N, 6, P)
-        _gemv_store(y_ptr, tl.sum(a7, axis=0), offs_c, mask_c, N, 7, P)
+        _gemv_store(out, tl.sum(a4, axis=0), offs_c, mask_c, N, 4, P)
+        _gemv_store(out, tl.sum(a5, axis=0), offs_c, mask_c, N, 5, P)
+        _gemv_store(out, tl.sum(a6, axis=0), offs_c, mask_c, N, 6, P)
+        _gemv_store(out, tl.sum(a7, axis=0), offs_c, mask_c, N, 7, P)
+    if SPLIT:
+        # every thread's partials are stored (barrier) before one thread's acq_rel add
+        # publishes them; the last to arrive reads all (bypassing L1) and resets the counter
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            outs = pid * BLOCK_C * P + tl.arange(0, BLOCK_C * P)
+            mask_o = outs < N
+            total = tl.zeros([BLOCK_C * P], dtype=tl.float32)
+            for s in range(splits):
+                total += tl.load(part_ptr + s * (C * P) + outs, mask=mask_o, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.store(y_ptr + outs, total.to(y_ptr.dtype.element_ty), mask=mask_o)
+            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -499,26 +614,27 @@ def qgemv(
     split: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [1, K] @ W^T -> [1, N] in x's dtype; ``split`` K-splits (None: ``split_for`` the
-    config's program count), summed in fp32 by a second small kernel."""
+    config's program count), added in fp32 by the last program of each column block."""
     _check(x, packed)
     if x.shape[0] != 1:
         raise ValueError(f"qgemv serves one row, got {x.shape[0]}")
     n, k = packed.shape
-    block_c, programs, num_warps, unroll = config or packed.gemv_config or GEMV_CONFIG
+    block_c, programs, num_warps, rows = config or packed.gemv_config or GEMV_CONFIG
     groups = k // packed.group_size
-    unroll = min(unroll, packed.group_size)
+    rows = 8 if rows >= 8 and packed.group_size >= 8 else 4
     if split is None:
         split = split_for(packed.columns, groups, block_c, programs, num_warps)
+    blocks = triton.cdiv(packed.columns, block_c)
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
-    out = y if split == 1 else torch.empty((split, n), device=x.device, dtype=torch.float32)
-    _qgemv_kernel[(triton.cdiv(packed.columns, block_c), split)](
-        x, packed.words, packed.scales, _offsets(packed), out, n, packed.columns, k,
-        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
-        UNROLL=unroll, WARPS=num_warps, num_warps=num_warps,
-    )  # fmt: skip
+    part = y
     if split > 1:
-        block = 256  # many programs: a split of 88 (5,376 outputs) reads 1.9 MB of partials
-        _reduce_kernel[(triton.cdiv(n, block),)](out, y, n, SPLIT=split, BLOCK=block, num_warps=2)
+        part = torch.empty((split, packed.columns * packed.per_word), device=x.device,
+                           dtype=torch.float32)  # fmt: skip
+    _qgemv_kernel[(blocks, split)](
+        x, packed.words, packed.scales, _offsets(packed), part, y, packed.counters(blocks), n,
+        packed.columns, k, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4,
+        BLOCK_C=block_c, ROWS=rows, WARPS=num_warps, SPLIT=split > 1, num_warps=num_warps,
+    )  # fmt: skip
     return y
 
 
@@ -599,8 +715,8 @@ def quant_linear(
 
 # candidates timed per matrix shape at start-up (tools/bench_quant_kernels.py --sweep: the
 # fastest configs of the 31B shapes on an H200 were among these)
-GEMV_CANDIDATES = [(128, 264, 8, 8), (128, 528, 4, 8), (64, 264, 8, 8), (128, 264, 8, 16),
-                   (256, 264, 8, 8), (32, 64, 8, 16), (64, 132, 8, 16)]  # fmt: skip
+GEMV_CANDIDATES = [(32, 264, 8, 8), (128, 264, 4, 8), (64, 264, 8, 8), (128, 396, 4, 8),
+                   (32, 132, 8, 8), (128, 132, 4, 8), (64, 264, 8, 4)]  # fmt: skip
 GEMM_CANDIDATES = [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2)]
 
 
