@@ -199,6 +199,7 @@ def build_engine(
     cuda_graphs: bool = True,
     quantize: str = "none",
     group_size: int | None = None,
+    quant_importance: str | None = None,
     max_resident: int | None = None,
     host_cache_gb: float = 4.0,
     session_dir: str | None = None,
@@ -248,7 +249,7 @@ def build_engine(
             random_weights=random_weights,
             tokenizer_path=tokenizer_path,
             seed=seed,
-            quantize=QuantizeOptions(quantize, group_size),
+            quantize=QuantizeOptions(quantize, group_size, quant_importance),
             shard=group,
         )
     model_context = int(getattr(loaded.config, "context_length", 0) or 4096)
@@ -413,6 +414,12 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
             default=None,
             help="Quantization group size (default 32; 64, 128 or the row length also work).",
         ),
+        click.option(
+            "--quant-importance",
+            type=click.Path(exists=True, dir_okay=False),
+            default=None,
+            help="int4 fit weighted by input channel: a file of tools/quant_importance.py.",
+        ),
     ]
     for opt in reversed(opts):
         func = opt(func)
@@ -438,6 +445,7 @@ def command(
     quantize: str,
     tensor_parallel: int,
     group_size: int | None,
+    quant_importance: str | None,
     max_resident: int | None,
     host_cache_gb: float,
     session_dir: str | None,
@@ -460,6 +468,7 @@ def command(
         cuda_graphs=cuda_graphs,
         quantize=quantize,
         group_size=group_size,
+        quant_importance=quant_importance,
         max_resident=max_resident,
         host_cache_gb=host_cache_gb,
         session_dir=session_dir,

@@ -4,6 +4,7 @@ the CPU kernel (worker/device/cpu_quant.py) and the load-time plan (worker/loadi
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -257,3 +258,42 @@ def test_int4_mixed_plan_keeps_the_sensitive_matmuls_int8() -> None:
         + [f"model.layers.{i}.mlp.down_proj" for i in (0, 3, 6, 7)]
     )
     assert all(plain[name].kind == "int4" for name in plain if name.startswith("model.layers."))
+
+
+def test_int4_importance_weights_the_fit_by_input_channel() -> None:
+    """A channel of large importance gets a smaller error; uniform importance is the plain fit."""
+    w = _weight(64, 128, seed=3)
+    importance = torch.ones(128)
+    importance[5::32] = 1000.0  # one heavy input channel per group
+    plain = Q.quantize_int4(w, 32)
+    weighted = Q.quantize_int4(w, 32, importance=importance)
+    uniform = Q.quantize_int4(w, 32, importance=torch.full((128,), 7.0))
+    assert torch.equal(Q.dequantize(uniform), Q.dequantize(plain))
+
+    def error(qw: Q.QuantizedWeight) -> tuple[float, float]:
+        squared = (Q.dequantize(qw) - w).square()
+        return float(squared[:, 5::32].sum()), float((squared * importance).sum())
+
+    (heavy_plain, total_plain), (heavy_weighted, total_weighted) = error(plain), error(weighted)
+    assert heavy_weighted < 0.25 * heavy_plain and total_weighted < 0.5 * total_plain
+    with pytest.raises(ValueError, match="importance of shape"):
+        Q.quantize_int4(w, 32, importance=torch.ones(64))
+
+
+def test_set_importance_names_a_wrong_shape(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+    from tiny_models import tiny_config
+
+    from worker.loading.quantize import install, plan_for_model, set_importance
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    model = build_model(ModelConfig.from_hf(tiny_config("llama", 300)), "meta", torch.float32)
+    install(model, plan_for_model(model, QuantizeOptions("int4-mixed")))
+    path = tmp_path / "importance.safetensors"
+    save_file({"model.layers.0.mlp.up_proj": torch.ones(64), "other": torch.ones(3)}, str(path))
+    assert set_importance(model, str(path)) == 1
+    assert model.get_submodule("model.layers.0.mlp.up_proj").importance is not None
+    save_file({"model.layers.1.self_attn.q_proj": torch.ones(8)}, str(path))
+    with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.q_proj' has shape \[8\]"):
+        set_importance(model, str(path))

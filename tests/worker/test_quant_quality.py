@@ -31,9 +31,9 @@ def reference(default_model_gguf: Path) -> Any:
     return ids, quant_quality.teacher_forced(base.model, ids), greedy
 
 
-def _quality(reference: Any, mode: str, group: int | None) -> Any:
+def _quality(reference: Any, mode: str, group: int | None, importance: str | None = None) -> Any:
     ids, forced, _ = reference
-    loaded = quant_quality.load(mode, group)
+    loaded = quant_quality.load(mode, group, importance)
     return quant_quality.compare(forced, quant_quality.teacher_forced(loaded.model, ids), mode)
 
 
@@ -57,8 +57,15 @@ def test_int8_quality(reference: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def int4_qualities(reference: Any) -> dict[str, Any]:
-    return {mode: _quality(reference, mode, 32) for mode in ("int4", "int4-mixed")}
+def int4_qualities(reference: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from quant_importance import DEFAULT_TEXTS, importance
+    from safetensors.torch import save_file
+
+    path = str(tmp_path_factory.mktemp("importance") / "importance.safetensors")
+    save_file(importance(None, list(DEFAULT_TEXTS), 1024), path)
+    qualities = {mode: _quality(reference, mode, 32) for mode in ("int4", "int4-mixed")}
+    qualities["int4-mixed-imp"] = _quality(reference, "int4-mixed", 32, path)
+    return qualities
 
 
 @pytest.mark.xfail(
@@ -67,17 +74,21 @@ def int4_qualities(reference: Any) -> dict[str, Any]:
     "(668 positions); int4-mixed 69% / +113%. A quarter of int4's error in every matmul "
     "already costs +10% (see ARCHITECTURE.md, Quantized weights)",
 )
-@pytest.mark.parametrize("mode", ["int4", "int4-mixed"])
+@pytest.mark.parametrize("mode", ["int4", "int4-mixed", "int4-mixed-imp"])
 def test_int4_g32_quality(int4_qualities: dict[str, Any], mode: str) -> None:
     quality = int4_qualities[mode]
     assert quality.top1_agreement >= 0.90 and quality.perplexity_increase <= 0.08
 
 
-def test_int4_mixed_beats_plain_int4(int4_qualities: dict[str, Any]) -> None:
+def test_int4_mixed_and_importance_beat_plain_int4(int4_qualities: dict[str, Any]) -> None:
     plain, mixed = int4_qualities["int4"], int4_qualities["int4-mixed"]
-    # measured at 320 positions: plain 55.0% / +334%, mixed 65.0% / +126%
+    weighted = int4_qualities["int4-mixed-imp"]
+    # measured at 320 positions: plain 55.0% / +334%, mixed 65.0% / +126%, mixed with the
+    # importance of tools/quant_importance.py's default text 75.0% / +58%
     assert mixed.top1_agreement >= plain.top1_agreement + 0.04
     assert 1 + mixed.perplexity_increase <= 0.6 * (1 + plain.perplexity_increase)
+    assert weighted.top1_agreement >= mixed.top1_agreement + 0.02
+    assert 1 + weighted.perplexity_increase <= 0.85 * (1 + mixed.perplexity_increase)
 
 
 def test_group_size_that_does_not_divide_fails_before_loading(default_model_gguf: Path) -> None:

@@ -168,17 +168,23 @@ def _int8_scales(grouped: torch.Tensor, divisors: tuple[int, ...]) -> torch.Tens
 
 
 def quantize_int4(
-    weight: torch.Tensor, group_size: int = 32, search: bool = True
+    weight: torch.Tensor,
+    group_size: int = 32,
+    search: bool = True,
+    importance: torch.Tensor | None = None,
 ) -> QuantizedWeight:
     """Asymmetric int4: per group the scale and offset of least squared error among
-    INT4_STEP_DELTAS' fits (``search`` False: min/max, scale = (max - min) / 15, offset = min)."""
+    INT4_STEP_DELTAS' fits (``search`` False: min/max, scale = (max - min) / 15, offset = min).
+    ``importance`` [K] (>= 0, e.g. each input channel's mean x^2 over calibration text) weights
+    each weight's squared error by its input channel's, in the fit and in the choice."""
     n, k = weight.shape
     QuantFormat(INT4, group_size).check("weight", (n, k))
     rows = _search_rows(weight)
+    weights = None if importance is None else _group_weights(importance, k, group_size, weight)
     scales, offsets, packed = [], [], []
     for start in range(0, n, rows):  # chunks bound the fp32 temporaries
         grouped = _groups(weight[start : start + rows], group_size)
-        scale, offset = _int4_params(grouped, search)
+        scale, offset = _int4_params(grouped, search, weights)
         safe = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
         q = torch.round((grouped - offset.float().unsqueeze(-1)) / safe).clamp_(0, 15)
         packed.append(pack_nibbles(q.to(torch.uint8).flatten(1)))
@@ -188,30 +194,49 @@ def quantize_int4(
                            torch.cat(offsets))  # fmt: skip
 
 
-def _int4_params(grouped: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, G, g] -> (scale, offset) fp16 [R, G] of least squared error per group."""
+def _group_weights(
+    importance: torch.Tensor, k: int, group: int, like: torch.Tensor
+) -> torch.Tensor:
+    """importance [K] -> [1, K / g, g] fp32 on ``like``'s device, each group's mean 1 (a floor
+    of 1e-4 of it, so no weight is free and every fit stays determined)."""
+    if tuple(importance.shape) != (k,):
+        raise ValueError(f"importance of shape {tuple(importance.shape)} for a weight of K={k}")
+    weights = importance.to(like.device, torch.float32).reshape(1, k // group, group)
+    weights = weights / weights.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return weights.clamp_min(1e-4)
+
+
+def _sum(t: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    return (t if weights is None else t * weights).sum(-1, keepdim=True)
+
+
+def _int4_params(
+    grouped: torch.Tensor, search: bool, weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, G, g] -> (scale, offset) fp16 [R, G] of least (``weights`` [1, G, g]: weighted)
+    squared error per group."""
     low = grouped.amin(dim=-1, keepdim=True)  # [R, G, 1]
     span = grouped.amax(dim=-1, keepdim=True) - low
     best_scale = (span / 15.0).to(SCALE_DTYPE).float()  # min/max: the starting candidate
     best_offset = low.to(SCALE_DTYPE).float()
     if not search:
         return best_scale.squeeze(-1).to(SCALE_DTYPE), best_offset.squeeze(-1).to(SCALE_DTYPE)
-    best_error = _int4_error(grouped, best_scale, best_offset)
-    size = grouped.shape[-1]
-    sum_w = grouped.sum(-1, keepdim=True)
+    best_error = _int4_error(grouped, best_scale, best_offset, weights)
+    size = grouped.shape[-1] if weights is None else weights.sum(-1, keepdim=True)
+    sum_w = _sum(grouped, weights)
     nonzero_span = torch.where(span > 0, span, torch.ones_like(span))
     for delta in INT4_STEP_DELTAS:
         codes = torch.sub(grouped, low).mul_((15.0 + delta) / nonzero_span).round_().clamp_(0, 15)
-        # least squares of grouped ~ scale * codes + offset over each group
-        sum_c = codes.sum(-1, keepdim=True)
-        sum_cc = codes.square().sum(-1, keepdim=True)
-        sum_cw = codes.mul_(grouped).sum(-1, keepdim=True)
+        # (weighted) least squares of grouped ~ scale * codes + offset over each group
+        sum_c = _sum(codes, weights)
+        sum_cc = _sum(codes.square(), weights)
+        sum_cw = _sum(codes.mul_(grouped), weights)
         det = size * sum_cc - sum_c * sum_c
         ok = det > 0
         scale = (size * sum_cw - sum_c * sum_w) / torch.where(ok, det, torch.ones_like(det))
         scale = torch.where(ok, scale, best_scale).to(SCALE_DTYPE).float()
         offset = ((sum_w - scale * sum_c) / size).to(SCALE_DTYPE).float()
-        error = _int4_error(grouped, scale, offset)
+        error = _int4_error(grouped, scale, offset, weights)
         better = error < best_error
         best_scale = torch.where(better, scale, best_scale)
         best_offset = torch.where(better, offset, best_offset)
@@ -219,18 +244,30 @@ def _int4_params(grouped: torch.Tensor, search: bool) -> tuple[torch.Tensor, tor
     return best_scale.squeeze(-1).to(SCALE_DTYPE), best_offset.squeeze(-1).to(SCALE_DTYPE)
 
 
-def _int4_error(grouped: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """Squared error per group [R, G, 1] of the codes ``round((w - offset) / scale)``."""
+def _int4_error(
+    grouped: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(Weighted) squared error per group [R, G, 1] of the codes ``round((w - offset) / scale)``."""
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
     codes = torch.sub(grouped, offset).div_(safe).round_().clamp_(0, 15)
-    return codes.mul_(scale).add_(offset).sub_(grouped).square_().sum(dim=-1, keepdim=True)
+    return _sum(codes.mul_(scale).add_(offset).sub_(grouped).square_(), weights)
 
 
-def quantize(weight: torch.Tensor, fmt: QuantFormat, search: bool = True) -> QuantizedWeight:
-    """``weight`` in ``fmt``; ``search`` False: round-to-nearest over each group's range."""
+def quantize(
+    weight: torch.Tensor,
+    fmt: QuantFormat,
+    search: bool = True,
+    importance: torch.Tensor | None = None,
+) -> QuantizedWeight:
+    """``weight`` in ``fmt``; ``search`` False: round-to-nearest over each group's range;
+    ``importance`` [K]: an int4 fit weighted by input channel (``quantize_int4``; int8 ignores
+    it: its searched fit already meets its quality target)."""
     if fmt.kind == INT8:
         return quantize_int8(weight, fmt.group_size, search)
-    return quantize_int4(weight, fmt.group_size or weight.shape[1], search)
+    return quantize_int4(weight, fmt.group_size or weight.shape[1], search, importance)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -279,6 +316,7 @@ def _loaded(
     fmt: QuantFormat,
     owner: str,
     search: bool,
+    importance: torch.Tensor | None = None,
 ) -> QuantizedWeight:
     """`value` as this module's weight: an already quantized one checked against the module's
     shape and format, a float one checked and quantized to the format."""
@@ -294,7 +332,7 @@ def _loaded(
             f"tensor {name!r}: checkpoint shape {tuple(value.shape)} does not "
             f"match model shape {shape}"
         )
-    return quantize(value, fmt, search=search)
+    return quantize(value, fmt, search=search, importance=importance)
 
 
 class QuantLinear(nn.Module):
@@ -320,6 +358,9 @@ class QuantLinear(nn.Module):
         # worker.device.kernels.quant_matmul.KMajorWeight (the GPU's layout; `quantized` is
         # dropped once it is set: see pack_for_device)
         self.device_packed: object | None = None
+        # [in_features]: weights the int4 fit of a float weight by input channel when set
+        # (``worker.loading.quantize.set_importance``, from calibration statistics)
+        self.importance: torch.Tensor | None = None
 
     @staticmethod
     def from_weight(qw: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantLinear:
@@ -332,7 +373,9 @@ class QuantLinear(nn.Module):
     def load(self, value: torch.Tensor | QuantizedWeight) -> None:
         """Fill the weight: a float tensor is quantized to this layer's format."""
         shape = (self.out_features, self.in_features)
-        self.quantized = _loaded(self.name, value, shape, self.format, "layer's", search=True)
+        self.quantized = _loaded(
+            self.name, value, shape, self.format, "layer's", True, self.importance
+        )
         self.cpu_packed = None
 
     @property
