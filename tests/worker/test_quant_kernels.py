@@ -104,6 +104,34 @@ def test_gemv_k_splits_pipeline_steps_and_arrival_counters(kind: str, group: int
     torch.testing.assert_close(again, qm.qgemv(x, packed, (8, 1, 2, 4), split=3), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("group", [8, 32])
+def test_int4_gemm_with_bf16_inputs_makes_bf16_pair_weights(
+    group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int4 GEMMs with bf16 x make each weight as code * bf16(scale) + bf16(offset) rounded to
+    bf16 once (what the PTX's bf16x2 FMA computes; here Triton's interpreter runs the same
+    arithmetic in fp32): equal to that reference, within bf16 error of the exact one, and
+    TOKENPIPE_QUANT_BF16_PAIRS=0 is the fp32 dequantization again."""
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw("int4", group, n=72, k=group * 4, seed=2)
+    packed = qm.KMajorWeight.pack(qw)
+    x = torch.randn(5, group * 4, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    x = x.to(torch.bfloat16)
+    codes = Q.unpack_nibbles(qw.qdata).float()
+    scales = qw.scales.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
+    offsets = qw.offsets.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
+    weights = (codes * scales + offsets).to(torch.bfloat16).float()
+    got = qm.qgemm(x, packed, (16, 32, 4, 2)).float()
+    want = x.float() @ weights.T  # within one bf16 step (the interpreter truncates the output)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
+    exact = x.float() @ qw.dequantize().T
+    assert 0 < (got - exact).abs().max() < 0.02 * exact.abs().max()
+    monkeypatch.setenv("TOKENPIPE_QUANT_BF16_PAIRS", "0")
+    once = qm.qgemm(x.float(), packed, (16, 32, 4, 2))  # fp32: the reference arithmetic
+    torch.testing.assert_close(once, exact, rtol=1e-4, atol=1e-4)
+
+
 def test_pack_for_device_routes_layers_and_shares_a_tied_table(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -473,12 +473,110 @@ def _weights(word, scale_ptr, offset_ptr, meta, mask, p: tl.constexpr, C, INT4_K
     return value * (scale * (1.0 / (1 << a))) + offset
 
 
+def _bf16_pairs_asm() -> str:
+    """PTX for 8 code positions of two int4 words at a time (``pack=2``): operands $0..$7 the
+    bf16x2 weights of positions 0..7, $8 and $9 the two words, $10..$17 the bf16x2 scales and
+    $18..$25 the offsets of positions 0..7. Per position: a byte permute puts the byte holding
+    the code of each word in one half (odd positions from the words shifted right by 4), an
+    AND/OR makes each half 128 + code as a bf16 (exact), a bf16x2 subtract takes the 128 off
+    (exact) and one bf16x2 FMA gives code * scale + offset, rounded to bf16 once."""
+    lines = ["{", ".reg .b32 hi0, hi1, t, base;", "mov.b32 base, 0x43004300;",
+             "shr.u32 hi0, $8, 4;", "shr.u32 hi1, $9, 4;"]  # fmt: skip
+    for p in range(8):
+        byte = p // 2
+        low, high = ("$8", "$9") if p % 2 == 0 else ("hi0", "hi1")
+        select = byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12
+        lines += [
+            f"prmt.b32 t, {low}, {high}, {select:#x};",
+            "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;",  # (t & mask) | 128.0 in each half
+            "sub.bf16x2 t, t, base;",
+            f"fma.rn.bf16x2 ${p}, t, ${10 + p}, ${18 + p};",
+        ]
+    return "\n".join([*lines, "}"])
+
+
+BF16_PAIRS_ASM = tl.constexpr(_bf16_pairs_asm())
+BF16_PAIRS_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 18))
+
+
+@triton.jit
+def _bf16_meta(ptr, meta, mask, p: tl.constexpr, C, ASM: tl.constexpr):
+    """Scales or offsets of code position p rounded to bf16 (kept in fp32 without ASM)."""
+    value = tl.load(ptr + meta + p * C, mask=mask, other=0.0)
+    if ASM:
+        rounded = value.to(tl.bfloat16)
+    else:
+        rounded = _nearest_bf16(value.to(tl.float32))
+    return rounded
+
+
+@triton.jit
+def _int4_bf16_weights(word, s_ptr, o_ptr, meta, mask, C, ASM: tl.constexpr):
+    """The 8 bf16 weight tiles (code positions 0..7) of a [BLOCK_C, BLOCK_K] tile of int4
+    words in one group: code * scale + offset rounded to bf16 once, with the scale and offset
+    rounded to bf16 first. ASM: the PTX of `_bf16_pairs_asm` (~2 instructions a weight);
+    otherwise the same arithmetic in fp32 (Triton's interpreter runs no PTX)."""
+    s0 = _bf16_meta(s_ptr, meta, mask, 0, C, ASM)
+    s1 = _bf16_meta(s_ptr, meta, mask, 1, C, ASM)
+    s2 = _bf16_meta(s_ptr, meta, mask, 2, C, ASM)
+    s3 = _bf16_meta(s_ptr, meta, mask, 3, C, ASM)
+    s4 = _bf16_meta(s_ptr, meta, mask, 4, C, ASM)
+    s5 = _bf16_meta(s_ptr, meta, mask, 5, C, ASM)
+    s6 = _bf16_meta(s_ptr, meta, mask, 6, C, ASM)
+    s7 = _bf16_meta(s_ptr, meta, mask, 7, C, ASM)
+    o0 = _bf16_meta(o_ptr, meta, mask, 0, C, ASM)
+    o1 = _bf16_meta(o_ptr, meta, mask, 1, C, ASM)
+    o2 = _bf16_meta(o_ptr, meta, mask, 2, C, ASM)
+    o3 = _bf16_meta(o_ptr, meta, mask, 3, C, ASM)
+    o4 = _bf16_meta(o_ptr, meta, mask, 4, C, ASM)
+    o5 = _bf16_meta(o_ptr, meta, mask, 5, C, ASM)
+    o6 = _bf16_meta(o_ptr, meta, mask, 6, C, ASM)
+    o7 = _bf16_meta(o_ptr, meta, mask, 7, C, ASM)
+    if ASM:
+        return tl.inline_asm_elementwise(
+            BF16_PAIRS_ASM, BF16_PAIRS_CONSTRAINTS,
+            [word, s0, s1, s2, s3, s4, s5, s6, s7, o0, o1, o2, o3, o4, o5, o6, o7],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2,
+        )  # fmt: skip
+    return (
+        _bf16_weight(word, s0, o0, 0), _bf16_weight(word, s1, o1, 1),
+        _bf16_weight(word, s2, o2, 2), _bf16_weight(word, s3, o3, 3),
+        _bf16_weight(word, s4, o4, 4), _bf16_weight(word, s5, o5, 5),
+        _bf16_weight(word, s6, o6, 6), _bf16_weight(word, s7, o7, 7),
+    )  # fmt: skip
+
+
+@triton.jit
+def _bf16_dot(acc, w, x, ASM: tl.constexpr):
+    """acc += w @ x for bf16 tiles; without ASM (Triton's interpreter, whose bf16 dot is
+    wrong) as an exact fp32 dot of the same values."""
+    if ASM:
+        return acc + tl.dot(w, x)
+    return acc + tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _bf16_weight(word, scale, offset, p: tl.constexpr):
+    """The PTX's weight in fp32 arithmetic: code * scale + offset (exact in fp32 but for
+    the add's rounding) rounded to the nearest bf16, even on ties (by hand: the interpreter's
+    conversion truncates)."""
+    code = ((word >> (4 * p)) & 15).to(tl.float32)
+    return _nearest_bf16(code * scale + offset).to(tl.bfloat16)
+
+
+@triton.jit
+def _nearest_bf16(value):
+    bits = value.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _qgemm_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, C, K, stride_xm, stride_ym,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
@@ -522,24 +620,36 @@ def _qgemm_kernel(
             meta_mask = mask_c[:, None]
         x = tl.load(x_cols + offs_k[:, None], mask=mask_k[:, None] & mask_m[None, :],
                     other=0.0)  # fmt: skip
-        ty = x.dtype
-        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, C, INT4_KIND)
-        acc0 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 1, C, INT4_KIND)
-        acc1 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 2, C, INT4_KIND)
-        acc2 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 3, C, INT4_KIND)
-        acc3 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-        if INT4_KIND:
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 4, C, INT4_KIND)
-            acc4 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 5, C, INT4_KIND)
-            acc5 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 6, C, INT4_KIND)
-            acc6 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, C, INT4_KIND)
-            acc7 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+        if BF16_PAIRS:  # int4 with bf16 x: weights made as bf16 pairs (~2 instructions each)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _int4_bf16_weights(word, s_ptr, o_ptr, meta,
+                                                                meta_mask, C, ASM)  # fmt: skip
+            acc0 = _bf16_dot(acc0, w0, x, ASM)
+            acc1 = _bf16_dot(acc1, w1, x, ASM)
+            acc2 = _bf16_dot(acc2, w2, x, ASM)
+            acc3 = _bf16_dot(acc3, w3, x, ASM)
+            acc4 = _bf16_dot(acc4, w4, x, ASM)
+            acc5 = _bf16_dot(acc5, w5, x, ASM)
+            acc6 = _bf16_dot(acc6, w6, x, ASM)
+            acc7 = _bf16_dot(acc7, w7, x, ASM)
+        else:
+            ty = x.dtype
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, C, INT4_KIND)
+            acc0 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 1, C, INT4_KIND)
+            acc1 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 2, C, INT4_KIND)
+            acc2 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 3, C, INT4_KIND)
+            acc3 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+            if INT4_KIND:
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 4, C, INT4_KIND)
+                acc4 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 5, C, INT4_KIND)
+                acc5 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 6, C, INT4_KIND)
+                acc6 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, C, INT4_KIND)
+                acc7 += tl.dot(w.to(ty), x, input_precision=PRECISION)
     y_cols = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym
     _gemm_store(y_cols, acc0, offs_c, mask_m, mask_c, N, 0, P)
     _gemm_store(y_cols, acc1, offs_c, mask_m, mask_c, N, 1, P)
@@ -664,6 +774,8 @@ def qgemm(
         GROUP=group, INT4_KIND=packed.kind == INT4,
         BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
+        BF16_PAIRS=packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs(),
+        ASM=os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
@@ -673,6 +785,12 @@ def qgemm(
             out, y, count, SPLIT=split, BLOCK=block, num_warps=2
         )
     return y
+
+
+def _bf16_pairs() -> bool:
+    """int4 GEMMs with bf16 x make their weights as bf16 pairs (``_int4_bf16_weights``) unless
+    TOKENPIPE_QUANT_BF16_PAIRS=0 (then in fp32, rounded to bf16 once, as the reference)."""
+    return os.environ.get("TOKENPIPE_QUANT_BF16_PAIRS", "1") != "0"
 
 
 def dequantize_triton(packed: KMajorWeight, dtype: torch.dtype) -> torch.Tensor:
