@@ -256,10 +256,20 @@ def _gemv_store(y_ptr, acc, offs_c, mask_c, N, p: tl.constexpr, P: tl.constexpr)
 @triton.jit
 def _gemv_row(w_ptr, x_ptr, g, row, mask_g, mask_c, offs_c, C, GROUP: tl.constexpr):
     """Row ``row`` of each warp's group g: the words [WARPS, BLOCK_C] and x [WARPS] (fp32)."""
+    return _gemv_words(w_ptr, g, row, mask_g, mask_c, offs_c, C, GROUP), _gemv_x(
+        x_ptr, g, row, mask_g, GROUP
+    )
+
+
+@triton.jit
+def _gemv_words(w_ptr, g, row, mask_g, mask_c, offs_c, C, GROUP: tl.constexpr):
     base = w_ptr + (g * GROUP)[:, None].to(tl.int64) * C + offs_c[None, :]
-    word = tl.load(base + row * C, mask=mask_g[:, None] & mask_c[None, :], other=0)
-    x = tl.load(x_ptr + g * GROUP + row, mask=mask_g, other=0.0).to(tl.float32)
-    return word, x
+    return tl.load(base + row * C, mask=mask_g[:, None] & mask_c[None, :], other=0)
+
+
+@triton.jit
+def _gemv_x(x_ptr, g, row, mask_g, GROUP: tl.constexpr):
+    return tl.load(x_ptr + g * GROUP + row, mask=mask_g, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -284,7 +294,7 @@ def _gemv_dot_row(d0, d1, d2, d3, d4, d5, d6, d7, xs, word, x, INT4_KIND: tl.con
 def _qgemv_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, y_ptr, count_ptr, N, C, K,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
-    WARPS: tl.constexpr, SPLIT: tl.constexpr,
+    WARPS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """y = x @ W^T for one row of x. Program (i, s): word columns [i * BLOCK_C, ...) over the
     groups of K split s, which its WARPS warps share out (warp w takes groups w, w + WARPS,
@@ -307,15 +317,27 @@ def _qgemv_kernel(
     last = tl.minimum(first + span, groups)
     g = first + lanes
     mask_g = g < last
-    w0, x0 = _gemv_row(w_ptr, x_ptr, g, 0, mask_g, mask_c, offs_c, C, GROUP)
-    w1, x1 = _gemv_row(w_ptr, x_ptr, g, 1, mask_g, mask_c, offs_c, C, GROUP)
-    w2, x2 = _gemv_row(w_ptr, x_ptr, g, 2, mask_g, mask_c, offs_c, C, GROUP)
-    w3, x3 = _gemv_row(w_ptr, x_ptr, g, 3, mask_g, mask_c, offs_c, C, GROUP)
+    # the first step's words need nothing from the kernel before (PDL: they load while it ends)
+    w0 = _gemv_words(w_ptr, g, 0, mask_g, mask_c, offs_c, C, GROUP)
+    w1 = _gemv_words(w_ptr, g, 1, mask_g, mask_c, offs_c, C, GROUP)
+    w2 = _gemv_words(w_ptr, g, 2, mask_g, mask_c, offs_c, C, GROUP)
+    w3 = _gemv_words(w_ptr, g, 3, mask_g, mask_c, offs_c, C, GROUP)
     if ROWS == 8:
-        w4, x4 = _gemv_row(w_ptr, x_ptr, g, 4, mask_g, mask_c, offs_c, C, GROUP)
-        w5, x5 = _gemv_row(w_ptr, x_ptr, g, 5, mask_g, mask_c, offs_c, C, GROUP)
-        w6, x6 = _gemv_row(w_ptr, x_ptr, g, 6, mask_g, mask_c, offs_c, C, GROUP)
-        w7, x7 = _gemv_row(w_ptr, x_ptr, g, 7, mask_g, mask_c, offs_c, C, GROUP)
+        w4 = _gemv_words(w_ptr, g, 4, mask_g, mask_c, offs_c, C, GROUP)
+        w5 = _gemv_words(w_ptr, g, 5, mask_g, mask_c, offs_c, C, GROUP)
+        w6 = _gemv_words(w_ptr, g, 6, mask_g, mask_c, offs_c, C, GROUP)
+        w7 = _gemv_words(w_ptr, g, 7, mask_g, mask_c, offs_c, C, GROUP)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # x (and the outputs' memory) belong to the kernels before
+    x0 = _gemv_x(x_ptr, g, 0, mask_g, GROUP)
+    x1 = _gemv_x(x_ptr, g, 1, mask_g, GROUP)
+    x2 = _gemv_x(x_ptr, g, 2, mask_g, GROUP)
+    x3 = _gemv_x(x_ptr, g, 3, mask_g, GROUP)
+    if ROWS == 8:
+        x4 = _gemv_x(x_ptr, g, 4, mask_g, GROUP)
+        x5 = _gemv_x(x_ptr, g, 5, mask_g, GROUP)
+        x6 = _gemv_x(x_ptr, g, 6, mask_g, GROUP)
+        x7 = _gemv_x(x_ptr, g, 7, mask_g, GROUP)
     a0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
     a1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
     a2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
@@ -735,6 +757,7 @@ def qgemv(
     if split is None:
         split = split_for(packed.columns, groups, block_c, programs, num_warps)
     blocks = triton.cdiv(packed.columns, block_c)
+    pdl = _pdl(x)
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
     part = y
     if split > 1:
@@ -743,7 +766,8 @@ def qgemv(
     _qgemv_kernel[(blocks, split)](
         x, packed.words, packed.scales, _offsets(packed), part, y, packed.counters(blocks), n,
         packed.columns, k, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4,
-        BLOCK_C=block_c, ROWS=rows, WARPS=num_warps, SPLIT=split > 1, num_warps=num_warps,
+        BLOCK_C=block_c, ROWS=rows, WARPS=num_warps, SPLIT=split > 1, PDL=pdl,
+        num_warps=num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return y
 
@@ -785,6 +809,15 @@ def qgemm(
             out, y, count, SPLIT=split, BLOCK=block, num_warps=2
         )
     return y
+
+
+def _pdl(x: torch.Tensor) -> bool:
+    """Programmatic dependent launch for the GEMV (TOKENPIPE_QUANT_PDL=1, Hopper and later):
+    it may start while the kernel before it ends, loading its first weights, and waits for
+    that kernel (``gdc_wait``) before it reads x."""
+    if os.environ.get("TOKENPIPE_QUANT_PDL", "0") != "1" or x.device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def _bf16_pairs() -> bool:
