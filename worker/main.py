@@ -88,10 +88,13 @@ def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
         # Take every line that is already there; block only when there is nothing to do.
         while not eof:
             block = engine.idle and not engine.shutting_down
-            if block and engine.idle_work():  # saved one session (--session-dir); look again
+            timeout = None
+            if block and engine.idle_work():  # saved or pinned one session's cache; look again
                 block = False
+            elif block and engine.idle_soon():  # a pool buffer is coming back: poll for it
+                timeout = 0.05
             try:
-                line = lines.get(block=block)
+                line = lines.get(block=block, timeout=timeout)
             except queue.Empty:
                 break
             if line is _EOF:

@@ -530,8 +530,21 @@ class Engine:
         return restored
 
     def idle_work(self) -> bool:
-        """With --session-dir, while nothing runs: hand one session whose cache changed since
-        it was last saved to the writer thread. True if there was one (call again)."""
+        """While nothing runs: with --session-dir, hand one session whose cache changed since
+        it was last saved to the writer thread; else move one host copy that went to pageable
+        memory (the pool was exhausted then) into a free pool buffer. True if there was one
+        (call again)."""
+        if not self.idle or self.tiers is None:
+            return False
+        return self._save_one() or self.tiers.pin_one()
+
+    def idle_soon(self) -> bool:
+        """Idle work waits for a pool buffer that a write or a copy still holds: look again
+        shortly instead of blocking."""
+        return self.idle and self.tiers is not None and self.tiers.buffers_coming_back()
+
+    def _save_one(self) -> bool:
+        """One session whose cache changed since it was last saved, to the writer thread."""
         store = self.tiers.store if self.tiers is not None else None
         if store is None or not store.writable or not self.idle:
             return False
@@ -559,7 +572,7 @@ class Engine:
         store = self.tiers.store if self.tiers is not None else None
         if store is None:
             return
-        while self.idle_work():
+        while self._save_one():
             pass
         store.close()
 

@@ -21,7 +21,10 @@ while the CUDA graphs are captured. A read without a free buffer goes to pageabl
 read pins memory (~0.55 s a GB on an H200 host, stalling the GPU).
 
 A state given to ``write`` is the writer's to ``release`` once written (or superseded, or
-failed); a state ``read`` returns is the caller's.
+failed); a state ``read`` returns is the caller's. A state in a pinned pool buffer is first
+copied to pageable memory by a spill thread, which gives the buffer back at once (the disk,
+~0.75 GB/s with fsync on the H200 host, would hold it for seconds, and a request's offload
+needs it); ``pending_state`` offers no spilled copy.
 
 Writes go through one writer thread, in the order they were asked for (a ``close`` after a
 write deletes the file the write made). Each write goes to ``<file>.tmp``, is fsynced and then
@@ -86,9 +89,11 @@ class StoredSession:
 @dataclass
 class _Write:
     name: str
-    state: SlotState
+    state: SlotState  # the writer's hold; swapped for a pageable copy by the spill thread
     resident_ids: list[int]
     version: int
+    writing: bool = False  # the writer took it: its state is not swapped any more
+    spilled: bool = False  # its state was swapped for a pageable copy
 
 
 @dataclass
@@ -135,6 +140,7 @@ class SessionStore:
         self._prefetching = False
         self._found: list[tuple[str, list[int], float]] | None = None  # scan()'s answer
         self._queue: queue.Queue[Any] = queue.Queue()
+        self._spiller = ThreadPoolExecutor(1, "session-spill")
         self._thread = threading.Thread(target=self._writer, name="session-writer", daemon=True)
         self._thread.start()
 
@@ -214,15 +220,32 @@ class SessionStore:
             self._drop_prefetched(name)
             self._pending[name] = item
             self._versions[name] = version
+        if state.buffer is not None:
+            self._spiller.submit(self._spill, item)
         self._queue.put(item)
+
+    def _spill(self, item: _Write) -> None:
+        """Swap a queued write's pinned state for a pageable copy and give the buffer back
+        (unless the writer has started on it)."""
+        with self._lock:
+            pinned = item.state
+            if item.writing or pinned.buffer is None:
+                return
+        copy = {name: t.clone() for name, t in pinned.tensors.items()}
+        with self._lock:
+            if item.writing:
+                return
+            item.state = SlotState(pinned.tokens, copy, pinned.meta)
+            item.spilled = True
+        pinned.release()
 
     def pending_state(self, name: str, version: int) -> SlotState | None:
         """The host copy of ``name`` at ``version`` that a write not yet done holds (held once
         more for the caller), or None."""
         with self._lock:
             item = self._pending.get(name)
-            if item is None or item.version != version:
-                return None
+            if item is None or item.version != version or item.spilled:
+                return None  # (spilled: a fresh copy into a pool buffer is faster)
             item.state.retain()
             return item.state
 
@@ -262,6 +285,7 @@ class SessionStore:
         self.flush()
         self._queue.put(_STOP)
         self._thread.join(timeout=60)
+        self._spiller.shutdown(wait=True)
         with self._lock:
             for name in list(self._prefetched):
                 self._drop_prefetched(name)
@@ -278,6 +302,7 @@ class SessionStore:
                     self.path_for(item.name).unlink(missing_ok=True)
                     continue
                 with self._lock:
+                    item.writing = True
                     if self._pending.get(item.name) is not item:
                         item.state.release()
                         continue  # superseded by a newer write or a delete

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from worker.engine.host_pool import HostBuffer, HostPool
 from worker.engine.session_store import SessionStore, StoredSession
-from worker.layers.slot_state import SlotState
+from worker.layers.slot_state import SlotState, to_host
 
 
 @dataclass
@@ -81,6 +81,7 @@ class SessionTiers:
         self.reloads = 0
         self.dropped = 0  # caches lost for want of room (their sessions re-prefill)
         self._lost: list[str] = []  # dropped, not yet reported (take_lost)
+        self.pinned_later = 0  # host copies moved from pageable memory into the pool at idle
 
     def buffer(
         self, nbytes: int, evict: bool, keep: Collection[str | None] = ()
@@ -115,6 +116,38 @@ class SessionTiers:
         for old_name, old in self.host.put(name, HostEntry(state, list(resident_ids), version)):
             self._push_out(old_name, old)
         return self.take_lost()
+
+    def pin_one(self) -> bool:
+        """Idle time: move the newest host copy in pageable memory (made when the pool was
+        exhausted) into a free pool buffer, so that its session resumes at DMA speed. False
+        when there is none or no buffer is free."""
+        if self.pool is None:
+            return False
+        for name in reversed(self.host.entries):
+            entry = self.host.entries[name]
+            if entry.state.buffer is not None or entry.state.nbytes > self.pool.buffer_bytes:
+                continue
+            buffer = self.pool.take(0)
+            if buffer is None:
+                return False
+            tensors, held = to_host(entry.state.tensors, buffer)
+            if held is None:  # does not fit the layout: leave it
+                buffer.release()
+                continue
+            entry.state = SlotState(entry.state.tokens, tensors, entry.state.meta, held)
+            self.pinned_later += 1
+            return True
+        return False
+
+    def buffers_coming_back(self) -> bool:
+        """A host copy waits in pageable memory for a buffer that a write or a device copy
+        still holds (``pin_one`` will find it free soon)."""
+        if self.pool is None:
+            return False
+        states = [e.state for e in self.host.entries.values()]
+        pageable = any(s.buffer is None and s.nbytes <= self.pool.buffer_bytes for s in states)
+        in_host = sum(1 for s in states if s.buffer is not None)
+        return pageable and self.pool.free == 0 and len(self.pool.buffers) > in_host
 
     def take_lost(self) -> list[str]:
         """The sessions whose caches were dropped since the last call."""
@@ -171,5 +204,6 @@ class SessionTiers:
             "offloads": self.offloads,
             "reloads": self.reloads,
             "dropped_caches": self.dropped,
+            "host_pinned_later": self.pinned_later,
             **(self.pool.stats() if self.pool is not None else {}),
         }
