@@ -258,6 +258,12 @@ class SessionStore:
             if stored is not None:
                 stored.state.release()
 
+    def prefetched_buffers(self) -> int:
+        """Pool buffers that prefetched copies hold (until read, written over or deleted)."""
+        with self._lock:
+            done = [f.result() for f in self._prefetched.values() if f.done()]
+        return sum(1 for stored in done if stored is not None and stored.state.buffer)
+
     def drop_a_prefetch(self) -> bool:
         """Let go of the prefetched copy read last (its file stays); False if none is done."""
         with self._lock:

@@ -146,8 +146,10 @@ class SessionTiers:
             return False
         states = [e.state for e in self.host.entries.values()]
         pageable = any(s.buffer is None and s.nbytes <= self.pool.buffer_bytes for s in states)
-        in_host = sum(1 for s in states if s.buffer is not None)
-        return pageable and self.pool.free == 0 and len(self.pool.buffers) > in_host
+        held = sum(1 for s in states if s.buffer is not None)  # for as long as they stay
+        if self.store is not None:
+            held += self.store.prefetched_buffers()
+        return pageable and self.pool.free == 0 and len(self.pool.buffers) > held
 
     def take_lost(self) -> list[str]:
         """The sessions whose caches were dropped since the last call."""
