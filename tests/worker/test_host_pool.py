@@ -250,3 +250,24 @@ def test_pageable_host_copies_move_into_the_pool_when_idle() -> None:
     assert entry.state.buffer is pool.buffers[0]
     assert torch.equal(entry.state.tensors["k1"], slot(8, 3.0)["k1"])
     assert not tiers.pin_one()
+
+
+def test_other_threads_take_only_buffers_no_copy_still_reads() -> None:
+    """The prefetch thread makes no CUDA call: it skips a buffer released with an event (a
+    copy to the device that may still run); the engine thread waits for the event."""
+
+    class Event:
+        waited = False
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    pool = HostPool(BUFFER_BYTES, 1, pinned=False)
+    buffer = pool.take(0)
+    assert buffer is not None
+    event = Event()
+    buffer.release(event)  # type: ignore[arg-type]
+    assert pool.take(0, wait=False) is None
+    assert pool.take(0) is buffer and event.waited and buffer.ready is None
+    buffer.release()
+    assert pool.take(0, wait=False) is buffer

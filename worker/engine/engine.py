@@ -401,9 +401,9 @@ class Engine:
         return state
 
     def _prefetch_buffer(self, nbytes: int) -> HostBuffer | None:
-        """A pool buffer for a session read from disk (any thread), or None."""
+        """A pool buffer for a session read from disk (any thread: no CUDA call), or None."""
         pool = self.host_pool
-        return pool.take(nbytes) if pool is not None else None
+        return pool.take(nbytes, wait=False) if pool is not None else None
 
     def _make_host_pool(self, kv: Any) -> HostPool | None:
         """The tiers' buffers (``--host-cache-gb`` worth, each a whole slot's state), pinned

@@ -99,14 +99,18 @@ class HostPool:
         with self.lock:
             return len(self._free)
 
-    def take(self, nbytes: int) -> HostBuffer | None:
+    def take(self, nbytes: int, wait: bool = True) -> HostBuffer | None:
         """A free buffer of at least ``nbytes`` (held once, safe to write: the last device copy
-        that read it has finished), or None (none free, or ``nbytes`` too large)."""
+        that read it has finished), or None (none free, or ``nbytes`` too large). Without
+        ``wait`` (threads other than the engine's: no CUDA call, a graph may be capturing)
+        only a buffer no device copy has read since it was last waited for."""
         with self.lock:
-            if nbytes > self.buffer_bytes or not self._free:
+            free = self._free if wait else [b for b in self._free if b.ready is None]
+            if nbytes > self.buffer_bytes or not free:
                 self.misses += 1
                 return None
-            buffer = self._free.pop()
+            buffer = free[-1]
+            self._free.remove(buffer)
             buffer.holders = 1
             ready, buffer.ready = buffer.ready, None
         if ready is not None:
