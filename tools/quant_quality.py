@@ -91,8 +91,8 @@ def int4_share(model: Any) -> float:
     return counts[True] / total if total else 0.0
 
 
-def passage_ids(tokenizer: Any, positions: int | None) -> list[int]:
-    ids = list(tokenizer.prefix_ids) + tokenizer.encode(PASSAGE.read_text())
+def passage_ids(tokenizer: Any, positions: int | None, passage: Path = PASSAGE) -> list[int]:
+    ids = list(tokenizer.prefix_ids) + tokenizer.encode(passage.read_text())
     return ids if positions is None else ids[: positions + 1]
 
 
@@ -156,12 +156,12 @@ def compare(
 
 
 def measure(
-    positions: int | None, variants: list[str], prompt_tokens: int
+    positions: int | None, variants: list[str], prompt_tokens: int, passage: Path = PASSAGE
 ) -> tuple[list[Quality], dict[str, bool]]:
     """Qualities of each variant against float, and per reference prompt whether `auto`'s
     greedy tokens equal float's."""
     base = load("none")
-    ids = passage_ids(base.tokenizer, positions)
+    ids = passage_ids(base.tokenizer, positions, passage)
     reference = teacher_forced(base.model, ids)
     float_greedy = {
         p: greedy(base.model, base.tokenizer, p, prompt_tokens) for p in REFERENCE_PROMPTS
@@ -230,6 +230,8 @@ def sensitivity(kind: str, positions: int | None) -> list[Quality]:
 @click.option("--threads", type=int, default=None, help="torch threads (default torch's).")
 @click.option("--prompt-tokens", type=int, default=24, show_default=True)
 @click.option("--json", "json_path", default=None, help="Also write the results here.")
+@click.option("--passage", type=click.Path(exists=True, path_type=Path), default=PASSAGE,
+              help="Text to measure on (default: the shipped passage).")  # fmt: skip
 @click.option("--variant", "variants", multiple=True, type=click.Choice(list(VARIANTS)),
               help="Measure only these (repeatable; default all).")  # fmt: skip
 @click.option("--sensitivity", "sensitivity_kind", type=click.Choice(["int8", "int4"]),
@@ -239,6 +241,7 @@ def main(
     threads: int | None,
     prompt_tokens: int,
     json_path: str | None,
+    passage: Path,
     variants: tuple[str, ...],
     sensitivity_kind: str | None,
 ) -> None:
@@ -252,7 +255,7 @@ def main(
                   f"{q.perplexity_increase:+10.2%}", flush=True)  # fmt: skip
         print(f"({time.perf_counter() - started:.1f}s)")
         return
-    results, same = measure(positions, list(variants or VARIANTS), prompt_tokens)
+    results, same = measure(positions, list(variants or VARIANTS), prompt_tokens, passage)
     print(f"{'variant':14} {'positions':>9} {'top-1 agree':>11} {'perplexity':>10} "
           f"{'ppl change':>10} {'int4 share':>10}")  # fmt: skip
     for q in results:
