@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -297,3 +298,48 @@ def test_set_importance_names_a_wrong_shape(tmp_path: Path) -> None:
     save_file({"model.layers.1.self_attn.q_proj": torch.ones(8)}, str(path))
     with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.q_proj' has shape \[8\]"):
         set_importance(model, str(path))
+
+
+def test_int4_mixed_with_importance_loads_and_runs_the_device_kernels(
+    tiny_checkpoint_factory: Any, triton_ready: None, tmp_path: Path
+) -> None:
+    """A float checkpoint loaded --quantize int4-mixed --quant-importance: the importance
+    changes the int4 layers' codes as they load, v_proj stays int8, and after the CUDA set-up's
+    steps (fuse, pack_for_device; Triton's interpreter here) the kernels' logits equal the
+    reference's (q/k int4 and v int8 are not fused)."""
+    from safetensors.torch import save_file
+
+    from worker.loading.loader import load_model
+    from worker.models.step import StepInput
+
+    directory = tiny_checkpoint_factory(config_overrides={"num_hidden_layers": 2})
+    importance = {
+        f"model.layers.{i}.{name}": torch.rand(k, generator=torch.Generator().manual_seed(i)) ** 8
+        for i in range(2)
+        for name, k in [("self_attn.q_proj", 64), ("self_attn.k_proj", 64),
+                        ("self_attn.o_proj", 64), ("mlp.gate_proj", 64), ("mlp.up_proj", 64),
+                        ("mlp.down_proj", 128)]
+    }  # fmt: skip
+    path = tmp_path / "importance.safetensors"
+    save_file(importance, str(path))
+
+    def load(file: str | None) -> Any:
+        options = QuantizeOptions("int4-mixed", 32, file)
+        return load_model(directory, "cpu", torch.float32, progress=False, quantize=options).model
+
+    plain, model = load(None), load(str(path))
+    up, plain_up = model.model.layers[0].mlp.up_proj, plain.model.layers[0].mlp.up_proj
+    assert up.format.kind == "int4" and up.importance is not None
+    assert not torch.equal(up.quantized.dequantize(), plain_up.quantized.dequantize())
+    assert model.model.layers[0].self_attn.v_proj.format.kind == "int8"
+    prompt, one = StepInput.single(list(range(5, 14)), 0, 0), StepInput.single([20], 0, 9)
+    kv = model.make_kv_cache(1, 32)
+    slow = [model(prompt, kv), model(one, kv)]
+    model.fuse_projections()
+    assert model.model.layers[0].self_attn.qkv_proj is None  # int4 q/k, int8 v
+    packed, left = Q.pack_for_device(model)
+    assert packed > 0 and left == 0
+    kv = model.make_kv_cache(1, 32)
+    fast = [model(prompt, kv), model(one, kv)]
+    for got, want in zip(fast, slow, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
