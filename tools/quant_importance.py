@@ -5,10 +5,12 @@
 
 Runs the float model (`--quantize none`, the torch path) over calibration text and stores, for
 every linear layer of the decoder, each input channel's mean x^2 over the text's positions:
-safetensors, module path ("model.layers.0.self_attn.q_proj") -> fp32 [in_features]. An int4
+safetensors, module path ("model.layers.0.self_attn.q_proj") -> bf16 [in_features]. An int4
 fit weighted by it spends its 16 levels where the inputs are large (a few channels of this
 family's inputs are hundreds of times the median). The default text is this repository's own
-prose (README.md, ARCHITECTURE.md): never the quality passage the fit is measured on.
+prose (README.md, ARCHITECTURE.md): never the quality passage the fit is measured on. The
+default model's file, worker/loading/data/gemma3_270m_q4_k_m.importance.safetensors, is this
+tool's output with its defaults.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def main(
         torch.set_num_threads(threads)
     started = time.perf_counter()
     stats = importance(model_path, list(texts or DEFAULT_TEXTS), tokens)
-    save_file(stats, out)
+    save_file({name: value.to(torch.bfloat16) for name, value in stats.items()}, out)
     print(f"{len(stats)} layers -> {out} ({time.perf_counter() - started:.1f}s)")
 
 

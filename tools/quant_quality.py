@@ -10,8 +10,9 @@ none`): top-1 agreement and perplexity. Variants: `auto` (the GGUF kept quantize
 `int4` g32 of the float weights. Then greedy continuations of reference prompts, `auto` vs float.
 `int4-mixed` is `--quantize int4-mixed`: int4 g32 except every v_proj and the down_proj of the
 layers llama.cpp's Q4_K_M gives more bits, which are int8 g32 (the share of int4 is printed).
-`-imp` variants add `--quant-importance` from tools/quant_importance.py's default calibration
-text (this repository's README and ARCHITECTURE, never the passage): an activation-weighted fit.
+The int4 variants weight their fit by the shipped input-channel importance of the default
+model (`--quant-importance`'s default: tools/quant_importance.py over this repository's README
+and ARCHITECTURE, never the passage); the `-plain` ones do not (`--quant-importance none`).
 Every variant runs the CPU path the worker runs (``prepare_for_cpu``: the packed kernels).
 
 ``--sensitivity KIND`` instead quantizes one slice of the float model at a time (each projection
@@ -29,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,13 +47,13 @@ REFERENCE_PROMPTS = [
     "In distributed systems, consensus protocols",
     "The old lighthouse keeper looked at the sea and",
 ]
-VARIANTS = {  # name -> (--quantize, --group-size, with --quant-importance)
-    "auto": ("auto", None, False),
-    "int8": ("int8", None, False),
-    "int4-g32": ("int4", 32, False),
-    "int4-mixed": ("int4-mixed", 32, False),  # int4 g32, its sensitive matmuls int8 (keeps_int8)
-    "int4-g32-imp": ("int4", 32, True),
-    "int4-mixed-imp": ("int4-mixed", 32, True),
+VARIANTS = {  # name -> (--quantize, --group-size, --quant-importance)
+    "auto": ("auto", None, None),
+    "int8": ("int8", None, None),
+    "int4-g32": ("int4", 32, None),  # the default: the shipped importance file
+    "int4-mixed": ("int4-mixed", 32, None),  # int4 g32, its sensitive matmuls int8 (keeps_int8)
+    "int4-g32-plain": ("int4", 32, "none"),  # the unweighted fit
+    "int4-mixed-plain": ("int4-mixed", 32, "none"),
 }
 
 
@@ -169,16 +169,8 @@ def measure(
     results = [compare(reference, reference, "float")]
     same: dict[str, bool] = {}
     del base
-    importance_file = None
-    if any(VARIANTS[name][2] for name in variants):
-        from quant_importance import DEFAULT_TEXTS, importance
-        from safetensors.torch import save_file
-
-        importance_file = str(Path(tempfile.mkdtemp()) / "importance.safetensors")
-        save_file(importance(None, list(DEFAULT_TEXTS), 1024), importance_file)
     for name in variants:
-        mode, group, weighted = VARIANTS[name]
-        loaded = load(mode, group, importance_file if weighted else None)
+        loaded = load(*VARIANTS[name])
         quality = compare(reference, teacher_forced(loaded.model, ids), name)
         quality.int4_share = int4_share(loaded.model)
         results.append(quality)
@@ -256,10 +248,10 @@ def main(
         print(f"({time.perf_counter() - started:.1f}s)")
         return
     results, same = measure(positions, list(variants or VARIANTS), prompt_tokens, passage)
-    print(f"{'variant':14} {'positions':>9} {'top-1 agree':>11} {'perplexity':>10} "
+    print(f"{'variant':16} {'positions':>9} {'top-1 agree':>11} {'perplexity':>10} "
           f"{'ppl change':>10} {'int4 share':>10}")  # fmt: skip
     for q in results:
-        print(f"{q.variant:14} {q.positions:9d} {q.top1_agreement:11.2%} {q.perplexity:10.3f} "
+        print(f"{q.variant:16} {q.positions:9d} {q.top1_agreement:11.2%} {q.perplexity:10.3f} "
               f"{q.perplexity_increase:+10.2%} {q.int4_share:10.1%}")  # fmt: skip
     for prompt, equal in same.items():
         print(f"auto greedy {prompt_tokens} tokens == float: {equal}  ({prompt!r})")

