@@ -17,7 +17,7 @@ which weights the int4 fit's squared error by channel (llama.cpp's imatrix idea)
 model's file ships here (``SHIPPED_IMPORTANCE``, made by that tool from this repository's README
 and ARCHITECTURE) and is used when the option is not given; ``--quant-importance none`` is the
 plain fit. On the default model (668 positions) int4 59.0% top-1 / +262% perplexity -> 71.0% /
-+102% with it, int4-mixed 69.5% / +113% -> 77.4% / +62%.
++102% with it, int4-mixed 69.5% / +113% -> 77.7% / +62%.
 
 ``int4`` stays int4 everywhere because the memory and speed targets are stated for it (a 31B
 model on a 24 GB card); ``int4-mixed`` is the quality choice. On the default model (Gemma 3
