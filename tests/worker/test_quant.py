@@ -324,16 +324,19 @@ def test_int4_mixed_with_importance_loads_and_runs_the_device_kernels(
     path = tmp_path / "importance.safetensors"
     save_file(importance, str(path))
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's interpreter on the CPU
+
     def load(file: str | None) -> Any:
         options = QuantizeOptions("int4-mixed", 32, file)
-        return load_model(directory, "cpu", torch.float32, progress=False, quantize=options).model
+        return load_model(directory, device, torch.float32, progress=False, quantize=options).model
 
     plain, model = load(None), load(str(path))
     up, plain_up = model.model.layers[0].mlp.up_proj, plain.model.layers[0].mlp.up_proj
     assert up.format.kind == "int4" and up.importance is not None
     assert not torch.equal(up.quantized.dequantize(), plain_up.quantized.dequantize())
     assert model.model.layers[0].self_attn.v_proj.format.kind == "int8"
-    prompt, one = StepInput.single(list(range(5, 14)), 0, 0), StepInput.single([20], 0, 9)
+    prompt = StepInput.single(list(range(5, 14)), 0, 0, device=device)
+    one = StepInput.single([20], 0, 9, device=device)
     kv = model.make_kv_cache(1, 32)
     slow = [model(prompt, kv), model(one, kv)]
     model.fuse_projections()
