@@ -84,10 +84,11 @@ def test_gemv_codes_at_every_bit_position_and_extreme_inputs() -> None:
 
 @pytest.mark.parametrize(("kind", "group"), [("int4", 16), ("int8", 8)])
 def test_gemv_k_splits_pipeline_steps_and_arrival_counters(kind: str, group: int) -> None:
-    """Tile shapes of the pipelined GEMV (4 or 8 rows a step, 1-2 warps sharing out the
-    groups) and K splits that leave some programs a partial warp's worth of groups or none at
-    all: the last program of each column block adds the partials, and every counter is back at
-    zero after each call (the next call, or a CUDA graph replay, starts clean)."""
+    """Tile shapes of the pipelined GEMVs (4 or 8 rows a step in registers, or the cp.async
+    pipeline of `_qgemv_staged_kernel`; 1-2 warps sharing out the groups) and K splits that
+    leave some programs a partial warp's worth of groups or none at all: the last program of
+    each column block adds the partials, and every counter is back at zero after each call
+    (the next call, or a CUDA graph replay, starts clean)."""
     from worker.device.kernels import quant_matmul as qm
 
     k = group * 7  # seven groups: a split of 3 is uneven, one of 6 (span 2) leaves one empty
@@ -95,7 +96,7 @@ def test_gemv_k_splits_pipeline_steps_and_arrival_counters(kind: str, group: int
     packed = qm.KMajorWeight.pack(qw)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     want = x @ qw.dequantize().T
-    for block_c, warps, rows in ((4, 1, 8), (16, 2, 4)):
+    for block_c, warps, rows in ((4, 1, 8), (16, 2, 4), (8, 2, -2)):  # -2: cp.async, 2 stages
         for split in (1, 3, 6):
             got = qm.qgemv(x, packed, (block_c, 1, warps, rows), split=split)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

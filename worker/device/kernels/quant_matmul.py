@@ -57,7 +57,8 @@ from worker.layers.quant import INT4, QuantizedWeight, unpack_nibbles
 
 GEMV_MAX_ROWS = 1
 GEMM_MAX_ROWS = 64
-# GEMV: (BLOCK_C words, programs wanted (K split to reach them), num_warps, rows a step: 4 or 8);
+# GEMV: (BLOCK_C words, programs wanted (K split to reach them), num_warps, rows a step: 4 or 8
+# in registers, or -S: the cp.async pipeline of S stages, `_qgemv_staged_kernel`);
 # GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages)
 GEMV_CONFIG = (32, 264, 8, 8)
 GEMM_CONFIG = (64, 32, 4, 3)
@@ -248,6 +249,18 @@ def _gemv_group_end(acc, dot, scale, offset, xs, p: tl.constexpr, INT4_KIND: tl.
 
 
 @triton.jit
+def _gemv_end_at(acc, dot, s_ptr, o_ptr, meta, mask, xs, p: tl.constexpr, C,
+                 INT4_KIND: tl.constexpr):  # fmt: skip
+    """`_gemv_group_end` with the group's scale (and offset) of position p loaded here."""
+    scale = _gemv_meta(s_ptr, meta, mask, p, C)
+    if INT4_KIND:
+        offset = _gemv_meta(o_ptr, meta, mask, p, C)
+    else:
+        offset = scale  # unused
+    return _gemv_group_end(acc, dot, scale, offset, xs, p, INT4_KIND)
+
+
+@triton.jit
 def _gemv_store(y_ptr, acc, offs_c, mask_c, N, p: tl.constexpr, P: tl.constexpr):
     out = offs_c * P + p
     tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=mask_c & (out < N))
@@ -288,6 +301,41 @@ def _gemv_dot_row(d0, d1, d2, d3, d4, d5, d6, d7, xs, word, x, INT4_KIND: tl.con
         d6 += _code(word, high, 6, INT4_KIND) * xb
         d7 += _code(word, high, 7, INT4_KIND) * xb
     return d0, d1, d2, d3, d4, d5, d6, d7, xs
+
+
+@triton.jit
+def _gemv_finish(a0, a1, a2, a3, a4, a5, a6, a7, part_ptr, y_ptr, count_ptr, pid, split, splits,
+                 offs_c, mask_c, N, C, BLOCK_C: tl.constexpr, INT4_KIND: tl.constexpr,
+                 SPLIT: tl.constexpr):  # fmt: skip
+    """Store the outputs (or, K split, this split's partials; the last program of the column
+    block to arrive adds all splits' partials in order and resets its counter)."""
+    P: tl.constexpr = 8 if INT4_KIND else 4
+    out = y_ptr
+    if SPLIT:  # partials [splits, C * P] in fp32, indexed like the outputs
+        out = part_ptr + split * (C * P)
+    _gemv_store(out, tl.sum(a0, axis=0), offs_c, mask_c, N, 0, P)
+    _gemv_store(out, tl.sum(a1, axis=0), offs_c, mask_c, N, 1, P)
+    _gemv_store(out, tl.sum(a2, axis=0), offs_c, mask_c, N, 2, P)
+    _gemv_store(out, tl.sum(a3, axis=0), offs_c, mask_c, N, 3, P)
+    if INT4_KIND:
+        _gemv_store(out, tl.sum(a4, axis=0), offs_c, mask_c, N, 4, P)
+        _gemv_store(out, tl.sum(a5, axis=0), offs_c, mask_c, N, 5, P)
+        _gemv_store(out, tl.sum(a6, axis=0), offs_c, mask_c, N, 6, P)
+        _gemv_store(out, tl.sum(a7, axis=0), offs_c, mask_c, N, 7, P)
+    if SPLIT:
+        # every thread's partials are stored (barrier) before one thread's acq_rel add
+        # publishes them; the last to arrive reads all (bypassing L1) and resets the counter
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            outs = pid * BLOCK_C * P + tl.arange(0, BLOCK_C * P)
+            mask_o = outs < N
+            total = tl.zeros([BLOCK_C * P], dtype=tl.float32)
+            for s in range(splits):
+                total += tl.load(part_ptr + s * (C * P) + outs, mask=mask_o, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.store(y_ptr + outs, total.to(y_ptr.dtype.element_ty), mask=mask_o)
+            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -427,32 +475,68 @@ def _qgemv_kernel(
             a1 = _gemv_group_end(a1, d1, s1, s1, xsum, 1, INT4_KIND)
             a2 = _gemv_group_end(a2, d2, s2, s2, xsum, 2, INT4_KIND)
             a3 = _gemv_group_end(a3, d3, s3, s3, xsum, 3, INT4_KIND)
-    out = y_ptr
-    if SPLIT:  # partials [splits, C * P] in fp32, indexed like the outputs
-        out = part_ptr + split * (C * P)
-    _gemv_store(out, tl.sum(a0, axis=0), offs_c, mask_c, N, 0, P)
-    _gemv_store(out, tl.sum(a1, axis=0), offs_c, mask_c, N, 1, P)
-    _gemv_store(out, tl.sum(a2, axis=0), offs_c, mask_c, N, 2, P)
-    _gemv_store(out, tl.sum(a3, axis=0), offs_c, mask_c, N, 3, P)
-    if INT4_KIND:
-        _gemv_store(out, tl.sum(a4, axis=0), offs_c, mask_c, N, 4, P)
-        _gemv_store(out, tl.sum(a5, axis=0), offs_c, mask_c, N, 5, P)
-        _gemv_store(out, tl.sum(a6, axis=0), offs_c, mask_c, N, 6, P)
-        _gemv_store(out, tl.sum(a7, axis=0), offs_c, mask_c, N, 7, P)
-    if SPLIT:
-        # every thread's partials are stored (barrier) before one thread's acq_rel add
-        # publishes them; the last to arrive reads all (bypassing L1) and resets the counter
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            outs = pid * BLOCK_C * P + tl.arange(0, BLOCK_C * P)
-            mask_o = outs < N
-            total = tl.zeros([BLOCK_C * P], dtype=tl.float32)
-            for s in range(splits):
-                total += tl.load(part_ptr + s * (C * P) + outs, mask=mask_o, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
-            tl.store(y_ptr + outs, total.to(y_ptr.dtype.element_ty), mask=mask_o)
-            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
+    _gemv_finish(a0, a1, a2, a3, a4, a5, a6, a7, part_ptr, y_ptr, count_ptr, pid, split,
+                 splits, offs_c, mask_c, N, C, BLOCK_C, INT4_KIND, SPLIT)  # fmt: skip
+
+
+@triton.jit
+def _qgemv_staged_kernel(
+    x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, y_ptr, count_ptr, N, C, K,
+    GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
+    WARPS: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """`_qgemv_kernel` with Triton's software pipeliner instead of registers: the words of the
+    next STAGES - 1 group steps are fetched by cp.async into shared memory while this one is
+    summed (deep prefetch at few registers: a tile choice, timed against the register one)."""
+    P: tl.constexpr = 8 if INT4_KIND else 4
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    lanes = tl.arange(0, WARPS)
+    groups = K // GROUP
+    span = tl.cdiv(groups, splits)
+    first = split * span
+    last = tl.minimum(first + span, groups)
+    a0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a3 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a4 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a5 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a6 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    for g0 in tl.range(first, last, WARPS, num_stages=STAGES):
+        g = g0 + lanes
+        mask_g = g < last
+        mask = mask_g[:, None] & mask_c[None, :]
+        meta = g[:, None] * (P * C) + offs_c[None, :]
+        d0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d3 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d4 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d5 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d6 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        xs = tl.zeros([WARPS], dtype=tl.float32)
+        for r in tl.static_range(GROUP):
+            word, x = _gemv_row(w_ptr, x_ptr, g, r, mask_g, mask_c, offs_c, C, GROUP)
+            d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
+                d0, d1, d2, d3, d4, d5, d6, d7, xs, word, x, INT4_KIND)  # fmt: skip
+        xsum = xs[:, None]
+        a0 = _gemv_end_at(a0, d0, s_ptr, o_ptr, meta, mask, xsum, 0, C, INT4_KIND)
+        a1 = _gemv_end_at(a1, d1, s_ptr, o_ptr, meta, mask, xsum, 1, C, INT4_KIND)
+        a2 = _gemv_end_at(a2, d2, s_ptr, o_ptr, meta, mask, xsum, 2, C, INT4_KIND)
+        a3 = _gemv_end_at(a3, d3, s_ptr, o_ptr, meta, mask, xsum, 3, C, INT4_KIND)
+        if INT4_KIND:
+            a4 = _gemv_end_at(a4, d4, s_ptr, o_ptr, meta, mask, xsum, 4, C, INT4_KIND)
+            a5 = _gemv_end_at(a5, d5, s_ptr, o_ptr, meta, mask, xsum, 5, C, INT4_KIND)
+            a6 = _gemv_end_at(a6, d6, s_ptr, o_ptr, meta, mask, xsum, 6, C, INT4_KIND)
+            a7 = _gemv_end_at(a7, d7, s_ptr, o_ptr, meta, mask, xsum, 7, C, INT4_KIND)
+    _gemv_finish(a0, a1, a2, a3, a4, a5, a6, a7, part_ptr, y_ptr, count_ptr, pid, split,
+                 splits, offs_c, mask_c, N, C, BLOCK_C, INT4_KIND, SPLIT)  # fmt: skip
 
 
 @triton.jit
@@ -753,22 +837,30 @@ def qgemv(
     n, k = packed.shape
     block_c, programs, num_warps, rows = config or packed.gemv_config or GEMV_CONFIG
     groups = k // packed.group_size
+    stages = -rows if rows < 0 else 0  # -S: `_qgemv_staged_kernel` with S stages
     rows = 8 if rows >= 8 and packed.group_size >= 8 else 4
     if split is None:
         split = split_for(packed.columns, groups, block_c, programs, num_warps)
     blocks = triton.cdiv(packed.columns, block_c)
-    pdl = _pdl(x)
+    pdl = _pdl(x) and not stages
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
     part = y
     if split > 1:
         part = torch.empty((split, packed.columns * packed.per_word), device=x.device,
                            dtype=torch.float32)  # fmt: skip
-    _qgemv_kernel[(blocks, split)](
-        x, packed.words, packed.scales, _offsets(packed), part, y, packed.counters(blocks), n,
-        packed.columns, k, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4,
-        BLOCK_C=block_c, ROWS=rows, WARPS=num_warps, SPLIT=split > 1, PDL=pdl,
-        num_warps=num_warps, launch_pdl=pdl,
-    )  # fmt: skip
+    args = (x, packed.words, packed.scales, _offsets(packed), part, y, packed.counters(blocks), n,
+            packed.columns, k)  # fmt: skip
+    if stages:
+        _qgemv_staged_kernel[(blocks, split)](
+            *args, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
+            STAGES=stages, WARPS=num_warps, SPLIT=split > 1, num_warps=num_warps,
+        )  # fmt: skip
+    else:
+        _qgemv_kernel[(blocks, split)](
+            *args, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
+            ROWS=rows, WARPS=num_warps, SPLIT=split > 1, PDL=pdl, num_warps=num_warps,
+            launch_pdl=pdl,
+        )  # fmt: skip
     return y
 
 
@@ -867,7 +959,7 @@ def quant_linear(
 # candidates timed per matrix shape at start-up (tools/bench_quant_kernels.py --sweep: the
 # fastest configs of the 31B shapes on an H200 were among these)
 GEMV_CANDIDATES = [(32, 264, 8, 8), (128, 264, 4, 8), (64, 264, 8, 8), (128, 396, 4, 8),
-                   (32, 132, 8, 8), (128, 132, 4, 8), (64, 264, 8, 4)]  # fmt: skip
+                   (32, 132, 8, 8), (32, 264, 8, -3), (128, 264, 4, -3)]  # fmt: skip
 GEMM_CANDIDATES = [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2)]
 
 
