@@ -397,3 +397,27 @@ def test_sparse_moe_forward_takes_the_quantized_kernels(
         got = layer.to(DEVICE)(x.to(DEVICE)).cpu()
     assert calls == [1]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_splits_cover_k_without_empty_splits(triton_ready: None) -> None:
+    """``split_for`` / ``float_split_for`` (pure): the splits cover K exactly, none is empty,
+    a quantized split's groups are whole warps' worth where K allows, and enough pairs need
+    no split at all (the gate_up kernel then stores the activations itself)."""
+    from worker.device.kernels.moe_gemv import (
+        FloatTiles,
+        GemvTiles,
+        float_split_for,
+        split_for,
+    )
+
+    for pairs, n, groups in [(8, 1024, 64), (8, 2048, 16), (1, 10, 9), (6, 80, 5), (256, 1024, 64)]:
+        t = GemvTiles()
+        split, span = split_for(pairs, n, groups, t)
+        assert (split - 1) * span < groups <= split * span
+        assert span % t.warps == 0 or split == 1
+    assert split_for(256, 1024, 64, GemvTiles()) == (1, 64)  # 32 tokens: one split
+    assert split_for(8, 1024, 64, GemvTiles()) == (4, 16)  # 1 token: 4 splits of 16 groups
+    for pairs, n, k in [(8, 1024, 2048), (8, 2048, 512), (2, 48, 24), (3, 64, 40)]:
+        t = FloatTiles()
+        split, span = float_split_for(pairs, n, k, t)
+        assert (split - 1) * span < k <= split * span and span % t.block_k == 0
