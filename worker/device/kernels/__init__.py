@@ -21,3 +21,30 @@ def triton_available() -> bool:
     except Exception:  # ImportError, or a broken install without a usable backend
         return False
     return True
+
+
+def dependent_launch(device: object) -> bool:
+    """Programmatic dependent launch for the quantized GEMVs (TOKENPIPE_QUANT_PDL=1): on a
+    CUDA device of compute capability 9+, with a Triton that has grid dependency control. The
+    GEMV is launched as a dependent of the kernel before it and waits (``gdc_wait``) before
+    reading x; the small kernels that precede GEMVs (norms, the gated activation, attention's
+    combine) signal ``gdc_launch_dependents`` at their start so it can begin loading weights."""
+    import os
+
+    if os.environ.get("TOKENPIPE_QUANT_PDL", "0") != "1":
+        return False
+    return _dependent_launch_supported(str(device))
+
+
+@functools.cache
+def _dependent_launch_supported(device: str) -> bool:
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return False
+    try:
+        import triton.language.extra.cuda as cuda_extra
+    except Exception:  # noqa: BLE001
+        return False
+    has = hasattr(cuda_extra, "gdc_wait") and hasattr(cuda_extra, "gdc_launch_dependents")
+    return has and torch.cuda.get_device_capability(torch.device(device))[0] >= 9

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.device.kernels import dependent_launch
+
 
 @triton.jit
 def _attend_block(
@@ -139,8 +141,10 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
+    if TRIGGER:  # a dependent GEMV (o_proj) may start loading its weights
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     head = tl.program_id(1)
     q_heads = tl.num_programs(1)
@@ -226,8 +230,8 @@ def decode_attention_triton(
     )  # fmt: skip
     _decode_combine_kernel[(batch, q_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        TRIGGER=dependent_launch(out.device), num_warps=4,
     )  # fmt: skip
     return out
 

@@ -904,12 +904,12 @@ def qgemm(
 
 
 def _pdl(x: torch.Tensor) -> bool:
-    """Programmatic dependent launch for the GEMV (TOKENPIPE_QUANT_PDL=1, Hopper and later):
-    it may start while the kernel before it ends, loading its first weights, and waits for
-    that kernel (``gdc_wait``) before it reads x."""
-    if os.environ.get("TOKENPIPE_QUANT_PDL", "0") != "1" or x.device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 9
+    """Programmatic dependent launch for the GEMV (``kernels.dependent_launch``): it may start
+    while the kernel before it ends, loading its first weights, and waits for that kernel
+    (``gdc_wait``) before it reads x."""
+    from worker.device.kernels import dependent_launch
+
+    return dependent_launch(x.device)
 
 
 def _bf16_pairs() -> bool:

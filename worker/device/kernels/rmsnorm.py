@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.device.kernels import dependent_launch
+
 
 @triton.jit
 def _normed(x, w_ptr, offs, mask, n, eps, offset, HAS_W: tl.constexpr,
@@ -51,7 +53,10 @@ def _normed(x, w_ptr, offs, mask, n, eps, offset, HAS_W: tl.constexpr,
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, stride_x0, stride_x1, stride_y0, stride_y1, n, eps, offset,
     HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr,
+    TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
+    if TRIGGER:  # a dependent GEMV may start loading its weights (kernels.dependent_launch)
+        tl.extra.cuda.gdc_launch_dependents()
     r0, r1 = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -87,7 +92,7 @@ def rms_norm_triton(
         x, weight if weight is not None else x, y, s0, s1, y.stride(0), y.stride(1), n,
         float(eps), float(offset),
         HAS_W=weight is not None, ROUND_FIRST=round_first, BLOCK=triton.next_power_of_2(n),
-        num_warps=_warps(n),
+        TRIGGER=dependent_launch(x.device), num_warps=_warps(n),
     )  # fmt: skip
     return y.view(shape)
 
@@ -102,8 +107,10 @@ def _add_rms_norm_kernel(
     y_ptr, r_ptr, w1_ptr, w2_ptr, scale_ptr, h_ptr, out_ptr,
     stride_y, stride_r, stride_h, stride_o, n, eps, offset,
     NORM1: tl.constexpr, NORM2: tl.constexpr, HAS_SCALE: tl.constexpr,
-    ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
+    if TRIGGER:  # a dependent GEMV may start loading its weights (kernels.dependent_launch)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -148,7 +155,8 @@ def add_rms_norm_triton(
         scale if scale is not None else y, h, out,
         y.stride(0), residual.stride(0), h.stride(0), out.stride(0), n, float(eps), float(offset),
         NORM1=w1 is not None, NORM2=w2 is not None, HAS_SCALE=scale is not None,
-        ROUND_FIRST=round_first, BLOCK=triton.next_power_of_2(n), num_warps=_warps(n),
+        ROUND_FIRST=round_first, BLOCK=triton.next_power_of_2(n),
+        TRIGGER=dependent_launch(y.device), num_warps=_warps(n),
     )  # fmt: skip
     return h, (out if w2 is not None else None)
 
@@ -299,8 +307,10 @@ def rms_norm_partial_rope_triton(
 @triton.jit
 def _gated_act_kernel(
     g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, n,
-    ACT: tl.constexpr, BLOCK: tl.constexpr,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
+    if TRIGGER:  # a dependent GEMV may start loading its weights (kernels.dependent_launch)
+        tl.extra.cuda.gdc_launch_dependents()
     row, blk = tl.program_id(0), tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -334,6 +344,6 @@ def gated_act_triton(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Te
     block = 1024
     _gated_act_kernel[(rows, triton.cdiv(n, block))](
         gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n,
-        ACT=GATED_ACTIVATIONS[act], BLOCK=block, num_warps=4,
+        ACT=GATED_ACTIVATIONS[act], BLOCK=block, TRIGGER=dependent_launch(y.device), num_warps=4,
     )  # fmt: skip
     return y
