@@ -40,6 +40,9 @@ from supervisor.state import SupervisorState, WorkerSlot
 
 __all__ = ["Supervisor", "SupervisorConfig", "WorkerSlot", "build_worker_args", "plan_specs"]
 
+SESSION_SAVE_GRACE_S = 300.0
+"""How long a stopping worker with --session-dir may take to save its sessions (then SIGTERM)."""
+
 
 class Supervisor:
     """Start with `await Supervisor(config).start()`; stop with `await aclose()`."""
@@ -181,8 +184,12 @@ class Supervisor:
             if slot.restart_task is not None:
                 slot.restart_task.cancel()
             slot.state = WorkerState.FAILED
+        # with --session-dir a worker saves its named sessions before it exits (1.5 GB each for
+        # an 8k-token Gemma 4 31B session, ~2 s apiece on the H200 host's disk): wait for it
+        # (a second SIGINT still kills at once)
+        grace = 5.0 if session_root(self.config) is None else SESSION_SAVE_GRACE_S
         await asyncio.gather(
-            *(slot.process.stop() for slot in self.state.slots if slot.process is not None),
+            *(slot.process.stop(grace) for slot in self.state.slots if slot.process is not None),
             return_exceptions=True,
         )
         for slot in self.state.slots:  # anything left (a worker that never answered) ends here
