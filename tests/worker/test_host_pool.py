@@ -271,3 +271,21 @@ def test_other_threads_take_only_buffers_no_copy_still_reads() -> None:
     assert pool.take(0) is buffer and event.waited and buffer.ready is None
     buffer.release()
     assert pool.take(0, wait=False) is buffer
+
+
+def test_an_exhausted_pool_first_pushes_out_a_copy_only_the_tier_holds(tmp_path: Path) -> None:
+    pool = HostPool(BUFFER_BYTES, 2, pinned=False)
+    store = SessionStore(tmp_path, "fp", print)
+    store._spiller.submit(time.sleep, 1.0)  # spills wait: "a"'s buffer stays shared
+    tiers = SessionTiers(1 << 30, store, pool)
+    tiers.offload("a", export(tiers, 8, 1.0), list(range(8)), 1)
+    shared = tiers.host.entries["a"].state
+    shared.retain()  # the host tier and the writer hold it (as an idle save's copy)
+    store.write("a", shared, list(range(8)), 1)
+    tiers.offload("b", export(tiers, 8, 2.0), list(range(8)), 1)
+    store.write("b", SlotState(8, slot(8, 2.0), {}), list(range(8)), 1)  # on disk as it is
+    buffer = tiers.buffer(0, evict=True)  # "b" goes (the older "a" would free nothing yet)
+    assert buffer is not None and tiers.where("a") == "host" and tiers.where("b") == "disk"
+    buffer.release()
+    store.close()
+    assert pool.free == 1  # "a"'s, held by the host tier alone now

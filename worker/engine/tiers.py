@@ -96,11 +96,16 @@ class SessionTiers:
             return None
         buffer = self.pool.take(nbytes)
         if buffer is None and evict:
-            oldest = [n for n, e in self.host.entries.items() if e.state.buffer and n not in keep]
-            if oldest:
-                old = self.host.pop(oldest[0])
+            # the oldest host copy whose buffer only the tier holds (its buffer is free at once
+            # when it is on disk already or dropped), else the oldest with a buffer
+            pooled = [(n, e.state.buffer) for n, e in self.host.entries.items() if n not in keep]
+            pooled = [(n, b) for n, b in pooled if b is not None]
+            alone = [n for n, b in pooled if b.holders == 1]
+            name = alone[0] if alone else pooled[0][0] if pooled else None
+            if name is not None:
+                old = self.host.pop(name)
                 assert old is not None
-                self._push_out(oldest[0], old)
+                self._push_out(name, old)
                 buffer = self.pool.take(nbytes)
         if buffer is None and evict and self.store is not None and self.store.drop_a_prefetch():
             buffer = self.pool.take(nbytes)  # a restored session's read-back (still on disk)
