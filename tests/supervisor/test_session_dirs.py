@@ -133,3 +133,29 @@ def test_mirror_forgets_ids_it_never_saw() -> None:
     assert mirror.resident("r") == [] and "r" not in mirror
     mirror.apply("r", 0, [5])  # a full report makes it known again
     assert mirror.resident("r") == [5]
+
+
+@pytest.mark.parametrize("session_dir", [None, "/data/s"])
+def test_stopping_workers_wait_for_their_saves_with_a_session_dir(session_dir: str | None) -> None:
+    """With --session-dir a stopping worker writes its sessions before it exits (1.5 GB each
+    for a long Gemma 4 31B session): the supervisor waits long for it, else 5 s."""
+    import asyncio
+
+    from supervisor.core import SESSION_SAVE_GRACE_S, Supervisor
+    from supervisor.state import WorkerSlot
+
+    grants: list[float] = []
+
+    class Process:
+        async def stop(self, timeout: float = 5.0) -> None:
+            grants.append(timeout)
+
+    config = SupervisorConfig(workers=2, session_dir=session_dir, worker_command=("w",))
+    supervisor = Supervisor(config)
+    for spec in plan_specs(config):
+        slot = WorkerSlot(spec)
+        slot.process = Process()  # type: ignore[assignment]
+        supervisor.state.slots.append(slot)
+    asyncio.run(supervisor._stop_workers())
+    assert grants == [5.0 if session_dir is None else SESSION_SAVE_GRACE_S] * 2
+    assert SESSION_SAVE_GRACE_S >= 60
