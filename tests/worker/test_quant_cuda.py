@@ -51,3 +51,33 @@ def test_gguf_kept_quantized_on_cuda_equals_cpu(
     write_tiny_llama_gguf(path)  # the MLP in Q8_0: kept as int8 g32 by auto
     for got, want in zip(_logits(path, "cuda", "auto"), _logits(path, "cpu", "auto"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_gemv_with_dependent_launch_replays_the_plain_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TOKENPIPE_QUANT_PDL=1: a chain of GEMVs, each reading the one before's output, captured
+    in a CUDA graph and replayed, gives the plain launches' bits (the wait before x holds)."""
+    from worker.device.kernels import quant_matmul as qm
+    from worker.layers import quant as Q
+
+    weight = torch.randn(256, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    qw = Q.quantize(weight, Q.QuantFormat("int4", 32), search=False).to("cuda")
+    packed = qm.KMajorWeight.pack(qw)
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+
+    def chain() -> torch.Tensor:
+        y = x
+        for _ in range(6):
+            y = qm.qgemv(y, packed, (32, 16, 4, 8)) * 0.05
+        return y
+
+    want = chain()
+    monkeypatch.setenv("TOKENPIPE_QUANT_PDL", "1")
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    for _ in range(3):
+        graph.replay()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

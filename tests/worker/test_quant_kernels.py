@@ -105,34 +105,6 @@ def test_gemv_k_splits_pipeline_steps_and_arrival_counters(kind: str, group: int
     torch.testing.assert_close(again, qm.qgemv(x, packed, (8, 1, 2, 4), split=3), rtol=0, atol=0)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch needs CUDA")
-def test_gemv_with_dependent_launch_replays_the_plain_result(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """TOKENPIPE_QUANT_PDL=1: a chain of GEMVs, each reading the one before's output, captured
-    in a CUDA graph and replayed, gives the plain launches' bits (the wait before x holds)."""
-    from worker.device.kernels import quant_matmul as qm
-
-    packed = qm.KMajorWeight.pack(_qw("int4", 32, n=256, k=256, seed=3))
-    x = torch.randn(1, 256, device=DEVICE, dtype=torch.bfloat16)
-
-    def chain() -> torch.Tensor:
-        y = x
-        for _ in range(6):
-            y = qm.qgemv(y, packed, (32, 16, 4, 8)) * 0.05
-        return y
-
-    want = chain()
-    monkeypatch.setenv("TOKENPIPE_QUANT_PDL", "1")
-    chain()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = chain()
-    for _ in range(3):
-        graph.replay()
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("group", [8, 32])
 def test_int4_gemm_with_bf16_inputs_makes_bf16_pair_weights(
     group: int, monkeypatch: pytest.MonkeyPatch
