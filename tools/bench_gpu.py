@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="shared-prefix TTFT: prompt length (0 = skip)")  # fmt: skip
     p.add_argument("--prefix-shared", type=int, default=7936,
                    help="shared-prefix TTFT: tokens shared with another session")  # fmt: skip
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "int4-experts"],
                    help="our workers' weights (transformers stays bf16)")  # fmt: skip
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument(

@@ -275,7 +275,7 @@ def main() -> int:
     p.add_argument("--model", default=str(REPO / "examples" / "qwen3_5_moe"))
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"])
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "int4-experts"])
     p.add_argument("--sessions", default="", help="decode batches, e.g. 1,32")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--resident", type=int, default=4096, help="0: no TTFT")

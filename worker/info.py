@@ -148,7 +148,7 @@ def _weights(
 )
 @click.option(
     "--quantize",
-    type=click.Choice(["auto", "none", "int8", "int4", "int4-mixed"]),
+    type=click.Choice(["auto", "none", "int8", "int4", "int4-mixed", "int4-experts"]),
     default="auto",
     show_default=True,
     help="The weight formats to report (as the worker's flag).",

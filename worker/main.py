@@ -398,11 +398,12 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
         ),
         click.option(
             "--quantize",
-            type=click.Choice(["auto", "none", "int8", "int4", "int4-mixed"]),
+            type=click.Choice(["auto", "none", "int8", "int4", "int4-mixed", "int4-experts"]),
             default="auto",
             show_default=True,
             help="Weights: auto keeps a GGUF's quantized tensors; int8/int4 quantize at load "
-            "(int4-mixed: every v_proj and some down_proj int8, for quality).",
+            "(int4-mixed: every v_proj and some down_proj int8, for quality; int4-experts: a "
+            "MoE's routed experts int4, the LM head int8, the other matmuls float).",
         ),
         click.option(
             "--tensor-parallel",

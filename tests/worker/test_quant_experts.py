@@ -296,6 +296,70 @@ def test_info_counts_the_experts_bytes() -> None:
     assert sum(e["bytes"] for e in floats["formats"].values()) >= 2 * experts
 
 
+def test_int4_experts_plan_keeps_the_dense_matmuls_float() -> None:
+    """``--quantize int4-experts`` on the 35B-A3B shape: only the routed experts int4, the head
+    int8, the embedding int4; every attention / DeltaNet / shared-expert / router matmul float;
+    the whole model within the issue's 24 GB."""
+    from worker.loading.quantize import QuantizeOptions, describe_weights, plan_for_model
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    root = Path(__file__).resolve().parents[2]
+    raw = json.loads((root / "examples/qwen3_5_moe/config.json").read_text())
+    model = build_model(ModelConfig.from_hf(raw), "meta", torch.bfloat16)
+    plan = plan_for_model(model, QuantizeOptions("int4-experts"))
+    experts = {name for name in plan if name.endswith("mlp.experts")}
+    assert len(experts) == 40 and all(plan[name] == QuantFormat("int4", 32) for name in experts)
+    assert set(plan) - experts == {"model.embed_tokens", "lm_head"}
+    assert plan["lm_head"] == QuantFormat("int8", 32)
+    assert plan["model.embed_tokens"] == QuantFormat("int4", 32)
+    described = describe_weights(model, plan, torch.bfloat16)
+    total = sum(entry["bytes"] for entry in described["formats"].values())
+    assert 23e9 < total <= 24e9
+    dense = 40 * 3 * 512 * 2048 + 30 * (8192 + 4096 + 64 + 4096) * 2048  # shared, DeltaNet
+    assert described["formats"]["bfloat16"]["bytes"] >= 2 * dense
+
+
+def test_int4_experts_needs_experts() -> None:
+    from worker.loading.quantize import QuantizeOptions, plan_for_model
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
+    model = build_model(ModelConfig.from_hf(raw), "meta", torch.float32)
+    with pytest.raises(ValueError, match="no sparse-MoE experts"):
+        plan_for_model(model, QuantizeOptions("int4-experts"))
+
+
+def test_int4_experts_load_runs_on_the_cpu(tmp_path: Path) -> None:
+    """A tiny checkpoint under int4-experts: experts quantized, dense layers still float (and
+    the same tensors as the float load), logits close to the float model's."""
+    from worker.layers.quant import QuantEmbedding, QuantLinear
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+    from worker.models.step import StepInput
+
+    path = _tiny_checkpoint(tmp_path, per_expert=False)
+    floats = load_model(path, "cpu", torch.float32, progress=False).model
+    model = load_model(path, "cpu", torch.float32, progress=False,
+                       quantize=QuantizeOptions("int4-experts", 8)).model  # fmt: skip
+    assert sum(isinstance(m, QuantExperts) for m in model.modules()) == 8
+    quant_linears = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    assert quant_linears == ["lm_head"]
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert model.model.embed_tokens.format.kind == "int4"
+    attn = model.model.layers[0].linear_attn.out_proj
+    assert isinstance(attn, torch.nn.Linear)
+    assert torch.equal(attn.weight, floats.model.layers[0].linear_attn.out_proj.weight)
+    step = StepInput.single(list(range(3, 12)), 0, 0, device="cpu")
+    logits = model(step, model.make_kv_cache(1, 64))
+    float_logits = floats(step, floats.make_kv_cache(1, 64))
+    assert torch.isfinite(logits).all()
+    assert (logits - float_logits).norm() / float_logits.norm() < 0.3
+
+
 @pytest.mark.parametrize("per_expert", [False, True], ids=["fused", "per_expert"])
 def test_staged_load_streams_the_experts_as_transients(tmp_path: Path, per_expert: bool) -> None:
     """The CUDA load path (staged_tensors, here on the CPU): fused and per-expert expert

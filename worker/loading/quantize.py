@@ -1,4 +1,5 @@
-"""``--quantize {auto,none,int8,int4,int4-mixed}``, ``--group-size``: which layers load quantized.
+"""``--quantize {auto,none,int8,int4,int4-mixed,int4-experts}``, ``--group-size``: which layers
+load quantized.
 
     auto  keep what the file has: a GGUF's Q4_K/Q8_0/Q5_0/Q6_K tensors stay quantized
           (``worker.loading.gguf_quant``), float checkpoints stay float
@@ -10,6 +11,12 @@
           (``keeps_int8``: every ``v_proj``, and ``down_proj`` of the first and last eighth of
           the layers and every third layer between: llama.cpp's Q4_K_M choice of where to
           spend more bits, with int8 g``--group-size`` in place of its Q6_K)
+    int4-experts  a sparse MoE's routed experts int4 g``--group-size``, the LM head int8 g32,
+          the embedding int4 g32; every other weight float (attention and DeltaNet
+          projections, the shared expert, the router). For MoE models (qwen3_5_moe), whose
+          routed experts are most of the bytes but a small share of a decode step's reads:
+          its dense matrices at batch 1 are a few MB each, where int4 GEMVs are bound by
+          latency, not bytes (35B-A3B: 23.9 GB of weights, ``tokenpipe info``)
 
 ``--quant-importance FILE`` (int4 and int4-mixed of a float checkpoint): per decoder matmul,
 each input channel's mean x^2 over calibration text (``tools/quant_importance.py`` writes it),
@@ -59,11 +66,13 @@ from worker.layers.quant import INT4, INT8, QuantEmbedding, QuantFormat, QuantLi
 from worker.layers.quant_experts import QuantExperts
 
 INT4_MIXED = "int4-mixed"
+INT4_EXPERTS = "int4-experts"
 NO_IMPORTANCE = "none"
 # the default model's (Gemma 3 270M Q4_K_M) input-channel importance: tools/quant_importance.py
 # over README.md and ARCHITECTURE.md (1,024 tokens), bf16
 SHIPPED_IMPORTANCE = Path(__file__).parent / "data" / "gemma3_270m_q4_k_m.importance.safetensors"
-MODES = ("auto", "none", "int8", "int4", INT4_MIXED)
+MODES = ("auto", "none", "int8", "int4", INT4_MIXED, INT4_EXPERTS)
+INT4_MODES = (INT4, INT4_MIXED, INT4_EXPERTS)
 EMBEDDING = "model.embed_tokens"
 HEAD = "lm_head"
 
@@ -88,13 +97,18 @@ class QuantizeOptions:
     def layer_format(self) -> QuantFormat:
         # int8 per channel (group 0 would be that) lost 6 points of top-1 on the default model
         # where g32 lost 2.7 (tools/quant_quality.py): g32 is the default for both kinds
-        return QuantFormat(INT4 if self.mode in (INT4, INT4_MIXED) else INT8, self.group_size or 32)
+        return QuantFormat(INT4 if self.mode in INT4_MODES else INT8, self.group_size or 32)
 
     def sensitive_format(self) -> QuantFormat:
         """The format of the matmuls ``int4-mixed`` keeps at more bits (``keeps_int8``)."""
         return QuantFormat(INT8, self.group_size or 32)
 
     def embedding_format(self) -> QuantFormat:
+        if self.mode == INT4_EXPERTS:  # a row lookup: its bytes are not read by a step
+            return QuantFormat(INT4, 32)
+        return QuantFormat(INT8, (self.group_size or 32) if self.mode == INT8 else 32)
+
+    def head_format(self) -> QuantFormat:
         return QuantFormat(INT8, (self.group_size or 32) if self.mode == INT8 else 32)
 
 
@@ -102,20 +116,26 @@ Plan = dict[str, QuantFormat]  # module path ("model.layers.0.mlp.up_proj") -> f
 
 
 def plan_for_model(model: nn.Module, options: QuantizeOptions) -> Plan:
-    """int8 / int4 of a float checkpoint: every Linear of the decoder layers, the embedding and
-    the LM head."""
-    if options.mode not in (INT8, INT4, INT4_MIXED):
+    """int8 / int4 of a float checkpoint: every Linear of the decoder layers (``int4-experts``:
+    only the routed experts), the embedding and the LM head. A ValueError for
+    ``int4-experts`` on a model without experts."""
+    if options.mode not in (INT8, *INT4_MODES):
         return {}
     layer, sensitive = options.layer_format(), options.sensitive_format()
     layers = len(getattr(getattr(model, "model", None), "layers", ()))
     mixed = options.mode == INT4_MIXED
+    kinds = FusedExperts if options.mode == INT4_EXPERTS else nn.Linear | FusedExperts
     plan = {
         name: sensitive if mixed and keeps_int8(name, layers) else layer
         for name, module in model.named_modules()
-        if name.startswith("model.layers.") and isinstance(module, nn.Linear | FusedExperts)
+        if name.startswith("model.layers.") and isinstance(module, kinds)
     }
+    if not plan and options.mode == INT4_EXPERTS:
+        raise ValueError(
+            "--quantize int4-experts: the model has no sparse-MoE experts (use int4 or int4-mixed)"
+        )
     plan[EMBEDDING] = options.embedding_format()
-    plan[HEAD] = options.embedding_format()
+    plan[HEAD] = options.head_format()
     return plan
 
 
@@ -341,7 +361,7 @@ def importance_file(options: QuantizeOptions, gguf_source: Path | None) -> str |
     """The importance file an int4 load of a float checkpoint uses: ``--quant-importance``'s;
     without one, the shipped file when the checkpoint is the default model's GGUF; "none": no
     file (the plain fit)."""
-    if options.importance == NO_IMPORTANCE or options.mode not in (INT4, INT4_MIXED):
+    if options.importance == NO_IMPORTANCE or options.mode not in INT4_MODES:
         return None
     if options.importance is not None:
         return options.importance
