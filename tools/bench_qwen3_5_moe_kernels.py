@@ -328,7 +328,8 @@ def moe_sweep(tokens: int, kind: str) -> None:
         per_expert = experts.nbytes // EXPERTS
 
         def run(blocks: Any) -> torch.Tensor:
-            return fused_moe_quant_triton(x, gu, dn, weights, ids, blocks, gemv=False)
+            return fused_moe_quant_triton(x, gu, dn, weights, ids, blocks, gemv=False,
+                                          dequant=False)  # fmt: skip
 
     hit = int(torch.unique(ids).numel())
     default = choose_blocks(tokens, HIDDEN, INNER)
@@ -344,6 +345,47 @@ def moe_sweep(tokens: int, kind: str) -> None:
             continue
         log(f"moe_sweep_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1),
             f"{hit * per_expert / t / 1e12:.2f} TB/s{'' if ok else ' WRONG'}")  # fmt: skip
+
+
+def quant_prefill(tokens: int, kind: str) -> None:
+    """Quantized routed experts (group 32) over a prefill chunk of ``tokens``: the hit experts
+    dequantized to a bf16 scratch + the float grouped GEMMs (the default), the dequantization
+    alone, and the quantized grouped GEMMs, each in a CUDA graph."""
+    from worker.device.kernels.moe_quant import (
+        dequantize_experts,
+        fused_moe_quant_triton,
+        hit_experts,
+    )
+    from worker.layers.quant import QuantFormat
+    from worker.layers.quant_experts import QuantExperts
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    probs = torch.softmax(torch.randn(tokens, EXPERTS, device="cuda", generator=gen), -1)
+    weights, ids = torch.topk(probs, TOP_K, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+    experts = QuantExperts(EXPERTS, HIDDEN, INNER, QuantFormat(kind, 32)).cuda()
+    experts.draw_random(0.02, torch.Generator(device="cuda").manual_seed(4), torch.bfloat16)
+    gu, dn = experts.matrix("gate_up_proj"), experts.matrix("down_proj")
+    hit = hit_experts(ids, EXPERTS)
+
+    def dequantize_only() -> None:
+        dequantize_experts(gu, hit, torch.bfloat16)
+        dequantize_experts(dn, hit, torch.bfloat16)
+
+    def run(dequant: bool) -> torch.Tensor:
+        return fused_moe_quant_triton(x, gu, dn, weights, ids, gemv=False, dequant=dequant)
+
+    written = int(hit.sum()) * 3 * INNER * HIDDEN * 2 + experts.nbytes * int(hit.sum()) // EXPERTS
+    t = graph_time(dequantize_only)
+    log(f"prefill_{kind}_t{tokens}_dequantize_us", round(t * 1e6, 1),
+        f"{written / t / 1e12:.2f} TB/s read + written")  # fmt: skip
+    t_deq = graph_time(lambda: run(True))
+    err = rel(run(True), run(False))
+    log(f"prefill_{kind}_t{tokens}_dequant_gemm_us", round(t_deq * 1e6, 1), f"rel {err:.1e}")
+    t_q = graph_time(lambda: run(False), reps=2)
+    log(f"prefill_{kind}_t{tokens}_quant_gemm_us", round(t_q * 1e6, 1),
+        f"dequant path {t_q / t_deq:.1f}x faster")  # fmt: skip
 
 
 # GemvTiles fields: (block_n, warps, programs); programs 1: no K split (gate_up's kernel gated)
@@ -370,8 +412,9 @@ def gemv_sweep(tokens: int, kind: str) -> None:
     experts.draw_random(0.02, torch.Generator(device="cuda").manual_seed(4), torch.bfloat16)
     gu, dn = experts.matrix("gate_up_proj"), experts.matrix("down_proj")
     read = int(torch.unique(ids).numel()) * experts.nbytes // EXPERTS
-    want = fused_moe_quant_triton(x, gu, dn, weights, ids, gemv=False)
-    t = graph_time(lambda: fused_moe_quant_triton(x, gu, dn, weights, ids, gemv=False))
+    want = fused_moe_quant_triton(x, gu, dn, weights, ids, gemv=False, dequant=False)
+    t = graph_time(lambda: fused_moe_quant_triton(x, gu, dn, weights, ids, gemv=False,
+                                                  dequant=False))  # fmt: skip
     log(f"gemv_sweep_{kind}_t{tokens}_grouped_us", round(t * 1e6, 1), f"{read / t / 1e12:.2f} TB/s")
     for choice in GEMV_SWEEP:
         tiles = GemvTiles(*choice)
@@ -439,6 +482,8 @@ def main() -> int:
         ("sweep_bf16_32", lambda: moe_sweep(32, "bf16")),
         ("sweep_int4_1", lambda: moe_sweep(1, "int4")),
         ("sweep_int4_32", lambda: moe_sweep(32, "int4")),
+        ("prefill_int4_2048", lambda: quant_prefill(2048, "int4")),
+        ("prefill_int4_256", lambda: quant_prefill(256, "int4")),
         ("gemv_int4_1", lambda: gemv_sweep(1, "int4")),
         ("gemv_bf16_1", lambda: float_gemv_sweep(1)),
         ("gemv_int4_32", lambda: gemv_sweep(32, "int4")),

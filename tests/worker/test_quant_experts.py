@@ -157,6 +157,60 @@ def test_quantized_moe_kernels_match_the_reference(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_dequantized_experts_equal_the_reference_rows(triton_ready: None, kind: str) -> None:
+    """``dequantize_experts``: the experts hit, exactly ``expert_weight`` (the CPU path's
+    dequantization) in fp32; N and K not multiples of the kernel's tiles."""
+    from worker.device.kernels.moe_quant import dequantize_experts, hit_experts
+
+    gen = torch.Generator().manual_seed(17)
+    gate_up, down = _float_experts(6, 96, 40, gen)  # gate_up [6, 80, 96], down [6, 96, 40]
+    module = _quantized(gate_up, down, QuantFormat(kind, 8))
+    hit_ids = (1, 4, 5)
+    want = {(m, e): module.expert_weight(m, e, torch.float32) for m in module.shapes
+            for e in hit_ids}  # fmt: skip
+    module.to(DEVICE)
+    hit = hit_experts(torch.tensor([[4, 1], [1, 5]], device=DEVICE), 6)
+    assert hit.cpu().tolist() == [0, 1, 0, 0, 1, 1]
+    for matrix in module.shapes:
+        got = dequantize_experts(module.matrix(matrix), hit, torch.float32).cpu()
+        for e in hit_ids:
+            assert torch.equal(got[e], want[matrix, e]), (matrix, e)
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,fmt",
+    [(70, 2, QuantFormat("int4", 8)), (40, 3, QuantFormat("int8", 16))],
+    ids=["int4-g8", "int8-g16"],
+)
+def test_quantized_moe_prefill_dequantizes_to_the_float_kernels(
+    triton_ready: None, tokens: int, top_k: int, fmt: QuantFormat
+) -> None:
+    """A step past the per-pair GEMVs: the hit experts dequantized, then the float grouped
+    GEMMs, against the quantized grouped GEMMs and the CPU MoE over dequantized experts."""
+    from worker.device.kernels.moe_quant import fused_moe_quant_triton
+
+    gen = torch.Generator().manual_seed(tokens)
+    gate_up, down = _float_experts(8, 64, 32, gen)
+    x = torch.randn(tokens, 64, generator=gen)
+    ids = _routing(tokens, 8, top_k, gen)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    residual = torch.randn(tokens, 64, generator=gen)
+    reference = _moe(gate_up, down, _fused(_reference(gate_up, fmt), _reference(down, fmt)))
+    want = reference._experts(x, weights, ids) + residual  # type: ignore[operator]
+    module = _quantized(gate_up, down, fmt).to(DEVICE)
+    results = []
+    for dequant in (True, False):
+        got = fused_moe_quant_triton(
+            x.to(DEVICE), module.matrix("gate_up_proj"), module.matrix("down_proj"),
+            weights.to(DEVICE), ids.to(DEVICE), residual=residual.to(DEVICE), gemv=False,
+            dequant=dequant,
+        ).cpu()  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        results.append(got)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("fmt", [QuantFormat("int4", 8), QuantFormat("int8", 16)],
                          ids=lambda f: f.describe())  # fmt: skip
 def test_quantized_moe_gemv_tiles_and_residual(triton_ready: None, fmt: QuantFormat) -> None:
