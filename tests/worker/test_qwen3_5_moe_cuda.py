@@ -231,15 +231,21 @@ def test_gpu_bf16_fla_prefill_close_to_torch_form(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize(
     "kind,dtype,tolerance",
-    [("int4", torch.float32, 1e-3), ("int8", torch.float32, 1e-3), ("int4", torch.bfloat16, 5e-2)],
-    ids=["int4-fp32", "int8-fp32", "int4-bf16"],
+    [
+        ("int4", torch.float32, 1e-3),
+        ("int8", torch.float32, 1e-3),
+        ("int4", torch.bfloat16, 5e-2),
+        ("int4-experts", torch.bfloat16, 5e-2),
+    ],
+    ids=["int4-fp32", "int8-fp32", "int4-bf16", "int4-experts-bf16"],
 )
 def test_gpu_quantized_path_equals_cpu_path(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype,
     tolerance: float,
 ) -> None:  # fmt: skip
-    """``--quantize int4|int8`` on the GPU (W4A16/W8A16 linears, the quantized MoE: grouped
-    GEMMs for the prefills, per-pair GEMVs for the decode steps; decode graphs) against the
+    """``--quantize int4|int8|int4-experts`` on the GPU (W4A16/W8A16 linears, the quantized
+    MoE: grouped GEMMs for the prefills, per-pair GEMVs for the decode steps; decode graphs;
+    int4-experts: float dense layers, int8 head, int4 embedding) against the
     CPU path over the same checkpoint quantized the same way (the CPU dequantizes the experts
     a step hits). Four layers (3 DeltaNet, 1 full), the kernels' default tiles (no start-up
     timing, which compiles every candidate), the graphs' kernels compiled by a pool."""
