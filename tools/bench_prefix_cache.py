@@ -8,7 +8,12 @@ its first `--shared` tokens with a prompt another request prefilled just before 
 of cold).
 
     python tools/bench_prefix_cache.py --model examples/gemma4_31b --device cuda
+    python tools/bench_prefix_cache.py --model examples/qwen3_5_moe --random-weights --skip-off
     python tools/bench_prefix_cache.py --tiny --device cpu --prompt 1024 --shared 768
+
+The weights are always random (``--random-weights`` is accepted for the other tools' command
+lines). On a hybrid model (qwen3_5_moe) the reuse also needs a DeltaNet state at 7,936: the
+first prompt's prefill keeps one there (its last block end before its final token).
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ def main() -> None:
     p.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "examples" /
                                           "gemma4_31b"))  # fmt: skip
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--random-weights", action="store_true", help="always so (accepted)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--prompt", type=int, default=8192)
     p.add_argument("--shared", type=int, default=7936)

@@ -219,7 +219,7 @@ class GraphedCausalLM:
                 self._wait(self._ahead)
             if not _is_hybrid(kv):
                 return self.prefill.logits(step)
-            kv.begin_step(step)  # the snapshot bookkeeping, as the eager forward does
+            kv.begin_step(step, graphed=True)  # the snapshot bookkeeping, as the eager forward's
             slot, cached = step.slots[0], step.cached_lens[0]
             logits = self.prefill.logits(step, kv.step_snapshot(slot, cached))
             kv.end_step()

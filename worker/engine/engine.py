@@ -129,6 +129,7 @@ class _Active:
     reused: int  # prompt tokens not prefilled: the session's kept ones and shared blocks
     block_keys: list[bytes]  # the prompt's full blocks (worker/engine/prefix_cache.py)
     next_block: int  # the first block not yet offered to the prefix cache
+    state_points: tuple[int, ...]  # block ends where a hybrid cache keeps a state
     max_new: int
     params: SamplingParams
     generator: NoiseStream | None  # its draws (None: greedy)
@@ -618,10 +619,12 @@ class Engine:
         session.last_used = next(self._clock)
         self._rewind_state(session, plan.keep, len(prompt_ids))
         reused, keys = plan.keep, []
+        state_points: tuple[int, ...] = ()
         if self.prefix_cache is not None:
             assert session.slot is not None
             keys = block_keys(prompt_ids, self.prefix_cache.block)
             shared = self.prefix_cache.plan(prompt_ids, keys, len(prompt_ids) - 1)
+            state_points = self.prefix_cache.state_points(len(prompt_ids), shared)
             if shared.tokens > plan.keep:
                 self._settle_slots()
                 self.prefix_cache.apply(shared, session.slot, plan.keep)
@@ -644,6 +647,7 @@ class Engine:
                 reused=reused,
                 block_keys=keys,
                 next_block=0,
+                state_points=state_points,
                 max_new=max_new,
                 params=params,
                 generator=generator,
@@ -696,6 +700,7 @@ class Engine:
                     a.next_block,
                     len(a.session.resident_ids),
                     prefill.length,
+                    a.state_points,
                 )
         flat: list[int] = []
         positions: list[int] = []

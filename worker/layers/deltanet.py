@@ -318,19 +318,18 @@ class GatedDeltaNet(nn.Module):
         plan: AttentionPlan,
         out: torch.Tensor,
     ) -> None:
-        """Each prefill sequence from its slot's state (or zeros), split where a snapshot is
-        asked for inside the chunk."""
+        """Each prefill sequence from its slot's state (or zeros), split where a snapshot (a
+        slot's own or a prefix-pool state) is asked for inside the chunk."""
         for seq in plan.prefill:
-            split = cache.captures.get(seq.slot, seq.cached) - seq.cached
-            bounds = [0, split, seq.new] if 0 < split < seq.new else [0, seq.new]
+            bounds = [0, *cache.split_points(seq.slot, seq.cached, seq.new), seq.new]
             conv = None if seq.cached == 0 else cache.conv[seq.slot]
             state = None if seq.cached == 0 else cache.recurrent[seq.slot]
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
                 part = slice(seq.start + lo, seq.start + hi)
                 conv_out, conv = causal_conv1d(mixed[part], conv, weight)
                 out[part], state = self._core_prefill(conv_out, g[part], beta[part], state)
-                if hi == split:  # the state after `cached + split` tokens
-                    cache.save_snapshot(seq.slot, conv, state)
+                if hi < seq.new:  # the state after `cached + hi` tokens
+                    cache.save_snapshot(seq.slot, seq.cached + hi, conv, state)
             assert conv is not None and state is not None
             cache.conv[seq.slot] = conv
             cache.recurrent[seq.slot] = state

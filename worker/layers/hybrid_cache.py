@@ -15,6 +15,17 @@ resident ids. A forward must continue a slot from ``live_len`` (or from 0): anyt
 Cost per snapshot (35B-A3B, 30 DeltaNet layers): recurrent 30 x 32 x 128 x 128 x 4 B = 60 MiB,
 conv 30 x 8192 x 3 x 2 B (bf16) = 1.4 MiB, the same again for the live state; the default 4
 snapshots make 307 MiB a session on top of the full layers' KV (20 KiB a token in bf16).
+
+The shared-prefix cache (worker/engine/prefix_cache.py) keeps the full layers' KV of prompt
+blocks in the KV pool (``make_pool``: rows, as ``KVCache``) and DeltaNet states at some block
+ends in a pool of states here (``pool_conv`` [states, conv_dim, K - 1], ``pool_recurrent``
+[states, Hv, Dk, Dv] per layer). It asks for states with ``set_state_captures``: the next
+forward over the slot writes each ``StateCapture`` at its token count, before the step (the
+live state), inside its prefill (the sequence split there, as for a snapshot) or after it. A
+step replayed from a prefill graph takes one snapshot inside its rows, into a slot entry: the
+slot's own pending snapshot first, else one pool state through an entry (copied to its row
+after the step); the others are left unwritten. ``pool_state_to_slot`` puts a pool state into
+a slot's live state.
 """
 
 from __future__ import annotations
@@ -34,22 +45,60 @@ DEFAULT_SNAPSHOTS = 4
 
 
 @dataclass
+class StateCapture:
+    """The DeltaNet state of ``slot`` after ``tokens`` tokens into pool state ``row`` (every
+    DeltaNet layer's), written by the next forward over the slot that reaches ``tokens``
+    (``HybridCache.set_state_captures``); ``written`` once it was."""
+
+    slot: int
+    tokens: int
+    row: int
+    written: bool = False
+
+
+@dataclass(frozen=True)
+class SnapshotTarget:
+    """Where the state after ``tokens`` tokens of a slot goes during a prefill step: a slot
+    snapshot ``entry`` and/or a pool state ``row`` (-1: none)."""
+
+    tokens: int
+    entry: int
+    row: int
+
+
+@dataclass
 class DeltaNetLayerCache:
-    """The DeltaNet state of one layer for all slots, and its snapshots."""
+    """The DeltaNet state of one layer for all slots, its snapshots and its prefix-pool states."""
 
     conv: torch.Tensor  # [slots, conv_dim, K - 1] model dtype
     recurrent: torch.Tensor  # [slots, Hv, Dk, Dv] float32
     snap_conv: torch.Tensor  # [slots, snapshots, conv_dim, K - 1]
     snap_recurrent: torch.Tensor  # [slots, snapshots, Hv, Dk, Dv]
-    # this step's snapshots taken inside a chunk: slot -> token count (set by HybridCache)
-    captures: dict[int, int] = field(default_factory=dict)
-    capture_entry: dict[int, int] = field(default_factory=dict)  # slot -> snapshot entry
+    # this step's snapshots taken inside a chunk: slot -> targets (set by HybridCache)
+    captures: dict[int, list[SnapshotTarget]] = field(default_factory=dict)
+    pool_conv: torch.Tensor | None = None  # [states, conv_dim, K - 1] (HybridCache.make_pool)
+    pool_recurrent: torch.Tensor | None = None  # [states, Hv, Dk, Dv] float32
 
-    def save_snapshot(self, slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """The layer's state after ``captures[slot]`` tokens (mid-chunk) into its entry."""
-        entry = self.capture_entry[slot]
-        self.snap_conv[slot, entry] = conv
-        self.snap_recurrent[slot, entry] = recurrent
+    def split_points(self, slot: int, cached: int, new: int) -> list[int]:
+        """Rows of a prefill of ``new`` tokens after ``cached`` after which a snapshot is taken
+        (sorted, each in (0, new))."""
+        rows = {t.tokens - cached for t in self.captures.get(slot, ())}
+        return sorted(r for r in rows if 0 < r < new)
+
+    def save_snapshot(
+        self, slot: int, tokens: int, conv: torch.Tensor, recurrent: torch.Tensor
+    ) -> None:
+        """The layer's state after ``tokens`` tokens (mid-chunk) into its targets."""
+        for target in self.captures.get(slot, ()):
+            if target.tokens != tokens:
+                continue
+            if target.entry >= 0:
+                self.snap_conv[slot, target.entry] = conv
+                self.snap_recurrent[slot, target.entry] = recurrent
+            if target.row >= 0:
+                assert self.pool_conv is not None and self.pool_recurrent is not None
+                self.pool_conv[target.row] = conv
+                self.pool_recurrent[target.row] = recurrent
 
     def copy_to_snapshot(self, slot: int, entry: int) -> None:
         self.snap_conv[slot, entry] = self.conv[slot]
@@ -61,6 +110,10 @@ class DeltaNetLayerCache:
 
     def nbytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self._tensors())
+
+    def state_bytes(self) -> int:
+        """Bytes of one state (conv and recurrent): a pool row."""
+        return sum(t[0].numel() * t.element_size() for t in (self.conv, self.recurrent))
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.conv, self.recurrent, self.snap_conv, self.snap_recurrent)
@@ -93,8 +146,7 @@ class HybridCache:
         conv_shape = (conv_dim, d.conv_kernel - 1)
         state_shape = (d.num_value_heads, d.key_head_dim, d.value_head_dim)
         self.layers: list[LayerCache | DeltaNetLayerCache] = []
-        self._captures: dict[int, int] = {}  # shared by every DeltaNet layer
-        self._capture_entry: dict[int, int] = {}
+        self._captures: dict[int, list[SnapshotTarget]] = {}  # shared by every DeltaNet layer
         for spec, kv_layer in zip(layer_specs, self.kv.layers, strict=True):
             if spec.kind != "linear":
                 self.layers.append(kv_layer)
@@ -110,7 +162,6 @@ class HybridCache:
                     snap_conv=zeros(num_slots, snapshots, *conv_shape, dt=dtype),
                     snap_recurrent=zeros(num_slots, snapshots, *state_shape, dt=torch.float32),
                     captures=self._captures,
-                    capture_entry=self._capture_entry,
                 )
             )
         self.live_len = [0] * num_slots  # tokens the DeltaNet state of each slot describes
@@ -119,6 +170,14 @@ class HybridCache:
         self._pending: list[set[int]] = [set() for _ in range(num_slots)]  # snapshot_at, later
         self._end_of_step: list[tuple[int, int]] = []  # (slot, entry) to copy after the step
         self._step_lens: list[tuple[int, int]] = []  # (slot, tokens after the step)
+        # the prefix cache's states (set_state_captures), and this step's share of them
+        self._state_captures: list[StateCapture] = []
+        self._states_inside: list[StateCapture] = []  # taken inside the step
+        self._states_after: list[StateCapture] = []  # copied from the live state after it
+        self._entry_to_pool: list[tuple[int, int, int]] = []  # (slot, entry, row) after it
+        self._planning = False  # inside begin_step: entries handed out are reserved
+        self._reserved: list[tuple[int, int]] = []  # (slot, entry) reserved by the last step
+        self.pool_states = 0
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -181,60 +240,169 @@ class HybridCache:
             self._pending[slot].add(tokens)
 
     def _free_entry(self, slot: int) -> int:
+        """An entry for a new snapshot: an empty one, else the oldest; -1 (reserved until the
+        step ends) while a step is planned, so that one step never gets an entry twice."""
         lens = self.snapshot_lens[slot]
-        entry = min(range(len(lens)), key=lambda e: lens[e])  # empty (0) first, else oldest
-        lens[entry] = 0
+        entry = min(range(len(lens)), key=lambda e: (lens[e] < 0, lens[e]))
+        lens[entry] = -1 if self._planning else 0
+        if self._planning:
+            self._reserved.append((slot, entry))
         return entry
 
     # -- the step (called by the model around its forward) -------------------------------------
 
-    def begin_step(self, step: StepInput) -> None:
-        """Check each sequence continues its slot's live state; plan this step's snapshots."""
+    def begin_step(self, step: StepInput, graphed: bool = False) -> None:
+        """Check each sequence continues its slot's live state; plan this step's snapshots.
+        ``graphed``: the step is replayed from a prefill graph, which takes at most one snapshot
+        inside its rows, into a slot entry (module doc)."""
         self._captures.clear()
-        self._capture_entry.clear()
         self._end_of_step.clear()
         self._step_lens.clear()  # a step that failed left its slots at -1
+        self._states_inside.clear()
+        self._states_after.clear()
+        self._entry_to_pool.clear()
+        self._release_reserved()  # a failed step's
         for slot, cached, new in zip(step.slots, step.cached_lens, step.new_lens, strict=True):
             if cached != 0 and cached != self.live_len[slot]:
                 raise ValueError(
                     f"slot {slot}: the recurrent state holds {self.live_len[slot]} tokens, the "
                     f"step continues at {cached} (truncate to a snapshot first)"
                 )
+            self._planning = True
+            try:
+                self._plan_states(slot, cached, new, graphed)
+            finally:
+                self._planning = False
             self._step_lens.append((slot, cached + new))
             self.live_len[slot] = -1  # unknown until end_step: a failed step leaves no state
-            pending = self._pending[slot]
-            for tokens in sorted(pending):
-                if tokens <= cached:
-                    pending.discard(tokens)  # passed (a re-prefill from 0 went elsewhere)
-                elif tokens < cached + new and slot not in self._captures:
-                    pending.discard(tokens)
-                    self._captures[slot] = tokens
-                    self._capture_entry[slot] = self._free_entry(slot)
-                elif tokens == cached + new:
-                    pending.discard(tokens)
-                    self._end_of_step.append((slot, self._free_entry(slot)))
+
+    def _release_reserved(self) -> None:
+        for slot, entry in self._reserved:
+            if self.snapshot_lens[slot][entry] < 0:
+                self.snapshot_lens[slot][entry] = 0
+        self._reserved.clear()
+
+    def _plan_states(self, slot: int, cached: int, new: int, graphed: bool) -> None:
+        """The slot's pending snapshots and pool states this step passes: before it (the live
+        state, copied now), inside it (targets of the split prefill) or at its end."""
+        targets: list[SnapshotTarget] = []
+        pending = self._pending[slot]
+        for tokens in sorted(pending):
+            if tokens <= cached:
+                pending.discard(tokens)  # passed (a re-prefill from 0 went elsewhere)
+            elif tokens < cached + new and not (graphed and targets):
+                pending.discard(tokens)
+                targets.append(SnapshotTarget(tokens, self._free_entry(slot), -1))
+            elif tokens == cached + new:
+                pending.discard(tokens)
+                self._end_of_step.append((slot, self._free_entry(slot)))
+        for capture in self._state_captures:
+            if capture.slot != slot or capture.written:
+                continue
+            if capture.tokens == cached and cached == self.live_len[slot] and cached > 0:
+                self._live_to_pool(slot, capture.row)
+                capture.written = True
+            elif cached < capture.tokens < cached + new:
+                if not graphed:
+                    targets.append(SnapshotTarget(capture.tokens, -1, capture.row))
+                elif not targets and self.snapshots:  # through a slot entry, then to the row
+                    entry = self._free_entry(slot)
+                    targets.append(SnapshotTarget(capture.tokens, entry, -1))
+                    self._entry_to_pool.append((slot, entry, capture.row))
+                else:
+                    continue  # the graph's one snapshot is taken: this state is not written
+                self._states_inside.append(capture)
+            elif capture.tokens == cached + new:
+                self._states_after.append(capture)
+        if targets:
+            self._captures[slot] = targets
 
     def step_snapshot(self, slot: int, cached: int) -> tuple[int, int]:
         """(rows into this step, entry) of the snapshot the step begun by ``begin_step`` takes
         inside its chunk for ``slot`` (which continues from ``cached``), or (0, 0): what a
         captured prefill writes (worker/device/prefill_graphs.py)."""
-        if slot not in self._captures:
+        targets = self._captures.get(slot)
+        if not targets:
             return 0, 0
-        return self._captures[slot] - cached, self._capture_entry[slot]
+        (target,) = targets  # a graphed step plans one (begin_step)
+        return target.tokens - cached, target.entry
 
     def end_step(self) -> None:
         """The forward succeeded: the slots hold their new lengths, the snapshots are valid."""
         for slot, tokens in self._step_lens:
             self.live_len[slot] = tokens
-        for slot, tokens in self._captures.items():
-            self.snapshot_lens[slot][self._capture_entry[slot]] = tokens
+        for slot, targets in self._captures.items():
+            for target in targets:
+                if target.entry >= 0:
+                    self.snapshot_lens[slot][target.entry] = target.tokens
         for slot, entry in self._end_of_step:
             for layer in self.deltanet_layers:
                 layer.copy_to_snapshot(slot, entry)
             self.snapshot_lens[slot][entry] = self.live_len[slot]
+        for slot, entry, row in self._entry_to_pool:
+            for layer in self.deltanet_layers:
+                assert layer.pool_conv is not None and layer.pool_recurrent is not None
+                layer.pool_conv[row] = layer.snap_conv[slot, entry]
+                layer.pool_recurrent[row] = layer.snap_recurrent[slot, entry]
+        for capture in self._states_after:
+            self._live_to_pool(capture.slot, capture.row)
+        for capture in self._states_inside + self._states_after:
+            capture.written = True
+        self._release_reserved()  # an entry a target never filled (none normally)
         self._captures.clear()
         self._end_of_step.clear()
         self._step_lens.clear()
+        self._states_inside.clear()
+        self._states_after.clear()
+        self._entry_to_pool.clear()
+
+    # -- the shared-prefix pool (worker/engine/prefix_cache.py) ----------------------------------
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one pool state: every DeltaNet layer's conv and recurrent state."""
+        return sum(layer.state_bytes() for layer in self.deltanet_layers)
+
+    def make_pool(self, rows: int, states: int) -> None:
+        """The full layers' pool of ``rows`` positions (``KVCache.make_pool``) and a pool of
+        ``states`` DeltaNet states."""
+        self.kv.make_pool(rows)
+        self.pool_states = states
+        for layer in self.deltanet_layers:
+            layer.pool_conv = torch.empty(
+                (states, *layer.conv.shape[1:]), device=layer.conv.device, dtype=layer.conv.dtype
+            )
+            layer.pool_recurrent = torch.empty(
+                (states, *layer.recurrent.shape[1:]),
+                device=layer.recurrent.device,
+                dtype=layer.recurrent.dtype,
+            )
+
+    def set_state_captures(self, captures: Sequence[StateCapture]) -> None:
+        """The states the next forwards write into the pool (module doc); [] clears them."""
+        self._state_captures = list(captures)
+
+    def pool_state_to_slot(self, slot: int, row: int, tokens: int) -> None:
+        """Make pool state ``row`` (the state after ``tokens`` tokens of the slot's resident
+        ids: the caller put their KV there) the slot's live state. Snapshots at or before
+        ``tokens`` stay (they describe a prefix of the same ids); a pending one at ``tokens``
+        is taken now, earlier ones can no longer be."""
+        for layer in self.deltanet_layers:
+            assert layer.pool_conv is not None and layer.pool_recurrent is not None
+            layer.conv[slot] = layer.pool_conv[row]
+            layer.recurrent[slot] = layer.pool_recurrent[row]
+        self.live_len[slot] = tokens
+        pending = self._pending[slot]
+        at_tokens = tokens in pending
+        pending.difference_update({n for n in pending if n <= tokens})
+        if at_tokens:
+            self.snapshot_at(slot, tokens)
+
+    def _live_to_pool(self, slot: int, row: int) -> None:
+        for layer in self.deltanet_layers:
+            assert layer.pool_conv is not None and layer.pool_recurrent is not None
+            layer.pool_conv[row] = layer.conv[slot]
+            layer.pool_recurrent[row] = layer.recurrent[slot]
 
     # -- one slot off the device and back (worker/engine/tiers.py) ------------------------------
 
@@ -266,7 +434,7 @@ class HybridCache:
             )
         tensors, held = to_host(self.slot_views(slot, tokens), buffer)
         meta = {
-            "snapshot_lens": list(self.snapshot_lens[slot]),
+            "snapshot_lens": [max(n, 0) for n in self.snapshot_lens[slot]],
             "pending": sorted(self._pending[slot]),
         }
         return SlotState(tokens, tensors, meta, held)
