@@ -80,7 +80,7 @@ def _flags(threaded: bool) -> list[str]:
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC"]
     if set(AVX512) <= _cpu_flags() and os.environ.get("TOKENPIPE_CPU_AVX512", "1") != "0":
         flags += [f"-m{name}" for name in AVX512]
-        if {"avx512_vnni", "avx512vbmi"} <= _cpu_flags():  # cpu_quant's int8 x q8 GEMV
+        if {"avx512_vnni", "avx512vbmi"} <= _cpu_flags():  # cpu_quant's integer activations
             flags += ["-mavx512vnni", "-mavx512vbmi"]
     return flags + (["-pthread", "-DTP_POOL"] if threaded else [])
 
@@ -145,8 +145,8 @@ def load_library(threaded: bool) -> ctypes.CDLL:
     q8act = lib.tp_quant_gemv_q8act
     q8act.restype = ctypes.c_int
     q8act.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.tp_quant_gemv_q16act.restype = ctypes.c_int
-    lib.tp_quant_gemv_q16act.argtypes = q8act.argtypes
+    lib.tp_quant_gemm_a16.restype = ctypes.c_int
+    lib.tp_quant_gemm_a16.argtypes = quant.argtypes
     lib.tp_vector_rows.restype = ctypes.c_int
     lib.tp_vector_rows.argtypes = []
     return lib

@@ -29,12 +29,15 @@ from worker.device import cpu_gemv
 from worker.layers.quant import INT4, INT8, QuantizedWeight, unpack_nibbles
 
 ROW_BLOCK = 16  # weight rows interleaved together
-# TOKENPIPE_CPU_ACTIVATION_BITS=8 or 16: one-row matmuls on int8 weights quantize the input row to
-# int8 (as llama.cpp's q8 activations) or int16 per weight group and multiply with AVX512-VNNI
-# (vpdpbusd / vpdpwssd). Both change the numbers; on the default model, 8 broke the greedy
-# equality with the float path on 1 of the 4 reference prompts at 24 tokens (2 of 4 with the LM
-# head alone). Per 2048 x 640 weight in cache: 20 us (8), 33 us (16), 47 us (fp32 activations).
-ACTIVATION_BITS = int(os.environ.get("TOKENPIPE_CPU_ACTIVATION_BITS", "32"))
+# The input rows' precision in the kernel (TOKENPIPE_CPU_ACTIVATION_BITS):
+#   16 (the default): every quantized matmul, int8 and int4 weights, any row count, quantizes
+#      each input row to int16 per weight group and multiplies with AVX512-VNNI (vpdpwssd);
+#      where the kernel was built without VNNI/VBMI it falls back to 32.
+#   32: fp32 activations (the weights dequantized in registers).
+#   8: one-row matmuls on int8 weights quantize the row to int8 (llama.cpp's q8 activations,
+#      vpdpbusd); the rest as 16. On the default model 8 broke the greedy equality with the
+#      float path on 1 of the 4 reference prompts at 24 tokens; 16 keeps it (BENCHMARKS.md).
+ACTIVATION_BITS = int(os.environ.get("TOKENPIPE_CPU_ACTIVATION_BITS", "16"))
 
 
 @dataclass
@@ -113,15 +116,21 @@ def matmul(x: torch.Tensor, packed: PackedQuant) -> torch.Tensor:
     n, k = packed.shape
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0] == 1 and packed.kind == INT8 and ACTIVATION_BITS in (8, 16):
-        gemv = lib.tp_quant_gemv_q8act if ACTIVATION_BITS == 8 else lib.tp_quant_gemv_q16act
-        status = gemv(
+    offsets = None if packed.offsets is None else packed.offsets.data_ptr()
+    if x.shape[0] == 1 and packed.kind == INT8 and ACTIVATION_BITS == 8:
+        status = lib.tp_quant_gemv_q8act(
             x.data_ptr(), packed.data.data_ptr(), packed.scales.data_ptr(), out.data_ptr(),
             k, n, packed.group_size, cpu_gemv.kernel_threads(),
         )  # fmt: skip
         if status == 0:
-            return out  # else (2: no VNNI; 1: group size) the fp32-activation kernel below
-    offsets = None if packed.offsets is None else packed.offsets.data_ptr()
+            return out  # else (2: no VNNI; 1: group size) as below
+    if ACTIVATION_BITS in (8, 16):
+        status = lib.tp_quant_gemm_a16(
+            x.shape[0], x.data_ptr(), packed.data.data_ptr(), packed.scales.data_ptr(), offsets,
+            out.data_ptr(), k, n, packed.group_size, cpu_gemv.kernel_threads(),
+        )  # fmt: skip
+        if status == 0:
+            return out  # else (2: no VNNI/VBMI; 1: group size) the fp32-activation kernel
     status = lib.tp_quant_gemm(
         x.shape[0], x.data_ptr(), packed.data.data_ptr(), packed.scales.data_ptr(), offsets,
         out.data_ptr(), k, n, packed.group_size, cpu_gemv.kernel_threads(),

@@ -253,71 +253,176 @@ int tp_quant_gemv_q8act(const float *x, const void *w, const uint16_t *scales, f
 }
 #endif
 
-/* ---- the same with the row quantized to int16 per group (scale amax / 32767) and vpdpwssd
-   (two k per lane, the weights widened to int16): 256x finer activations than q8, half the
-   products per instruction. The sums stay within int32: |w x| <= 127 * 32767 per product. */
+/* ---- int16 activations (the default where the CPU has AVX512-VNNI and VBMI): each input row
+   quantized to int16 per weight group (scale amax / 32767: 2^-15 of the group's largest
+   value, below fp32 accumulation noise at these sizes), then vpdpwssd: 32 products (two k of
+   sixteen rows) per instruction, exact int32 sums per group. int8 weights: the 32 bytes of
+   columns k and k + 1 are permuted to row-major pairs and sign-extended to int16; int4: the
+   16 bytes of a column pair (low nibble k, high k + 1) are zero-extended to 32 bits and masked
+   to the pair of 16-bit lanes in one OR/AND. Per row and group: out += xs * s * sum(q x)
+   (+ xs * offset * sum(x) for int4), one fp32 chain over the groups in order. A row's result
+   does not depend on the other rows, the tile shape or the thread count. The sums stay within
+   int32: 127 * 32767 * gs < 2^31 for gs <= 512. */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-struct q16act_args {
-    int64_t K, N, gs;
-    const int16_t *xq;
-    const float *xs;
-    const int8_t *w;
-    const uint16_t *scales;
+struct a16_args {
+    int64_t M, K, N, gs;
+    const int16_t *xq; /* [M, K] */
+    const float *xs;   /* [M, K / gs] */
+    const int32_t *xsum;
+    const void *w;
+    const uint16_t *scales, *offsets; /* offsets NULL: int8 */
     float *out;
 };
 
-static void q16act_part(const void *ctx, int64_t j0, int64_t j1) {
-    const struct q16act_args *a = ctx;
+static inline __m512i pairs_i8(const int8_t *p, const __m256i perm) {
+    return _mm512_cvtepi8_epi16(
+        _mm256_permutexvar_epi8(perm, _mm256_loadu_si256((const __m256i *)p)));
+}
+
+static inline __m512i pairs_u4(const uint8_t *p) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)),
+                            _mm512_set1_epi32(0x000F000F));
+}
+
+/* V vectors of sixteen weight rows from j0 times MC <= 4 input rows from m0 */
+static inline __attribute__((always_inline)) void a16_tile(
+        const int V, const int MC, const int Q4, const struct a16_args *a, int64_t m0, int64_t j0,
+        const __m256i perm) {
     const int64_t K = a->K, gs = a->gs, ngroups = K / gs;
-    uint8_t order[32];
-    for (int r = 0; r < 16; r++)
-        for (int q = 0; q < 2; q++) order[2 * r + q] = (uint8_t)(16 * q + r);
-    const __m256i perm = _mm256_loadu_si256((const __m256i *)order);
-    for (int64_t j = j0; j < j1; j++) {
-        const int8_t *w = a->w + j * K * 16;
-        const uint16_t *s = a->scales + j * ngroups * 16;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t g = 0; g < ngroups; g++) {
-            __m512i sum = _mm512_setzero_si512();
-            for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
-                const __m256i pairs = _mm256_permutexvar_epi8(
-                    perm, _mm256_loadu_si256((const __m256i *)(w + k * 16)));
+    const uint8_t *w[8];
+    const uint16_t *s[8], *o[8];
+    __m512 acc[8][4];
+    for (int v = 0; v < V; v++) {
+        w[v] = (const uint8_t *)a->w + (j0 + v) * K * (Q4 ? 8 : 16);
+        s[v] = a->scales + (j0 + v) * ngroups * 16;
+        o[v] = Q4 ? a->offsets + (j0 + v) * ngroups * 16 : NULL;
+        for (int m = 0; m < MC; m++) acc[v][m] = _mm512_setzero_ps();
+    }
+    for (int64_t g = 0; g < ngroups; g++) {
+        __m512i sum[8][4];
+        for (int v = 0; v < V; v++)
+            for (int m = 0; m < MC; m++) sum[v][m] = _mm512_setzero_si512();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+            __m512i xb[4];
+            for (int m = 0; m < MC; m++) {
                 int32_t x2;
-                memcpy(&x2, a->xq + k, 4);
-                sum = _mm512_dpwssd_epi32(sum, _mm512_cvtepi8_epi16(pairs), _mm512_set1_epi32(x2));
+                memcpy(&x2, a->xq + (m0 + m) * K + k, 4);
+                xb[m] = _mm512_set1_epi32(x2);
             }
-            const __m512 scale = _mm512_mul_ps(load_h(s + g * 16), _mm512_set1_ps(a->xs[g]));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
+            for (int v = 0; v < V; v++) {
+                const __m512i wv = Q4 ? pairs_u4(w[v] + k * 8)
+                                      : pairs_i8((const int8_t *)w[v] + k * 16, perm);
+                for (int m = 0; m < MC; m++) sum[v][m] = _mm512_dpwssd_epi32(sum[v][m], wv, xb[m]);
+            }
         }
-        _mm512_storeu_ps(a->out + j * 16, acc);
+        for (int v = 0; v < V; v++) {
+            const __m512 sc = load_h(s[v] + g * 16);
+            const __m512 off = Q4 ? load_h(o[v] + g * 16) : _mm512_setzero_ps();
+            for (int m = 0; m < MC; m++) {
+                const int64_t i = (m0 + m) * ngroups + g;
+                __m512 t = _mm512_cvtepi32_ps(sum[v][m]);
+                if (Q4)
+                    t = _mm512_fmadd_ps(
+                        t, sc, _mm512_mul_ps(off, _mm512_set1_ps((float)a->xsum[i])));
+                else
+                    t = _mm512_mul_ps(t, sc);
+                acc[v][m] = _mm512_fmadd_ps(t, _mm512_set1_ps(a->xs[i]), acc[v][m]);
+            }
+        }
+    }
+    for (int v = 0; v < V; v++)
+        for (int m = 0; m < MC; m++)
+            _mm512_storeu_ps(a->out + (m0 + m) * a->N + (j0 + v) * 16, acc[v][m]);
+}
+
+#define A16_ROWS(V, Q4) do { \
+        for (int64_t m0 = 0; m0 < a->M; m0 += 4) \
+            switch (a->M - m0 < 4 ? a->M - m0 : 4) { \
+            case 1: a16_tile(V, 1, Q4, a, m0, j, perm); break; \
+            case 2: a16_tile(V, 2, Q4, a, m0, j, perm); break; \
+            case 3: a16_tile(V, 3, Q4, a, m0, j, perm); break; \
+            default: a16_tile(V, 4, Q4, a, m0, j, perm); break; \
+            } \
+    } while (0)
+
+#define A16_PART(NAME, Q4) \
+static void NAME(const void *ctx, int64_t j0, int64_t j1) { \
+    const struct a16_args *a = ctx; \
+    uint8_t order[32]; \
+    for (int r = 0; r < 16; r++) \
+        for (int q = 0; q < 2; q++) order[2 * r + q] = (uint8_t)(16 * q + r); \
+    const __m256i perm = _mm256_loadu_si256((const __m256i *)order); \
+    int64_t j = j0; \
+    if (a->M == 1) \
+        for (; j + 8 <= j1; j += 8) a16_tile(8, 1, Q4, a, 0, j, perm); \
+    for (; j + 2 <= j1; j += 2) A16_ROWS(2, Q4); \
+    for (; j < j1; j++) A16_ROWS(1, Q4); \
+}
+A16_PART(a16_q8_part, 0)
+A16_PART(a16_q4_part, 1)
+
+/* groups [count, gs] of x -> int16 (round to nearest even), their scales amax / 32767 and
+   integer sums; sixteen at a time where gs allows (the same bits as the scalar loop) */
+static void quantize_rows_i16(const float *x, int64_t count, int64_t gs, int16_t *xq, float *xs,
+                              int32_t *xsum) {
+    for (int64_t i = 0; i < count; i++) {
+        const float *xg = x + i * gs;
+        int16_t *qg = xq + i * gs;
+        float amax = 0.0f;
+        int32_t total = 0;
+        if (gs % 16 == 0) {
+            __m512 m = _mm512_setzero_ps();
+            for (int64_t k = 0; k < gs; k += 16)
+                m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
+            amax = _mm512_reduce_max_ps(m);
+            const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+            __m512i sum = _mm512_setzero_si512();
+            for (int64_t k = 0; k < gs; k += 16) {
+                const __m512i q =
+                    _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + k), inverse));
+                _mm256_storeu_si256((__m256i *)(qg + k), _mm512_cvtepi32_epi16(q));
+                sum = _mm512_add_epi32(sum, q);
+            }
+            total = _mm512_reduce_add_epi32(sum);
+        } else {
+            for (int64_t k = 0; k < gs; k++) amax = fmaxf(amax, fabsf(xg[k]));
+            const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            for (int64_t k = 0; k < gs; k++) {
+                qg[k] = (int16_t)nearbyintf(xg[k] * inverse);
+                total += qg[k];
+            }
+        }
+        xs[i] = amax / 32767.0f;
+        xsum[i] = total;
     }
 }
 
-/* as tp_quant_gemv_q8act with int16 activations; gs % 2 == 0 */
-int tp_quant_gemv_q16act(const float *x, const void *w, const uint16_t *scales, float *out,
-                         int64_t K, int64_t N, int64_t gs, int threads) {
-    if (N % 16 || gs < 2 || gs % 2 || K % gs || threads < 1) return 1;
+/* out [M, N] = x [M, K] @ dequantized(w)^T with x quantized to int16 per group; int8 w when
+   offsets is NULL, else int4. 0 on success, 1 bad shape, 2 built without VNNI/VBMI, 3 memory.
+   N % 16 == 0, K % gs == 0, gs even and <= 512. */
+int tp_quant_gemm_a16(int64_t M, const float *x, const void *w, const uint16_t *scales,
+                      const uint16_t *offsets, float *out, int64_t K, int64_t N, int64_t gs,
+                      int threads) {
+    if (N % 16 || M < 1 || gs < 2 || gs % 2 || gs > 512 || K % gs || threads < 1) return 1;
     const int64_t ngroups = K / gs;
-    int16_t *xq = malloc(K * sizeof(int16_t));
-    float *xs = malloc(ngroups * sizeof(float));
-    if (!xq || !xs) { free(xq); free(xs); return 3; }
-    for (int64_t g = 0; g < ngroups; g++) {
-        float amax = 0.0f;
-        for (int64_t k = g * gs; k < (g + 1) * gs; k++) amax = fmaxf(amax, fabsf(x[k]));
-        const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
-        for (int64_t k = g * gs; k < (g + 1) * gs; k++)
-            xq[k] = (int16_t)nearbyintf(x[k] * inverse);
-        xs[g] = amax / 32767.0f;
-    }
-    const struct q16act_args args = {K, N, gs, xq, xs, w, scales, out};
-    run_split(q16act_part, &args, N / 16, 1, N * K, threads);
-    free(xq); free(xs);
+    int16_t *xq = malloc(M * K * sizeof(int16_t));
+    float *xs = malloc(M * ngroups * sizeof(float));
+    int32_t *xsum = malloc(M * ngroups * sizeof(int32_t));
+    if (!xq || !xs || !xsum) { free(xq); free(xs); free(xsum); return 3; }
+    quantize_rows_i16(x, M * ngroups, gs, xq, xs, xsum);
+    const struct a16_args args = {M, K, N, gs, xq, xs, xsum, w, scales, offsets, out};
+    run_split(offsets ? a16_q4_part : a16_q8_part, &args, N / 16, 8,
+              offsets ? N * K / 2 : N * K, threads);
+    free(xq); free(xs); free(xsum);
     return 0;
 }
 #else
-int tp_quant_gemv_q16act(const float *x, const void *w, const uint16_t *scales, float *out,
-                         int64_t K, int64_t N, int64_t gs, int threads) {
-    (void)x; (void)w; (void)scales; (void)out; (void)K; (void)N; (void)gs; (void)threads;
+int tp_quant_gemm_a16(int64_t M, const float *x, const void *w, const uint16_t *scales,
+                      const uint16_t *offsets, float *out, int64_t K, int64_t N, int64_t gs,
+                      int threads) {
+    (void)M; (void)x; (void)w; (void)scales; (void)offsets; (void)out; (void)K; (void)N;
+    (void)gs; (void)threads;
     return 2;
 }
 #endif
