@@ -5,7 +5,7 @@
     python tools/bench_cpu_peers.py                # 5 rounds, 1 and 2 threads, --quantize auto
     python tools/bench_cpu_peers.py --rounds 9 --quantize auto --quantize none --json out.json
     python tools/bench_cpu_peers.py --rounds 1 --decode-tokens 16 --prompt-tokens 64   # smoke
-    python tools/bench_cpu_peers.py --activation-bits 16   # + workers with int16 activations
+    python tools/bench_cpu_peers.py --activation-bits 32   # + workers with fp32 activations
 
 Per round and thread count, the engines run one after another, the order flipped every round
 (A, B, then B, A): llama.cpp as `llama-bench -p P -n N -r 1` (its own warm-up, one repetition
@@ -130,7 +130,7 @@ class OurWorker:
     def __init__(self, gguf: Path, threads: int, mode: str, context: int, bits: int) -> None:
         from bench_worker import WorkerPipe
 
-        env = [] if bits == 32 else ["env", f"TOKENPIPE_CPU_ACTIVATION_BITS={bits}"]
+        env = [] if bits == 0 else ["env", f"TOKENPIPE_CPU_ACTIVATION_BITS={bits}"]
         argv = env + [sys.executable, "-m", "worker.main", "--model", str(gguf), "--device", "cpu",
                 "--dtype", "float32", "--threads", str(threads), "--quantize", mode,
                 "--max-sessions", "2", "--max-context", str(context)]  # fmt: skip
@@ -182,8 +182,8 @@ def _load(values: list[float]) -> str:
     "--activation-bits",
     "bit_widths",
     multiple=True,
-    type=click.Choice(["8", "16"]),
-    help="Also our workers with TOKENPIPE_CPU_ACTIVATION_BITS (int8 weights, VNNI).",
+    type=click.Choice(["8", "16", "32"]),
+    help="Also our workers with TOKENPIPE_CPU_ACTIVATION_BITS (default 16 on VNNI CPUs; 32: fp32).",
 )
 @click.option("--decode-tokens", type=int, default=128, show_default=True)
 @click.option("--prompt-tokens", type=int, default=512, show_default=True)
@@ -213,8 +213,8 @@ def main(
     if len(passage) < prompt_tokens + rounds:
         raise click.ClickException(f"the passage has fewer than {prompt_tokens} tokens")
     context = max(prompt_tokens + 64, len(short_ids) + decode_tokens + 64)
-    variants = [(mode, 32) for mode in modes] + [(m, int(b)) for m in modes for b in bit_widths]
-    names = {v: f"tokenpipe {v[0]}" + ("" if v[1] == 32 else f" a{v[1]}") for v in variants}
+    variants = [(mode, 0) for mode in modes] + [(m, int(b)) for m in modes for b in bit_widths]
+    names = {v: f"tokenpipe {v[0]}" + ("" if v[1] == 0 else f" a{v[1]}") for v in variants}
     engines = ["llama.cpp"] + list(names.values())
     series = {(engine, t): Series() for engine in engines for t in thread_counts}
     print(f"llama-bench: {binary}\nmodel: {gguf}\nstarting {len(variants) * len(thread_counts)} "
