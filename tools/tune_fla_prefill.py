@@ -23,6 +23,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 CONFIGS = REPO / "worker" / "device" / "fla_configs"
+JSON_SCALARS = (int, float, bool, str)  # autotune key parts kept as they are (None too)
 
 
 def tune(model: Path) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def chosen_configs() -> dict[str, Any]:
             kernel = getattr(value, "kernel_name", None) or value.base_fn.__name__
             out[kernel] = [
                 [
-                    [k if isinstance(k, (int, float, bool, str)) else str(k) for k in key],
+                    [k if k is None or isinstance(k, JSON_SCALARS) else str(k) for k in key],
                     {
                         "kwargs": dict(config.kwargs),
                         "num_warps": config.num_warps,
