@@ -108,7 +108,7 @@ def test_exhausted_pool_without_disk_drops_the_oldest() -> None:
     tiers = SessionTiers(1 << 30, None, pool)
     assert not tiers.offload("a", export(tiers, 8, 1.0), list(range(8)), 1)
     b = export(tiers, 8, 2.0)
-    assert b.buffer is not None  # "a" was dropped for it
+    assert b.buffer is not None and pool.misses == 0  # "a" was dropped for it: not a miss
     assert tiers.offload("b", b, list(range(8)), 1) == ["a"] and tiers.dropped == 1
     assert tiers.where("a") is None and pool.free == 0
     tiers.forget("b", delete_file=False)
@@ -121,7 +121,7 @@ def test_idle_save_without_a_free_buffer_is_pageable_and_evicts_nothing(tmp_path
     tiers = SessionTiers(1 << 30, store, pool)
     tiers.offload("a", export(tiers, 8, 1.0), list(range(8)), 1)
     save = export(tiers, 8, 2.0, evict=False)
-    assert save.buffer is None and tiers.where("a") == "host"
+    assert save.buffer is None and tiers.where("a") == "host" and pool.misses == 1  # pageable
     store.write("b", save, list(range(8)), 1)
     store.close()
     assert in_use(pool) == 1
@@ -250,6 +250,7 @@ def test_pageable_host_copies_move_into_the_pool_when_idle() -> None:
     assert entry.state.buffer is pool.buffers[0]
     assert torch.equal(entry.state.tensors["k1"], slot(8, 3.0)["k1"])
     assert not tiers.pin_one()
+    assert pool.misses == 1  # the pageable export; idle re-pinning finding no buffer is not one
 
 
 def test_other_threads_take_only_buffers_no_copy_still_reads() -> None:

@@ -66,7 +66,7 @@ class HostPool:
         self.lock = threading.Lock()
         self.buffers: list[HostBuffer] = []
         self._free: list[HostBuffer] = []
-        self.misses = 0  # takes that found no free buffer
+        self.misses = 0  # copies that found no free buffer (pageable memory instead)
         started = time.perf_counter()
         for index in range(count if self.buffer_bytes > 0 else 0):
             data = _allocate(self.buffer_bytes, pinned)
@@ -99,15 +99,17 @@ class HostPool:
         with self.lock:
             return len(self._free)
 
-    def take(self, nbytes: int, wait: bool = True) -> HostBuffer | None:
+    def take(self, nbytes: int, wait: bool = True, count_miss: bool = True) -> HostBuffer | None:
         """A free buffer of at least ``nbytes`` (held once, safe to write: the last device copy
         that read it has finished), or None (none free, or ``nbytes`` too large). Without
         ``wait`` (threads other than the engine's: no CUDA call, a graph may be capturing)
-        only a buffer no device copy has read since it was last waited for."""
+        only a buffer no device copy has read since it was last waited for. ``count_miss``:
+        a None counts in ``misses`` (a copy goes to pageable memory); callers that try again
+        or only look for idle work pass False and count with ``miss``."""
         with self.lock:
             free = self._free if wait else [b for b in self._free if b.ready is None]
             if nbytes > self.buffer_bytes or not free:
-                self.misses += 1
+                self.misses += count_miss
                 return None
             buffer = free[-1]
             self._free.remove(buffer)
@@ -116,6 +118,11 @@ class HostPool:
         if ready is not None:
             ready.synchronize()
         return buffer
+
+    def miss(self) -> None:
+        """A copy that found no buffer after all (``take(count_miss=False)`` and its retries)."""
+        with self.lock:
+            self.misses += 1
 
     def _release(self, buffer: HostBuffer, ready: torch.cuda.Event | None) -> None:
         with self.lock:

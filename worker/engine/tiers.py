@@ -94,7 +94,7 @@ class SessionTiers:
         so this copy goes to pageable memory (never waiting for the disk)."""
         if self.pool is None or nbytes > self.pool.buffer_bytes:
             return None
-        buffer = self.pool.take(nbytes)
+        buffer = self.pool.take(nbytes, count_miss=False)
         if buffer is None and evict:
             # the oldest host copy whose buffer only the tier holds (its buffer is free at once
             # when it is on disk already or dropped), else the oldest with a buffer
@@ -106,9 +106,12 @@ class SessionTiers:
                 old = self.host.pop(name)
                 assert old is not None
                 self._push_out(name, old)
-                buffer = self.pool.take(nbytes)
+                buffer = self.pool.take(nbytes, count_miss=False)
         if buffer is None and evict and self.store is not None and self.store.drop_a_prefetch():
-            buffer = self.pool.take(nbytes)  # a restored session's read-back (still on disk)
+            # a restored session's read-back (still on disk)
+            buffer = self.pool.take(nbytes, count_miss=False)
+        if buffer is None:
+            self.pool.miss()
         return buffer
 
     def offload(
@@ -132,7 +135,7 @@ class SessionTiers:
             entry = self.host.entries[name]
             if entry.state.buffer is not None or entry.state.nbytes > self.pool.buffer_bytes:
                 continue
-            buffer = self.pool.take(0)
+            buffer = self.pool.take(0, count_miss=False)  # idle work: not a miss
             if buffer is None:
                 return False
             tensors, held = to_host(entry.state.tensors, buffer)
