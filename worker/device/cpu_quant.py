@@ -1,4 +1,4 @@
-"""Quantized matmuls on the CPU: int8 / int4 weights (``worker.layers.quant``), fp32 activations.
+"""Quantized matmuls on the CPU: int8 / int4 weights (``worker.layers.quant``).
 
 A decode step streams every weight once, so bytes per weight set its speed: int8 reads a
 quarter of fp32, int4 an eighth (plus fp16 scales). ``pack`` stores a ``QuantizedWeight`` for
@@ -16,6 +16,12 @@ torch reference's ``dequantize`` value up to one rounding (an FMA for int4), eac
 fp32 chain over k in order. Inputs of any row count use it (prefill too: the weights of a tile
 stay in cache while all input rows pass over them, four at a time). Threads as in ``cpu_gemv``:
 each output computed by one thread, the same bits at any thread count.
+
+Where the CPU has AVX512-VNNI and VBMI (``ACTIVATION_BITS`` below, 16 by default) the kernel
+``tp_quant_gemm_a16`` quantizes each input row to int16 per weight group instead and sums
+``q * x`` exactly in int32 per group (vpdpwssd), then ``scale * x_scale * sum`` (int4: plus
+``offset * x_scale * sum(x)``) into the fp32 chain: no float work per weight, 32 products an
+instruction; a row's result still depends on nothing but the row.
 """
 
 from __future__ import annotations
