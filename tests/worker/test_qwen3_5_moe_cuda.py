@@ -271,3 +271,41 @@ def test_gpu_quantized_path_equals_cpu_path(
     finally:
         if pool is not None:
             pool.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_quantized_moe_prefill_dequant_path_captures_in_a_graph() -> None:
+    """The prefill path of quantized experts (hit experts dequantized to a scratch, then the
+    float grouped GEMMs) inside a CUDA graph, as the prefill graphs run it: no host tensor
+    and no sync, and the replay equals the eager call."""
+    from worker.device.kernels.moe_quant import fused_moe_quant_triton
+    from worker.layers.quant import QuantFormat
+    from worker.layers.quant_experts import QuantExperts
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tokens, hidden, inner, experts, top_k = 96, 128, 64, 16, 8
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    probs = torch.softmax(torch.randn(tokens, experts, device="cuda", generator=gen), -1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+    module = QuantExperts(experts, hidden, inner, QuantFormat("int4", 32)).cuda()
+    module.draw_random(0.05, torch.Generator(device="cuda").manual_seed(2), torch.bfloat16)
+    gate_up, down = module.matrix("gate_up_proj"), module.matrix("down_proj")
+
+    def run() -> torch.Tensor:
+        return fused_moe_quant_triton(x, gate_up, down, weights, ids, gemv=False, dequant=True)
+
+    want = run()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    quantized = fused_moe_quant_triton(x, gate_up, down, weights, ids, gemv=False, dequant=False)
+    assert _rel(got, quantized) < 1e-2

@@ -232,10 +232,10 @@ def _dequant_experts_kernel(
 
 
 def hit_experts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """ids [T, k] -> int32 [E], 1 where some pair chose the expert (no host sync)."""
+    """ids [T, k] -> int32 [E], 1 where some pair chose the expert (no host sync, no host
+    tensor: capturable in a CUDA graph)."""
     hit = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
-    hit[ids.reshape(-1)] = 1
-    return hit
+    return hit.index_fill_(0, ids.reshape(-1), 1)
 
 
 def dequantize_experts(matrix: ExpertMatrix, hit: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
