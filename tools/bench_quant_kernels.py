@@ -41,11 +41,14 @@ GEMM_SWEEP = [(c, k, w, s) for c in (16, 32, 64) for k in (32, 64) for w in (4, 
 
 def model_shapes(config_path: Path) -> list[tuple[str, int, int, int]]:
     """(name, N, K, count per model) of every distinct matrix of the merged model, head too."""
+    import worker.layers.deltanet as deltanet
     from worker.models.config import ModelConfig
     from worker.models.registry import build_model
 
     config = ModelConfig.from_hf(json.loads(config_path.read_text()))
     model = build_model(config, "meta", torch.bfloat16)
+    # qwen3_5_moe's layers merge only on the devices that do (CUDA); merge them here too
+    deltanet.FUSED_PROJECTION_DEVICES = (*deltanet.FUSED_PROJECTION_DEVICES, "meta")
     model.fuse_projections()
     counts: dict[tuple[str, int, int], int] = {}
     for name, module in model.named_modules():

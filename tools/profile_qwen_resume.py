@@ -15,7 +15,9 @@ CUDA set-up, decode graphs, the prefill warm-up), with no worker process and no 
 - decode: ``--sessions`` batches of requests decoding at once, aggregate tok/s over the window
   in which all of them decode (bench_gpu's measure);
 - ``--fla-configs``: the configs fla's autotuner chose in this process, as JSON (the start-up
-  can read them instead of autotuning).
+  can read them instead of autotuning);
+- ``--replay N``: the batch-1 decode graph replayed N times back to back, last (the GPU's time
+  per step without the host's turn between steps).
 
 Figures go to stdout; ``--tiny`` shrinks the config for a CPU dry run.
 """
@@ -270,6 +272,32 @@ def fla_configs() -> dict[str, Any]:
     return chosen
 
 
+def replay_rate(engine: Any, replays: int) -> None:
+    """The batch-1 decode graph replayed back to back (``--replay``): the GPU's time per step
+    without the host's turn between steps (reading the token, the engine's bookkeeping, the
+    next launch), against the engine's own decode rate. The replays decode slot 0 at position
+    100 over and over (its state is garbage afterwards: run last)."""
+    import torch
+
+    runner = getattr(engine.model, "runner", None)
+    graph = None if runner is None else runner._graphs.get((1, False))
+    if graph is None:
+        log("replay: no captured batch-1 decode graph")
+        return
+    runner.input_ids[:1].fill_(5)
+    runner.positions[:1].fill_(100)
+    runner.slots[:1].fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    per_step = (time.perf_counter() - start) / replays
+    log(f"replay: batch-1 decode graph back to back {per_step * 1e3:.3f} ms a step "
+        f"({1 / per_step:.1f} steps/s, {replays} replays)")  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(REPO / "examples" / "qwen3_5_moe"))
@@ -285,6 +313,8 @@ def main() -> int:
     p.add_argument("--cprofile", action="store_true", help="cProfile of one warm turn")
     p.add_argument("--profile-decode", action="store_true", help="torch.profiler over decode")
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--replay", type=int, default=0,
+                   help="then N back-to-back replays of the batch-1 decode graph")  # fmt: skip
     p.add_argument("--fla-configs", action="store_true")
     p.add_argument("--fla-first-config", action="store_true",
                    help="autotuners try their first config only (a quick start)")  # fmt: skip
@@ -344,6 +374,8 @@ def main() -> int:
             with torch_profile(activities=kinds) as prof:
                 decode(driver, s, 32, vocab)
             report(prof, f"decode x{s} (32 new tokens after a 32-token prompt)")
+    if args.replay and on_cuda:
+        replay_rate(engine, args.replay)
     return 0
 
 
