@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker.device.kernels import quant_matmul as qm  # noqa: E402
-from worker.device.kernels.gemv import gemv_triton  # noqa: E402
+from worker.device.kernels.gemv import choose_config, gemv_triton  # noqa: E402
 from worker.device.kernels.gemv import graph_seconds as graph_time  # noqa: E402
 from worker.layers import quant as Q  # noqa: E402
 
@@ -115,8 +115,12 @@ def bench_shape(
             "int4_ours": lambda x=x: qm.quant_linear(x, int4),
             "int8_ours": lambda x=x: qm.quant_linear(x, int8),
         }
-        if m <= 4:
-            paths["bf16_gemv"] = lambda x=x: gemv_triton(x, weight)
+        if m <= 4:  # the config the worker's start-up would choose (None: cuBLAS is as fast)
+            config = choose_config(weight)
+            row["bf16_gemv_config"] = config
+            paths["bf16_gemv"] = lambda x=x, c=config: (
+                gemv_triton(x, weight, c) if c is not None else F.linear(x, weight)
+            )
         if tiny is not None:
             paths["int4_tinygemm"] = lambda x=x: tiny(x)
         if qm.GEMV_MAX_ROWS < m <= qm.GEMM_MAX_ROWS:

@@ -25,6 +25,28 @@ def test_gemv_matches_linear(rows: int) -> None:
         gemv_triton(torch.randn(5, 300).to(DEVICE), w)
 
 
+@pytest.mark.parametrize("config", [(4, 512, 4, 4), (2, 1024, 2, 3)])
+def test_narrow_row_blocks_match_linear(config: tuple[int, int, int, int]) -> None:
+    """The few-output candidates (2 or 4 rows a program, wide K tiles) against F.linear, and
+    only matrices of few outputs are timed with them."""
+    from worker.device.kernels.gemv import (
+        CANDIDATES,
+        FEW_OUTPUT_CANDIDATES,
+        FEW_OUTPUTS,
+        candidates_for,
+        gemv_triton,
+    )
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 600, generator=gen).to(DEVICE)
+    w = torch.randn(37, 600, generator=gen).to(DEVICE)  # N and K not multiples of the tiles
+    torch.testing.assert_close(gemv_triton(x, w, config), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert config in FEW_OUTPUT_CANDIDATES
+    assert candidates_for(w) == CANDIDATES + FEW_OUTPUT_CANDIDATES
+    assert candidates_for(torch.empty(FEW_OUTPUTS, 8, device="meta")) == CANDIDATES
+    assert candidates_for(w, [config]) == [config]
+
+
 def test_installed_gemv_serves_one_row_and_leaves_logits_alone() -> None:
     from test_cuda_graphs import tiny_model
 

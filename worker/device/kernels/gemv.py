@@ -89,6 +89,21 @@ def gemv_triton(
 
 # a few configs that were fastest on some 31B matrix on an H200 (tools/bench_gpu_kernels.py)
 CANDIDATES = [(16, 256, 4, 4), (8, 512, 4, 4), (8, 256, 4, 6), (16, 512, 8, 3)]
+# matrices of few outputs (N < FEW_OUTPUTS) also try narrower row blocks: at 16 rows a block,
+# qwen3_5_moe's [2048, 4096] out_proj / o_proj (40 a step) and [2048, 512] shared down are 128
+# programs on 132 SMs, each streaming its rows' whole K alone
+FEW_OUTPUTS = 4096
+FEW_OUTPUT_CANDIDATES = [(4, 512, 4, 4), (4, 1024, 4, 3), (2, 1024, 2, 3)]
+
+
+def candidates_for(
+    weight: torch.Tensor, candidates: list[tuple[int, int, int, int]] | None = None
+) -> list[tuple[int, int, int, int]]:
+    """The configs timed for ``weight`` [N, K]: ``candidates`` when given, else CANDIDATES (and
+    FEW_OUTPUT_CANDIDATES when N < FEW_OUTPUTS)."""
+    if candidates is not None:
+        return candidates
+    return CANDIDATES + (FEW_OUTPUT_CANDIDATES if weight.shape[0] < FEW_OUTPUTS else [])
 
 
 def graph_seconds(fn: Any, calls: int = 8, reps: int = 5) -> float:
@@ -118,7 +133,7 @@ def choose_config(
     with torch.inference_mode():
         base = graph_seconds(lambda: F.linear(x, weight))
         best: tuple[float, tuple[int, int, int, int]] | None = None
-        for config in candidates or CANDIDATES:
+        for config in candidates_for(weight, candidates):
             try:
                 seconds = graph_seconds(lambda c=config: gemv_triton(x, weight, c))
             except Exception:  # noqa: BLE001 - a config this GPU cannot run
@@ -135,7 +150,7 @@ def launch_candidates(
     times (worker/device/compile_ahead.py records them to compile ahead)."""
     for weight in weights:
         x = torch.zeros(1, weight.shape[1], device=weight.device, dtype=weight.dtype)
-        for config in candidates or CANDIDATES:
+        for config in candidates_for(weight, candidates):
             gemv_triton(x, weight, config)
 
 
