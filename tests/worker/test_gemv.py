@@ -47,6 +47,38 @@ def test_narrow_row_blocks_match_linear(config: tuple[int, int, int, int]) -> No
     assert candidates_for(w, [config]) == [config]
 
 
+@pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh"])
+def test_gated_gemv_equals_the_activation_then_the_gemv(act_name: str) -> None:
+    """down(act(gate) * up) in one launch, from the halves of one gate_up row, equals the
+    activation kernel's rounding followed by the GEMV (bf16 rounding of act and the product)."""
+    import torch.nn.functional as F
+
+    from worker.device.kernels.gemv import gated_gemv_triton, gemv_triton
+    from worker.device.kernels.rmsnorm import GATED_ACTIVATIONS
+
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(1, 2 * 300, generator=gen).to(DEVICE)
+    w = torch.randn(70, 300, generator=gen).to(DEVICE)
+    gate, up = gate_up[:, :300], gate_up[:, 300:]
+    act = F.silu if act_name == "silu" else (lambda g: F.gelu(g, approximate="tanh"))
+    config = (16, 64, 4, 1)
+    got = gated_gemv_triton(gate, up, w, GATED_ACTIVATIONS[act_name], config)
+    want = gemv_triton((act(gate) * up).contiguous(), w, config)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # bf16 (the activation kernel's roundings) on a GPU only: the interpreter rounds bf16 its
+    # own way (COMMON: kernels are tested in fp32 there)
+    for dtype in (torch.bfloat16,) if DEVICE == "cuda" else ():
+        g, u, wd = gate.to(dtype), up.to(dtype), w.to(dtype)
+        h = (act(g.float()).to(dtype).float() * u.float()).to(dtype)
+        ref = gemv_triton(h, wd, config).float()
+        out = gated_gemv_triton(g, u, wd, GATED_ACTIVATIONS[act_name], config)
+        assert out.dtype == dtype
+        # torch's silu / gelu and the kernel's may round an element of h the other way
+        assert (out.float() - ref).norm() / ref.norm() < 4e-3
+    with pytest.raises(ValueError):
+        gated_gemv_triton(torch.randn(2, 300).to(DEVICE), torch.randn(2, 300).to(DEVICE), w, 0)
+
+
 def test_installed_gemv_serves_one_row_and_leaves_logits_alone() -> None:
     from test_cuda_graphs import tiny_model
 

@@ -170,6 +170,14 @@ class GatedMLP(nn.Module):
             from worker.device.kernels.rmsnorm import GATED_ACTIVATIONS, gated_act_triton
 
             if self.act_name in GATED_ACTIVATIONS:
+                # one row with the down matrix on the decode GEMV: the activation in its loads
+                config = getattr(self.down_proj, "decode_gemv_config", None)
+                one_row = gate.shape[0] == 1 and gate.stride(-1) == 1 and up.stride(-1) == 1
+                if config is not None and one_row:
+                    from worker.device.kernels.gemv import gated_gemv_triton
+
+                    act = GATED_ACTIVATIONS[self.act_name]
+                    return gated_gemv_triton(gate, up, self.down_proj.weight, act, config)
                 out: torch.Tensor = self.down_proj(gated_act_triton(gate, up, self.act_name))
                 return out
         out = self.down_proj(self.act(gate) * up)

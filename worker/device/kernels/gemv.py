@@ -63,6 +63,38 @@ def _gemv_kernel(
         tl.store(y_ptr + 3 * stride_ym + offs_n, tl.sum(acc3, axis=1).to(out_ty), mask=mask_n)
 
 
+@triton.jit
+def _gated_gemv_kernel(
+    g_ptr, u_ptr, w_ptr, y_ptr, N, stride_wn,
+    K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """y[n] = sum_k W[n, k] * h[k] for one row, h = act(g) * u rounded to y's dtype as
+    ``rmsnorm._gated_act_kernel`` rounds it (ACT: 0 silu, 1 gelu tanh, 2 sigmoid)."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    dt = y_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        g = tl.load(g_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
+        if ACT == 1:
+            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+        elif ACT == 2:
+            a = tl.sigmoid(g)
+        else:
+            a = g * tl.sigmoid(g)
+        h = (a.to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        acc += w.to(tl.float32) * h[None, :]
+    tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(dt), mask=mask_n)
+
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); see tools/bench_gpu_kernels.py --gemv
 DEFAULT_CONFIG = (16, 256, 4, 4)
 
@@ -81,6 +113,34 @@ def gemv_triton(
         x, weight, y, n, x.stride(0), weight.stride(0), y.stride(0),
         K=k, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y
+
+
+def gated_gemv_triton(
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, act: int,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """down(act(gate) * up) of one row in one launch: gate, up [1, K] (contiguous last dim;
+    halves of one gate_up row, say) @ weight[N, K]^T -> [1, N] in gate's dtype, equal to
+    ``rmsnorm.gated_act_triton`` then ``gemv_triton`` (``act``: its GATED_ACTIVATIONS code)."""
+    k = gate.shape[1]
+    n = weight.shape[0]
+    if (
+        gate.shape[0] != 1
+        or up.shape != gate.shape
+        or weight.shape[1] != k
+        or weight.stride(1) != 1
+    ):
+        raise ValueError(f"unsupported gated gemv: gate {tuple(gate.shape)}, weight "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    if gate.stride(1) != 1 or up.stride(1) != 1:
+        raise ValueError("gated gemv: gate and up need a contiguous last dimension")
+    y = torch.empty((1, n), device=gate.device, dtype=gate.dtype)
+    block_n, block_k, num_warps, num_stages = config or DEFAULT_CONFIG
+    _gated_gemv_kernel[(triton.cdiv(n, block_n),)](
+        gate, up, weight, y, n, weight.stride(0), K=k, ACT=act, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
 
@@ -191,4 +251,5 @@ def install_decode_gemv(
             module.forward = functools.partial(  # type: ignore[method-assign]
                 linear_for_decode, weight=module.weight, config=config
             )
+            module.decode_gemv_config = config  # a gated MLP's down: gated_gemv_triton
     return chosen
