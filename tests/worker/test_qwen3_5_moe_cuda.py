@@ -309,3 +309,34 @@ def test_quantized_moe_prefill_dequant_path_captures_in_a_graph() -> None:
     assert torch.equal(got, want)
     quantized = fused_moe_quant_triton(x, gate_up, down, weights, ids, gemv=False, dequant=False)
     assert _rel(got, quantized) < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gated_mlp_one_row_through_the_gated_gemv() -> None:
+    """A gated MLP (qwen3_5_moe's shared expert) whose down matrix runs on the decode GEMV:
+    one row takes the gated GEMV (activation in its loads) and equals the activation kernel
+    then the GEMV; more rows keep the two launches."""
+    from worker.device.kernels import gemv
+    from worker.layers.blocks import GatedMLP
+
+    config = _config()
+    mlp = GatedMLP(config).cuda()
+    mlp.fuse_projections()
+    x = torch.randn(3, config.hidden_size, device="cuda")
+    assert mlp.gate_up_proj is not None
+    gate_up = mlp.gate_up_proj(x)
+    before = mlp.down_from_gate_up(gate_up, x)
+    gemv.install_decode_gemv(mlp, choose=lambda weight: (16, 64, 4, 1))
+    assert mlp.down_proj.decode_gemv_config == (16, 64, 4, 1)
+    calls = []
+    real = gemv.gated_gemv_triton
+    gemv.gated_gemv_triton = lambda *a, **k: calls.append(1) or real(*a, **k)  # type: ignore[assignment]
+    try:
+        one = mlp.down_from_gate_up(gate_up[:1], x[:1])
+        assert calls
+        three = mlp.down_from_gate_up(gate_up, x)
+        assert len(calls) == 1
+    finally:
+        gemv.gated_gemv_triton = real  # type: ignore[assignment]
+    torch.testing.assert_close(one, before[:1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(three, before, rtol=1e-4, atol=1e-4)
