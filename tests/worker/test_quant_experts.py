@@ -172,6 +172,10 @@ def test_dequantized_experts_equal_the_reference_rows(triton_ready: None, kind: 
     module.to(DEVICE)
     hit = hit_experts(torch.tensor([[4, 1], [1, 5]], device=DEVICE), 6)
     assert hit.cpu().tolist() == [0, 1, 0, 0, 1, 1]
+    # a padding row's garbage ids: never an index error; past the end marks nothing
+    garbage = torch.tensor([[4, 1], [1, 5], [6, 1 << 40]], device=DEVICE)
+    assert hit_experts(garbage, 6).cpu().tolist() == [0, 1, 0, 0, 1, 1]
+    assert hit_experts(torch.tensor([[-3, 2]], device=DEVICE), 6).cpu().tolist()[2] == 1
     for matrix in module.shapes:
         got = dequantize_experts(module.matrix(matrix), hit, torch.float32).cpu()
         for e in hit_ids:

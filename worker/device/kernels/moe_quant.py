@@ -233,9 +233,13 @@ def _dequant_experts_kernel(
 
 def hit_experts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """ids [T, k] -> int32 [E], 1 where some pair chose the expert (no host sync, no host
-    tensor: capturable in a CUDA graph)."""
-    hit = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
-    return hit.index_fill_(0, ids.reshape(-1), 1)
+    tensor: capturable in a CUDA graph). Ids outside [0, E), which a padding row's garbage
+    logits route to (the router's keys of NaN; the grouped GEMMs skip such pairs), are
+    clamped: past the end into a spare entry, below 0 onto expert 0 (dequantized for
+    nothing; the H200's worker start-up hit index_fill_'s bounds assert without this)."""
+    hit = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    hit.index_fill_(0, ids.reshape(-1).clamp(0, num_experts), 1)
+    return hit[:num_experts]
 
 
 def dequantize_experts(matrix: ExpertMatrix, hit: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
