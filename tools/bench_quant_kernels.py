@@ -130,7 +130,11 @@ def bench_shape(
         if m >= 512:
             paths["int4_qgemm"] = lambda x=x: qm.qgemm(x, int4)
         for key, fn in paths.items():
-            row[f"{key}_us"] = seconds(fn) * 1e6
+            try:
+                row[f"{key}_us"] = seconds(fn) * 1e6
+            except RuntimeError as exc:  # tinygemm takes only some N (1,281 outputs: not)
+                row[f"{key}_failed"] = repr(exc)[:120]
+                continue
             if key.startswith("int4"):
                 row[f"{key}_maxerr"] = (fn().float() - ref4).abs().max().item()
             kind = key.split("_")[0]
