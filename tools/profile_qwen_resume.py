@@ -319,6 +319,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=0, help="default: what the cases need")
     p.add_argument("--profile", action="store_true", help="torch.profiler over timed turns")
     p.add_argument("--cprofile", action="store_true", help="cProfile of one warm turn")
+    p.add_argument("--cprofile-decode", action="store_true",
+                   help="cProfile of a batch-1 decode (by own time)")  # fmt: skip
     p.add_argument("--profile-decode", action="store_true", help="torch.profiler over decode")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--replay", type=int, default=0,
@@ -382,6 +384,15 @@ def main() -> int:
             with torch_profile(activities=kinds) as prof:
                 decode(driver, s, 32, vocab)
             report(prof, f"decode x{s} (32 new tokens after a 32-token prompt)")
+    if args.cprofile_decode:
+        import cProfile
+        import pstats
+
+        host = cProfile.Profile()
+        host.enable()
+        decode(driver, 1, 64, vocab)  # the host's side of each step (the GPU's is waited for)
+        host.disable()
+        pstats.Stats(host).sort_stats("tottime").print_stats(25)
     if args.replay and on_cuda:
         replay_rate(engine, args.replay)
     return 0
