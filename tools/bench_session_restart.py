@@ -13,6 +13,11 @@ Through `tokenpipe run --session-dir DIR` as users start it:
     python tools/bench_session_restart.py [--tokens 1500] [--threads 2] [--workers 1]
     python tools/bench_session_restart.py --model examples/gemma4_31b --device cuda \
         --tokens 8192 --extra 64 --sessions 3 --max-resident 2 --host-cache-gb 16
+    # issue 16's scale: 256 named 8k sessions sharing a 7,936-token system prompt, 32 on the
+    # GPU, the host pool holding what it can (the rest's caches dropped without --session-dir)
+    python tools/bench_session_restart.py --model examples/gemma4_31b --device cuda \
+        --tokens 8192 --extra 64 --sessions 256 --session-prefix 7936 --max-resident 32 \
+        --host-cache-gb 100 --no-restart --resume-first 210 --resumes 3 --quiet
 
 A `--model` directory holding only a config.json gets random weights and a synthetic
 tokenizer (as tools/bench_gpu.py does; `--tiny` shrinks the config for a CPU dry run).
@@ -178,6 +183,14 @@ def main() -> None:
     parser.add_argument(
         "--shared", type=int, default=0, help="also time a new session sharing this many tokens"
     )
+    parser.add_argument(
+        "--session-prefix",
+        type=int,
+        default=0,
+        help="the named sessions' prompts share their first N tokens (an agent's system "
+        "prompt: the prefix cache makes creating many sessions cheap); each session still "
+        "holds its own whole cache",
+    )
     parser.add_argument("--pause", type=float, default=0.5, help="seconds before a timed turn")
     parser.add_argument("--no-restart", action="store_true",
                         help="no --session-dir and no second run (host tier only)")  # fmt: skip
@@ -186,6 +199,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.resume_first + args.resumes > args.sessions:
         parser.error("--resume-first + --resumes must be <= --sessions")
+    if not 0 <= args.session_prefix < args.tokens:
+        parser.error("--session-prefix must be below --tokens")
 
     with tempfile.TemporaryDirectory() as directory:
         vocab = 200_000
@@ -234,10 +249,13 @@ def main() -> None:
             first.ask({"id": "close-shared", "op": "close", "session_id": "shared"})
             log(f"after the shared prefix: {tier_stats(first)}")
         history: dict[str, list[int]] = {}
+        head = ids(40, args.session_prefix, vocab) if args.session_prefix else []
         for i in range(args.sessions):
             name = f"s{i}"
-            done, ms = first.ask(turn(name, ids(i + 1, args.tokens, vocab), 1, f"make-{i}"))
-            history[name] = ids(i + 1, args.tokens, vocab) + checked(done)["generated_token_ids"]
+            own = ids(i + 1, args.tokens - len(head) + (1 if head else 0), vocab)
+            prompt = head + (own[1:] if head else own)
+            done, ms = first.ask(turn(name, prompt, 1, f"make-{i}"))
+            history[name] = prompt + checked(done)["generated_token_ids"]
             log(f"created {name}: {ms:.1f} ms ({summary(done)})")
         log(f"after creating: {tier_stats(first)}")
         time.sleep(args.settle)
