@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from worker.device.kernels.rmsnorm import gated_activation
+
 MAX_ROWS = 4
 
 
@@ -68,8 +70,8 @@ def _gated_gemv_kernel(
     g_ptr, u_ptr, w_ptr, y_ptr, N, stride_wn,
     K: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """y[n] = sum_k W[n, k] * h[k] for one row, h = act(g) * u rounded to y's dtype as
-    ``rmsnorm._gated_act_kernel`` rounds it (ACT: 0 silu, 1 gelu tanh, 2 sigmoid)."""
+    """y[n] = sum_k W[n, k] * h[k] for one row, h = act(g) * u rounded to y's dtype by
+    ``rmsnorm.gated_activation``, as ``rmsnorm._gated_act_kernel`` rounds it."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -83,14 +85,7 @@ def _gated_gemv_kernel(
         w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         g = tl.load(g_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + ks, mask=mask_k, other=0.0).to(tl.float32)
-        if ACT == 1:
-            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            a = 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-        elif ACT == 2:
-            a = tl.sigmoid(g)
-        else:
-            a = g * tl.sigmoid(g)
-        h = (a.to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        h = gated_activation(g, u, ACT, dt).to(tl.float32)
         acc += w.to(tl.float32) * h[None, :]
     tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(dt), mask=mask_n)
 

@@ -317,6 +317,15 @@ def _gated_act_kernel(
     dt = y_ptr.dtype.element_ty
     g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, gated_activation(g, u, ACT, dt), mask=mask)
+
+
+@triton.jit
+def gated_activation(g, u, ACT: tl.constexpr, dt: tl.constexpr):
+    """act(g) * u in ``dt`` from fp32 g, u: act rounded to ``dt`` first (as torch's
+    ``act(gate) * up`` in that dtype). ACT: 0 silu, 1 gelu (tanh approximation), 2 sigmoid.
+    Shared by ``_gated_act_kernel`` and the gated GEMV (``gemv._gated_gemv_kernel``), which
+    must round alike."""
     if ACT == 1:  # gelu, tanh approximation
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
@@ -325,8 +334,7 @@ def _gated_act_kernel(
         a = tl.sigmoid(g)
     else:  # silu
         a = g * tl.sigmoid(g)
-    y = a.to(dt).to(tl.float32) * u
-    tl.store(y_ptr + row * stride_y + offs, y.to(dt), mask=mask)
+    return (a.to(dt).to(tl.float32) * u).to(dt)
 
 
 GATED_ACTIVATIONS = {"gelu_pytorch_tanh": 1, "gelu_new": 1, "silu": 0, "swish": 0, "sigmoid": 2}
