@@ -96,9 +96,13 @@ class DeltaNetLayerCache:
                 self.snap_conv[slot, target.entry] = conv
                 self.snap_recurrent[slot, target.entry] = recurrent
             if target.row >= 0:
-                assert self.pool_conv is not None and self.pool_recurrent is not None
-                self.pool_conv[target.row] = conv
-                self.pool_recurrent[target.row] = recurrent
+                self.to_pool(target.row, conv, recurrent)
+
+    def to_pool(self, row: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """A state (conv, recurrent) into prefix-pool row ``row``."""
+        assert self.pool_conv is not None and self.pool_recurrent is not None
+        self.pool_conv[row] = conv
+        self.pool_recurrent[row] = recurrent
 
     def copy_to_snapshot(self, slot: int, entry: int) -> None:
         self.snap_conv[slot, entry] = self.conv[slot]
@@ -341,9 +345,7 @@ class HybridCache:
             self.snapshot_lens[slot][entry] = self.live_len[slot]
         for slot, entry, row in self._entry_to_pool:
             for layer in self.deltanet_layers:
-                assert layer.pool_conv is not None and layer.pool_recurrent is not None
-                layer.pool_conv[row] = layer.snap_conv[slot, entry]
-                layer.pool_recurrent[row] = layer.snap_recurrent[slot, entry]
+                layer.to_pool(row, layer.snap_conv[slot, entry], layer.snap_recurrent[slot, entry])
         for capture in self._states_after:
             self._live_to_pool(capture.slot, capture.row)
         for capture in self._states_inside + self._states_after:
@@ -400,9 +402,7 @@ class HybridCache:
 
     def _live_to_pool(self, slot: int, row: int) -> None:
         for layer in self.deltanet_layers:
-            assert layer.pool_conv is not None and layer.pool_recurrent is not None
-            layer.pool_conv[row] = layer.conv[slot]
-            layer.pool_recurrent[row] = layer.recurrent[slot]
+            layer.to_pool(row, layer.conv[slot], layer.recurrent[slot])
 
     # -- one slot off the device and back (worker/engine/tiers.py) ------------------------------
 
