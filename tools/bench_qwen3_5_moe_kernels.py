@@ -14,6 +14,7 @@
 - ``sweep_{bf16,int4}_{1,32}``: the routed experts' time per tile choice (``SWEEP``);
   ``gemv_{int4,int8}_{1,4,32}``, ``gemv_bf16_1``: the per-pair GEMVs per tile (``GEMV_SWEEP``,
   ``FLOAT_GEMV_SWEEP``);
+  ``block_int4_{8,16,32}``: the blocked GEMVs (pairs grouped by expert) per tile (``BLOCK_SWEEP``);
   ``sweep_deltanet_{1,32}``: the DeltaNet decode step's per value-dims tile and warps.
 
 Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
@@ -428,6 +429,47 @@ def gemv_sweep(tokens: int, kind: str) -> None:
         log(f"gemv_sweep_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
 
 
+# BlockTiles fields: (block_m, block_n, warps, programs)
+BLOCK_SWEEP = [(2, 128, 4, 264), (1, 128, 4, 264), (4, 128, 4, 264), (2, 64, 4, 264),
+               (2, 128, 2, 264), (4, 64, 4, 528), (2, 256, 4, 264)]  # fmt: skip
+
+
+def block_sweep(tokens: int, kind: str) -> None:
+    """Quantized routed experts (group 32) at a decode batch: the blocked GEMVs (pairs grouped
+    by expert, ``moe_block_gemv``; the alignment inside the timed call) per tile choice
+    (BLOCK_SWEEP) against the per-pair GEMVs (default tiles), each in a CUDA graph, with the
+    bandwidth of the distinct expert bytes."""
+    from worker.device.kernels.moe_block_gemv import BlockTiles, moe_quant_block_gemv
+    from worker.device.kernels.moe_gemv import moe_quant_gemv
+    from worker.layers.quant import QuantFormat
+    from worker.layers.quant_experts import QuantExperts
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    probs = torch.softmax(torch.randn(tokens, EXPERTS, device="cuda", generator=gen), -1)
+    weights, ids = torch.topk(probs, TOP_K, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+    experts = QuantExperts(EXPERTS, HIDDEN, INNER, QuantFormat(kind, 32)).cuda()
+    experts.draw_random(0.02, torch.Generator(device="cuda").manual_seed(4), torch.bfloat16)
+    gu, dn = experts.matrix("gate_up_proj"), experts.matrix("down_proj")
+    hit = int(torch.unique(ids).numel())
+    read = hit * experts.nbytes // EXPERTS
+    want = moe_quant_gemv(x, gu, dn, weights, ids)
+    t = graph_time(lambda: moe_quant_gemv(x, gu, dn, weights, ids))
+    log(f"block_{kind}_t{tokens}_per_pair_us", round(t * 1e6, 1),
+        f"{hit} experts, {read / t / 1e12:.2f} TB/s of distinct bytes")  # fmt: skip
+    for choice in BLOCK_SWEEP:
+        tiles = BlockTiles(*choice)
+        try:
+            t = graph_time(lambda c=tiles: moe_quant_block_gemv(x, gu, dn, weights, ids, t=c))
+            err = rel(moe_quant_block_gemv(x, gu, dn, weights, ids, t=tiles), want)
+        except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
+            log(f"block_{kind}_t{tokens}_{choice}", repr(exc)[:120])
+            continue
+        note = f"{read / t / 1e12:.2f} TB/s rel {err:.1e}{'' if err < 1e-2 else ' WRONG'}"
+        log(f"block_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
+
+
 # FloatTiles fields: (block_n, block_k, warps, programs)
 FLOAT_GEMV_SWEEP = [(16, 256, 4, 528), (8, 256, 4, 528), (32, 128, 4, 528), (16, 512, 4, 528),
                     (16, 256, 8, 528), (4, 512, 4, 528), (16, 256, 4, 1056), (8, 512, 8, 1056),
@@ -489,6 +531,9 @@ def main() -> int:
         ("gemv_int4_32", lambda: gemv_sweep(32, "int4")),
         ("gemv_int4_4", lambda: gemv_sweep(4, "int4")),
         ("gemv_int8_1", lambda: gemv_sweep(1, "int8")),
+        ("block_int4_32", lambda: block_sweep(32, "int4")),
+        ("block_int4_16", lambda: block_sweep(16, "int4")),
+        ("block_int4_8", lambda: block_sweep(8, "int4")),
         ("sweep_deltanet_1", lambda: deltanet_sweep(1)),
         ("sweep_deltanet_32", lambda: deltanet_sweep(32)),
     ]

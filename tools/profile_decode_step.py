@@ -12,6 +12,8 @@ random token ids (so the rows route to different experts, as real sessions do):
 - back to back (``--replays``): the GPU's time per step, no host turn;
 - under torch.profiler (``--profiled`` replays): each kernel's calls and time per step, grouped
   (routed experts, routing, dense matmuls, DeltaNet, attention, norms, ...);
+- ``--variant RECIPE:ENV=VALUE``: after that, the same engine's graphs captured again with
+  the variable set (a kernel path chosen at trace time), measured and profiled again;
 - the bytes a step must read: the routed experts hit (``E * (1 - (1 - k/E)^T)`` of E per layer
   with uniform routing, the random weights' case), the other weights (embedding rows aside),
   and the DeltaNet states (fp32, read and written per row), and the routed-expert kernels'
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import re
 import sys
 import tempfile
@@ -175,6 +178,9 @@ def main() -> int:
     p.add_argument("--profiled", type=int, default=10)
     p.add_argument("--engine-rate", action="store_true", default=True)
     p.add_argument("--no-engine-rate", dest="engine_rate", action="store_false")
+    p.add_argument("--variant", action="append", default=[],
+                   help="RECIPE:ENV=VALUE: that recipe's graphs captured again with the "
+                   "variable set, then measured and profiled again (repeatable)")  # fmt: skip
     args = p.parse_args()
 
     import torch
@@ -212,6 +218,23 @@ def main() -> int:
                 replay_profile(engine, s, args, vocab, need)
             else:
                 log(f"{recipe} x{s}: bytes {need}")
+        for variant in args.variant:
+            name, _, setting = variant.partition(":")
+            if name != recipe or not on_cuda:
+                continue
+            key, _, value = setting.partition("=")
+            os.environ[key] = value
+            runner = engine.model.runner
+            for s in sizes:  # the decode graphs captured again under the setting
+                runner._graphs.pop((s, False), None)
+                runner.capture(False, [s])
+            log(f"{recipe} with {setting}: graphs captured again")
+            if args.engine_rate:
+                for s in sizes:
+                    decode(driver, s, 64, vocab)
+            for s in sizes:
+                print(f"== {recipe} with {setting}, {s} rows")
+                replay_profile(engine, s, args, vocab, step_bytes(model, config, s))
         del engine, driver, model
         gc.collect()
         if on_cuda:

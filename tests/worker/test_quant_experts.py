@@ -254,6 +254,84 @@ def test_quantized_moe_gemv_tiles_and_residual(triton_ready: None, fmt: QuantFor
         assert (results[0].float() - other.float()).abs().max() <= 0.02
 
 
+@pytest.mark.parametrize(
+    "tokens,fmt,block_m,block_n,warps,programs",
+    [
+        (9, QuantFormat("int4", 8), 2, 64, 4, 1),  # one split: gate_up stores the activations
+        (6, QuantFormat("int8", 16), 4, 32, 2, 100),  # gate_up's K split in 2, 3 column blocks
+        (5, QuantFormat("int4", 32), 1, 32, 4, 1),
+    ],
+)
+def test_quantized_moe_block_gemv_equals_the_per_pair_gemvs(
+    triton_ready: None, tokens: int, fmt: QuantFormat, block_m: int, block_n: int, warps: int,
+    programs: int,
+) -> None:  # fmt: skip
+    """The blocked GEMVs (pairs grouped by expert, ``block_m`` rows a block: expert 0 crowded
+    into several blocks, padding rows, unused blocks) against the per-pair GEMVs and the CPU
+    MoE over dequantized experts, with the shared expert and a residual (fp32)."""
+    from worker.device.kernels.moe_block_gemv import BlockTiles, moe_quant_block_gemv
+    from worker.device.kernels.moe_gemv import moe_quant_gemv
+
+    gen = torch.Generator().manual_seed(tokens * 100 + block_m)
+    hidden, inner, top_k = 64, 48 if fmt.group_size != 32 else 64, 3
+    gate_up, down = _float_experts(6, hidden, inner, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = _routing(tokens, 6, top_k, gen)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    residual = torch.randn(tokens, hidden, generator=gen)
+    shared = torch.randn(tokens, hidden, generator=gen)
+    shared_gate = torch.randn(tokens, 1, generator=gen)
+    reference = _moe(gate_up, down, _fused(_reference(gate_up, fmt), _reference(down, fmt)))
+    routed = reference._experts(x, weights, ids)  # type: ignore[operator]
+    want = routed + torch.sigmoid(shared_gate) * shared + residual
+    module = _quantized(gate_up, down, fmt).to(DEVICE)
+    gu, dn = module.matrix("gate_up_proj"), module.matrix("down_proj")
+    args = (x.to(DEVICE), gu, dn, weights.to(DEVICE), ids.to(DEVICE), shared.to(DEVICE),
+            shared_gate.to(DEVICE), residual.to(DEVICE))  # fmt: skip
+    tiles = BlockTiles(block_m, block_n, warps, programs)
+    got = moe_quant_block_gemv(*args, t=tiles).cpu()  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    per_pair = moe_quant_gemv(*args, t=tiles.gemv()).cpu()  # type: ignore[arg-type]
+    torch.testing.assert_close(got, per_pair, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [5, 40])  # route + align in one launch; apart
+def test_sparse_moe_block_gemv_path_equals_its_cpu_loop(triton_ready: None, tokens: int) -> None:
+    """``SparseMoE._block_gemv`` (the layer's decode-batch path over quantized experts: its
+    router's logits routed and aligned, then the blocked GEMVs) against the layer's CPU path
+    over the same quantized experts (fp32)."""
+    from worker.device.kernels.moe_block_gemv import BlockTiles
+
+    gen = torch.Generator().manual_seed(tokens)
+    fmt, hidden, inner = QuantFormat("int4", 8), 32, 16
+    gate_up, down = _float_experts(8, hidden, inner, gen)
+    moe = _moe(gate_up, down, _quantized(gate_up, down, fmt))
+    moe.top_k = 2
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, 8, generator=gen)
+    shared = torch.randn(tokens, hidden, generator=gen)
+    shared_gate = torch.randn(tokens, 1, generator=gen)
+    weights, ids = moe.route(logits, x.dtype)  # type: ignore[operator]
+    want = moe._experts(x, weights, ids) + torch.sigmoid(shared_gate) * shared  # type: ignore[operator]
+    moe.to(DEVICE)
+    got = moe._block_gemv(  # type: ignore[operator]
+        x.to(DEVICE), logits.to(DEVICE), shared.to(DEVICE), shared_gate.to(DEVICE), None,
+        BlockTiles(2, 16, 2, 1),
+    ).cpu()  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_block_gemv_choice(triton_ready: None) -> None:
+    """``use_block_gemv`` (pure given its flag): decode batches of 8-64 tokens of top 8."""
+    from worker.device.kernels.moe_block_gemv import BLOCK_GEMV_MIN_PAIRS, use_block_gemv
+    from worker.device.kernels.moe_gemv import GEMV_MAX_PAIRS
+
+    assert use_block_gemv(256, "1") and use_block_gemv(BLOCK_GEMV_MIN_PAIRS, "1")
+    assert not use_block_gemv(8, "1") and not use_block_gemv(GEMV_MAX_PAIRS + 1, "1")
+    assert use_block_gemv(8, "all") and not use_block_gemv(GEMV_MAX_PAIRS + 1, "all")
+    assert not use_block_gemv(256, "0")
+
+
 def _tiny_checkpoint(tmp_path: Path, per_expert: bool, layers: int = 8) -> Path:
     """A tiny qwen3_5_moe checkpoint (8 experts, hidden 64, inner 24; ``layers`` layers, every
     fourth full attention) with random weights."""

@@ -1,0 +1,252 @@
+"""Decode batches of the MoE over quantized experts (8-64 tokens: a few pairs per expert): the
+pairs grouped by expert (``moe.align_pairs_triton`` in blocks of ``block_m`` rows), and one
+program per block and ``block_n`` outputs that reads its expert's words once for all its rows,
+on the CUDA cores.
+
+    plan = align_pairs(ids, E, block_m)                 (1-4 rows a block)
+    gate_up: part[s, pair, :2I] = x[pair // k] @ W_gate_up[e]^T over split s of K
+    act[pair] = silu(sum_s gate) * sum_s up             (or in gate_up's epilogue, one split)
+    down:    part[s, pair, :H]  = act[pair] @ W_down[e]^T over split s of K
+    out[t] = sum_j route[t, j] * sum_s part[s, t*k + j]  (+ shared, + residual: the combine)
+
+``moe_gemv``'s per-pair GEMVs read an expert's words once per pair: at 32 tokens of top 8 a
+layer's 256 pairs touch ~161 of 256 experts (uniform routing), so ~1.6x the distinct bytes.
+Here each word is read once per block and its codes (``moe_gemv._code``: one AND each) feed
+every row of the block: the rows cost one FMA each per weight, padding rows included.
+
+The arithmetic is ``moe_gemv._pair_gemv_kernel``'s (the same per-code-position accumulators,
+group scale and offset applied once per group, fp32 partial sums per split, the same
+epilogues), with a leading rows dimension; its outputs go to the same per-pair buffers, so
+the activation, down projection and combine are shared. This module imports Triton: import it
+only after ``worker.device.kernels.triton_available()``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.device.kernels.moe import AlignedPairs, align_pairs_triton
+from worker.device.kernels.moe_gemv import (
+    GemvTiles,
+    _code,
+    _moe_gemv,
+    _offsets,
+    _unscale,
+    split_for,
+)
+from worker.layers.quant import INT4
+from worker.layers.quant_experts import ExpertMatrix
+
+BLOCK_GEMV_DEFAULT = "0"  # off until measured on the H200 (TOKENPIPE_MOE_BLOCK_GEMV=1: on)
+BLOCK_GEMV_MIN_PAIRS = 64
+"""Quantized steps of at least this many pairs (8 tokens of top 8) and at most
+``moe_gemv.GEMV_MAX_PAIRS`` take the blocked GEMVs (``use_block_gemv``)."""
+
+
+@dataclass(frozen=True)
+class BlockTiles:
+    """Rows per expert block, output columns per program, warps (one group each at a time),
+    and the programs wanted per launch (K is split to reach them)."""
+
+    block_m: int = 2
+    block_n: int = 128
+    warps: int = 4
+    programs: int = 264
+
+    def gemv(self) -> GemvTiles:
+        return GemvTiles(self.block_n, self.warps, self.programs)
+
+
+def block_tiles() -> BlockTiles:
+    """The default tiles, or TOKENPIPE_MOE_BLOCK_GEMV_TILES (four comma-separated fields)."""
+    override = os.environ.get("TOKENPIPE_MOE_BLOCK_GEMV_TILES")
+    return BlockTiles(*(int(v) for v in override.split(","))) if override else BlockTiles()
+
+
+def use_block_gemv(pairs: int, flag: str | None = None) -> bool:
+    """A quantized step of ``pairs`` pairs takes the blocked GEMVs. ``flag`` (default:
+    TOKENPIPE_MOE_BLOCK_GEMV, else BLOCK_GEMV_DEFAULT): "1" for BLOCK_GEMV_MIN_PAIRS <= pairs
+    <= GEMV_MAX_PAIRS, "all" for any step up to GEMV_MAX_PAIRS, "0" never."""
+    from worker.device.kernels.moe_gemv import GEMV_MAX_PAIRS
+
+    if flag is None:
+        flag = os.environ.get("TOKENPIPE_MOE_BLOCK_GEMV", BLOCK_GEMV_DEFAULT)
+    if flag not in ("1", "all"):
+        return False
+    low = 1 if flag == "all" else BLOCK_GEMV_MIN_PAIRS
+    return low <= pairs <= GEMV_MAX_PAIRS
+
+
+@triton.jit
+def _fma(d, word, high, x, p: tl.constexpr, INT4_KIND: tl.constexpr):
+    """d [BM, WARPS, COLS] + code p of each word [WARPS, COLS] times its row's x [BM, WARPS]
+    (scaled by 2^90: ``moe_gemv._unscale`` takes it back)."""
+    return d + _code(word, high, p, INT4_KIND)[None, :, :] * (x * 1.2379400392853803e27)[:, :, None]
+
+
+@triton.jit
+def _block_gemv_kernel(
+    x_ptr, sorted_ptr, block_expert_ptr, w_ptr, s_ptr, o_ptr, part_ptr, PAIRS, E, SPAN,
+    X_DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+    INT4_KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WARPS: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    """For each pair p of block b (``sorted`` rows b * BLOCK_M..; expert e = block_expert[b],
+    none past the used blocks): part[split, p, n] = sum over this split's groups of
+    x[p // X_DIV, k] * W[e, n, k]; words int32 [E, K / P, N], scales (offsets) fp16
+    [E, K / GROUP, N]. GATED (gate_up, one split): BLOCK_N gate columns and the same up
+    columns (N = 2I), storing act[p, :I] = silu(gate) * up in part's dtype."""
+    P: tl.constexpr = 8 if INT4_KIND else 4
+    R: tl.constexpr = GROUP // P  # word rows per group
+    GROUPS: tl.constexpr = K // GROUP
+    COLS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    block = tl.program_id(0)
+    split = tl.program_id(2)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= E:
+        return
+    pair = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]; PAIRS: padding
+    valid = pair < PAIRS
+    x_rows = x_ptr + tl.where(valid, pair // X_DIV, 0).to(tl.int64) * K  # [BM]
+    if GATED:  # columns j < BLOCK_N: gate rows; the rest: the up rows INNER further
+        j = tl.arange(0, COLS)
+        col = tl.program_id(1) * BLOCK_N + j % BLOCK_N
+        mask_n = col < N // 2
+        offs_n = tl.where(mask_n, col, 0) + (j // BLOCK_N) * (N // 2)
+    else:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+    w_base = w_ptr + expert * (K // P * N)
+    meta_base = expert * (GROUPS * N)
+    lanes = tl.arange(0, WARPS)
+    first = split * SPAN
+    last = tl.minimum(first + SPAN, GROUPS)
+    acc = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
+    for g0 in range(first, last, WARPS):
+        g = g0 + lanes  # [WARPS]: one group per warp
+        mask_g = g < last
+        mask = mask_g[:, None] & mask_n[None, :]
+        x_mask = valid[:, None] & mask_g[None, :]  # [BM, WARPS]
+        d0 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
+        d1 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
+        d2 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
+        d3 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
+        d4 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
+        d5 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
+        d6 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
+        d7 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
+        xs = tl.zeros([BLOCK_M, WARPS], dtype=tl.float32)
+        for r in tl.static_range(R):
+            rows = g * R + r  # [WARPS] word rows
+            word = tl.load(w_base + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+            if not INT4_KIND:
+                word = word ^ -2139062144  # 0x80808080: each signed byte + 128
+            high = word >> 8
+            xk = x_rows[:, None] + (rows * P)[None, :]  # [BM, WARPS]
+            x0 = tl.load(xk + 0, mask=x_mask, other=0.0).to(tl.float32)
+            x1 = tl.load(xk + 1, mask=x_mask, other=0.0).to(tl.float32)
+            x2 = tl.load(xk + 2, mask=x_mask, other=0.0).to(tl.float32)
+            x3 = tl.load(xk + 3, mask=x_mask, other=0.0).to(tl.float32)
+            d0 = _fma(d0, word, high, x0, 0, INT4_KIND)
+            d1 = _fma(d1, word, high, x1, 1, INT4_KIND)
+            d2 = _fma(d2, word, high, x2, 2, INT4_KIND)
+            d3 = _fma(d3, word, high, x3, 3, INT4_KIND)
+            xs += x0 + x1 + x2 + x3
+            if INT4_KIND:
+                x4 = tl.load(xk + 4, mask=x_mask, other=0.0).to(tl.float32)
+                x5 = tl.load(xk + 5, mask=x_mask, other=0.0).to(tl.float32)
+                x6 = tl.load(xk + 6, mask=x_mask, other=0.0).to(tl.float32)
+                x7 = tl.load(xk + 7, mask=x_mask, other=0.0).to(tl.float32)
+                d4 = _fma(d4, word, high, x4, 4, INT4_KIND)
+                d5 = _fma(d5, word, high, x5, 5, INT4_KIND)
+                d6 = _fma(d6, word, high, x6, 6, INT4_KIND)
+                d7 = _fma(d7, word, high, x7, 7, INT4_KIND)
+                xs += x4 + x5 + x6 + x7
+        dot = d0 * _unscale(0, INT4_KIND) + d1 * _unscale(1, INT4_KIND)
+        dot += d2 * _unscale(2, INT4_KIND) + d3 * _unscale(3, INT4_KIND)
+        if INT4_KIND:
+            dot += d4 * _unscale(4, INT4_KIND) + d5 * _unscale(5, INT4_KIND)
+            dot += d6 * _unscale(6, INT4_KIND) + d7 * _unscale(7, INT4_KIND)
+        meta = meta_base + g[:, None] * N + offs_n[None, :]
+        scale = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)[None, :, :]
+        if INT4_KIND:
+            offset = tl.load(o_ptr + meta, mask=mask, other=0.0).to(tl.float32)[None, :, :]
+            acc += dot * scale + offset * xs[:, :, None]
+        else:
+            acc += (dot - 128.0 * xs[:, :, None]) * scale
+    total = tl.sum(acc, axis=1)  # [BM, COLS]
+    if GATED:
+        both = tl.reshape(total, [BLOCK_M, 2, BLOCK_N])
+        half = tl.arange(0, 2)[None, :, None]
+        out_ty = part_ptr.dtype.element_ty
+        gate = tl.sum(tl.where(half == 0, both, 0.0), axis=1).to(out_ty).to(tl.float32)
+        up = tl.sum(tl.where(half == 1, both, 0.0), axis=1).to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        dst = part_ptr + pair[:, None].to(tl.int64) * (N // 2) + col[None, :]
+        tl.store(dst, (act * up).to(out_ty), mask=valid[:, None] & (col < N // 2)[None, :])
+    else:
+        dst = part_ptr + (split * PAIRS + pair[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(dst, total, mask=valid[:, None] & mask_n[None, :])
+
+
+def block_gemv(
+    x: torch.Tensor, matrix: ExpertMatrix, aligned: AlignedPairs, rows_per_x: int,
+    t: BlockTiles, gated: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """x [R, K], the pairs aligned in blocks of ``t.block_m`` (pair p reads x[p // rows_per_x])
+    -> fp32 partial sums [split, pairs, N]; ``gated`` (gate_up) and one split: act
+    [pairs, N / 2] in x's dtype, silu(gate) * up."""
+    assert aligned.block_m == t.block_m
+    num_experts, n, k = matrix.shape
+    pairs = aligned.pairs
+    blocks = aligned.block_expert.shape[0]
+    split, span = split_for(blocks, n, k // matrix.group_size, t.gemv())
+    gated = gated and split == 1
+    if gated:
+        part = torch.empty((pairs, n // 2), dtype=x.dtype, device=x.device)
+    else:
+        part = torch.empty((split, pairs, n), dtype=torch.float32, device=x.device)
+    if pairs:
+        columns = n // 2 if gated else n
+        _block_gemv_kernel[(blocks, triton.cdiv(columns, t.block_n), split)](
+            x, aligned.sorted_pairs, aligned.block_expert, matrix.words, matrix.scales,
+            _offsets(matrix), part, pairs, num_experts, span, X_DIV=rows_per_x, N=n, K=k,
+            GROUP=matrix.group_size, INT4_KIND=matrix.kind == INT4, BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n, WARPS=t.warps, GATED=gated, num_warps=t.warps,
+        )  # fmt: skip
+    return part
+
+
+def moe_quant_block_gemv(
+    x: torch.Tensor,
+    gate_up: ExpertMatrix,
+    down: ExpertMatrix,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    t: BlockTiles | None = None,
+    aligned: AlignedPairs | None = None,
+) -> torch.Tensor:
+    """``moe_gemv.moe_quant_gemv`` with the pairs grouped by expert: x [T, H]; weights [T, k]
+    in x's dtype; ids [T, k] int64 -> [T, H] in x's dtype. ``aligned``: the pairs already
+    aligned for ``t.block_m``."""
+    tiles_ = t or block_tiles()
+    if aligned is None:
+        aligned = align_pairs_triton(ids, gate_up.shape[0], tiles_.block_m)
+    matrices = {"gate_up_proj": gate_up, "down_proj": down}
+
+    def project(
+        x: torch.Tensor, name: str, ids: torch.Tensor, rows: int, gated: bool
+    ) -> torch.Tensor:
+        return block_gemv(x, matrices[name], aligned, rows, tiles_, gated)
+
+    inner = gate_up.shape[1] // 2
+    return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual)
