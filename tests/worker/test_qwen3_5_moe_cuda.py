@@ -109,7 +109,8 @@ def test_graph_decode_body_equals_eager_model_on_cpu() -> None:
     model = _model()
     graphed = GraphedCausalLM(model, use_graphs=False, capture=False)
     kv = _run_side_by_side(model, graphed, "cpu", steps=6, tolerance=1e-5)
-    assert graphed.runner is not None and len(graphed._lanes) == 1  # no decode ahead
+    assert graphed.runner is not None and len(graphed._lanes) == 2  # decode ahead
+    assert (graphed.ahead_hits, graphed.ahead_misses) == (5, 0)
     assert graphed.prefill is None  # no prefill graphs over a hybrid cache
     for layer in kv.deltanet_layers:
         for unused in (1, 3):

@@ -9,8 +9,17 @@ chunks; every row when the decoders exceed the largest bucket). See the class fo
 ahead.
 
 A hybrid cache (qwen3_5_moe: recurrent DeltaNet state next to the KV, ``begin_step`` /
-``end_step`` around each forward) gets no decode ahead (a step launched ahead would advance a
-recurrent state that cannot be rewound). Its short prefills replay prefill graphs whose
+``end_step`` around each forward) gets decode ahead for batches of up to ``HYBRID_AHEAD_ROWS``
+rows (TOKENPIPE_HYBRID_AHEAD_ROWS; 0: none): a step launched ahead advances its slots'
+recurrent and conv states in place, so it is launched after the step's ``end_step`` (whose
+snapshot copies then precede it) behind a backup of those states (``back_up_ahead``, on the
+side stream); a miss waits for it and puts the backup back (``restore_ahead``), a hit hands
+the advanced state to the step's bookkeeping (``keep_ahead``, before ``begin_step``). The cache
+settles a slot through ``_drop_ahead`` before anything else reads or replaces its state
+(worker/layers/hybrid_cache.py). The backup is ~63 MB a row at the 35B-A3B shape: ~40 us of
+copying at one row, beside a step the host's turn would otherwise leave the GPU idle for; at
+bigger batches the step is long and the host's share small, so they run without it. Steps
+with a prefill riding along launch nothing ahead. Its short prefills replay prefill graphs whose
 DeltaNet layers run the in-place Triton recurrence over the rows (padding rows and the
 captures' warm-up rows advance no state; a snapshot inside the step goes in as device data):
 the eager 64-token prefill was bound by the host (~150 ms of launches for ~21 ms of GPU work).
@@ -32,6 +41,9 @@ from worker.device.decode_graphs import DecodeGraphRunner, bucket_for, split_dec
 from worker.device.kernels.attention import use_triton
 from worker.device.kernels.batched_sampling import RowSampling
 from worker.device.prefill_graphs import PrefillGraphRunner
+
+# a hybrid cache's decode ahead: batches of at most this many rows (module doc)
+HYBRID_AHEAD_ROWS = 4
 
 
 @dataclass
@@ -111,16 +123,21 @@ class GraphedCausalLM:
 
     def make_kv_cache(self, num_slots: int, max_context: int, **kwargs: Any) -> Any:
         kv = self.inner.make_kv_cache(num_slots, max_context, **kwargs)
+        ahead_rows = num_slots  # the rows a step launched ahead may have
         if _is_hybrid(kv):  # see the module doc
-            self._decode_ahead = False
+            rows = os.environ.get("TOKENPIPE_HYBRID_AHEAD_ROWS")
+            ahead_rows = min(num_slots, HYBRID_AHEAD_ROWS if rows is None else int(rows))
+            self._decode_ahead = self._decode_ahead and ahead_rows > 0
+            kv.reserve_ahead(ahead_rows if self._decode_ahead else 0)
+            kv.settle = self._drop_ahead
             # its short prefills run the Triton recurrence (worker/layers/deltanet.py)
             probe = torch.empty(0, device=self.inner.device)
             self._prefill_graphs = self._prefill_graphs and use_triton(probe)
-        lanes = 2 if self._decode_ahead else 1
-        self._lanes = [
-            DecodeGraphRunner(self.inner, kv, num_slots, use_graphs=self._use_graphs)
-            for _ in range(lanes)
-        ]
+        self._lanes = [DecodeGraphRunner(self.inner, kv, num_slots, use_graphs=self._use_graphs)]
+        if self._decode_ahead:  # the second lane: only the buckets a step ahead may have
+            lane = DecodeGraphRunner(self.inner, kv, ahead_rows, use_graphs=self._use_graphs)
+            self._lanes.append(lane)
+        lanes = len(self._lanes)
         self.runner = self._lanes[0]
         self._lane_draws = [None] * lanes
         self._next_draw = {}
@@ -188,7 +205,8 @@ class GraphedCausalLM:
             return self._prefill(step, kv)
         if not other:
             return self._framed_decode(step, kv)
-        decode_logits_ = self._framed_decode(sub_step(step, decode), kv)  # [len(decode), vocab]
+        # [len(decode), vocab]; a hybrid cache's prefill must not run beside a step ahead
+        decode_logits_ = self._framed_decode(sub_step(step, decode), kv, ahead=not _is_hybrid(kv))
         prefill_logits = self._prefill(sub_step(step, other), kv)  # [len(other), vocab]
         out = torch.empty(
             (len(step.slots), decode_logits_.shape[1]),
@@ -226,58 +244,85 @@ class GraphedCausalLM:
             return logits
         return self.inner(step, kv)
 
-    def _framed_decode(self, step: Any, kv: Any) -> torch.Tensor:
-        """`_decode`, inside the hybrid cache's step bookkeeping when it has one."""
+    def _framed_decode(self, step: Any, kv: Any, ahead: bool = True) -> torch.Tensor:
+        """`_decode`, inside the hybrid cache's step bookkeeping when it has one: the step
+        launched ahead is settled before `begin_step` (a hit's state is already advanced), the
+        next one launched after `end_step` (its snapshot copies come first)."""
         if not _is_hybrid(kv):
-            return self._decode(step)
+            return self._decode(step, self._take_ahead(step), ahead)
+        lane = self._take_ahead(step, kv)
         kv.begin_step(step)
-        logits = self._decode(step)
+        logits = self._decode(step, lane, ahead=False)
         kv.end_step()
+        if ahead:
+            self._then_ahead(logits, step)
         return logits
 
     # -- decode ahead ----------------------------------------------------------------------
 
-    def _decode(self, step: Any) -> torch.Tensor:
-        """[B, vocab] logits of a decode-only step: the step launched ahead when it matches,
-        else a replay now; then the next step is launched ahead."""
+    def _take_ahead(self, step: Any, kv: Any = None) -> int | None:
+        """The lane holding `step`'s logits when the step launched ahead is exactly `step`
+        (a hit), else None (dropped: waited for; a hybrid cache's states put back). `kv`: the
+        hybrid cache, whose step must not want a slot's state from before the step."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
         batch = len(step.slots)
         slots, positions = tuple(step.slots), tuple(step.cached_lens)
-        ahead, self._ahead = self._ahead, None
-        lane: int | None = None
-        if ahead is not None:
-            same_rows = ahead.slots == slots and ahead.positions == positions
-            fed = self._lanes[ahead.inputs_from].host_ids[:batch].tolist() if same_rows else None
-            hit = same_rows and fed == step.input_ids.tolist()
-            self._wait(ahead)
-            if hit:
-                self.ahead_hits += 1
-                self._misses_in_row = 0
-                lane = ahead.lane
-                logits = self._lanes[lane].last_logits[:batch]
-            else:
-                self.ahead_misses += 1
-                if same_rows:  # the rows did not take the ids guessed
-                    self._misses_in_row += 1
-                    if self._misses_in_row >= 2:
-                        self._no_ahead_for = slots
-        size = bucket_for(batch, self._lanes[0].buckets)
-        assert size is not None  # __call__ sends bigger batches to the eager model
-        if lane is None:
-            lane = ahead.inputs_from if ahead is not None else 0  # a lane not in flight
+        same_rows = ahead.slots == slots and ahead.positions == positions
+        fed = self._lanes[ahead.inputs_from].host_ids[:batch].tolist() if same_rows else None
+        hit = same_rows and fed == step.input_ids.tolist()
+        self._wait(ahead)
+        if hit and (kv is None or not kv.reads_state_before(step)):
+            self.ahead_hits += 1
+            self._misses_in_row = 0
+            if kv is not None:
+                kv.keep_ahead()
+            return ahead.lane
+        self.ahead_misses += 1
+        self._restore(ahead)
+        if same_rows and not hit:  # the rows did not take the ids guessed
+            self._misses_in_row += 1
+            if self._misses_in_row >= 2:
+                self._no_ahead_for = slots
+        return None
+
+    def _decode(self, step: Any, lane: int | None, ahead: bool = True) -> torch.Tensor:
+        """[B, vocab] logits of a decode-only step: from `lane` (the step launched ahead, a
+        hit) or a replay now; then (`ahead`) the next step is launched ahead."""
+        batch = len(step.slots)
+        slots, positions = tuple(step.slots), tuple(step.cached_lens)
+        if lane is not None:
+            logits = self._lanes[lane].last_logits[:batch]
+        else:
+            lane = 0  # every lane is free: the step launched ahead, if any, was waited for
+            size = bucket_for(batch, self._lanes[0].buckets)
+            assert size is not None  # __call__ sends bigger batches to the eager model
             draws = self._known_draws(slots, positions)
             rows, counters = draws if draws is not None else (None, None)
             logits = self._lanes[lane].logits(step, rows, counters)
             self._lane_draws[lane] = draws if self._lanes[lane].last_sampled else None
             if len(self._lanes) > 1:
                 self._lanes[lane].copy_ids_to_host(size)
-        if step.grammar_masked:  # the rows take masked ids: launched once they are known
-            logits.launch_ahead = functools.partial(
+        logits.presampled = functools.partial(self._presampled, lane, slots, positions)
+        logits.lane = lane
+        if ahead:
+            self._then_ahead(logits, step)
+        return logits
+
+    def _then_ahead(self, logits: torch.Tensor, step: Any) -> None:
+        """Launch the step after `logits`' (a decode step's) ahead, or, for rows that take
+        masked ids, hand the launch to the sampler (it feeds the ids once they are known)."""
+        lane: int = logits.lane  # type: ignore[attr-defined]
+        size = bucket_for(len(step.slots), self._lanes[0].buckets)
+        assert size is not None
+        slots, positions = tuple(step.slots), tuple(step.cached_lens)
+        if step.grammar_masked:
+            logits.launch_ahead = functools.partial(  # type: ignore[attr-defined]
                 self._launch_ahead, lane, size, slots, positions
             )
         else:
             self._launch_ahead(lane, size, slots, positions)
-        logits.presampled = functools.partial(self._presampled, lane, slots, positions)
-        return logits
 
     def _known_draws(self, slots: Sequence[int], positions: Sequence[int]) -> _Draws | None:
         """Each row's settings and draw number at this step, as learnt from `presampled`
@@ -325,10 +370,12 @@ class GraphedCausalLM:
         if len(self._lanes) < 2 or slots == self._no_ahead_for:
             return
         self._no_ahead_for = None  # a new set of rows: try again
-        runner = self._lanes[lane]
+        runner, nxt = self._lanes[lane], 1 - lane
         if max(positions) + 1 >= runner.kv.max_context:
             return  # the next position would not fit: never write past max_context
-        nxt = 1 - lane
+        if size not in self._lanes[nxt].buckets:
+            return  # more rows than a step ahead may have (a hybrid cache's backup)
+        hybrid = _is_hybrid(runner.kv)
         draws = self._lane_draws[lane]
         if draws is not None:
             draws = (draws[0], tuple(c + 1 for c in draws[1]))
@@ -342,11 +389,15 @@ class GraphedCausalLM:
             if ids is not None:
                 ids.record_stream(self._side)  # read there after the caller drops it
             with torch.cuda.stream(self._side):
+                if hybrid:  # the states this step advances, restored on a miss
+                    runner.kv.back_up_ahead(slots)
                 self._lanes[nxt].step_after(runner, size, ids)
                 self._lanes[nxt].copy_ids_to_host(size)
                 done = torch.cuda.Event()
                 done.record(self._side)
         else:  # CPU (tests): the same work, eagerly
+            if hybrid:
+                runner.kv.back_up_ahead(slots)
             self._lanes[nxt].step_after(runner, size, ids)
             self._lanes[nxt].copy_ids_to_host(size)
         self._ahead = _Ahead(nxt, size, slots, tuple(p + 1 for p in positions), lane, done)
@@ -355,11 +406,20 @@ class GraphedCausalLM:
         if ahead.done is not None:
             torch.cuda.current_stream(self._lanes[0].device).wait_event(ahead.done)
 
+    def _restore(self, ahead: _Ahead) -> None:
+        """After a dropped step launched ahead (waited for): a hybrid cache's states back."""
+        kv = self._lanes[ahead.lane].kv
+        if _is_hybrid(kv) and kv.ahead_slots:
+            kv.restore_ahead()
+
     def _drop_ahead(self) -> None:
+        """Settle the step launched ahead, if any: wait for it and drop it (the engine before
+        it copies or replaces a slot's cache; a hybrid cache before it reads a slot's state)."""
         if self._ahead is not None:
-            self._wait(self._ahead)
+            ahead, self._ahead = self._ahead, None
+            self._wait(ahead)
             self.ahead_misses += 1
-            self._ahead = None
+            self._restore(ahead)
 
 
 def _is_hybrid(kv: Any) -> bool:

@@ -26,11 +26,22 @@ step replayed from a prefill graph takes one snapshot inside its rows, into a sl
 slot's own pending snapshot first, else one pool state through an entry (copied to its row
 after the step); the others are left unwritten. ``pool_state_to_slot`` puts a pool state into
 a slot's live state.
+
+Decode ahead (worker/device/graphed_lm.py launches a batch's next decode step before the
+engine asks for it): that step advances its slots' DeltaNet states in place. So, on the stream
+that runs it and before it, ``back_up_ahead`` copies those slots' live states (every DeltaNet
+layer's: they are one tensor per kind, ``[layers, slots, ...]``, so a slot's is one strided
+copy) into a backup of ``ahead_rows`` rows. Until ``keep_ahead`` (the engine asked for exactly
+that step: its ``begin_step`` / ``end_step`` count the token) or ``restore_ahead`` (a miss: the
+backups go back), those slots' device state is one token past ``live_len``. Every method here
+that reads or replaces a slot's state first settles such a slot (``settle``, the wrapper's
+drop: wait for the step, restore), so a snapshot, a pool state, an export or a rollback never
+sees the step launched ahead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +162,13 @@ class HybridCache:
         state_shape = (d.num_value_heads, d.key_head_dim, d.value_head_dim)
         self.layers: list[LayerCache | DeltaNetLayerCache] = []
         self._captures: dict[int, list[SnapshotTarget]] = {}  # shared by every DeltaNet layer
+        linear = sum(spec.kind == "linear" for spec in layer_specs)
+        # every DeltaNet layer's live state in one tensor per kind (layer i's: a view [i]), so
+        # one slot's whole state is one strided copy (decode ahead's backup)
+        self.all_conv = torch.zeros((linear, num_slots, *conv_shape), device=device, dtype=dtype)
+        self.all_recurrent = torch.zeros(
+            (linear, num_slots, *state_shape), device=device, dtype=torch.float32
+        )
         for spec, kv_layer in zip(layer_specs, self.kv.layers, strict=True):
             if spec.kind != "linear":
                 self.layers.append(kv_layer)
@@ -159,10 +177,11 @@ class HybridCache:
             def zeros(*shape: int, dt: torch.dtype) -> torch.Tensor:
                 return torch.zeros(shape, device=device, dtype=dt)
 
+            i = len(self.deltanet_layers)
             self.layers.append(
                 DeltaNetLayerCache(
-                    conv=zeros(num_slots, *conv_shape, dt=dtype),
-                    recurrent=zeros(num_slots, *state_shape, dt=torch.float32),
+                    conv=self.all_conv[i],
+                    recurrent=self.all_recurrent[i],
                     snap_conv=zeros(num_slots, snapshots, *conv_shape, dt=dtype),
                     snap_recurrent=zeros(num_slots, snapshots, *state_shape, dt=torch.float32),
                     captures=self._captures,
@@ -182,6 +201,13 @@ class HybridCache:
         self._planning = False  # inside begin_step: entries handed out are reserved
         self._reserved: list[tuple[int, int]] = []  # (slot, entry) reserved by the last step
         self.pool_states = 0
+        # decode ahead (module doc): backups [rows, layers, ...] of the live states of the slots
+        # whose device state runs one step past live_len (`_ahead_slots`, row by row)
+        self.ahead_rows = 0
+        self._backup_conv: torch.Tensor | None = None
+        self._backup_recurrent: torch.Tensor | None = None
+        self._ahead_slots: tuple[int, ...] = ()
+        self.settle: Callable[[], None] | None = None  # the wrapper's drop (waits, restores)
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -216,6 +242,7 @@ class HybridCache:
         """Make the slot describe its first ``keep`` tokens (``resume_prefix`` said it can):
         restore the snapshot at ``keep`` unless the live state is there; drop every snapshot and
         pending snapshot past ``keep``."""
+        self._settle(slot)
         self._pending[slot].clear()
         lens = self.snapshot_lens[slot]
         if keep != self.live_len[slot] and keep > 0:
@@ -236,6 +263,7 @@ class HybridCache:
         if self.snapshots == 0 or tokens <= 0 or tokens in lens or tokens < self.live_len[slot]:
             return
         if tokens == self.live_len[slot]:
+            self._settle(slot)
             entry = self._free_entry(slot)
             for layer in self.deltanet_layers:
                 layer.copy_to_snapshot(slot, entry)
@@ -266,6 +294,7 @@ class HybridCache:
         self._states_after.clear()
         self._entry_to_pool.clear()
         self._release_reserved()  # a failed step's
+        self._settle(*step.slots)
         for slot, cached, new in zip(step.slots, step.cached_lens, step.new_lens, strict=True):
             if cached != 0 and cached != self.live_len[slot]:
                 raise ValueError(
@@ -389,6 +418,7 @@ class HybridCache:
         ids: the caller put their KV there) the slot's live state. Snapshots at or before
         ``tokens`` stay (they describe a prefix of the same ids); a pending one at ``tokens``
         is taken now, earlier ones can no longer be."""
+        self._settle(slot)
         for layer in self.deltanet_layers:
             assert layer.pool_conv is not None and layer.pool_recurrent is not None
             layer.conv[slot] = layer.pool_conv[row]
@@ -416,6 +446,7 @@ class HybridCache:
 
     def slot_views(self, slot: int, tokens: int) -> dict[str, torch.Tensor]:
         """The KV entries of ``tokens`` tokens, the live DeltaNet state and every snapshot."""
+        self._settle(slot)
         views = self.kv.slot_views(slot, tokens)
         for i, layer in enumerate(self.layers):
             if isinstance(layer, DeltaNetLayerCache):
@@ -440,6 +471,7 @@ class HybridCache:
         return SlotState(tokens, tensors, meta, held)
 
     def import_slot(self, slot: int, state: SlotState) -> None:
+        self._settle(slot)
         self.kv.import_slot(slot, state)
         for i, layer in enumerate(self.layers):
             if isinstance(layer, DeltaNetLayerCache):
@@ -458,6 +490,76 @@ class HybridCache:
 
     def clear_slot(self, slot: int) -> None:
         """A slot given to a new session: nothing live, no snapshots."""
+        self._settle(slot)
         self.live_len[slot] = 0
         self.snapshot_lens[slot] = [0] * self.snapshots
         self._pending[slot].clear()
+
+    # -- decode ahead (worker/device/graphed_lm.py; module doc) ----------------------------------
+
+    def reserve_ahead(self, rows: int) -> None:
+        """Backups for steps launched ahead over at most ``rows`` slots (0: none)."""
+        self.ahead_rows = rows
+        self._ahead_slots = ()
+        if rows <= 0:
+            self._backup_conv = self._backup_recurrent = None
+            return
+        conv, recurrent = self.all_conv, self.all_recurrent
+        shape = (rows, conv.shape[0])
+        self._backup_conv = torch.empty(
+            (*shape, *conv.shape[2:]), device=conv.device, dtype=conv.dtype
+        )
+        self._backup_recurrent = torch.empty(
+            (*shape, *recurrent.shape[2:]), device=recurrent.device, dtype=recurrent.dtype
+        )
+
+    @property
+    def ahead_slots(self) -> tuple[int, ...]:
+        """The slots whose device state a step launched ahead advanced (backed up)."""
+        return self._ahead_slots
+
+    def back_up_ahead(self, slots: Sequence[int]) -> None:
+        """Queue (current stream: the one that runs the step launched ahead, before it) the
+        copy of ``slots``' live DeltaNet states into the backup."""
+        assert self._backup_conv is not None and self._backup_recurrent is not None
+        if self._ahead_slots:
+            raise RuntimeError(f"slots {self._ahead_slots} still run ahead")
+        if len(slots) > self.ahead_rows:
+            raise ValueError(f"{len(slots)} rows ahead, the backup holds {self.ahead_rows}")
+        for row, slot in enumerate(slots):
+            self._backup_conv[row].copy_(self.all_conv[:, slot])
+            self._backup_recurrent[row].copy_(self.all_recurrent[:, slot])
+        self._ahead_slots = tuple(slots)
+
+    def keep_ahead(self) -> None:
+        """The step launched ahead is the engine's next step (its begin_step / end_step count
+        the token): the backup is not needed any more."""
+        self._ahead_slots = ()
+
+    def restore_ahead(self) -> None:
+        """A miss: the backed-up states back into their slots (current stream, after the step
+        launched ahead: the caller waited for it)."""
+        assert self._backup_conv is not None and self._backup_recurrent is not None
+        for row, slot in enumerate(self._ahead_slots):
+            self.all_conv[:, slot].copy_(self._backup_conv[row])
+            self.all_recurrent[:, slot].copy_(self._backup_recurrent[row])
+        self._ahead_slots = ()
+
+    def reads_state_before(self, step: StepInput) -> bool:
+        """Whether ``step`` wants a slot's live state as it was before the step (a prefix-pool
+        state at its first token): a step launched ahead over it cannot be used."""
+        return any(
+            capture.slot == slot and capture.tokens == cached and not capture.written
+            for capture in self._state_captures
+            for slot, cached in zip(step.slots, step.cached_lens, strict=True)
+        )
+
+    def _settle(self, *slots: int) -> None:
+        """No step launched ahead may still advance ``slots``' state: drop it (the wrapper
+        waits for it, then ``restore_ahead``)."""
+        if not self._ahead_slots or not set(slots) & set(self._ahead_slots):
+            return
+        if self.settle is not None:
+            self.settle()
+        if self._ahead_slots:  # no wrapper (or it kept them): put the states back here
+            self.restore_ahead()

@@ -16,7 +16,8 @@ multi-token-prediction head (``mtp.``) skipped; experts fused (``mlp.experts.gat
 
 On CUDA the layers pick their Triton kernels themselves (grouped-GEMM MoE, in-place DeltaNet
 decode step, fla's chunked prefill when it imports) and ``GraphedCausalLM`` replays decode steps
-from CUDA graphs over the hybrid cache (no decode ahead: a recurrent state cannot be rewound).
+from CUDA graphs over the hybrid cache, with decode ahead at small batches (the step launched ahead
+behind a copy of its slots' DeltaNet states, put back on a miss: worker/device/graphed_lm.py).
 """
 
 from __future__ import annotations
