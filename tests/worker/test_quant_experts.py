@@ -295,17 +295,24 @@ def test_quantized_moe_block_gemv_equals_the_per_pair_gemvs(
     torch.testing.assert_close(got, per_pair, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens", [5, 40])  # route + align in one launch; apart
-def test_sparse_moe_block_gemv_path_equals_its_cpu_loop(triton_ready: None, tokens: int) -> None:
-    """``SparseMoE._block_gemv`` (the layer's decode-batch path over quantized experts: its
-    router's logits routed and aligned, then the blocked GEMVs) against the layer's CPU path
-    over the same quantized experts (fp32)."""
-    from worker.device.kernels.moe_block_gemv import BlockTiles
+@pytest.mark.parametrize("tokens,kind", [(5, "int4"), (40, "int4"), (40, "float")])
+def test_sparse_moe_block_gemv_path_equals_its_cpu_loop(
+    triton_ready: None, tokens: int, kind: str
+) -> None:
+    """``SparseMoE._block_gemv`` (the layer's decode-batch path: its router's logits routed
+    and aligned, in one launch for 5 tokens, apart for 40, then the blocked GEMVs) against the
+    layer's CPU path over the same quantized or float experts (fp32)."""
+    from worker.device.kernels.moe_block_gemv import BlockTiles, FloatBlockTiles
 
     gen = torch.Generator().manual_seed(tokens)
     fmt, hidden, inner = QuantFormat("int4", 8), 32, 16
     gate_up, down = _float_experts(8, hidden, inner, gen)
-    moe = _moe(gate_up, down, _quantized(gate_up, down, fmt))
+    if kind == "float":
+        moe = _moe(gate_up, down, _fused(gate_up, down))
+        tiles: object = FloatBlockTiles(2, 16, 16, 2, 1)
+    else:
+        moe = _moe(gate_up, down, _quantized(gate_up, down, fmt))
+        tiles = BlockTiles(2, 16, 2, 1)
     moe.top_k = 2
     x = torch.randn(tokens, hidden, generator=gen)
     logits = torch.randn(tokens, 8, generator=gen)
@@ -315,8 +322,7 @@ def test_sparse_moe_block_gemv_path_equals_its_cpu_loop(triton_ready: None, toke
     want = moe._experts(x, weights, ids) + torch.sigmoid(shared_gate) * shared  # type: ignore[operator]
     moe.to(DEVICE)
     got = moe._block_gemv(  # type: ignore[operator]
-        x.to(DEVICE), logits.to(DEVICE), shared.to(DEVICE), shared_gate.to(DEVICE), None,
-        BlockTiles(2, 16, 2, 1),
+        x.to(DEVICE), logits.to(DEVICE), shared.to(DEVICE), shared_gate.to(DEVICE), None, tiles
     ).cpu()  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

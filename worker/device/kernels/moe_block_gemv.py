@@ -1,7 +1,7 @@
-"""Decode batches of the MoE over quantized experts (8-64 tokens: a few pairs per expert): the
-pairs grouped by expert (``moe.align_pairs_triton`` in blocks of ``block_m`` rows), and one
-program per block and ``block_n`` outputs that reads its expert's words once for all its rows,
-on the CUDA cores.
+"""Decode batches of the MoE (8-64 tokens: a few pairs per expert), quantized or float experts:
+the pairs grouped by expert (``moe.align_pairs_triton`` in blocks of ``block_m`` rows), and
+one program per block and ``block_n`` outputs that reads its expert's weights once for all its
+rows, on the CUDA cores.
 
     plan = align_pairs(ids, E, block_m)                 (1-4 rows a block)
     gate_up: part[s, pair, :2I] = x[pair // k] @ W_gate_up[e]^T over split s of K
@@ -17,7 +17,10 @@ every row of the block: the rows cost one FMA each per weight, padding rows incl
 The arithmetic is ``moe_gemv._pair_gemv_kernel``'s (the same per-code-position accumulators,
 group scale and offset applied once per group, fp32 partial sums per split, the same
 epilogues), with a leading rows dimension; its outputs go to the same per-pair buffers, so
-the activation, down projection and combine are shared. This module imports Triton: import it
+the activation, down projection and combine are shared. Float experts (``moe_float_block_gemv``)
+follow ``moe_gemv._pair_gemv_float_kernel`` the same way, against the grouped GEMMs' 16-row
+``tl.dot`` blocks of ``moe.fused_moe_triton`` (at ~1.6 pairs an expert, 15 of 16 rows padding).
+This module imports Triton: import it
 only after ``worker.device.kernels.triton_available()``.
 """
 
@@ -32,17 +35,20 @@ import triton.language as tl
 
 from worker.device.kernels.moe import AlignedPairs, align_pairs_triton
 from worker.device.kernels.moe_gemv import (
+    FloatTiles,
     GemvTiles,
     _code,
     _moe_gemv,
     _offsets,
     _unscale,
+    float_split_for,
     split_for,
 )
 from worker.layers.quant import INT4
 from worker.layers.quant_experts import ExpertMatrix
 
 BLOCK_GEMV_DEFAULT = "0"  # off until measured on the H200 (TOKENPIPE_MOE_BLOCK_GEMV=1: on)
+FLOAT_BLOCK_GEMV_DEFAULT = "0"  # off until measured (TOKENPIPE_MOE_FLOAT_BLOCK_GEMV=1: on)
 BLOCK_GEMV_MIN_PAIRS = 64
 """Quantized steps of at least this many pairs (8 tokens of top 8) and at most
 ``moe_gemv.GEMV_MAX_PAIRS`` take the blocked GEMVs (``use_block_gemv``)."""
@@ -180,6 +186,18 @@ def _block_gemv_kernel(
         else:
             acc += (dot - 128.0 * xs[:, :, None]) * scale
     total = tl.sum(acc, axis=1)  # [BM, COLS]
+    _store_rows(total, part_ptr, pair, valid, offs_n, mask_n, split, PAIRS, N, BLOCK_M, BLOCK_N,
+                GATED)  # fmt: skip
+
+
+@triton.jit
+def _store_rows(
+    total, part_ptr, pair, valid, offs_n, mask_n, split, PAIRS, N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    """The blocked kernels' epilogue: each valid row's sums [BM, COLS] to part[split, pair]
+    (fp32), or GATED: silu(gate) * up to part[pair, :N / 2] (``moe._store_gated``'s
+    roundings)."""
     if GATED:
         both = tl.reshape(total, [BLOCK_M, 2, BLOCK_N])
         half = tl.arange(0, 2)[None, :, None]
@@ -193,6 +211,48 @@ def _block_gemv_kernel(
     else:
         dst = part_ptr + (split * PAIRS + pair[:, None]).to(tl.int64) * N + offs_n[None, :]
         tl.store(dst, total, mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _block_gemv_float_kernel(
+    x_ptr, sorted_ptr, block_expert_ptr, w_ptr, part_ptr, PAIRS, E, SPAN,
+    X_DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    """Float experts (W [E, N, K] contiguous): ``_block_gemv_kernel``'s sums over [COLS,
+    BLOCK_K] tiles of the expert's rows (K contiguous), fp32 products summed along K at the
+    end, as ``moe_gemv._pair_gemv_float_kernel``."""
+    COLS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    block = tl.program_id(0)
+    split = tl.program_id(2)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= E:
+        return
+    pair = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]; PAIRS: padding
+    valid = pair < PAIRS
+    x_rows = x_ptr + tl.where(valid, pair // X_DIV, 0).to(tl.int64) * K  # [BM]
+    if GATED:
+        j = tl.arange(0, COLS)
+        col = tl.program_id(1) * BLOCK_N + j % BLOCK_N
+        mask_n = col < N // 2
+        offs_n = tl.where(mask_n, col, 0) + (j // BLOCK_N) * (N // 2)
+    else:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+    w_rows = w_ptr + expert * (N * K) + offs_n[:, None].to(tl.int64) * K  # [COLS, 1]
+    first = split * SPAN
+    last = tl.minimum(first + SPAN, K)
+    acc = tl.zeros([BLOCK_M, COLS, BLOCK_K], dtype=tl.float32)
+    for k0 in range(first, last, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < last
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        xv = tl.load(x_rows[:, None] + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                     other=0.0)  # fmt: skip
+        acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
+    total = tl.sum(acc, axis=2)  # [BM, COLS]
+    _store_rows(total, part_ptr, pair, valid, offs_n, mask_n, split, PAIRS, N, BLOCK_M, BLOCK_N,
+                GATED)  # fmt: skip
 
 
 def block_gemv(
@@ -247,6 +307,89 @@ def moe_quant_block_gemv(
         x: torch.Tensor, name: str, ids: torch.Tensor, rows: int, gated: bool
     ) -> torch.Tensor:
         return block_gemv(x, matrices[name], aligned, rows, tiles_, gated)
+
+    inner = gate_up.shape[1] // 2
+    return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual)
+
+
+@dataclass(frozen=True)
+class FloatBlockTiles:
+    """Float experts: rows per expert block, outputs and K elements per tile, warps, programs
+    wanted per launch."""
+
+    block_m: int = 2
+    block_n: int = 16
+    block_k: int = 128
+    warps: int = 4
+    programs: int = 528
+
+
+def float_block_tiles() -> FloatBlockTiles:
+    """The default tiles, or TOKENPIPE_MOE_FLOAT_BLOCK_GEMV_TILES (five comma-separated
+    fields)."""
+    override = os.environ.get("TOKENPIPE_MOE_FLOAT_BLOCK_GEMV_TILES")
+    return (
+        FloatBlockTiles(*(int(v) for v in override.split(","))) if override else FloatBlockTiles()
+    )
+
+
+def use_float_block_gemv(pairs: int, flag: str | None = None) -> bool:
+    """A float step of ``pairs`` pairs takes the blocked GEMVs: ``use_block_gemv``'s rule with
+    TOKENPIPE_MOE_FLOAT_BLOCK_GEMV (default FLOAT_BLOCK_GEMV_DEFAULT)."""
+    if flag is None:
+        flag = os.environ.get("TOKENPIPE_MOE_FLOAT_BLOCK_GEMV", FLOAT_BLOCK_GEMV_DEFAULT)
+    return use_block_gemv(pairs, flag)
+
+
+def block_gemv_float(
+    x: torch.Tensor, weight: torch.Tensor, aligned: AlignedPairs, rows_per_x: int,
+    t: FloatBlockTiles, gated: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """``block_gemv`` over float experts: weight [E, N, K] contiguous."""
+    assert aligned.block_m == t.block_m and weight.is_contiguous()
+    num_experts, n, k = weight.shape
+    pairs = aligned.pairs
+    blocks = aligned.block_expert.shape[0]
+    float_tiles = FloatTiles(t.block_n, t.block_k, t.warps, t.programs)
+    split, span = float_split_for(blocks, n, k, float_tiles)
+    gated = gated and split == 1
+    columns = n // 2 if gated else n
+    if gated:
+        part = torch.empty((pairs, n // 2), dtype=x.dtype, device=x.device)
+    else:
+        part = torch.empty((split, pairs, n), dtype=torch.float32, device=x.device)
+    if pairs:
+        _block_gemv_float_kernel[(blocks, triton.cdiv(columns, t.block_n), split)](
+            x, aligned.sorted_pairs, aligned.block_expert, weight, part, pairs, num_experts,
+            span, X_DIV=rows_per_x, N=n, K=k, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k, GATED=gated, num_warps=t.warps,
+        )  # fmt: skip
+    return part
+
+
+def moe_float_block_gemv(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    t: FloatBlockTiles | None = None,
+    aligned: AlignedPairs | None = None,
+) -> torch.Tensor:
+    """``moe.fused_moe_triton`` at a decode batch with the blocked GEMVs: gate_up [E, 2I, H],
+    down [E, H, I] (contiguous); the rest as ``moe_quant_block_gemv``."""
+    tiles_ = t or float_block_tiles()
+    if aligned is None:
+        aligned = align_pairs_triton(ids, gate_up.shape[0], tiles_.block_m)
+    matrices = {"gate_up_proj": gate_up, "down_proj": down}
+
+    def project(
+        x: torch.Tensor, name: str, ids: torch.Tensor, rows: int, gated: bool
+    ) -> torch.Tensor:
+        return block_gemv_float(x, matrices[name], aligned, rows, tiles_, gated)
 
     inner = gate_up.shape[1] // 2
     return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual)
