@@ -14,9 +14,13 @@ layer's 256 pairs touch ~161 of 256 experts (uniform routing), so ~1.6x the dist
 Here each word is read once per block and its codes (``moe_gemv._code``: one AND each) feed
 every row of the block: the rows cost one FMA each per weight, padding rows included.
 
-The arithmetic is ``moe_gemv._pair_gemv_kernel``'s (the same per-code-position accumulators,
+The arithmetic is ``moe_gemv._pair_gemv_kernel``'s (codes read as fp32 denormals by one AND,
 group scale and offset applied once per group, fp32 partial sums per split, the same
-epilogues), with a leading rows dimension; its outputs go to the same per-pair buffers, so
+epilogues), with a leading rows dimension and one accumulator instead of one per code
+position: each word is shifted so that every code lands at bit 16 or 20 (``_code16``), and x
+is scaled by 2^90 or 2^86 to match, so all products share one power of two (registers for
+the rows). The sums' order differs from the per-pair kernel's (fp32 rounding apart, equal).
+Its outputs go to the same per-pair buffers, so
 the activation, down projection and combine are shared. Float experts (``moe_float_block_gemv``)
 follow ``moe_gemv._pair_gemv_float_kernel`` the same way, against the grouped GEMMs' 16-row
 ``tl.dot`` blocks of ``moe.fused_moe_triton`` (at ~1.6 pairs an expert, 15 of 16 rows padding).
@@ -37,10 +41,8 @@ from worker.device.kernels.moe import AlignedPairs, align_pairs_triton
 from worker.device.kernels.moe_gemv import (
     FloatTiles,
     GemvTiles,
-    _code,
     _moe_gemv,
     _offsets,
-    _unscale,
     float_split_for,
     split_for,
 )
@@ -89,10 +91,31 @@ def use_block_gemv(pairs: int, flag: str | None = None) -> bool:
 
 
 @triton.jit
-def _fma(d, word, high, x, p: tl.constexpr, INT4_KIND: tl.constexpr):
-    """d [BM, WARPS, COLS] + code p of each word [WARPS, COLS] times its row's x [BM, WARPS]
-    (scaled by 2^90: ``moe_gemv._unscale`` takes it back)."""
-    return d + _code(word, high, p, INT4_KIND)[None, :, :] * (x * 1.2379400392853803e27)[:, :, None]
+def _code16(shifted, p: tl.constexpr, INT4_KIND: tl.constexpr):
+    """Code p of each word as the fp32 code * 2^(a - 149), a denormal with its lowest bit at
+    a = 16 (int4's even codes, int8's) or a = 20 (int4's odd codes): ``shifted`` is the word
+    moved so that the code's byte sits at bits 16..23 (``word << 16``, ``<< 8``, itself,
+    ``>> 8`` for codes 0-1, 2-3, 4-5, 6-7 of int4; 0, 1, 2, 3 of int8)."""
+    if INT4_KIND:
+        if p % 2 == 0:
+            bits = shifted & 983040  # 0xF0000
+        else:
+            bits = shifted & 15728640  # 0xF00000
+    else:
+        bits = shifted & 16711680  # 0xFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fma(d, shifted, x, p: tl.constexpr, INT4_KIND: tl.constexpr):
+    """d [BM, WARPS, COLS] + code p of each word [WARPS, COLS] times its row's x [BM, WARPS],
+    x scaled so that every product is code * x * 2^-43 (one accumulator for all positions:
+    2^90 at a = 16, 2^86 at a = 20; exact powers of two)."""
+    if INT4_KIND and p % 2 == 1:
+        scaled = x * 7.737125245533627e25  # 2^86
+    else:
+        scaled = x * 1.2379400392853803e27  # 2^90
+    return d + _code16(shifted, p, INT4_KIND)[None, :, :] * scaled[:, :, None]
 
 
 @triton.jit
@@ -138,46 +161,42 @@ def _block_gemv_kernel(
         mask_g = g < last
         mask = mask_g[:, None] & mask_n[None, :]
         x_mask = valid[:, None] & mask_g[None, :]  # [BM, WARPS]
-        d0 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
-        d1 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
-        d2 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
-        d3 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
-        d4 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
-        d5 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
-        d6 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
-        d7 = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
+        d = tl.zeros([BLOCK_M, WARPS, COLS], dtype=tl.float32)
         xs = tl.zeros([BLOCK_M, WARPS], dtype=tl.float32)
         for r in tl.static_range(R):
             rows = g * R + r  # [WARPS] word rows
             word = tl.load(w_base + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
             if not INT4_KIND:
                 word = word ^ -2139062144  # 0x80808080: each signed byte + 128
+            w16 = word << 16
+            w8 = word << 8
             high = word >> 8
             xk = x_rows[:, None] + (rows * P)[None, :]  # [BM, WARPS]
             x0 = tl.load(xk + 0, mask=x_mask, other=0.0).to(tl.float32)
             x1 = tl.load(xk + 1, mask=x_mask, other=0.0).to(tl.float32)
             x2 = tl.load(xk + 2, mask=x_mask, other=0.0).to(tl.float32)
             x3 = tl.load(xk + 3, mask=x_mask, other=0.0).to(tl.float32)
-            d0 = _fma(d0, word, high, x0, 0, INT4_KIND)
-            d1 = _fma(d1, word, high, x1, 1, INT4_KIND)
-            d2 = _fma(d2, word, high, x2, 2, INT4_KIND)
-            d3 = _fma(d3, word, high, x3, 3, INT4_KIND)
-            xs += x0 + x1 + x2 + x3
             if INT4_KIND:
                 x4 = tl.load(xk + 4, mask=x_mask, other=0.0).to(tl.float32)
                 x5 = tl.load(xk + 5, mask=x_mask, other=0.0).to(tl.float32)
                 x6 = tl.load(xk + 6, mask=x_mask, other=0.0).to(tl.float32)
                 x7 = tl.load(xk + 7, mask=x_mask, other=0.0).to(tl.float32)
-                d4 = _fma(d4, word, high, x4, 4, INT4_KIND)
-                d5 = _fma(d5, word, high, x5, 5, INT4_KIND)
-                d6 = _fma(d6, word, high, x6, 6, INT4_KIND)
-                d7 = _fma(d7, word, high, x7, 7, INT4_KIND)
-                xs += x4 + x5 + x6 + x7
-        dot = d0 * _unscale(0, INT4_KIND) + d1 * _unscale(1, INT4_KIND)
-        dot += d2 * _unscale(2, INT4_KIND) + d3 * _unscale(3, INT4_KIND)
-        if INT4_KIND:
-            dot += d4 * _unscale(4, INT4_KIND) + d5 * _unscale(5, INT4_KIND)
-            dot += d6 * _unscale(6, INT4_KIND) + d7 * _unscale(7, INT4_KIND)
+                d = _fma(d, w16, x0, 0, INT4_KIND)
+                d = _fma(d, w16, x1, 1, INT4_KIND)
+                d = _fma(d, w8, x2, 2, INT4_KIND)
+                d = _fma(d, w8, x3, 3, INT4_KIND)
+                d = _fma(d, word, x4, 4, INT4_KIND)
+                d = _fma(d, word, x5, 5, INT4_KIND)
+                d = _fma(d, high, x6, 6, INT4_KIND)
+                d = _fma(d, high, x7, 7, INT4_KIND)
+                xs += x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+            else:
+                d = _fma(d, w16, x0, 0, INT4_KIND)
+                d = _fma(d, w8, x1, 1, INT4_KIND)
+                d = _fma(d, word, x2, 2, INT4_KIND)
+                d = _fma(d, high, x3, 3, INT4_KIND)
+                xs += x0 + x1 + x2 + x3
+        dot = d * 8796093022208.0  # 2^43
         meta = meta_base + g[:, None] * N + offs_n[None, :]
         scale = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)[None, :, :]
         if INT4_KIND:
