@@ -145,12 +145,32 @@ def test_kernel_same_bits_at_any_thread_count(kind: str) -> None:
     assert torch.equal(one, two)
 
 
-def test_packed_rows_and_unpack() -> None:
-    qw = Q.quantize_int4(_weight(64, 96), 32)
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("n", [64, 128, 176, 272])  # blocks of eight tiles, full and partial
+def test_packed_rows_and_unpack(kind: str, n: int) -> None:
+    w = _weight(n, 96)
+    qw = Q.quantize_int8(w, 32) if kind == "int8" else Q.quantize_int4(w, 32)
     packed = cpu_quant.pack(qw)
-    ids = torch.tensor([63, 0, 17, 17])
+    ids = torch.tensor([n - 1, 0, 17, 17, n // 2 + 3, n - 20])
     assert torch.equal(cpu_quant.packed_rows(packed, ids), Q.dequantize(qw)[ids])
-    assert torch.equal(Q.dequantize(cpu_quant.unpack(packed)), Q.dequantize(qw))
+    back = cpu_quant.unpack(packed)
+    assert torch.equal(back.qdata, qw.qdata) and torch.equal(back.scales, qw.scales)
+    assert torch.equal(Q.dequantize(back), Q.dequantize(qw))
+
+
+def test_packed_layout_interleaves_eight_tiles_in_32_byte_units() -> None:
+    """The layout the kernels read (worker/device/cpu_quant.py): 32-byte units of eight tiles'
+    streams in turn, so a one-row matmul over eight tiles reads memory in order."""
+    n, k = 16 * 9, 64  # one block of eight tiles, then a block of one
+    codes = torch.arange(n * k, dtype=torch.int64).reshape(n, k)
+    qw = Q.QuantizedWeight(Q.INT8, (n, k), 32, (codes % 251 - 125).to(torch.int8),
+                           torch.ones(n, 2, dtype=torch.float16))  # fmt: skip
+    data = cpu_quant.pack(qw).data
+    tiles = qw.qdata.reshape(9, 16, k).transpose(1, 2).reshape(9, k * 16)  # each tile's stream
+    assert torch.equal(data[:32], tiles[0, :32]) and torch.equal(data[32:64], tiles[1, :32])
+    assert torch.equal(data[7 * 32 : 8 * 32], tiles[7, :32])
+    assert torch.equal(data[8 * 32 : 9 * 32], tiles[0, 32:64])
+    assert torch.equal(data[8 * k * 16 :], tiles[8])  # the last block holds one tile
 
 
 def test_quant_linear_reference_and_kernel_agree() -> None:

@@ -9,7 +9,13 @@ the kernel with sixteen rows interleaved, as ``cpu_gemv`` does for fp32 with eig
     scales (and int4 offsets)  [N / 16, K / g, 16] fp16
 
 so one 16-byte load holds column k of sixteen rows (one AVX-512 vector after widening; two
-AVX2 vectors). The kernel (C in ``cpu_quant_source.py``, compiled into the ``cpu_gemv``
+AVX2 vectors). Each sixteen-row tile's bytes above form one stream (``K * 16`` bytes of int8
+data, ``K * 8`` of int4, ``K / g * 32`` of scales); the streams of eight neighbouring tiles are
+stored interleaved in 32-byte units (unit u of tile t of a block at ``(u * W + t) * 32``, W = 8
+tiles, fewer in the last block), so a one-row matmul, which walks eight tiles side by side,
+reads memory as one sequential stream: the 168 MB int8 head of the default model ran at 19.6
+GB/s as eight streams and 25.4 as one on the Zen 4 box (BENCHMARKS.md). The kernel (C in
+``cpu_quant_source.py``, compiled into the ``cpu_gemv``
 library) widens and converts the integers in registers, applies the group's scale (and
 offset) with one multiply (FMA), and accumulates ``x[m, k] * w`` in fp32: the weight is the
 torch reference's ``dequantize`` value up to one rounding (an FMA for int4), each output one
@@ -34,7 +40,9 @@ import torch
 from worker.device import cpu_gemv
 from worker.layers.quant import INT4, INT8, QuantizedWeight, unpack_nibbles
 
-ROW_BLOCK = 16  # weight rows interleaved together
+ROW_BLOCK = 16  # weight rows interleaved together (a tile)
+BLOCK_TILES = 8  # tiles whose streams are interleaved (module docstring)
+UNIT = 32  # bytes of one tile's stream before the next tile's
 # The input rows' precision in the kernel (TOKENPIPE_CPU_ACTIVATION_BITS):
 #   16 (the default): every quantized matmul, int8 and int4 weights, any row count, quantizes
 #      each input row to int16 per weight group and multiplies with AVX512-VNNI (vpdpwssd);
@@ -68,24 +76,55 @@ def available() -> bool:
 
 
 def can_pack(qw: QuantizedWeight) -> bool:
-    """A weight the kernel takes: on the CPU, N % 16 == 0, an even group size."""
+    """A weight the kernel takes: on the CPU, N % 16 == 0, an even group size (int4: K % 4 == 0,
+    whole 32-byte units)."""
     return (
         qw.qdata.device.type == "cpu"
         and qw.shape[0] % ROW_BLOCK == 0
         and qw.group_size % 2 == 0
         and qw.kind in (INT8, INT4)
+        and (qw.kind == INT8 or qw.shape[1] % 4 == 0)
     )
 
 
 def _interleave(rows: torch.Tensor) -> torch.Tensor:
-    """[N, C] -> [N / 16, C, 16] (a copy)."""
+    """[N, C] -> the tiles' streams, eight tiles interleaved in 32-byte units: 1-D (a copy)."""
     n, c = rows.shape
-    return rows.reshape(n // ROW_BLOCK, ROW_BLOCK, c).transpose(1, 2).contiguous()
+    tiles = rows.reshape(n // ROW_BLOCK, ROW_BLOCK, c).transpose(1, 2).contiguous()
+    count = tiles.shape[0]
+    raw = tiles.view(count, -1).view(torch.uint8)  # [tiles, stream bytes]
+    units = raw.shape[1] // UNIT
+    full = count // BLOCK_TILES * BLOCK_TILES
+    blocks = raw[:full].reshape(-1, BLOCK_TILES, units, UNIT).transpose(1, 2).reshape(-1)
+    tail = raw[full:].reshape(count - full, units, UNIT).transpose(0, 1).reshape(-1)
+    return torch.cat([blocks, tail]).view(rows.dtype)
 
 
-def _deinterleave(packed: torch.Tensor) -> torch.Tensor:
-    blocks, c, rows = packed.shape
-    return packed.transpose(1, 2).reshape(blocks * rows, c)
+def _deinterleave(flat: torch.Tensor, n: int, c: int) -> torch.Tensor:
+    """The inverse of ``_interleave``: -> [N, C]."""
+    count = n // ROW_BLOCK
+    raw = flat.view(torch.uint8)
+    units = raw.numel() // count // UNIT
+    full = count // BLOCK_TILES * BLOCK_TILES
+    cut = full * units * UNIT
+    stream = units * UNIT
+    blocks = raw[:cut].reshape(-1, units, BLOCK_TILES, UNIT).transpose(1, 2).reshape(full, stream)
+    tail = raw[cut:].reshape(units, count - full, UNIT).transpose(0, 1).reshape(-1, stream)
+    tiles = torch.cat([blocks, tail]).view(flat.dtype).view(count, c, ROW_BLOCK)
+    return tiles.transpose(1, 2).reshape(n, c)
+
+
+def _rows(flat: torch.Tensor, ids: torch.Tensor, n: int, c: int) -> torch.Tensor:
+    """Rows ``ids`` [T] of the [N, C] table ``_interleave`` stored in ``flat`` -> [T, C]."""
+    size = flat.element_size()
+    tile, lane = ids // ROW_BLOCK, ids % ROW_BLOCK
+    block, slot = tile // BLOCK_TILES, tile % BLOCK_TILES
+    width = (n // ROW_BLOCK - block * BLOCK_TILES).clamp(max=BLOCK_TILES)
+    stream = c * ROW_BLOCK * size  # bytes of one tile's stream
+    at = (torch.arange(c) * ROW_BLOCK * size).unsqueeze(0) + (lane * size).unsqueeze(1)  # [T, C]
+    byte = (block * BLOCK_TILES * stream + slot * UNIT).unsqueeze(1)
+    byte = byte + at // UNIT * (width * UNIT).unsqueeze(1) + at % UNIT
+    return flat[byte // size]
 
 
 def pack(qw: QuantizedWeight) -> PackedQuant:
@@ -95,23 +134,26 @@ def pack(qw: QuantizedWeight) -> PackedQuant:
 
 
 def unpack(packed: PackedQuant) -> QuantizedWeight:
-    offsets = None if packed.offsets is None else _deinterleave(packed.offsets)
-    data, scales = _deinterleave(packed.data), _deinterleave(packed.scales)
+    n, k = packed.shape
+    groups = k // packed.group_size
+    columns = k if packed.kind == INT8 else k // 2
+    offsets = None if packed.offsets is None else _deinterleave(packed.offsets, n, groups)
+    data, scales = _deinterleave(packed.data, n, columns), _deinterleave(packed.scales, n, groups)
     return QuantizedWeight(packed.kind, packed.shape, packed.group_size, data, scales, offsets)
 
 
 def packed_rows(packed: PackedQuant, ids: torch.Tensor) -> torch.Tensor:
     """float32 rows ``ids`` [T] of the dequantized weight -> [T, K] (an embedding lookup:
     only these rows are dequantized)."""
-    block, lane = ids // ROW_BLOCK, ids % ROW_BLOCK
-    n_groups = packed.shape[1] // packed.group_size
-    scales = packed.scales[block, :, lane].float().unsqueeze(-1)  # [T, K / g, 1]
+    n, k = packed.shape
+    n_groups = k // packed.group_size
+    scales = _rows(packed.scales, ids, n, n_groups).float().unsqueeze(-1)  # [T, K / g, 1]
     if packed.kind == INT8:
-        q = packed.data[block, :, lane].float()
+        q = _rows(packed.data, ids, n, k).float()
         return (q.view(len(ids), n_groups, -1) * scales).view(len(ids), -1)
     assert packed.offsets is not None
-    q = unpack_nibbles(packed.data[block, :, lane]).float().view(len(ids), n_groups, -1)
-    offsets = packed.offsets[block, :, lane].float().unsqueeze(-1)
+    q = unpack_nibbles(_rows(packed.data, ids, n, k // 2)).float().view(len(ids), n_groups, -1)
+    offsets = _rows(packed.offsets, ids, n, n_groups).float().unsqueeze(-1)
     return (q * scales + offsets).view(len(ids), -1)
 
 

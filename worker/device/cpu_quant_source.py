@@ -5,10 +5,11 @@ layout. AVX-512 (16 rows per vector) where the compiler flags allow it, else AVX
 """
 
 QUANT_SOURCE = r"""
-/* ---- quantized weights: [N / 16, K, 16] int8 or [N / 16, K / 2, 16] uint8 (two k per byte,
-   low nibble the even k), scales (and int4 offsets) [N / 16, K / gs, 16] fp16. A vector of VW
-   weight rows is one load per k; the kernel dequantizes in registers (q * scale (+ offset),
-   one FMA) and accumulates x[m, k] * w in fp32, every output one chain over k in order. */
+/* ---- quantized weights: per tile of 16 rows [K, 16] int8 or [K / 2, 16] uint8 (two k per
+   byte, low nibble the even k), scales (and int4 offsets) [K / gs, 16] fp16; eight tiles'
+   streams interleaved in 32-byte units (``tile_stream``). A vector of VW weight rows is one
+   load per k; the kernel dequantizes in registers (q * scale (+ offset), one FMA) and
+   accumulates x[m, k] * w in fp32, every output one chain over k in order. */
 #ifdef __AVX512F__
 #define VW 16
 typedef __m512 vf;
@@ -61,9 +62,33 @@ struct qgemm_args {
     float *out;
 };
 
-/* byte offset of vector j's first element in a [N / 16, rows_per_block, 16] array */
-static inline int64_t vec_base(int64_t j, int64_t rows_per_block) {
-    return (j * VW / 16) * rows_per_block * 16 + (j * VW) % 16;
+/* One tile's stream in the packed layout: tiles of 16 rows in blocks of eight, each block's
+   streams interleaved in 32-byte units (unit u of tile t at (u * width + t) * 32 from the
+   block's start; width 8, fewer in the last block). `at(s, e)`: byte e of the stream. */
+struct stream {
+    const uint8_t *p;
+    int64_t stride; /* bytes from one of the tile's units to its next */
+};
+
+static inline struct stream tile_stream(const void *base, int64_t tile, int64_t tile_bytes,
+                                        int64_t tiles) {
+    const int64_t block = tile / 8;
+    const int64_t width = tiles - block * 8 < 8 ? tiles - block * 8 : 8;
+    const struct stream s = {(const uint8_t *)base + block * 8 * tile_bytes + (tile % 8) * 32,
+                             width * 32};
+    return s;
+}
+
+static inline const uint8_t *at(const struct stream s, int64_t e) {
+    return s.p + (e >> 5) * s.stride + (e & 31);
+}
+
+/* vector j (VW rows) of a packed array with `bytes_per_k` bytes per row and column: its tile's
+   stream; `*half` the byte offset of its rows in each column (AVX2: 8 of a tile's 16) */
+static inline struct stream vec_stream(const void *base, int64_t j, int64_t columns,
+                                       int64_t bytes, int64_t N, int64_t *half) {
+    *half = (j * VW) % 16 * bytes;
+    return tile_stream(base, j * VW / 16, columns * 16 * bytes, N / 16);
 }
 
 /* V vectors of weight rows from vector j0 times MC <= 4 input rows (x + m * K):
@@ -72,20 +97,21 @@ static inline __attribute__((always_inline)) void q8_tile(
         const int V, const int MC, const struct qgemm_args *a, const float *x, float *out,
         int64_t j0) {
     const int64_t K = a->K, gs = a->gs, ngroups = K / gs;
-    const int8_t *w[16];
-    const uint16_t *s[16];
+    struct stream w[16], s[16];
+    int64_t hw[16], hs[16];
     vf acc[16][4];
     for (int v = 0; v < V; v++) {
-        w[v] = (const int8_t *)a->w + vec_base(j0 + v, K);
-        s[v] = a->scales + vec_base(j0 + v, ngroups);
+        w[v] = vec_stream(a->w, j0 + v, K, 1, a->N, &hw[v]);
+        s[v] = vec_stream(a->scales, j0 + v, ngroups, 2, a->N, &hs[v]);
         for (int m = 0; m < MC; m++) acc[v][m] = vzero();
     }
     for (int64_t g = 0; g < ngroups; g++) {
         vf sc[16];
-        for (int v = 0; v < V; v++) sc[v] = load_h(s[v] + g * 16);
+        for (int v = 0; v < V; v++) sc[v] = load_h((const uint16_t *)(at(s[v], g * 32) + hs[v]));
         for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
             vf wv[16];
-            for (int v = 0; v < V; v++) wv[v] = vmul(load_i8(w[v] + k * 16), sc[v]);
+            for (int v = 0; v < V; v++)
+                wv[v] = vmul(load_i8((const int8_t *)at(w[v], k * 16) + hw[v]), sc[v]);
             for (int m = 0; m < MC; m++) {
                 const vf xb = vset1(x[m * K + k]);
                 for (int v = 0; v < V; v++) acc[v][m] = vfma(wv[v], xb, acc[v][m]);
@@ -100,22 +126,25 @@ static inline __attribute__((always_inline)) void q4_tile(
         const int V, const int MC, const struct qgemm_args *a, const float *x, float *out,
         int64_t j0) {
     const int64_t K = a->K, gs = a->gs, ngroups = K / gs;
-    const uint8_t *w[16];
-    const uint16_t *s[16], *o[16];
+    struct stream w[16], s[16], o[16];
+    int64_t hw[16], hs[16];
     vf acc[16][4];
     for (int v = 0; v < V; v++) {
-        w[v] = (const uint8_t *)a->w + vec_base(j0 + v, K / 2);
-        s[v] = a->scales + vec_base(j0 + v, ngroups);
-        o[v] = a->offsets + vec_base(j0 + v, ngroups);
+        w[v] = vec_stream(a->w, j0 + v, K / 2, 1, a->N, &hw[v]);
+        s[v] = vec_stream(a->scales, j0 + v, ngroups, 2, a->N, &hs[v]);
+        o[v] = vec_stream(a->offsets, j0 + v, ngroups, 2, a->N, &hs[v]);
         for (int m = 0; m < MC; m++) acc[v][m] = vzero();
     }
     for (int64_t g = 0; g < ngroups; g++) {
         vf sc[16], off[16];
-        for (int v = 0; v < V; v++) sc[v] = load_h(s[v] + g * 16), off[v] = load_h(o[v] + g * 16);
+        for (int v = 0; v < V; v++) {
+            sc[v] = load_h((const uint16_t *)(at(s[v], g * 32) + hs[v]));
+            off[v] = load_h((const uint16_t *)(at(o[v], g * 32) + hs[v]));
+        }
         for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
             vf lo[16], hi[16];
             for (int v = 0; v < V; v++) {
-                load_u4(w[v] + k / 2 * 16, &lo[v], &hi[v]);
+                load_u4(at(w[v], k / 2 * 16) + hw[v], &lo[v], &hi[v]);
                 lo[v] = vfma(lo[v], sc[v], off[v]);
                 hi[v] = vfma(hi[v], sc[v], off[v]);
             }
@@ -198,20 +227,25 @@ static void q8act_part(const void *ctx, int64_t j0, int64_t j1) {
         for (int q = 0; q < 4; q++) order[4 * r + q] = (uint8_t)(16 * q + r);
     const __m512i perm = _mm512_loadu_si512(order), flip = _mm512_set1_epi8((char)0x80);
     for (int64_t j = j0; j < j1; j++) {
-        const int8_t *w = a->w + j * K * 16;
-        const uint16_t *s = a->scales + j * ngroups * 16;
+        const struct stream w = tile_stream(a->w, j, K * 16, a->N / 16);
+        const struct stream s = tile_stream(a->scales, j, ngroups * 32, a->N / 16);
         __m512 acc = _mm512_setzero_ps();
         for (int64_t g = 0; g < ngroups; g++) {
             __m512i sum = _mm512_setzero_si512();
             for (int64_t k = g * gs; k < (g + 1) * gs; k += 4) {
-                __m512i quads = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(w + k * 16));
+                /* columns k, k + 1 and k + 2, k + 3: two 32-byte units */
+                const __m512i four = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)at(w, k * 16))),
+                    _mm256_loadu_si256((const __m256i *)at(w, k * 16 + 32)), 1);
+                __m512i quads = _mm512_permutexvar_epi8(perm, four);
                 int32_t x4;
                 memcpy(&x4, a->xq + k, 4);
                 sum = _mm512_dpbusd_epi32(sum, _mm512_xor_si512(quads, flip),
                                           _mm512_set1_epi32(x4));
             }
             sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a->xsum[g]));
-            const __m512 scale = _mm512_mul_ps(load_h(s + g * 16), _mm512_set1_ps(a->xs[g]));
+            const __m512 scale = _mm512_mul_ps(load_h((const uint16_t *)at(s, g * 32)),
+                                               _mm512_set1_ps(a->xs[g]));
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
         }
         _mm512_storeu_ps(a->out + j * 16, acc);
@@ -290,13 +324,13 @@ static inline __attribute__((always_inline)) void a16_tile(
         const int V, const int MC, const int Q4, const struct a16_args *a, int64_t m0, int64_t j0,
         const __m256i perm) {
     const int64_t K = a->K, gs = a->gs, ngroups = K / gs;
-    const uint8_t *w[8];
-    const uint16_t *s[8], *o[8];
+    const int64_t tiles = a->N / 16;
+    struct stream w[8], s[8], o[8];
     __m512 acc[8][4];
     for (int v = 0; v < V; v++) {
-        w[v] = (const uint8_t *)a->w + (j0 + v) * K * (Q4 ? 8 : 16);
-        s[v] = a->scales + (j0 + v) * ngroups * 16;
-        o[v] = Q4 ? a->offsets + (j0 + v) * ngroups * 16 : NULL;
+        w[v] = tile_stream(a->w, j0 + v, K * (Q4 ? 8 : 16), tiles);
+        s[v] = tile_stream(a->scales, j0 + v, ngroups * 32, tiles);
+        o[v] = tile_stream(Q4 ? a->offsets : a->scales, j0 + v, ngroups * 32, tiles);
         for (int m = 0; m < MC; m++) acc[v][m] = _mm512_setzero_ps();
     }
     for (int64_t g = 0; g < ngroups; g++) {
@@ -311,14 +345,15 @@ static inline __attribute__((always_inline)) void a16_tile(
                 xb[m] = _mm512_set1_epi32(x2);
             }
             for (int v = 0; v < V; v++) {
-                const __m512i wv = Q4 ? pairs_u4(w[v] + k * 8)
-                                      : pairs_i8((const int8_t *)w[v] + k * 16, perm);
+                const __m512i wv = Q4 ? pairs_u4(at(w[v], k * 8))
+                                      : pairs_i8((const int8_t *)at(w[v], k * 16), perm);
                 for (int m = 0; m < MC; m++) sum[v][m] = _mm512_dpwssd_epi32(sum[v][m], wv, xb[m]);
             }
         }
         for (int v = 0; v < V; v++) {
-            const __m512 sc = load_h(s[v] + g * 16);
-            const __m512 off = Q4 ? load_h(o[v] + g * 16) : _mm512_setzero_ps();
+            const __m512 sc = load_h((const uint16_t *)at(s[v], g * 32));
+            const __m512 off =
+                Q4 ? load_h((const uint16_t *)at(o[v], g * 32)) : _mm512_setzero_ps();
             for (int m = 0; m < MC; m++) {
                 const int64_t i = (m0 + m) * ngroups + g;
                 __m512 t = _mm512_cvtepi32_ps(sum[v][m]);
