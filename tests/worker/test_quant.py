@@ -158,6 +158,13 @@ def test_packed_rows_and_unpack(kind: str, n: int) -> None:
     assert torch.equal(Q.dequantize(back), Q.dequantize(qw))
 
 
+def test_packed_rows_rejects_ids_out_of_range() -> None:
+    packed = cpu_quant.pack(Q.quantize_int8(_weight(32, 64), 32))
+    for bad in ([32], [0, -1]):
+        with pytest.raises(IndexError):
+            cpu_quant.packed_rows(packed, torch.tensor(bad))
+
+
 def test_packed_layout_interleaves_eight_tiles_in_32_byte_units() -> None:
     """The layout the kernels read (worker/device/cpu_quant.py): 32-byte units of eight tiles'
     streams in turn, so a one-row matmul over eight tiles reads memory in order."""

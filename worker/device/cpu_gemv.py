@@ -147,6 +147,10 @@ def load_library(threaded: bool) -> ctypes.CDLL:
     q8act.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tp_quant_gemm_a16.restype = ctypes.c_int
     lib.tp_quant_gemm_a16.argtypes = quant.argtypes
+    rows = lib.tp_quant_rows
+    rows.restype = ctypes.c_int
+    rows.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
+    rows.argtypes += [ctypes.c_int64] * 3
     lib.tp_vector_rows.restype = ctypes.c_int
     lib.tp_vector_rows.argtypes = []
     return lib

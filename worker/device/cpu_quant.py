@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.device import cpu_gemv
-from worker.layers.quant import INT4, INT8, QuantizedWeight, unpack_nibbles
+from worker.layers.quant import INT4, INT8, QuantizedWeight
 
 ROW_BLOCK = 16  # weight rows interleaved together (a tile)
 BLOCK_TILES = 8  # tiles whose streams are interleaved (module docstring)
@@ -114,19 +114,6 @@ def _deinterleave(flat: torch.Tensor, n: int, c: int) -> torch.Tensor:
     return tiles.transpose(1, 2).reshape(n, c)
 
 
-def _rows(flat: torch.Tensor, ids: torch.Tensor, n: int, c: int) -> torch.Tensor:
-    """Rows ``ids`` [T] of the [N, C] table ``_interleave`` stored in ``flat`` -> [T, C]."""
-    size = flat.element_size()
-    tile, lane = ids // ROW_BLOCK, ids % ROW_BLOCK
-    block, slot = tile // BLOCK_TILES, tile % BLOCK_TILES
-    width = (n // ROW_BLOCK - block * BLOCK_TILES).clamp(max=BLOCK_TILES)
-    stream = c * ROW_BLOCK * size  # bytes of one tile's stream
-    at = (torch.arange(c) * ROW_BLOCK * size).unsqueeze(0) + (lane * size).unsqueeze(1)  # [T, C]
-    byte = (block * BLOCK_TILES * stream + slot * UNIT).unsqueeze(1)
-    byte = byte + at // UNIT * (width * UNIT).unsqueeze(1) + at % UNIT
-    return flat[byte // size]
-
-
 def pack(qw: QuantizedWeight) -> PackedQuant:
     offsets = None if qw.offsets is None else _interleave(qw.offsets)
     return PackedQuant(qw.kind, qw.shape, qw.group_size, _interleave(qw.qdata),
@@ -144,17 +131,20 @@ def unpack(packed: PackedQuant) -> QuantizedWeight:
 
 def packed_rows(packed: PackedQuant, ids: torch.Tensor) -> torch.Tensor:
     """float32 rows ``ids`` [T] of the dequantized weight -> [T, K] (an embedding lookup:
-    only these rows are dequantized)."""
+    only these rows are dequantized, in C: a few torch ops per row cost more than the rows)."""
+    lib = cpu_gemv.kernel()
+    assert lib is not None, "packed quantized weights need the CPU kernel"
     n, k = packed.shape
-    n_groups = k // packed.group_size
-    scales = _rows(packed.scales, ids, n, n_groups).float().unsqueeze(-1)  # [T, K / g, 1]
-    if packed.kind == INT8:
-        q = _rows(packed.data, ids, n, k).float()
-        return (q.view(len(ids), n_groups, -1) * scales).view(len(ids), -1)
-    assert packed.offsets is not None
-    q = unpack_nibbles(_rows(packed.data, ids, n, k // 2)).float().view(len(ids), n_groups, -1)
-    offsets = _rows(packed.offsets, ids, n, n_groups).float().unsqueeze(-1)
-    return (q * scales + offsets).view(len(ids), -1)
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(len(ids), k, dtype=torch.float32)
+    offsets = None if packed.offsets is None else packed.offsets.data_ptr()
+    status = lib.tp_quant_rows(
+        ids.data_ptr(), len(ids), packed.data.data_ptr(), packed.scales.data_ptr(), offsets,
+        out.data_ptr(), k, n, packed.group_size,
+    )  # fmt: skip
+    if status != 0:
+        raise IndexError(f"embedding ids out of range [0, {n}): {ids.tolist()[:8]}")
+    return out
 
 
 def matmul(x: torch.Tensor, packed: PackedQuant) -> torch.Tensor:

@@ -187,6 +187,39 @@ static void NAME(const void *ctx, int64_t j0, int64_t j1) { \
 QPART(q8_part, q8_tile)
 QPART(q4_part, q4_tile)
 
+/* out [T, K] = rows ids [T] of the dequantized weight (an embedding lookup: int8 q * scale,
+   int4 q * scale + offset, one rounding each, as worker.layers.quant.dequantize). 0 on
+   success, 1 bad shape or id. */
+int tp_quant_rows(const int64_t *ids, int64_t T, const void *w, const uint16_t *scales,
+                  const uint16_t *offsets, float *out, int64_t K, int64_t N, int64_t gs) {
+    if (N % 16 || gs < 2 || K % gs) return 1;
+    const int64_t ngroups = K / gs, tiles = N / 16;
+    for (int64_t i = 0; i < T; i++) {
+        if (ids[i] < 0 || ids[i] >= N) return 1;
+        const int64_t tile = ids[i] / 16, lane = ids[i] % 16;
+        const struct stream ws = tile_stream(w, tile, offsets ? K * 8 : K * 16, tiles);
+        const struct stream ss = tile_stream(scales, tile, ngroups * 32, tiles);
+        const struct stream os = tile_stream(offsets ? offsets : scales, tile, ngroups * 32, tiles);
+        float *o = out + i * K;
+        for (int64_t g = 0; g < ngroups; g++) {
+            const float scale = _cvtsh_ss(((const uint16_t *)at(ss, g * 32))[lane]);
+            if (offsets) {
+                const float offset = _cvtsh_ss(((const uint16_t *)at(os, g * 32))[lane]);
+                for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+                    const uint8_t b = at(ws, k / 2 * 16)[lane];
+                    const float lo = (float)(b & 15) * scale, hi = (float)(b >> 4) * scale;
+                    o[k] = lo + offset;
+                    o[k + 1] = hi + offset;
+                }
+            } else {
+                for (int64_t k = g * gs; k < (g + 1) * gs; k++)
+                    o[k] = (float)((const int8_t *)at(ws, k * 16))[lane] * scale;
+            }
+        }
+    }
+    return 0;
+}
+
 /* rows of weights in one vector register (16 with AVX-512, else 8) */
 int tp_vector_rows(void) { return VW; }
 
