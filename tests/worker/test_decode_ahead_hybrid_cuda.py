@@ -28,7 +28,7 @@ def _gpu_engine(ahead: bool) -> Engine:
     graphed = GraphedCausalLM(inner, decode_ahead=ahead)
     loaded = SimpleNamespace(model=graphed, tokenizer=IdTokenizer(), config=inner.config, meta={})
     config = EngineConfig(
-        max_sessions=4, max_context=512, prefill_chunk=64, prefix_cache_bytes=32 << 20,
+        max_sessions=5, max_context=512, prefill_chunk=64, prefix_cache_bytes=32 << 20,
         prefix_block=8,
     )  # fmt: skip
     return Engine(loaded, config, "cuda")
