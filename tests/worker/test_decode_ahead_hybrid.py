@@ -164,6 +164,15 @@ def test_big_batches_run_without_a_step_ahead(model: Any) -> None:  # noqa: F811
     assert 0 < ahead.model.ahead_hits <= 8
 
 
+def test_a_bad_row_count_is_refused(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    monkeypatch.setenv("TOKENPIPE_HYBRID_AHEAD_ROWS", "four")
+    with pytest.raises(ValueError, match="TOKENPIPE_HYBRID_AHEAD_ROWS"):
+        _engine(model, True)
+    monkeypatch.setenv("TOKENPIPE_HYBRID_AHEAD_ROWS", "0")  # none: one lane, no backup
+    engine = _engine(model, True)
+    assert len(engine.model._lanes) == 1 and engine.kv.ahead_rows == 0
+
+
 def _decode(tokens: list[int], lens: list[int], slots: list[int]) -> StepInput:
     return StepInput(
         input_ids=torch.tensor(tokens), positions=torch.tensor(lens), slots=list(slots),

@@ -125,8 +125,7 @@ class GraphedCausalLM:
         kv = self.inner.make_kv_cache(num_slots, max_context, **kwargs)
         ahead_rows = num_slots  # the rows a step launched ahead may have
         if _is_hybrid(kv):  # see the module doc
-            rows = os.environ.get("TOKENPIPE_HYBRID_AHEAD_ROWS")
-            ahead_rows = min(num_slots, HYBRID_AHEAD_ROWS if rows is None else int(rows))
+            ahead_rows = min(num_slots, _hybrid_ahead_rows())
             self._decode_ahead = self._decode_ahead and ahead_rows > 0
             kv.reserve_ahead(ahead_rows if self._decode_ahead else 0)
             kv.settle = self._drop_ahead
@@ -420,6 +419,17 @@ class GraphedCausalLM:
             self._wait(ahead)
             self.ahead_misses += 1
             self._restore(ahead)
+
+
+def _hybrid_ahead_rows() -> int:
+    """TOKENPIPE_HYBRID_AHEAD_ROWS (rows of a hybrid cache's step ahead; 0: none), else the
+    default."""
+    value = os.environ.get("TOKENPIPE_HYBRID_AHEAD_ROWS", "").strip()
+    if not value:
+        return HYBRID_AHEAD_ROWS
+    if not value.isdigit():
+        raise ValueError(f"TOKENPIPE_HYBRID_AHEAD_ROWS must be a row count >= 0, got {value!r}")
+    return int(value)
 
 
 def _is_hybrid(kv: Any) -> bool:
