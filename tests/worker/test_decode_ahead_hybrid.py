@@ -164,6 +164,25 @@ def test_big_batches_run_without_a_step_ahead(model: Any) -> None:  # noqa: F811
     assert 0 < ahead.model.ahead_hits <= 8
 
 
+@pytest.mark.parametrize("marked", [True, False])
+def test_grammar_masked_rows(model: Any, marked: bool) -> None:  # noqa: F811
+    """Rows sampled under a grammar mask: a marked step launches its next once the masked ids
+    are drawn (every guess used); an unmarked one guesses the unmasked ids and is dropped (the
+    states put back). Tokens equal the plain model's either way."""
+    from test_structured_sampling import _run
+
+    torch.set_num_threads(1)  # that module's import asked for 2
+    graphed = GraphedCausalLM(model, use_graphs=False, capture=False, decode_ahead=True)
+    kv_plain, kv_ahead = model.make_kv_cache(4, 64), graphed.make_kv_cache(4, 64)
+    allowed = [set(range(0, 256, 7)), set(range(100, 120)), None]  # row 2 is free
+    want = _run(model, kv_plain, allowed)
+    assert _run(graphed, kv_ahead, allowed, masked=marked) == want
+    if marked:
+        assert (graphed.ahead_hits, graphed.ahead_misses) == (len(want) - 1, 0)
+    else:
+        assert (graphed.ahead_hits, graphed.ahead_misses) == (0, 2)
+
+
 def test_a_bad_row_count_is_refused(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     monkeypatch.setenv("TOKENPIPE_HYBRID_AHEAD_ROWS", "four")
     with pytest.raises(ValueError, match="TOKENPIPE_HYBRID_AHEAD_ROWS"):
