@@ -164,6 +164,25 @@ def test_big_batches_run_without_a_step_ahead(model: Any) -> None:  # noqa: F811
     assert 0 < ahead.model.ahead_hits <= 8
 
 
+def test_sessions_through_the_tiers(model: Any, tmp_path: Any) -> None:  # noqa: F811
+    """Sessions offloaded to host memory and disk between turns (each export settles the step
+    ahead) continue as without decode ahead and as sessions that never left their slots."""
+    from test_session_tiers_hybrid import conversation
+
+    names = ["a", "b", "c", "d"]
+    resident = conversation(_engine(model, False, max_sessions=5), names)
+    runs = []
+    for ahead in (False, True):
+        engine = _engine(model, ahead, max_sessions=5, max_resident=2,
+                         session_dir=str(tmp_path / str(ahead)))  # fmt: skip
+        assert engine.tiers is not None and engine.tiers.host is not None
+        engine.tiers.host.budget_bytes = engine.kv.export_slot(0, 0).nbytes + 1
+        runs.append(conversation(engine, names))
+        assert engine.stats()["tiers"]["reloads"] >= 8
+    assert runs[0] == runs[1] == resident
+    assert engine.model.ahead_hits >= 40
+
+
 @pytest.mark.parametrize("marked", [True, False])
 def test_grammar_masked_rows(model: Any, marked: bool) -> None:  # noqa: F811
     """Rows sampled under a grammar mask: a marked step launches its next once the masked ids
