@@ -235,6 +235,34 @@ def test_deltanet_decode_step_matches_torch_step(triton_ready: None) -> None:
     assert torch.equal(new_state[untouched], state_before[untouched])
 
 
+def test_deltanet_step_tiles_agree(triton_ready: None) -> None:
+    """The decode step's wide tiles (batches of WIDE_STEP_ROWS rows and more: 64 value dims,
+    4 warps) and narrow ones (16, 2) give the same outputs and states; ``step_tiles`` picks
+    them by batch (pure)."""
+    from worker.device.kernels.deltanet_decode import (
+        WIDE_STEP_ROWS,
+        gated_delta_step_triton,
+        step_tiles,
+    )
+
+    assert step_tiles(1) == (16, 2) and step_tiles(WIDE_STEP_ROWS) == (64, 4)
+    gen = torch.Generator().manual_seed(5)
+    batch, hk, hv, dk, dv = 3, 1, 2, 16, 64
+    conv_out = torch.randn(batch, 2 * hk * dk + hv * dv, generator=gen).to(DEVICE)
+    a, b = (torch.randn(batch, hv, generator=gen).to(DEVICE) for _ in range(2))
+    a_log, dt_bias = (torch.randn(hv, generator=gen).to(DEVICE) for _ in range(2))
+    state = torch.randn(4, hv, dk, dv, generator=gen).to(DEVICE)
+    slots = torch.tensor([3, -1, 1]).to(DEVICE)
+    results = []
+    for block_v, warps in ((16, 2), (64, 4)):
+        s = state.clone()
+        o = gated_delta_step_triton(conv_out, a, b, a_log, dt_bias, s, slots, num_key_heads=hk,
+                                    key_dim=dk, block_v=block_v, num_warps=warps)  # fmt: skip
+        results.append((o.cpu()[[0, 2]], s.cpu()))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deltanet_step_with_norm_equals_step_then_norm(
     triton_ready: None, dtype: torch.dtype
