@@ -22,7 +22,12 @@ HI = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[HostileServer]:
-    server = HostileServer(header_timeout=1.0, max_connections=40, body_timeout_s=1.0).start()
+    # a render budget above the default 2 s: the probes below must be answered by their own
+    # checks (prompt too long, bad values), not by the time budget, also on a busy 2-core box
+    # (200k messages rendered in 0.02-0.9 s idle, past 2 s with two other test runs beside it)
+    server = HostileServer(
+        header_timeout=1.0, max_connections=40, body_timeout_s=1.0, render_budget_s=4.0
+    ).start()
     yield server
     server.stop()
 
