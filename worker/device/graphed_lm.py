@@ -16,10 +16,11 @@ snapshot copies then precede it) behind a backup of those states (``back_up_ahea
 side stream); a miss waits for it and puts the backup back (``restore_ahead``), a hit hands
 the advanced state to the step's bookkeeping (``keep_ahead``, before ``begin_step``). The cache
 settles a slot through ``_drop_ahead`` before anything else reads or replaces its state
-(worker/layers/hybrid_cache.py). The backup is ~63 MB a row at the 35B-A3B shape: ~40 us of
-copying at one row, beside a step the host's turn would otherwise leave the GPU idle for; at
-bigger batches the step is long and the host's share small, so they run without it. Steps
-with a prefill riding along launch nothing ahead. Its short prefills replay prefill graphs whose
+(worker/layers/hybrid_cache.py). The backup is 64 MB a row at the 35B-A3B shape, 54 us of
+copying on an H200 (and as much to restore), against the host's ~0.5 ms turn it hides: int4-
+experts batch 1 went from 302 to 357 tok/s (BENCHMARKS.md). At bigger batches the copies grow
+with the rows while the host's share of a step shrinks, so they run without it. Steps with a
+prefill riding along launch nothing ahead. Its short prefills replay prefill graphs whose
 DeltaNet layers run the in-place Triton recurrence over the rows (padding rows and the
 captures' warm-up rows advance no state; a snapshot inside the step goes in as device data):
 the eager 64-token prefill was bound by the host (~150 ms of launches for ~21 ms of GPU work).
