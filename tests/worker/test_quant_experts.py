@@ -327,6 +327,41 @@ def test_sparse_moe_block_gemv_path_equals_its_cpu_loop(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_pair_order_groups_pairs_by_expert(triton_ready: None) -> None:
+    """``pair_order``: a permutation of the pairs, by expert, pair order within one; garbage
+    ids (a padding row's) still placed; ``use_pair_order`` by size and flag (pure)."""
+    from worker.device.kernels.moe_gemv import PAIR_ORDER_MIN_PAIRS, pair_order, use_pair_order
+
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 6, (37,), generator=gen)
+    ids[5], ids[11] = 1 << 40, -3  # garbage
+    order = pair_order(ids.to(DEVICE), 6).cpu()
+    assert sorted(order.tolist()) == list(range(37))
+    clamped = ids.clamp(0, 6)
+    keys = [(int(clamped[p]), p) for p in order.tolist()]
+    assert keys == sorted(keys)
+    assert use_pair_order(PAIR_ORDER_MIN_PAIRS, "1") and not use_pair_order(8, "1")
+    assert use_pair_order(8, "all") and not use_pair_order(256, "0")
+
+
+def test_ordered_per_pair_gemvs_equal_unordered(triton_ready: None) -> None:
+    """The per-pair GEMVs launched in expert order give the same bits."""
+    from worker.device.kernels.moe_gemv import GemvTiles, moe_quant_gemv
+
+    gen = torch.Generator().manual_seed(12)
+    fmt, tokens, top_k = QuantFormat("int4", 8), 7, 3
+    gate_up, down = _float_experts(5, 32, 16, gen)
+    module = _quantized(gate_up, down, fmt).to(DEVICE)
+    x = torch.randn(tokens, 32, generator=gen).to(DEVICE)
+    ids = _routing(tokens, 5, top_k, gen).to(DEVICE)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1).to(DEVICE)
+    gu, dn = module.matrix("gate_up_proj"), module.matrix("down_proj")
+    for t in (GemvTiles(16, 2, 1), GemvTiles(16, 2, 200)):  # one split (gated), split
+        plain = moe_quant_gemv(x, gu, dn, weights, ids, t=t, ordered=False)
+        ordered = moe_quant_gemv(x, gu, dn, weights, ids, t=t, ordered=True)
+        assert torch.equal(plain, ordered)
+
+
 def test_block_gemv_choice(triton_ready: None) -> None:
     """``use_block_gemv`` (pure given its flag): decode batches of 8-64 tokens of top 8."""
     from worker.device.kernels.moe_block_gemv import BLOCK_GEMV_MIN_PAIRS, use_block_gemv
