@@ -25,9 +25,10 @@ each output computed by one thread, the same bits at any thread count.
 
 Where the CPU has AVX512-VNNI and VBMI (``ACTIVATION_BITS`` below, 16 by default) the kernel
 ``tp_quant_gemm_a16`` quantizes each input row to int16 per weight group instead and sums
-``q * x`` exactly in int32 per group (vpdpwssd), then ``scale * x_scale * sum`` (int4: plus
-``offset * x_scale * sum(x)``) into the fp32 chain: no float work per weight, 32 products an
-instruction; a row's result still depends on nothing but the row.
+``q * x`` exactly in int32 per group (vpdpwssd, 32 products an instruction; int4 with a group
+size divisible by 4: vpdpbusd, 64, on the row split into high and low bytes, the same sums),
+then ``scale * x_scale * sum`` (int4: plus ``offset * x_scale * sum(x)``) into the fp32 chain:
+no float work per weight; a row's result still depends on nothing but the row.
 """
 
 from __future__ import annotations
