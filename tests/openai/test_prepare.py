@@ -47,7 +47,8 @@ def test_splicing_many_turns_is_one_pass() -> None:
         template_kwargs={},
         turn_ids=spliceable_turns(store, "s", messages),
     )
-    assert time.monotonic() - started < 5  # was minutes: one text scan per turn
+    # was minutes (one text scan per turn); ~1 s idle, 6 s beside two other test runs
+    assert time.monotonic() - started < 15
     assert rendered.spliced_turns == 12_000
     assert rendered.segments[1] == {"ids": [7, 8]}
     assert rendered.segments[0] == {
