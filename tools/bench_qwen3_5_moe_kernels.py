@@ -14,8 +14,8 @@
 - ``sweep_{bf16,int4}_{1,32}``: the routed experts' time per tile choice (``SWEEP``);
   ``gemv_{int4,int8}_{1,4,32}``, ``gemv_bf16_1``: the per-pair GEMVs per tile (``GEMV_SWEEP``,
   ``FLOAT_GEMV_SWEEP``);
-  ``block_int4_{8,16,32}``, ``block_bf16_{8,32}``: the blocked GEMVs (pairs grouped by
-  expert) per tile (``BLOCK_SWEEP``, ``FLOAT_BLOCK_SWEEP``);
+  ``block_int4_{8,16,32}``: the per-pair GEMVs in pair and in expert order, and the blocked
+  GEMVs (pairs grouped by expert) per tile (``BLOCK_SWEEP``);
   ``sweep_deltanet_{1,32}``: the DeltaNet decode step's per value-dims tile and warps.
 
 Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
@@ -432,14 +432,15 @@ def gemv_sweep(tokens: int, kind: str) -> None:
 
 # BlockTiles fields: (block_m, block_n, warps, programs)
 BLOCK_SWEEP = [(2, 128, 4, 264), (1, 128, 4, 264), (4, 128, 4, 264), (2, 64, 4, 264),
-               (2, 128, 2, 264), (4, 64, 4, 528), (2, 256, 4, 264)]  # fmt: skip
+               (2, 128, 2, 264), (4, 64, 4, 528), (2, 256, 4, 264), (2, 128, 4, 528)]  # fmt: skip
 
 
 def block_sweep(tokens: int, kind: str) -> None:
-    """Quantized routed experts (group 32) at a decode batch: the blocked GEMVs (pairs grouped
-    by expert, ``moe_block_gemv``; the alignment inside the timed call) per tile choice
-    (BLOCK_SWEEP) against the per-pair GEMVs (default tiles), each in a CUDA graph, with the
-    bandwidth of the distinct expert bytes."""
+    """Quantized routed experts (group 32) at a decode batch: the per-pair GEMVs (default
+    tiles) in pair order and in expert order (``moe_gemv.pair_order``, inside the timed call),
+    and the blocked GEMVs (pairs grouped by expert, ``moe_block_gemv``; the alignment inside
+    the timed call) per tile choice (BLOCK_SWEEP), each in a CUDA graph, with the bandwidth of
+    the distinct expert bytes."""
     from worker.device.kernels.moe_block_gemv import BlockTiles, moe_quant_block_gemv
     from worker.device.kernels.moe_gemv import moe_quant_gemv
     from worker.layers.quant import QuantFormat
@@ -455,10 +456,13 @@ def block_sweep(tokens: int, kind: str) -> None:
     gu, dn = experts.matrix("gate_up_proj"), experts.matrix("down_proj")
     hit = int(torch.unique(ids).numel())
     read = hit * experts.nbytes // EXPERTS
-    want = moe_quant_gemv(x, gu, dn, weights, ids)
-    t = graph_time(lambda: moe_quant_gemv(x, gu, dn, weights, ids))
-    log(f"block_{kind}_t{tokens}_per_pair_us", round(t * 1e6, 1),
-        f"{hit} experts, {read / t / 1e12:.2f} TB/s of distinct bytes")  # fmt: skip
+    want = moe_quant_gemv(x, gu, dn, weights, ids, ordered=False)
+    for ordered in (False, True):
+        t = graph_time(lambda o=ordered: moe_quant_gemv(x, gu, dn, weights, ids, ordered=o))
+        same = torch.equal(moe_quant_gemv(x, gu, dn, weights, ids, ordered=ordered), want)
+        log(f"block_{kind}_t{tokens}_per_pair{'_ordered' if ordered else ''}_us",
+            round(t * 1e6, 1), f"{hit} experts, {read / t / 1e12:.2f} TB/s of distinct bytes"
+            f"{'' if same else ' DIFFERENT'}")  # fmt: skip
     for choice in BLOCK_SWEEP:
         tiles = BlockTiles(*choice)
         try:
@@ -469,45 +473,6 @@ def block_sweep(tokens: int, kind: str) -> None:
             continue
         note = f"{read / t / 1e12:.2f} TB/s rel {err:.1e}{'' if err < 1e-2 else ' WRONG'}"
         log(f"block_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
-
-
-# FloatBlockTiles fields: (block_m, block_n, block_k, warps, programs)
-FLOAT_BLOCK_SWEEP = [(2, 16, 128, 4, 528), (1, 16, 128, 4, 528), (2, 32, 128, 4, 528),
-                     (2, 16, 256, 4, 528), (2, 8, 256, 4, 528), (4, 16, 128, 4, 528),
-                     (2, 16, 128, 8, 528)]  # fmt: skip
-
-
-def float_block_sweep(tokens: int) -> None:
-    """bf16 routed experts at a decode batch: the blocked GEMVs (``moe_float_block_gemv``,
-    the alignment inside the timed call) per tile (FLOAT_BLOCK_SWEEP) against the grouped
-    GEMMs (16-row ``tl.dot`` blocks, the default), each in a CUDA graph."""
-    from worker.device.kernels.moe import fused_moe_triton
-    from worker.device.kernels.moe_block_gemv import FloatBlockTiles, moe_float_block_gemv
-
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
-    probs = torch.softmax(torch.randn(tokens, EXPERTS, device="cuda", generator=gen), -1)
-    weights, ids = torch.topk(probs, TOP_K, dim=-1)
-    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
-    gate_up = (torch.randn(EXPERTS, 2 * INNER, HIDDEN, device="cuda") * 0.02).bfloat16()
-    down = (torch.randn(EXPERTS, HIDDEN, INNER, device="cuda") * 0.04).bfloat16()
-    hit = int(torch.unique(ids).numel())
-    read = hit * 3 * INNER * HIDDEN * 2
-    want = fused_moe_triton(x, gate_up, down, weights, ids)
-    t = graph_time(lambda: fused_moe_triton(x, gate_up, down, weights, ids))
-    log(f"block_bf16_t{tokens}_grouped_us", round(t * 1e6, 1),
-        f"{hit} experts, {read / t / 1e12:.2f} TB/s")  # fmt: skip
-    for choice in FLOAT_BLOCK_SWEEP:
-        tiles = FloatBlockTiles(*choice)
-        try:
-            t = graph_time(lambda c=tiles: moe_float_block_gemv(x, gate_up, down, weights, ids,
-                                                                t=c))  # fmt: skip
-            err = rel(moe_float_block_gemv(x, gate_up, down, weights, ids, t=tiles), want)
-        except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
-            log(f"block_bf16_t{tokens}_{choice}", repr(exc)[:120])
-            continue
-        note = f"{read / t / 1e12:.2f} TB/s rel {err:.1e}{'' if err < 1e-2 else ' WRONG'}"
-        log(f"block_bf16_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
 
 
 # FloatTiles fields: (block_n, block_k, warps, programs)
@@ -574,8 +539,6 @@ def main() -> int:
         ("block_int4_32", lambda: block_sweep(32, "int4")),
         ("block_int4_16", lambda: block_sweep(16, "int4")),
         ("block_int4_8", lambda: block_sweep(8, "int4")),
-        ("block_bf16_32", lambda: float_block_sweep(32)),
-        ("block_bf16_8", lambda: float_block_sweep(8)),
         ("sweep_deltanet_1", lambda: deltanet_sweep(1)),
         ("sweep_deltanet_32", lambda: deltanet_sweep(32)),
     ]

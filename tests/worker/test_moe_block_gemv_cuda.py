@@ -1,7 +1,7 @@
-"""The blocked MoE GEMVs (worker/device/kernels/moe_block_gemv.py) on a GPU, at a decode batch
-of 32 tokens of top 8: bf16 float experts against the grouped GEMMs, int4 experts against the
+"""The blocked MoE GEMVs (worker/device/kernels/moe_block_gemv.py) and the per-pair GEMVs in
+expert order on a GPU, at a decode batch of 32 tokens of top 8, int4 experts: against the
 per-pair GEMVs, each replayed from a CUDA graph equal to its eager launch. (The interpreter
-tests of the same kernels are in test_quant_experts.py and test_qwen3_5_moe_kernels.py.)"""
+tests of the same kernels are in test_quant_experts.py.)"""
 
 from __future__ import annotations
 
@@ -45,32 +45,6 @@ def _inputs(seed: int) -> tuple[torch.Tensor, ...]:
     return x, weights, ids, shared, shared_gate, residual
 
 
-@pytest.mark.parametrize(
-    "tiles", [(2, 16, 128, 4, 528), (4, 16, 256, 4, 528), (1, 8, 128, 4, 100000)]
-)
-def test_float_block_gemv_equals_grouped_gemms(tiles: tuple[int, ...]) -> None:
-    from worker.device.kernels.moe import fused_moe_triton
-    from worker.device.kernels.moe_block_gemv import FloatBlockTiles, moe_float_block_gemv
-
-    x, weights, ids, shared, shared_gate, residual = _inputs(1)
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    gate_up = (torch.randn(EXPERTS, 2 * INNER, HIDDEN, device="cuda", generator=gen)
-               * HIDDEN**-0.5).bfloat16()  # fmt: skip
-    down = (torch.randn(EXPERTS, HIDDEN, INNER, device="cuda", generator=gen)
-            * INNER**-0.5).bfloat16()  # fmt: skip
-    args = (x, gate_up, down, weights, ids, None, shared, shared_gate, residual)
-    want = fused_moe_triton(*args)  # type: ignore[arg-type]
-    t = FloatBlockTiles(*tiles)
-
-    def run() -> torch.Tensor:
-        return moe_float_block_gemv(x, gate_up, down, weights, ids, shared, shared_gate,
-                                    residual, t=t)  # fmt: skip
-
-    eager = run()
-    assert _rel(eager, want) < 1e-2
-    assert torch.equal(_graphed(run), eager)
-
-
 @pytest.mark.parametrize("tiles", [(2, 128, 4, 264), (2, 64, 4, 264), (4, 64, 2, 5000)])
 def test_int4_block_gemv_equals_per_pair_gemvs(tiles: tuple[int, ...]) -> None:
     from worker.device.kernels.moe_block_gemv import BlockTiles, moe_quant_block_gemv
@@ -91,3 +65,22 @@ def test_int4_block_gemv_equals_per_pair_gemvs(tiles: tuple[int, ...]) -> None:
     eager = run()
     assert _rel(eager, want) < 2e-3  # the same fp32 sums, bf16 roundings of the outputs
     assert torch.equal(_graphed(run), eager)
+
+
+def test_int4_per_pair_gemvs_in_expert_order_give_the_same_bits() -> None:
+    from worker.device.kernels.moe_gemv import moe_quant_gemv
+    from worker.layers.quant import QuantFormat
+    from worker.layers.quant_experts import QuantExperts
+
+    x, weights, ids, shared, shared_gate, residual = _inputs(5)
+    experts = QuantExperts(EXPERTS, HIDDEN, INNER, QuantFormat("int4", 32)).cuda()
+    experts.draw_random(0.05, torch.Generator(device="cuda").manual_seed(6), torch.bfloat16)
+    gu, dn = experts.matrix("gate_up_proj"), experts.matrix("down_proj")
+    plain = moe_quant_gemv(x, gu, dn, weights, ids, shared, shared_gate, residual, ordered=False)
+
+    def run() -> torch.Tensor:
+        return moe_quant_gemv(x, gu, dn, weights, ids, shared, shared_gate, residual,
+                              ordered=True)  # fmt: skip
+
+    assert torch.equal(run(), plain)
+    assert torch.equal(_graphed(run), plain)

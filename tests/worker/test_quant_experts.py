@@ -292,27 +292,21 @@ def test_quantized_moe_block_gemv_equals_the_per_pair_gemvs(
     got = moe_quant_block_gemv(*args, t=tiles).cpu()  # type: ignore[arg-type]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     per_pair = moe_quant_gemv(*args, t=tiles.gemv()).cpu()  # type: ignore[arg-type]
-    torch.testing.assert_close(got, per_pair, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, per_pair, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens,kind", [(5, "int4"), (40, "int4"), (40, "float")])
-def test_sparse_moe_block_gemv_path_equals_its_cpu_loop(
-    triton_ready: None, tokens: int, kind: str
-) -> None:
+@pytest.mark.parametrize("tokens", [5, 40])
+def test_sparse_moe_block_gemv_path_equals_its_cpu_loop(triton_ready: None, tokens: int) -> None:
     """``SparseMoE._block_gemv`` (the layer's decode-batch path: its router's logits routed
     and aligned, in one launch for 5 tokens, apart for 40, then the blocked GEMVs) against the
-    layer's CPU path over the same quantized or float experts (fp32)."""
-    from worker.device.kernels.moe_block_gemv import BlockTiles, FloatBlockTiles
+    layer's CPU path over the same quantized experts (fp32)."""
+    from worker.device.kernels.moe_block_gemv import BlockTiles
 
     gen = torch.Generator().manual_seed(tokens)
     fmt, hidden, inner = QuantFormat("int4", 8), 32, 16
     gate_up, down = _float_experts(8, hidden, inner, gen)
-    if kind == "float":
-        moe = _moe(gate_up, down, _fused(gate_up, down))
-        tiles: object = FloatBlockTiles(2, 16, 16, 2, 1)
-    else:
-        moe = _moe(gate_up, down, _quantized(gate_up, down, fmt))
-        tiles = BlockTiles(2, 16, 2, 1)
+    moe = _moe(gate_up, down, _quantized(gate_up, down, fmt))
+    tiles = BlockTiles(2, 16, 2, 1)
     moe.top_k = 2
     x = torch.randn(tokens, hidden, generator=gen)
     logits = torch.randn(tokens, 8, generator=gen)

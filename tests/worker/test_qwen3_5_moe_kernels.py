@@ -128,27 +128,17 @@ def _experts_loop(
     "tokens,hidden,inner,path",
     [(1, 64, 24, "grouped"), (5, 64, 32, "grouped"), (70, 48, 24, "grouped"),
      (3, 32, 16, "grouped"), (1, 64, 24, "gemv"), (1, 48, 24, "gemv_split"),
-     (3, 64, 40, "gemv_split"), (9, 64, 24, "block"), (6, 48, 40, "block_split")],
+     (3, 64, 40, "gemv_split")],
 )  # fmt: skip
 def test_fused_moe_matches_expert_loop(
     triton_ready: None, tokens: int, hidden: int, inner: int, path: str
 ) -> None:
-    """The grouped GEMMs, the per-pair GEMVs (``moe_gemv.moe_float_gemv``; gemv_split:
-    narrow tiles, K split over programs, outputs past N masked) and the blocked GEMVs
-    (``moe_block_gemv.moe_float_block_gemv``: 2 rows a block and one split, gate_up storing
-    the activations; block_split: 4 rows, K split) against the CPU loop."""
+    """The grouped GEMMs and the per-pair GEMVs (``moe_gemv.moe_float_gemv``; gemv_split:
+    narrow tiles, K split over programs, outputs past N masked) against the CPU loop."""
     from worker.device.kernels.moe import fused_moe_triton
-    from worker.device.kernels.moe_block_gemv import FloatBlockTiles, moe_float_block_gemv
     from worker.device.kernels.moe_gemv import FloatTiles, float_split_for, moe_float_gemv
 
-    if path.startswith("block"):
-        split = path == "block_split"
-        block = FloatBlockTiles(4, 16, 16, 2, 400) if split else FloatBlockTiles(2, 16, 32, 2, 1)
-
-        def fused_moe_triton(*args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
-            return moe_float_block_gemv(*args, **kwargs, t=block)  # type: ignore[arg-type]
-
-    elif path != "grouped":
+    if path != "grouped":
         tiles = FloatTiles(16, 16, 2, 400) if path == "gemv_split" else FloatTiles()
         assert (float_split_for(2 * tokens, hidden, inner, tiles)[0] > 1) == (path != "gemv")
 

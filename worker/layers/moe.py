@@ -215,15 +215,8 @@ class SparseMoE(nn.Module):
                 return self._block_gemv(x, logits, shared, shared_gate, residual, block_tiles())
             gemv = use_gemv(pairs)
         else:
-            from worker.device.kernels.moe_block_gemv import (
-                float_block_tiles,
-                use_float_block_gemv,
-            )
             from worker.device.kernels.moe_gemv import use_float_gemv
 
-            if use_float_block_gemv(pairs):
-                return self._block_gemv(x, logits, shared, shared_gate, residual,
-                                        float_block_tiles())  # fmt: skip
             gemv = use_float_gemv(pairs)
         if not gemv and pairs <= ROUTE_ALIGN_MAX_PAIRS and logits.stride(1) == 1:
             weights, ids, aligned = route_align_triton(logits, self.top_k, blocks.block_m)
@@ -252,30 +245,23 @@ class SparseMoE(nn.Module):
         self, x: torch.Tensor, logits: torch.Tensor, shared: torch.Tensor,
         shared_gate: torch.Tensor, residual: torch.Tensor | None, tiles: Any,
     ) -> torch.Tensor:  # fmt: skip
-        """A decode batch: routing and the pairs' alignment (one launch for a few tokens),
-        then ``moe_block_gemv``'s blocked GEMVs over the quantized or float experts."""
+        """Quantized experts at a decode batch: routing and the pairs' alignment (one launch
+        for a few tokens), then ``moe_block_gemv.moe_quant_block_gemv``."""
         from worker.device.kernels.moe import (
             ROUTE_ALIGN_MAX_PAIRS,
             align_pairs_triton,
             route_align_triton,
         )
-        from worker.device.kernels.moe_block_gemv import (
-            moe_float_block_gemv,
-            moe_quant_block_gemv,
-        )
+        from worker.device.kernels.moe_block_gemv import moe_quant_block_gemv
 
         experts = self.experts
+        assert isinstance(experts, QuantExperts)
         if x.shape[0] * self.top_k <= ROUTE_ALIGN_MAX_PAIRS and logits.stride(1) == 1:
             weights, ids, aligned = route_align_triton(logits, self.top_k, tiles.block_m)
         else:
             weights, ids = self.route(logits, x.dtype)
             aligned = align_pairs_triton(ids, experts.num_experts, tiles.block_m)
-        if isinstance(experts, QuantExperts):
-            return moe_quant_block_gemv(
-                x, experts.matrix("gate_up_proj"), experts.matrix("down_proj"), weights, ids,
-                shared, shared_gate, residual, tiles, aligned,
-            )  # fmt: skip
-        return moe_float_block_gemv(
-            x, experts.gate_up_proj, experts.down_proj, weights, ids, shared, shared_gate,
-            residual, tiles, aligned,
+        return moe_quant_block_gemv(
+            x, experts.matrix("gate_up_proj"), experts.matrix("down_proj"), weights, ids,
+            shared, shared_gate, residual, tiles, aligned,
         )  # fmt: skip
