@@ -16,6 +16,7 @@
   ``FLOAT_GEMV_SWEEP``);
   ``block_int4_{8,16,32}``: the per-pair GEMVs in pair and in expert order, and the blocked
   GEMVs (pairs grouped by expert) per tile (``BLOCK_SWEEP``);
+  ``routing_32``: the routing launches of 32 tokens alone;
   ``sweep_deltanet_{1,32}``: the DeltaNet decode step's per value-dims tile and warps.
 
 Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
@@ -475,6 +476,33 @@ def block_sweep(tokens: int, kind: str) -> None:
         log(f"block_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
 
 
+def routing(tokens: int) -> None:
+    """The routing launches of a decode batch alone (CUDA graphs): the router (``route_triton``),
+    the pairs' alignment for the grouped GEMMs' 16-row blocks (``align_pairs_triton``), both in
+    one launch (``route_align_triton``, its pair limit lifted), and the pairs' expert order of
+    the per-pair GEMVs (``moe_gemv.pair_order``)."""
+    import worker.device.kernels.moe as moe
+    from worker.device.kernels.moe_gemv import pair_order
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    logits = torch.randn(tokens, EXPERTS, device="cuda", generator=gen).bfloat16()
+    weights, ids = moe.route_triton(logits, TOP_K)
+    t_route = graph_time(lambda: moe.route_triton(logits, TOP_K))
+    t_align = graph_time(lambda: moe.align_pairs_triton(ids, EXPERTS, 16))
+    t_order = graph_time(lambda: pair_order(ids.reshape(-1), EXPERTS))
+    saved = moe.ROUTE_ALIGN_MAX_PAIRS
+    moe.ROUTE_ALIGN_MAX_PAIRS = max(saved, tokens * TOP_K)
+    try:
+        t_both = graph_time(lambda: moe.route_align_triton(logits, TOP_K, 16))
+        _, got_ids, _ = moe.route_align_triton(logits, TOP_K, 16)
+    finally:
+        moe.ROUTE_ALIGN_MAX_PAIRS = saved
+    log(f"routing_t{tokens}_us", {"route": round(t_route * 1e6, 1),
+        "align": round(t_align * 1e6, 1), "route_align": round(t_both * 1e6, 1),
+        "pair_order": round(t_order * 1e6, 1)},
+        "" if torch.equal(got_ids, ids) else "(route_align ids DIFFER)")  # fmt: skip
+
+
 # FloatTiles fields: (block_n, block_k, warps, programs)
 FLOAT_GEMV_SWEEP = [(16, 256, 4, 528), (8, 256, 4, 528), (32, 128, 4, 528), (16, 512, 4, 528),
                     (16, 256, 8, 528), (4, 512, 4, 528), (16, 256, 4, 1056), (8, 512, 8, 1056),
@@ -539,6 +567,7 @@ def main() -> int:
         ("block_int4_32", lambda: block_sweep(32, "int4")),
         ("block_int4_16", lambda: block_sweep(16, "int4")),
         ("block_int4_8", lambda: block_sweep(8, "int4")),
+        ("routing_32", lambda: routing(32)),
         ("sweep_deltanet_1", lambda: deltanet_sweep(1)),
         ("sweep_deltanet_32", lambda: deltanet_sweep(32)),
     ]
