@@ -27,8 +27,9 @@ def _gpu_engine(ahead: bool) -> Engine:
                                      cuda_graphs=False)  # fmt: skip
     graphed = GraphedCausalLM(inner, decode_ahead=ahead)
     loaded = SimpleNamespace(model=graphed, tokenizer=IdTokenizer(), config=inner.config, meta={})
+    # 4 slots: decode buckets up to 4, all of which a step ahead may have
     config = EngineConfig(
-        max_sessions=5, max_context=512, prefill_chunk=64, prefix_cache_bytes=32 << 20,
+        max_sessions=4, max_context=512, prefill_chunk=64, prefix_cache_bytes=32 << 20,
         prefix_block=8,
     )  # fmt: skip
     return Engine(loaded, config, "cuda")
@@ -43,7 +44,7 @@ def test_gpu_engine_with_decode_ahead_equals_without() -> None:
     first: Schedule = {
         0: [
             _req("a", a, "sa", 40),
-            _req("b", b, "sb", 6, temperature=0.9, top_k=40, seed=7),
+            _req("b", b, None, 6, temperature=0.9, top_k=40, seed=7),
             _req("c", c, None, 30),
         ],
         8: [_req("d", d, "sd", 24, temperature=0.7, top_p=0.9, seed=3)],
