@@ -20,6 +20,7 @@ quantized words (``worker.device.kernels.moe_quant``).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -104,7 +105,8 @@ class SparseMoE(nn.Module):
                                  shared.up_proj])  # fmt: skip
         if fused is None:
             return
-        self.in_proj = _pad_rows(fused, IN_PROJ_ROW_MULTIPLE)
+        pad = os.environ.get("TOKENPIPE_MOE_IN_PROJ_PAD") != "0"  # =0: no padding (ablation)
+        self.in_proj = _pad_rows(fused, IN_PROJ_ROW_MULTIPLE) if pad else fused
         del self.gate, self.shared_expert_gate, shared.gate_proj, shared.up_proj
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
