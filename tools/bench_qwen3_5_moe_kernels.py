@@ -14,8 +14,6 @@
 - ``sweep_{bf16,int4}_{1,32}``: the routed experts' time per tile choice (``SWEEP``);
   ``gemv_{int4,int8}_{1,4,32}``, ``gemv_bf16_1``: the per-pair GEMVs per tile (``GEMV_SWEEP``,
   ``FLOAT_GEMV_SWEEP``);
-  ``block_int4_{8,16,32}``: the per-pair GEMVs in pair and in expert order, and the blocked
-  GEMVs (pairs grouped by expert) per tile (``BLOCK_SWEEP``);
   ``routing_32``: the routing launches of 32 tokens alone;
   ``sweep_deltanet_{1,32}``: the DeltaNet decode step's per value-dims tile and warps.
 
@@ -431,65 +429,17 @@ def gemv_sweep(tokens: int, kind: str) -> None:
         log(f"gemv_sweep_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
 
 
-# BlockTiles fields: (block_m, block_n, warps, programs)
-BLOCK_SWEEP = [(2, 128, 4, 264), (1, 128, 4, 264), (4, 128, 4, 264), (2, 64, 4, 264),
-               (2, 128, 2, 264), (4, 64, 4, 528), (2, 256, 4, 264), (2, 128, 4, 528)]  # fmt: skip
-
-
-def block_sweep(tokens: int, kind: str) -> None:
-    """Quantized routed experts (group 32) at a decode batch: the per-pair GEMVs (default
-    tiles) in pair order and in expert order (``moe_gemv.pair_order``, inside the timed call),
-    and the blocked GEMVs (pairs grouped by expert, ``moe_block_gemv``; the alignment inside
-    the timed call) per tile choice (BLOCK_SWEEP), each in a CUDA graph, with the bandwidth of
-    the distinct expert bytes."""
-    from worker.device.kernels.moe_block_gemv import BlockTiles, moe_quant_block_gemv
-    from worker.device.kernels.moe_gemv import moe_quant_gemv
-    from worker.layers.quant import QuantFormat
-    from worker.layers.quant_experts import QuantExperts
-
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
-    probs = torch.softmax(torch.randn(tokens, EXPERTS, device="cuda", generator=gen), -1)
-    weights, ids = torch.topk(probs, TOP_K, dim=-1)
-    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
-    experts = QuantExperts(EXPERTS, HIDDEN, INNER, QuantFormat(kind, 32)).cuda()
-    experts.draw_random(0.02, torch.Generator(device="cuda").manual_seed(4), torch.bfloat16)
-    gu, dn = experts.matrix("gate_up_proj"), experts.matrix("down_proj")
-    hit = int(torch.unique(ids).numel())
-    read = hit * experts.nbytes // EXPERTS
-    want = moe_quant_gemv(x, gu, dn, weights, ids, ordered=False)
-    for ordered in (False, True):
-        t = graph_time(lambda o=ordered: moe_quant_gemv(x, gu, dn, weights, ids, ordered=o))
-        same = torch.equal(moe_quant_gemv(x, gu, dn, weights, ids, ordered=ordered), want)
-        log(f"block_{kind}_t{tokens}_per_pair{'_ordered' if ordered else ''}_us",
-            round(t * 1e6, 1), f"{hit} experts, {read / t / 1e12:.2f} TB/s of distinct bytes"
-            f"{'' if same else ' DIFFERENT'}")  # fmt: skip
-    for choice in BLOCK_SWEEP:
-        tiles = BlockTiles(*choice)
-        try:
-            t = graph_time(lambda c=tiles: moe_quant_block_gemv(x, gu, dn, weights, ids, t=c))
-            err = rel(moe_quant_block_gemv(x, gu, dn, weights, ids, t=tiles), want)
-        except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
-            log(f"block_{kind}_t{tokens}_{choice}", repr(exc)[:120])
-            continue
-        note = f"{read / t / 1e12:.2f} TB/s rel {err:.1e}{'' if err < 1e-2 else ' WRONG'}"
-        log(f"block_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
-
-
 def routing(tokens: int) -> None:
     """The routing launches of a decode batch alone (CUDA graphs): the router (``route_triton``),
-    the pairs' alignment for the grouped GEMMs' 16-row blocks (``align_pairs_triton``), both in
-    one launch (``route_align_triton``, its pair limit lifted), and the pairs' expert order of
-    the per-pair GEMVs (``moe_gemv.pair_order``)."""
+    the pairs' alignment for the grouped GEMMs' 16-row blocks (``align_pairs_triton``), and both
+    in one launch (``route_align_triton``, its pair limit lifted)."""
     import worker.device.kernels.moe as moe
-    from worker.device.kernels.moe_gemv import pair_order
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     logits = torch.randn(tokens, EXPERTS, device="cuda", generator=gen).bfloat16()
     weights, ids = moe.route_triton(logits, TOP_K)
     t_route = graph_time(lambda: moe.route_triton(logits, TOP_K))
     t_align = graph_time(lambda: moe.align_pairs_triton(ids, EXPERTS, 16))
-    t_order = graph_time(lambda: pair_order(ids.reshape(-1), EXPERTS))
     saved = moe.ROUTE_ALIGN_MAX_PAIRS
     moe.ROUTE_ALIGN_MAX_PAIRS = max(saved, tokens * TOP_K)
     try:
@@ -498,8 +448,7 @@ def routing(tokens: int) -> None:
     finally:
         moe.ROUTE_ALIGN_MAX_PAIRS = saved
     log(f"routing_t{tokens}_us", {"route": round(t_route * 1e6, 1),
-        "align": round(t_align * 1e6, 1), "route_align": round(t_both * 1e6, 1),
-        "pair_order": round(t_order * 1e6, 1)},
+        "align": round(t_align * 1e6, 1), "route_align": round(t_both * 1e6, 1)},
         "" if torch.equal(got_ids, ids) else "(route_align ids DIFFER)")  # fmt: skip
 
 
@@ -564,9 +513,6 @@ def main() -> int:
         ("gemv_int4_32", lambda: gemv_sweep(32, "int4")),
         ("gemv_int4_4", lambda: gemv_sweep(4, "int4")),
         ("gemv_int8_1", lambda: gemv_sweep(1, "int8")),
-        ("block_int4_32", lambda: block_sweep(32, "int4")),
-        ("block_int4_16", lambda: block_sweep(16, "int4")),
-        ("block_int4_8", lambda: block_sweep(8, "int4")),
         ("routing_32", lambda: routing(32)),
         ("sweep_deltanet_1", lambda: deltanet_sweep(1)),
         ("sweep_deltanet_32", lambda: deltanet_sweep(32)),

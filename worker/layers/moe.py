@@ -210,11 +210,8 @@ class SparseMoE(nn.Module):
         aligned = None
         pairs = x.shape[0] * self.top_k
         if quantized:
-            from worker.device.kernels.moe_block_gemv import block_tiles, use_block_gemv
             from worker.device.kernels.moe_quant import use_gemv
 
-            if use_block_gemv(pairs):  # decode batches: the pairs grouped by expert
-                return self._block_gemv(x, logits, shared, shared_gate, residual, block_tiles())
             gemv = use_gemv(pairs)
         else:
             from worker.device.kernels.moe_gemv import use_float_gemv
@@ -241,29 +238,4 @@ class SparseMoE(nn.Module):
         return fused_moe_triton(
             x, experts.gate_up_proj, experts.down_proj, weights, ids, blocks, shared,
             shared_gate, residual, aligned,
-        )  # fmt: skip
-
-    def _block_gemv(
-        self, x: torch.Tensor, logits: torch.Tensor, shared: torch.Tensor,
-        shared_gate: torch.Tensor, residual: torch.Tensor | None, tiles: Any,
-    ) -> torch.Tensor:  # fmt: skip
-        """Quantized experts at a decode batch: routing and the pairs' alignment (one launch
-        for a few tokens), then ``moe_block_gemv.moe_quant_block_gemv``."""
-        from worker.device.kernels.moe import (
-            ROUTE_ALIGN_MAX_PAIRS,
-            align_pairs_triton,
-            route_align_triton,
-        )
-        from worker.device.kernels.moe_block_gemv import moe_quant_block_gemv
-
-        experts = self.experts
-        assert isinstance(experts, QuantExperts)
-        if x.shape[0] * self.top_k <= ROUTE_ALIGN_MAX_PAIRS and logits.stride(1) == 1:
-            weights, ids, aligned = route_align_triton(logits, self.top_k, tiles.block_m)
-        else:
-            weights, ids = self.route(logits, x.dtype)
-            aligned = align_pairs_triton(ids, experts.num_experts, tiles.block_m)
-        return moe_quant_block_gemv(
-            x, experts.matrix("gate_up_proj"), experts.matrix("down_proj"), weights, ids,
-            shared, shared_gate, residual, tiles, aligned,
         )  # fmt: skip

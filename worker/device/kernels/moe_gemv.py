@@ -177,24 +177,19 @@ def _unscale(p: tl.constexpr, INT4_KIND: tl.constexpr):
 
 @triton.jit
 def _pair_gemv_kernel(
-    x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, o_ptr, part_ptr, PAIRS, SPAN,
+    x_ptr, ids_ptr, w_ptr, s_ptr, o_ptr, part_ptr, PAIRS, SPAN,
     X_DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
     INT4_KIND: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr, GATED: tl.constexpr,
-    ORDERED: tl.constexpr,
 ):  # fmt: skip
     """part[split, pair, n] = sum over this split's groups of x[pair // X_DIV, k] * W[e, n, k],
     e = ids[pair]; words int32 [E, K / P, N], scales (offsets) fp16 [E, K / GROUP, N].
     GATED (gate_up, one split): the program takes BLOCK_N gate columns and the same up
-    columns (N = 2I) and stores act[pair, :I] = silu(gate) * up in part's dtype instead.
-    ORDERED: program i takes pair order[i] (the pairs by expert, ``pair_order``)."""
+    columns (N = 2I) and stores act[pair, :I] = silu(gate) * up in part's dtype instead."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     R: tl.constexpr = GROUP // P  # word rows per group
     GROUPS: tl.constexpr = K // GROUP
     COLS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
-    if ORDERED:
-        pair = tl.load(order_ptr + tl.program_id(0))
-    else:
-        pair = tl.program_id(0)
+    pair = tl.program_id(0)
     split = tl.program_id(2)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // X_DIV).to(tl.int64) * K
@@ -280,44 +275,6 @@ def _pair_gemv_kernel(
 
 
 @triton.jit
-def _pair_order_kernel(ids_ptr, order_ptr, PAIRS, E, BLOCK: tl.constexpr):
-    """order = the pair ids sorted by (expert, pair): one program, one sort."""
-    offs = tl.arange(0, BLOCK)
-    ids = tl.load(ids_ptr + offs, mask=offs < PAIRS, other=E)
-    ids = tl.minimum(tl.maximum(ids, 0), E).to(tl.int32)  # a padding row's garbage: clamped
-    key = tl.sort(ids * BLOCK + offs)
-    tl.store(order_ptr + offs, key % BLOCK, mask=offs < PAIRS)
-
-
-def pair_order(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """ids [pairs] (each pair's expert) -> int32 [pairs]: the pair ids grouped by expert, in
-    pair order within one (one launch). The per-pair GEMVs launched in this order run an
-    expert's pairs side by side, so the second read of its words is an L2 hit."""
-    pairs = ids.numel()
-    order = torch.empty(pairs, dtype=torch.int32, device=ids.device)
-    if pairs:
-        block = max(16, triton.next_power_of_2(pairs))
-        _pair_order_kernel[(1,)](ids, order, pairs, num_experts, BLOCK=block, num_warps=4)
-    return order
-
-
-PAIR_ORDER_MIN_PAIRS = 64
-
-
-def use_pair_order(pairs: int, flag: str | None = None) -> bool:
-    """The per-pair GEMVs of a step of ``pairs`` pairs run in expert order (``pair_order``)
-    when ``flag`` (default TOKENPIPE_MOE_PAIR_ORDER, else "0": off) is "1" (from
-    PAIR_ORDER_MIN_PAIRS, 8 tokens of top 8: experts hit by several pairs) or "all". Off by
-    default: on the H200 at 32 tokens the order gained nothing (one layer 170.3 us against
-    168.1 in pair order): those GEMVs are not bound by the expert bytes read twice."""
-    if flag is None:
-        flag = os.environ.get("TOKENPIPE_MOE_PAIR_ORDER", "0")
-    if flag == "0":
-        return False
-    return pairs >= (1 if flag == "all" else PAIR_ORDER_MIN_PAIRS)
-
-
-@triton.jit
 def _gated_sum_kernel(
     part_ptr, act_ptr, PAIRS, INNER: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -345,12 +302,11 @@ def _offsets(matrix: ExpertMatrix) -> torch.Tensor:
 
 def pair_gemv(
     x: torch.Tensor, matrix: ExpertMatrix, ids: torch.Tensor, rows_per_x: int, t: GemvTiles,
-    gated: bool = False, order: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Quantized: x [R, K], ids [pairs] (the expert of each pair; pair p reads
     x[p // rows_per_x]) -> fp32 partial sums [split, pairs, N] (``split_for``); ``gated``
-    (gate_up) and one split: act [pairs, N / 2] in x's dtype, silu(gate) * up. ``order``
-    (``pair_order``): the programs' pair order (the results do not depend on it)."""
+    (gate_up) and one split: act [pairs, N / 2] in x's dtype, silu(gate) * up."""
     num_experts, n, k = matrix.shape
     pairs = ids.numel()
     split, span = split_for(pairs, n, k // matrix.group_size, t)
@@ -362,10 +318,9 @@ def pair_gemv(
     if pairs:
         columns = n // 2 if gated else n
         _pair_gemv_kernel[(pairs, triton.cdiv(columns, t.block_n), split)](
-            x, ids, ids if order is None else order, matrix.words, matrix.scales,
-            _offsets(matrix), part, pairs, span, X_DIV=rows_per_x, N=n, K=k,
-            GROUP=matrix.group_size, INT4_KIND=matrix.kind == INT4, BLOCK_N=t.block_n,
-            WARPS=t.warps, GATED=gated, ORDERED=order is not None, num_warps=t.warps,
+            x, ids, matrix.words, matrix.scales, _offsets(matrix), part, pairs, span,
+            X_DIV=rows_per_x, N=n, K=k, GROUP=matrix.group_size, INT4_KIND=matrix.kind == INT4,
+            BLOCK_N=t.block_n, WARPS=t.warps, GATED=gated, num_warps=t.warps,
         )  # fmt: skip
     return part
 
@@ -438,21 +393,16 @@ def moe_quant_gemv(
     shared_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     t: GemvTiles | None = None,
-    ordered: bool | None = None,
 ) -> torch.Tensor:
     """``moe_quant.fused_moe_quant_triton`` for a few tokens: x [T, H]; weights [T, k] in x's
-    dtype; ids [T, k] int64 -> [T, H] in x's dtype. ``ordered`` (None: ``use_pair_order``):
-    the GEMVs' programs in expert order."""
+    dtype; ids [T, k] int64 -> [T, H] in x's dtype."""
     tiles_ = t or tiles()
     matrices = {"gate_up_proj": gate_up, "down_proj": down}
-    if ordered is None:
-        ordered = use_pair_order(ids.numel())
-    order = pair_order(ids.reshape(-1), gate_up.shape[0]) if ordered else None
 
     def project(
         x: torch.Tensor, name: str, ids: torch.Tensor, rows: int, gated: bool
     ) -> torch.Tensor:
-        return pair_gemv(x, matrices[name], ids, rows, tiles_, gated, order)
+        return pair_gemv(x, matrices[name], ids, rows, tiles_, gated)
 
     inner = gate_up.shape[1] // 2
     return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual)
