@@ -150,6 +150,16 @@ def test_prefix_cache_states_stored_after_steps_ahead(model: Any) -> None:  # no
     assert ahead.model.ahead_hits >= 20
 
 
+def test_no_step_ahead_past_a_rows_last_token(model: Any) -> None:  # noqa: F811
+    """The engine marks a step whose rows change after it (`same_rows_next`): a row's last
+    token, a prefill row's last chunk. Nothing is launched ahead there, so a turn of 8 tokens
+    uses all 6 steps ahead and drops none."""
+    ahead = _engine(model, True)
+    for turn in range(2):
+        _drive(ahead, {0: [_req(f"t{turn}", ids(12, 40 + turn), "s" if turn else None, 8)]})
+        assert (ahead.model.ahead_hits, ahead.model.ahead_misses) == (6 * (turn + 1), 0)
+
+
 def test_big_batches_run_without_a_step_ahead(model: Any) -> None:  # noqa: F811
     """More rows than the backup holds (TOKENPIPE_HYBRID_AHEAD_ROWS=2 here): no step ahead
     while three rows decode, steps ahead again once one has finished."""

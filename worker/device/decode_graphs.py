@@ -404,4 +404,5 @@ def sub_step(step: Any, rows: Sequence[int]) -> Any:
         cached_lens=[step.cached_lens[i] for i in rows],
         new_lens=[step.new_lens[i] for i in rows],
         grammar_masked=step.grammar_masked,
+        same_rows_next=step.same_rows_next,
     )

@@ -312,7 +312,10 @@ class GraphedCausalLM:
 
     def _then_ahead(self, logits: torch.Tensor, step: Any) -> None:
         """Launch the step after `logits`' (a decode step's) ahead, or, for rows that take
-        masked ids, hand the launch to the sampler (it feeds the ids once they are known)."""
+        masked ids, hand the launch to the sampler (it feeds the ids once they are known).
+        Nothing when the engine knows the next step's rows differ (it would be dropped)."""
+        if not step.same_rows_next:
+            return
         lane: int = logits.lane  # type: ignore[attr-defined]
         size = bucket_for(len(step.slots), self._lanes[0].buckets)
         assert size is not None

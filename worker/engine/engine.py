@@ -716,6 +716,12 @@ class Engine:
         ]
         # constrained rows: their masks are filled on a helper thread while the forward runs
         token_mask = self.structured.token_mask([rows[i][0].key for i in sampling_rows])
+        same_rows_next = all(  # no row known to leave or to start decoding after this step
+            len(a.generated) + 1 < a.max_new
+            if a.pending is not None
+            else a.fed + len(new) < len(a.prompt_ids)
+            for a, new in rows
+        )
         step = StepInput(
             input_ids=torch.tensor(flat, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
@@ -723,6 +729,7 @@ class Engine:
             cached_lens=[len(a.session.resident_ids) for a, _ in rows],
             new_lens=[len(new) for _, new in rows],
             grammar_masked=token_mask is not None,
+            same_rows_next=same_rows_next,
         )
         self._torch_threads_for(len(flat))
         try:

@@ -24,6 +24,10 @@ class StepInput:
     # the step's sampling applies a grammar mask: a decode step launched ahead
     # (worker/device/graphed_lm.py) waits for the sampled ids (`launch_ahead` on the logits)
     grammar_masked: bool = False
+    # False when the engine knows the next step's rows differ from these (a decoder takes its
+    # last token here, a prefill row finishes its prompt): a decode step launched ahead would be
+    # dropped, so none is launched (worker/device/graphed_lm.py)
+    same_rows_next: bool = True
 
     @staticmethod
     def single(
