@@ -5,6 +5,7 @@ drops it), prefetched reads use the pool, and no buffer leaks over 1,000 random 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -277,7 +278,8 @@ def test_other_threads_take_only_buffers_no_copy_still_reads() -> None:
 def test_an_exhausted_pool_first_pushes_out_a_copy_only_the_tier_holds(tmp_path: Path) -> None:
     pool = HostPool(BUFFER_BYTES, 2, pinned=False)
     store = SessionStore(tmp_path, "fp", print)
-    store._spiller.submit(time.sleep, 1.0)  # spills wait: "a"'s buffer stays shared
+    hold = threading.Event()
+    store._spiller.submit(hold.wait, 30)  # spills wait: "a"'s buffer stays shared
     tiers = SessionTiers(1 << 30, store, pool)
     tiers.offload("a", export(tiers, 8, 1.0), list(range(8)), 1)
     shared = tiers.host.entries["a"].state
@@ -288,5 +290,6 @@ def test_an_exhausted_pool_first_pushes_out_a_copy_only_the_tier_holds(tmp_path:
     buffer = tiers.buffer(0, evict=True)  # "b" goes (the older "a" would free nothing yet)
     assert buffer is not None and tiers.where("a") == "host" and tiers.where("b") == "disk"
     buffer.release()
+    hold.set()
     store.close()
     assert pool.free == 1  # "a"'s, held by the host tier alone now
