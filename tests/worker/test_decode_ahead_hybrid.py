@@ -228,6 +228,33 @@ def _decode(tokens: list[int], lens: list[int], slots: list[int]) -> StepInput:
     )  # fmt: skip
 
 
+def test_a_bucket_with_more_rows_than_slots(model: Any) -> None:  # noqa: F811
+    """5 slots: 5 decoders fill a bucket of 8 (3 padding rows, slot -1), which runs without a
+    step ahead; once 2 leave, the 3 left run ahead in the bucket of 4. Logits equal the plain
+    model's throughout; every slot's state equals the plain cache's at the end."""
+    graphed = GraphedCausalLM(model, use_graphs=False, capture=False, decode_ahead=True)
+    kv, plain = graphed.make_kv_cache(5, 128), model.make_kv_cache(5, 128)
+    assert graphed.runner is not None and graphed.runner.buckets == (1, 2, 4, 8)
+    prompts = {slot: ids(6 + slot, 50 + slot) for slot in range(5)}
+    for slot, prompt in prompts.items():
+        for cache in (kv, plain):
+            graphed(StepInput.single(prompt, slot, 0), cache)
+    slots = [4, 0, 2, 1, 3]
+    lens = [len(prompts[s]) for s in slots]
+    tokens = [prompts[s][-1] for s in slots]
+    for step in range(8):
+        if step == 4:
+            slots, lens, tokens = slots[:3], lens[:3], tokens[:3]
+        want = model(_decode(tokens, lens, slots), plain)
+        got = graphed(_decode(tokens, lens, slots), kv).clone()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        tokens, lens = want.argmax(dim=-1).tolist(), [n + 1 for n in lens]
+    assert (graphed.ahead_hits, graphed.ahead_misses) == (3, 0)
+    kv.snapshot_at(slots[0], lens[0])  # settles the step ahead
+    for got, want in ((kv.all_recurrent, plain.all_recurrent), (kv.all_conv, plain.all_conv)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _after_one_decode(model: Any, ahead: bool) -> tuple[GraphedCausalLM, Any]:  # noqa: F811
     """Slot 1: a 10-token prompt, then one decode step (with `ahead`: and the next launched)."""
     graphed = GraphedCausalLM(model, use_graphs=False, capture=False, decode_ahead=ahead)

@@ -19,7 +19,7 @@ from worker.engine.engine import Engine, EngineConfig
 CUDA = torch.cuda.is_available()
 
 
-def _gpu_engine(ahead: bool) -> Engine:
+def _gpu_engine(ahead: bool, slots: int) -> Engine:
     from worker.device.cuda_setup import prepare_model_for_device
     from worker.device.graphed_lm import GraphedCausalLM
 
@@ -27,17 +27,19 @@ def _gpu_engine(ahead: bool) -> Engine:
                                      cuda_graphs=False)  # fmt: skip
     graphed = GraphedCausalLM(inner, decode_ahead=ahead)
     loaded = SimpleNamespace(model=graphed, tokenizer=IdTokenizer(), config=inner.config, meta={})
-    # 4 slots: decode buckets up to 4, all of which a step ahead may have
+    # 4 slots: decode buckets up to 4, all of which a step ahead may have; 5: a bucket of 8
+    # (more rows than slots: padding rows) that a step ahead never has
     config = EngineConfig(
-        max_sessions=4, max_context=512, prefill_chunk=64, prefix_cache_bytes=32 << 20,
+        max_sessions=slots, max_context=512, prefill_chunk=64, prefix_cache_bytes=32 << 20,
         prefix_block=8,
     )  # fmt: skip
     return Engine(loaded, config, "cuda")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_engine_with_decode_ahead_equals_without() -> None:
-    plain, ahead = _gpu_engine(False), _gpu_engine(True)
+@pytest.mark.parametrize("slots", [4, 5])
+def test_gpu_engine_with_decode_ahead_equals_without(slots: int) -> None:
+    plain, ahead = _gpu_engine(False, slots), _gpu_engine(True, slots)
     assert len(ahead.model._lanes) == 2 and ahead.kv.ahead_rows == 4
     a, b, c, d = ids(20, 1), ids(13, 2), ids(70, 3), ids(9, 4)
     shared = ids(40, 20)
