@@ -20,7 +20,6 @@ quantized words (``worker.device.kernels.moe_quant``).
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -31,28 +30,6 @@ from worker.device.kernels.attention import use_triton
 from worker.layers.blocks import GatedMLP, _concat_linears, activation
 from worker.layers.quant_experts import QuantExperts
 from worker.models.config import ModelConfig
-
-IN_PROJ_ROW_MULTIPLE = 8
-"""The merged ``in_proj``'s rows padded with zero rows to a multiple of this: E + 1 + 2I rows
-(1,281 for the 35B-A3B shape) made cuBLAS run a 16-byte-unaligned GEMM at decode batches
-(``cutlass_75 ... align1``: 10.6 us a layer at 32 rows on the H200)."""
-
-
-def _pad_rows(linear: Any, multiple: int) -> Any:
-    """A float Linear without bias whose outputs are padded with zero rows to a multiple of
-    ``multiple`` (the weight moved); anything else unchanged."""
-    if not isinstance(linear, nn.Linear) or linear.bias is not None:
-        return linear
-    pad = -linear.out_features % multiple
-    if not pad:
-        return linear
-    weight = linear.weight.detach()
-    padded = torch.cat([weight, weight.new_zeros(pad, weight.shape[1])])
-    out = nn.Linear(linear.in_features, padded.shape[0], bias=False, device=padded.device,
-                    dtype=padded.dtype)  # fmt: skip
-    out.weight = nn.Parameter(padded, requires_grad=False)
-    linear.weight = None  # type: ignore[assignment]
-    return out
 
 
 class FusedExperts(nn.Module):
@@ -89,9 +66,10 @@ class SparseMoE(nn.Module):
 
     def fuse_projections(self) -> None:
         """On CUDA: the router, the shared expert's gate and the shared expert's gate/up rows
-        read the same x: one matmul (``in_proj``, rows in that order, then zero rows up to a
-        multiple of IN_PROJ_ROW_MULTIPLE when float; those HF names are gone afterwards,
-        ``shared_expert`` keeps its ``down_proj``). The CPU path keeps them apart."""
+        read the same x: one matmul (``in_proj``, rows in that order; those HF names are gone
+        afterwards, ``shared_expert`` keeps its ``down_proj``). The CPU path keeps them apart.
+        (Zero rows padding it to a multiple of 8, c405ef9, made the GPU's fused readers of
+        its output, which take the row stride from the widths, read past it: reverted.)"""
         import worker.layers.deltanet as deltanet
 
         stores = [*self.experts.parameters(), *self.experts.buffers()]
@@ -105,8 +83,7 @@ class SparseMoE(nn.Module):
                                  shared.up_proj])  # fmt: skip
         if fused is None:
             return
-        pad = os.environ.get("TOKENPIPE_MOE_IN_PROJ_PAD") != "0"  # =0: no padding (ablation)
-        self.in_proj = _pad_rows(fused, IN_PROJ_ROW_MULTIPLE) if pad else fused
+        self.in_proj = fused
         del self.gate, self.shared_expert_gate, shared.gate_proj, shared.up_proj
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,9 +93,7 @@ class SparseMoE(nn.Module):
             return self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
         shared = self.shared_expert
         widths = [self.experts.num_experts, 1, 2 * shared.inner]
-        out = self.in_proj(x)
-        widths.append(out.shape[-1] - sum(widths))  # the padding rows (zeros), unused
-        logits, gate, gate_up, _ = torch.split(out, widths, dim=-1)
+        logits, gate, gate_up = torch.split(self.in_proj(x), widths, dim=-1)
         return logits, gate, shared.down_from_gate_up(gate_up, x)
 
     def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
