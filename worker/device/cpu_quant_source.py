@@ -368,10 +368,33 @@ static inline __m512i pairs_u4(const uint8_t *p) {
                             _mm512_set1_epi32(0x000F000F));
 }
 
+/* The permutations a part's tiles share (built once per part): `perm` takes the 32 bytes of
+   int8 columns k, k + 1 to row-major pairs; quads_u4's `spread` puts rows 2q, 2q + 1 of both
+   int4 column pairs in qword q (bytes pair0[2q], pair1[2q], pair0[2q + 1], pair1[2q + 1]) and
+   its `shifts` take nibble i of those four bytes into byte i. */
+struct a16_tables {
+    __m256i perm;
+    __m512i spread, shifts;
+};
+
+static struct a16_tables a16_tables_make(void) {
+    uint8_t pairs[32], order[64], shift[64];
+    for (int r = 0; r < 16; r++)
+        for (int q = 0; q < 2; q++) pairs[2 * r + q] = (uint8_t)(16 * q + r);
+    for (int q = 0; q < 8; q++)
+        for (int i = 0; i < 8; i++) {
+            order[8 * q + i] = (uint8_t)(i < 4 ? 16 * (i % 2) + 2 * q + i / 2 : 0);
+            shift[8 * q + i] = (uint8_t)(4 * i);
+        }
+    const struct a16_tables t = {_mm256_loadu_si256((const __m256i *)pairs),
+                                 _mm512_loadu_si512(order), _mm512_loadu_si512(shift)};
+    return t;
+}
+
 /* V vectors of sixteen weight rows from j0 times MC <= 4 input rows from m0 */
 static inline __attribute__((always_inline)) void a16_tile(
         const int V, const int MC, const int Q4, const struct a16_args *a, int64_t m0, int64_t j0,
-        const __m256i perm) {
+        const struct a16_tables *t) {
     const int64_t K = a->K, gs = a->gs, ngroups = K / gs;
     const int64_t tiles = a->N / 16;
     struct stream w[8], s[8], o[8];
@@ -382,16 +405,8 @@ static inline __attribute__((always_inline)) void a16_tile(
         o[v] = tile_stream(Q4 ? a->offsets : a->scales, j0 + v, ngroups * 32, tiles);
         for (int m = 0; m < MC; m++) acc[v][m] = _mm512_setzero_ps();
     }
-    /* quads_u4's tables: qword q of the spread holds rows 2q, 2q + 1 of both column pairs
-       (bytes pair0[2q], pair1[2q], pair0[2q + 1], pair1[2q + 1]); the shifts take nibble i of
-       those four bytes into byte i */
-    uint8_t order[64], shift[64];
-    for (int q = 0; q < 8; q++)
-        for (int i = 0; i < 8; i++) {
-            order[8 * q + i] = (uint8_t)(i < 4 ? 16 * (i % 2) + 2 * q + i / 2 : 0);
-            shift[8 * q + i] = (uint8_t)(4 * i);
-        }
-    const __m512i spread = _mm512_loadu_si512(order), shifts = _mm512_loadu_si512(shift);
+    const __m256i perm = t->perm;
+    const __m512i spread = t->spread, shifts = t->shifts;
     for (int64_t g = 0; g < ngroups; g++) {
         __m512i sum[8][4];
         for (int v = 0; v < V; v++)
@@ -458,23 +473,20 @@ static inline __attribute__((always_inline)) void a16_tile(
 #define A16_ROWS(V, Q4) do { \
         for (int64_t m0 = 0; m0 < a->M; m0 += 4) \
             switch (a->M - m0 < 4 ? a->M - m0 : 4) { \
-            case 1: a16_tile(V, 1, Q4, a, m0, j, perm); break; \
-            case 2: a16_tile(V, 2, Q4, a, m0, j, perm); break; \
-            case 3: a16_tile(V, 3, Q4, a, m0, j, perm); break; \
-            default: a16_tile(V, 4, Q4, a, m0, j, perm); break; \
+            case 1: a16_tile(V, 1, Q4, a, m0, j, &t); break; \
+            case 2: a16_tile(V, 2, Q4, a, m0, j, &t); break; \
+            case 3: a16_tile(V, 3, Q4, a, m0, j, &t); break; \
+            default: a16_tile(V, 4, Q4, a, m0, j, &t); break; \
             } \
     } while (0)
 
 #define A16_PART(NAME, Q4) \
 static void NAME(const void *ctx, int64_t j0, int64_t j1) { \
     const struct a16_args *a = ctx; \
-    uint8_t order[32]; \
-    for (int r = 0; r < 16; r++) \
-        for (int q = 0; q < 2; q++) order[2 * r + q] = (uint8_t)(16 * q + r); \
-    const __m256i perm = _mm256_loadu_si256((const __m256i *)order); \
+    const struct a16_tables t = a16_tables_make(); \
     int64_t j = j0; \
     if (a->M == 1) \
-        for (; j + 8 <= j1; j += 8) a16_tile(8, 1, Q4, a, 0, j, perm); \
+        for (; j + 8 <= j1; j += 8) a16_tile(8, 1, Q4, a, 0, j, &t); \
     for (; j + 2 <= j1; j += 2) A16_ROWS(2, Q4); \
     for (; j < j1; j++) A16_ROWS(1, Q4); \
 }
