@@ -67,9 +67,7 @@ class SparseMoE(nn.Module):
     def fuse_projections(self) -> None:
         """On CUDA: the router, the shared expert's gate and the shared expert's gate/up rows
         read the same x: one matmul (``in_proj``, rows in that order; those HF names are gone
-        afterwards, ``shared_expert`` keeps its ``down_proj``). The CPU path keeps them apart.
-        (Zero rows padding it to a multiple of 8, c405ef9, made the GPU's fused readers of
-        its output, which take the row stride from the widths, read past it: reverted.)"""
+        afterwards, ``shared_expert`` keeps its ``down_proj``). The CPU path keeps them apart."""
         import worker.layers.deltanet as deltanet
 
         stores = [*self.experts.parameters(), *self.experts.buffers()]
