@@ -176,6 +176,19 @@ def ttft(driver: Driver, args: argparse.Namespace, vocab: int, profile: Any) -> 
         turn("warm (cProfile)", base + ids(args.extra, vocab, 15), 1)
         host.disable()
         pstats.Stats(host).sort_stats("cumulative").print_stats(35)
+    if args.cprofile_cold:  # a stateless prompt of the cold length, as bench_gpu's prefill
+        import cProfile
+        import pstats
+
+        prompt = ids(args.resident + args.extra, vocab, 17)
+        driver.generate([{"max_new_tokens": 0, "prompt_segments": [{"ids": prompt}]}])
+        host = cProfile.Profile()
+        t = time.perf_counter()
+        host.enable()
+        driver.generate([{"max_new_tokens": 0, "prompt_segments": [{"ids": prompt[::-1]}]}])
+        host.disable()
+        log(f"stateless cold (cProfile): {(time.perf_counter() - t) * 1000:.1f} ms")
+        pstats.Stats(host).sort_stats("tottime").print_stats(30)
     if profile is None:
         return
     turn("rollback for the profile", base, 0)
@@ -319,6 +332,10 @@ def main() -> int:
     p.add_argument("--context", type=int, default=0, help="default: what the cases need")
     p.add_argument("--profile", action="store_true", help="torch.profiler over timed turns")
     p.add_argument("--cprofile", action="store_true", help="cProfile of one warm turn")
+    p.add_argument("--cprofile-cold", action="store_true",
+                   help="cProfile of a stateless cold prompt (host time by function)")
+    p.add_argument("--prefix-cache-gb", type=float, default=None,
+                   help="the worker's --prefix-cache-gb (default: its default)")
     p.add_argument("--cprofile-decode", action="store_true",
                    help="cProfile of a batch-1 decode (by own time)")  # fmt: skip
     p.add_argument("--profile-decode", action="store_true", help="torch.profiler over decode")
@@ -350,6 +367,7 @@ def main() -> int:
         str(where), str(where / "tokenizer.json"), args.device,
         "bfloat16" if on_cuda else "float32", max(sessions + [2]) + 1, context, None, None,
         True, True, 0, None, cuda_graphs=not args.no_graphs, quantize=args.quantize,
+        prefix_cache_gb=args.prefix_cache_gb,
     )  # fmt: skip
     log(f"engine built in {time.perf_counter() - t:.1f} s")
     if on_cuda:
