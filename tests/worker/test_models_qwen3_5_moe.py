@@ -27,6 +27,7 @@ from test_models_common import (
     rel_err,
 )
 
+from worker.layers.deltanet import CHUNK, causal_conv1d, conv_state_after
 from worker.layers.hybrid_cache import HybridCache
 from worker.models.config import ModelConfig
 from worker.models.registry import build_model
@@ -239,6 +240,64 @@ def test_snapshot_inside_a_chunk_then_rollback_equals_fresh(pair: Pair) -> None:
     assert kv.snapshot_lens[1].count(40) == 0  # past the kept prefix: dropped
     last = prefill(model, kv, other, slot=1, start=25, chunk=6)[-1]
     assert rel_err(last, hf_logits(pair, p[:25] + other)[-1]) < 1e-4
+
+
+def _set_free_split(kv: HybridCache, free: int) -> None:
+    kv.free_split = free
+    for layer in kv.deltanet_layers:
+        layer.free_split = free
+
+
+def test_states_inside_a_prefill_pass_equal_split_ones(pair: Pair) -> None:
+    """Snapshots 64 and 128 tokens into one 200-token prefill step come out of the chunked pass
+    itself (``free_split`` = 64, the CPU default), the one at 100 splits it: every state equals
+    the one a prefill split at each of them leaves, and a rollback to 64 continues as
+    transformers does."""
+    model = pair.ours
+    assert model.make_kv_cache(1, 16).free_split == CHUNK
+    p = _ids(200, 11)
+    caches = []
+    for free in (CHUNK, 0):
+        kv = model.make_kv_cache(1, 256)
+        _set_free_split(kv, free)
+        for t in (64, 100, 128):
+            kv.snapshot_at(0, t)
+        prefill(model, kv, p)
+        assert sorted(kv.snapshot_lens[0])[1:] == [64, 100, 128]
+        caches.append(kv)
+    inside, split = caches
+    for t in (64, 100, 128):
+        a, b = inside.snapshot_lens[0].index(t), split.snapshot_lens[0].index(t)
+        for la, lb in zip(inside.deltanet_layers, split.deltanet_layers, strict=True):
+            assert torch.equal(la.snap_conv[0, a], lb.snap_conv[0, b])
+            torch.testing.assert_close(la.snap_recurrent[0, a], lb.snap_recurrent[0, b])
+    for la, lb in zip(inside.deltanet_layers, split.deltanet_layers, strict=True):
+        torch.testing.assert_close(la.recurrent[0], lb.recurrent[0])
+    other = _ids(20, 12)
+    inside.truncate(0, 64)
+    last = prefill(model, inside, other, start=64)[-1]
+    assert rel_err(last, hf_logits(pair, p[:64] + other)[-1]) < 1e-4
+
+
+def test_conv_state_after_equals_a_conv_of_the_rows() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, state = torch.randn(9, 5, generator=gen), torch.randn(5, 3, generator=gen)
+    weight = torch.randn(5, 4, generator=gen)
+    for start in (None, state):
+        for rows in range(1, 9):
+            want = causal_conv1d(x[:rows], start, weight)[1]
+            assert torch.equal(conv_state_after(x, start, rows, 4), want), (start is None, rows)
+
+
+def test_one_token_prefill_tail_takes_the_recurrence(pair: Pair) -> None:
+    """A named prompt's snapshot before its last token splits a one-token tail off the
+    prefill: it goes through the one-token recurrence and continues as transformers."""
+    model, p = pair.ours, _ids(90, 13)
+    kv = model.make_kv_cache(1, 256)
+    kv.snapshot_at(0, 89)
+    last = prefill(model, kv, p)[-1]
+    assert 89 in kv.snapshot_lens[0]
+    assert rel_err(last, hf_logits(pair, p)[-1]) < 1e-4
 
 
 def test_wrong_state_is_refused(pair: Pair) -> None:

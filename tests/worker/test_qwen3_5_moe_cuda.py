@@ -341,3 +341,39 @@ def test_gated_mlp_one_row_through_the_gated_gemv() -> None:
         gemv.gated_gemv_triton = real  # type: ignore[assignment]
     torch.testing.assert_close(one, before[:1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(three, before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fla_stages_equal_the_single_call_and_its_splits() -> None:
+    """fla's stages called one by one (``fla_stages``) give the single call's output and final
+    state, and the states 64 and 128 rows in equal the final states of calls over those rows
+    alone (the prefill's states without a split)."""
+    import worker.layers.deltanet as deltanet
+
+    rule = deltanet.fla_chunk_rule()
+    if rule is None:
+        pytest.skip("fla does not import")
+    stages = deltanet.fla_stages()
+    assert stages is not None, "fla imports but its stages do not (another fla version?)"
+    model = _model("cuda", torch.bfloat16)
+    layer = next(m for m in model.modules() if isinstance(m, deltanet.GatedDeltaNet))
+    gen = torch.Generator().manual_seed(4)
+    n, heads = 200, layer.num_v_heads
+    conv_dim = 2 * layer.key_dim + layer.value_dim
+    conv_out = torch.randn(n, conv_dim, generator=gen).to("cuda", torch.bfloat16)
+    g = (-torch.nn.functional.softplus(torch.randn(n, heads, generator=gen)) * 0.2).cuda()
+    beta = torch.rand(n, heads, generator=gen).cuda()
+    state = (torch.randn(heads, layer.dk, layer.dv, generator=gen) * 0.1).cuda()
+    for start in (None, state):
+        out_a, final_a = layer._fla_prefill(rule, conv_out, g, beta, start)
+        inside: list[torch.Tensor] = []
+        out_b, final_b = layer._fla_stages_prefill(
+            stages, conv_out, g, beta, start, [64, 128], inside
+        )
+        print("stages == single call:", torch.equal(out_a, out_b), torch.equal(final_a, final_b))
+        torch.testing.assert_close(out_b, out_a, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(final_b, final_a, rtol=1e-4, atol=1e-4)
+        for rows, got in zip((64, 128), inside, strict=True):
+            _, want = layer._fla_prefill(rule, conv_out[:rows], g[:rows], beta[:rows], start)
+            print(f"state at {rows}: max |diff| {float((got - want).abs().max()):.2e}")
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

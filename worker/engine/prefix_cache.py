@@ -60,8 +60,10 @@ or where later prompts are known to need them (``state_points``, ``_begin_states
   point: the next prompt sharing as much (the third session with the same system prompt)
   resumes there instead of at the chunk end below it.
 
-A state inside a step splits the DeltaNet prefill there (the eager path: any number, written
-straight into the pool row); a step replayed from a prefill graph takes one snapshot inside
+A state inside a step comes out of the eager DeltaNet prefill's chunked pass when it sits a
+multiple of 64 rows into the step (``DeltaNetLayerCache.free_split``: a prompt prefilled from 0
+or from a block end), else the prefill splits there (any number, written straight into the
+pool row); a step replayed from a prefill graph takes one snapshot inside
 its rows, the slot's own rollback snapshot first, so a pool state there may be skipped (that
 block end then has none). States are LRU too, on their own (a hit touches the state it used);
 evicting a block frees its state, evicting a state leaves its block (usable as far as an

@@ -24,6 +24,16 @@ CUDA graph); a bf16/fp16 prefill goes through flash-linear-attention's
 fp32 model keeps the torch prefill (the reference the tests compare against). The conv of a
 prefill chunk is ``F.conv1d`` on every device. TOKENPIPE_NO_FLA=1 turns fla off.
 
+States inside a prefill step (a slot's snapshot, a prefix-pool state at a block end) used to
+split the sequence there: with fla each piece is a call of ~1 ms of host time a layer, and a
+2,048-token prompt's state at its last block end (1,792) took the H200's bf16 prefill of the
+35B-A3B shape from 23k to 11k tok/s. Both forms carry the state from one 64-token chunk to the
+next, so a state a multiple of 64 rows into the step comes out of the pass itself: the torch
+form hands it out, and fla is called as its stages (``fla_stages``: the same kernels on the
+same inputs) with the state pass run again over the rows before the point (float32, the state
+a split there would carry). Elsewhere the sequence is still split; a one-token piece (a named
+prompt's snapshot before its last token) takes the one-token recurrence.
+
 A tensor-only plan (``worker.device.decode_graphs.FusedDecodePlan``: ``plan.slots`` [T] int64,
 one new token per row) is the decode graphs' step: every row decodes.
 
@@ -37,7 +47,9 @@ import functools
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -79,6 +91,18 @@ def causal_conv1d(
     return F.silu(out).T.to(x.dtype), padded[:, n:]  # [n, C], [C, K - 1]
 
 
+def conv_state_after(
+    x: torch.Tensor, state: torch.Tensor | None, rows: int, kernel: int
+) -> torch.Tensor:
+    """The conv state [C, K - 1] after the first ``rows`` tokens of x [n, C] that continue
+    ``state`` (None: zeros): what ``causal_conv1d`` of those rows alone returns."""
+    keep = kernel - 1
+    if rows >= keep:
+        return x[rows - keep : rows].T
+    history = torch.zeros_like(x[:keep].T) if state is None else state.to(x.dtype)
+    return torch.cat([history[:, rows:], x[:rows].T], dim=-1)
+
+
 def causal_conv1d_step(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,11 +121,15 @@ def chunked_gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor | None,
     chunk: int = CHUNK,
+    states_at: Sequence[int] = (),
+    states: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over one sequence, ``chunk`` tokens at a time.
 
     q, k [H, n, Dk] (normalised, q scaled); v [H, n, Dv]; g, beta [H, n]; state [H, Dk, Dv] or
-    None (zeros); all float32 -> (out [H, n, Dv], final state [H, Dk, Dv]).
+    None (zeros); all float32 -> (out [H, n, Dv], final state [H, Dk, Dv]). ``states_at``
+    (multiples of ``chunk`` in (0, n)): the state after that many tokens is appended to
+    ``states`` too, the one a prefill split there would carry.
 
     Within a chunk, with G_i = exp(sum_{j <= i} g_j) (from the chunk's start) and S0 the state
     before it, the updates u_i = beta_i (v_i - S_{i-1}^T k_i) solve the unit lower triangular
@@ -140,7 +168,10 @@ def chunked_gated_delta_rule(
 
     s = torch.zeros(heads, dk, dv, dtype=q.dtype, device=q.device) if state is None else state
     out = torch.empty(heads, chunks, chunk, dv, dtype=q.dtype, device=q.device)
+    wanted = {r // chunk for r in states_at}
     for c in range(chunks):
+        if c in wanted and states is not None:
+            states.append(s)
         u = u_from_v[:, c] - w[:, c] @ s  # [H, L, Dv]
         out[:, c] = q_decayed[:, c] @ s + scores[:, c] @ u
         s = s * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ u
@@ -194,6 +225,42 @@ def fla_chunk_rule() -> Any:
     except Exception:  # ImportError, or an install that does not run here
         return None
     return chunk_gated_delta_rule
+
+
+@functools.cache
+def fla_stages() -> SimpleNamespace | None:
+    """The stages ``chunk_gated_delta_rule`` runs (fla 0.6's forward: l2norm, chunk-local
+    cumsum of g, the intra-chunk WY solve, the state pass, the output pass), to call one by one
+    when a prefill also wants the state at chunk boundaries inside it (``prefill_states``);
+    None when fla is off or this fla lacks them (then such a prefill is split there)."""
+    if fla_chunk_rule() is None:
+        return None
+    try:
+        from fla.modules.norm.l2norm import l2norm_fwd
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+    except Exception:  # another fla version's layout
+        return None
+    return SimpleNamespace(
+        l2norm=l2norm_fwd, cumsum=chunk_local_cumsum, intra=chunk_gated_delta_rule_fwd_intra,
+        states=chunk_gated_delta_rule_fwd_h, out=chunk_fwd_o, log2e=RCP_LN2,
+    )  # fmt: skip
+
+
+def prefill_states(device: torch.device | str, dtype: torch.dtype) -> int:
+    """The row multiple (relative to a sequence's first row in a step) at which this device's
+    DeltaNet prefill can hand out the state inside the step without splitting the sequence
+    there: ``CHUNK`` for the torch form and fla's stages (both carry the state chunk to chunk),
+    0 when the prefill goes through fla's single call (no stages: every state inside a step is
+    a split)."""
+    if torch.device(device).type != "cuda" or dtype == torch.float32:
+        return CHUNK  # the torch form
+    if fla_chunk_rule() is None or fla_stages() is not None:
+        return CHUNK
+    return 0
 
 
 _fla_broken: list[str] = []  # the error of fla's first failed call: the torch form from then on
@@ -318,18 +385,35 @@ class GatedDeltaNet(nn.Module):
         plan: AttentionPlan,
         out: torch.Tensor,
     ) -> None:
-        """Each prefill sequence from its slot's state (or zeros), split where a snapshot (a
-        slot's own or a prefix-pool state) is asked for inside the chunk."""
+        """Each prefill sequence from its slot's state (or zeros). A state asked for inside
+        the step (a slot snapshot or a prefix-pool state: ``cache.split_points``) comes out of
+        the pass itself when it sits a multiple of ``cache.free_split`` rows into it (the
+        torch form and fla's stages carry the state chunk to chunk: the same state a split
+        there gives); anywhere else the sequence is split there."""
+        free = cache.free_split
+        kernel = weight.shape[-1]
         for seq in plan.prefill:
-            bounds = [0, *cache.split_points(seq.slot, seq.cached, seq.new), seq.new]
             conv = None if seq.cached == 0 else cache.conv[seq.slot]
             state = None if seq.cached == 0 else cache.recurrent[seq.slot]
-            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-                part = slice(seq.start + lo, seq.start + hi)
-                conv_out, conv = causal_conv1d(mixed[part], conv, weight)
-                out[part], state = self._core_prefill(conv_out, g[part], beta[part], state)
-                if hi < seq.new:  # the state after `cached + hi` tokens
-                    cache.save_snapshot(seq.slot, seq.cached + hi, conv, state)
+            lo, inner = 0, []
+            for point in [*cache.split_points(seq.slot, seq.cached, seq.new), seq.new]:
+                if point < seq.new and free and (point - lo) % free == 0:
+                    inner.append(point - lo)  # read inside the pass below
+                    continue
+                part = mixed[seq.start + lo : seq.start + point]
+                conv_out, conv_end = causal_conv1d(part, conv, weight)
+                states: list[torch.Tensor] = []
+                rows = slice(seq.start + lo, seq.start + point)
+                out[rows], state_end = self._core_prefill(
+                    conv_out, g[rows], beta[rows], state, inner, states
+                )
+                for r, inside in zip(inner, states, strict=True):
+                    at = conv_state_after(part, conv, r, kernel)
+                    cache.save_snapshot(seq.slot, seq.cached + lo + r, at, inside)
+                conv, state = conv_end, state_end
+                if point < seq.new:  # a split: the state after `cached + point` tokens
+                    cache.save_snapshot(seq.slot, seq.cached + point, conv, state)
+                lo, inner = point, []
             assert conv is not None and state is not None
             cache.conv[seq.slot] = conv
             cache.recurrent[seq.slot] = state
@@ -352,44 +436,75 @@ class GatedDeltaNet(nn.Module):
         g: torch.Tensor,  # [n, Hv]
         beta: torch.Tensor,  # [n, Hv]
         state: torch.Tensor | None,  # [Hv, Dk, Dv] float32
+        inner: Sequence[int] = (),
+        states: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (out [n, Hv, Dv] float32, state after the n tokens)."""
+        """-> (out [n, Hv, Dv] float32, state after the n tokens); the states after each of
+        ``inner`` rows (multiples of ``CHUNK``, ascending) appended to ``states``. One token
+        (the tail a snapshot before a named prompt's last token splits off) takes the
+        recurrence: a dozen small launches instead of a chunked pass (fla's costs ~1 ms of host
+        time a call)."""
+        if conv_out.shape[0] == 1 and not inner:
+            q, k, v = self._split_qkv(conv_out)
+            if state is None:
+                state = q.new_zeros(self.num_v_heads, self.dk, self.dv)
+            out, after = recurrent_gated_delta_rule(q, k, v, g, beta, state[None])
+            return out, after[0]
         rule = fla_chunk_rule() if conv_out.is_cuda and conv_out.dtype != torch.float32 else None
         if rule is not None and not _fla_broken:
             try:
+                stages = fla_stages()
+                if stages is not None:
+                    return self._fla_stages_prefill(stages, conv_out, g, beta, state, inner, states)
+                assert not inner, "states inside an fla call need its stages"
                 return self._fla_prefill(rule, conv_out, g, beta, state)
             except Exception as exc:  # noqa: BLE001 - the torch form computes the same
                 _fla_broken.append(repr(exc))
                 print(f"deltanet: fla failed ({exc!r}); torch prefill", file=sys.stderr)
+                if states is not None:
+                    states.clear()
         q, k, v = self._split_qkv(conv_out)
         out, state = chunked_gated_delta_rule(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.T, beta.T, state
-        )
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.T, beta.T, state,
+            states_at=inner, states=states,
+        )  # fmt: skip
         return out.transpose(0, 1), state
 
-    def _fla_prefill(
+    def _fla_stages_prefill(
         self,
-        rule: Any,
+        stages: SimpleNamespace,
         conv_out: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
         state: torch.Tensor | None,
+        inner: Sequence[int],
+        states: list[torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_core_prefill`` through fla: q/k [1, n, Hk, Dk] (normalised in the kernel, key
-        heads shared by value heads there too), v [1, n, Hv, Dv] in the model's dtype."""
+        """``_fla_prefill`` through fla's stages (``fla_stages``: the kernels its single call
+        runs, on the same contiguous inputs), plus each ``inner`` row's state: the state pass
+        again over the rows before it (its chunks are the full pass's first ones, so the state
+        is the one the full pass carries there, in float32; ~1/30 of a layer's prefill)."""
         n = conv_out.shape[0]
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        out, final = rule(
-            q.reshape(1, n, self.num_k_heads, self.dk),
-            k.reshape(1, n, self.num_k_heads, self.dk),
-            v.reshape(1, n, self.num_v_heads, self.dv),
-            g[None],
-            beta[None],
-            scale=self.dk**-0.5,
-            initial_state=None if state is None else state[None],
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
+        with torch.cuda.device(conv_out.device):
+            q, _ = stages.l2norm(q.reshape(1, n, self.num_k_heads, self.dk).contiguous())
+            k, _ = stages.l2norm(k.reshape(1, n, self.num_k_heads, self.dk).contiguous())
+            v = v.reshape(1, n, self.num_v_heads, self.dv).contiguous()
+            g = stages.cumsum(g[None].contiguous(), chunk_size=CHUNK, scale=stages.log2e)
+            w, u, _ = stages.intra(k=k, v=v, g=g, beta=beta[None].contiguous(), chunk_size=CHUNK)
+            start = None if state is None else state[None].contiguous()
+            h, v_new, final = stages.states(
+                k=k, w=w, u=u, g=g, initial_state=start, output_final_state=True,
+                chunk_size=CHUNK,
+            )  # fmt: skip
+            out = stages.out(q=q, k=k, v=v_new, h=h, g=g, scale=self.dk**-0.5, chunk_size=CHUNK)
+            for r in inner:
+                assert states is not None and 0 < r < n and r % CHUNK == 0
+                _, _, at = stages.states(
+                    k=k[:, :r], w=w[:, :r], u=u[:, :r], g=g[:, :r], initial_state=start,
+                    output_final_state=True, chunk_size=CHUNK, save_new_value=False,
+                )  # fmt: skip
+                states.append(at[0])
         return out[0].float(), final[0]
 
     def _prefill_rows(

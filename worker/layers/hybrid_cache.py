@@ -21,7 +21,8 @@ blocks in the KV pool (``make_pool``: rows, as ``KVCache``) and DeltaNet states 
 ends in a pool of states here (``pool_conv`` [states, conv_dim, K - 1], ``pool_recurrent``
 [states, Hv, Dk, Dv] per layer). It asks for states with ``set_state_captures``: the next
 forward over the slot writes each ``StateCapture`` at its token count, before the step (the
-live state), inside its prefill (the sequence split there, as for a snapshot) or after it. A
+live state), inside its prefill (read out of the chunked pass at a multiple of ``free_split``
+rows into the step, else the sequence split there, as for a snapshot) or after it. A
 step replayed from a prefill graph takes one snapshot inside its rows, into a slot entry: the
 slot's own pending snapshot first, else one pool state through an entry (copied to its row
 after the step); the others are left unwritten. ``pool_state_to_slot`` puts a pool state into
@@ -87,6 +88,9 @@ class DeltaNetLayerCache:
     snap_recurrent: torch.Tensor  # [slots, snapshots, Hv, Dk, Dv]
     # this step's snapshots taken inside a chunk: slot -> targets (set by HybridCache)
     captures: dict[int, list[SnapshotTarget]] = field(default_factory=dict)
+    # a prefill reads a state this many rows (or a multiple) into a sequence's step from inside
+    # its pass, without a split (worker/layers/deltanet.py ``prefill_states``); 0: it splits
+    free_split: int = 0
     pool_conv: torch.Tensor | None = None  # [states, conv_dim, K - 1] (HybridCache.make_pool)
     pool_recurrent: torch.Tensor | None = None  # [states, Hv, Dk, Dv] float32
 
@@ -148,6 +152,7 @@ class HybridCache:
         dtype: torch.dtype,
         snapshots: int = DEFAULT_SNAPSHOTS,
         ring_slack: int = DEFAULT_RING_SLACK,
+        free_split: int = 0,
     ) -> None:
         if snapshots < 0:
             raise ValueError(f"snapshots must be >= 0, got {snapshots}")
@@ -156,6 +161,7 @@ class HybridCache:
         self.ring_slack = ring_slack
         self.lookahead = 0
         self.snapshots = snapshots
+        self.free_split = free_split  # DeltaNetLayerCache.free_split
         d = deltanet
         conv_dim = 2 * d.num_key_heads * d.key_head_dim + d.num_value_heads * d.value_head_dim
         conv_shape = (conv_dim, d.conv_kernel - 1)
@@ -185,6 +191,7 @@ class HybridCache:
                     snap_conv=zeros(num_slots, snapshots, *conv_shape, dt=dtype),
                     snap_recurrent=zeros(num_slots, snapshots, *state_shape, dt=torch.float32),
                     captures=self._captures,
+                    free_split=free_split,
                 )
             )
         self.live_len = [0] * num_slots  # tokens the DeltaNet state of each slot describes

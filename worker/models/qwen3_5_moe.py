@@ -32,7 +32,7 @@ from torch import nn
 from worker.device.kernels.attention import use_triton
 from worker.layers.attention import AttentionPlan
 from worker.layers.blocks import GEMMA3_NORM, RMSNorm
-from worker.layers.deltanet import GatedDeltaNet
+from worker.layers.deltanet import GatedDeltaNet, prefill_states
 from worker.layers.gated_attention import GatedAttention
 from worker.layers.hybrid_cache import DEFAULT_SNAPSHOTS, HybridCache
 from worker.layers.kv import DEFAULT_RING_SLACK
@@ -117,15 +117,17 @@ class Qwen35MoeForCausalLM(CausalLM):
     ) -> HybridCache:
         norm = self.model.norm.weight
         assert self.config.deltanet is not None and norm is not None
+        where = self.device if device is None else torch.device(device)
         return HybridCache(
             self.config.layers,
             self.config.deltanet,
             num_slots,
             max_context,
-            self.device if device is None else torch.device(device),
+            where,
             norm.dtype,
             snapshots=snapshots,
             ring_slack=ring_slack,
+            free_split=prefill_states(where if where.type != "meta" else self.device, norm.dtype),
         )
 
     @torch.inference_mode()
