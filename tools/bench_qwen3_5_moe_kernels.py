@@ -15,6 +15,8 @@
   ``gemv_{int4,int8}_{1,4,32}``, ``gemv_bf16_1``: the per-pair GEMVs per tile (``GEMV_SWEEP``,
   ``FLOAT_GEMV_SWEEP``);
   ``routing_32``: the routing launches of 32 tokens alone;
+  ``lanes_{1,4,32}``: int4 experts, the per-pair kernel against the lanes kernel's tiles and
+  the expert order;
   ``sweep_deltanet_{1,32}``: the DeltaNet decode step's per value-dims tile and warps.
 
 Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
@@ -429,6 +431,51 @@ def gemv_sweep(tokens: int, kind: str) -> None:
         log(f"gemv_sweep_{kind}_t{tokens}_{choice}_us", round(t * 1e6, 1), note)
 
 
+# GemvTiles fields: (block_n, warps, programs, lanes); lanes 0: the per-pair kernel
+LANES_SWEEP = [(128, 4, 264, 0), (128, 4, 264, 2), (128, 4, 264, 4), (128, 8, 264, 2),
+               (128, 8, 264, 4), (128, 2, 264, 2), (64, 4, 264, 2), (128, 4, 528, 2)]  # fmt: skip
+
+
+def lanes_sweep(
+    tokens: int, sweep: list[tuple[int, int, int, int]] = LANES_SWEEP, order: bool = True
+) -> None:
+    """int4 routed experts (group 32) at a few tokens: the per-pair kernel against the lanes
+    kernel per tile choice (LANES_SWEEP), in pair order and in expert order (the order
+    computed outside the graph; ``expert_order`` timed alone), each in a CUDA graph, with
+    the bandwidth of the distinct expert bytes."""
+    from worker.device.kernels.moe_gemv import GemvTiles, expert_order, moe_quant_gemv
+    from worker.layers.quant import QuantFormat
+    from worker.layers.quant_experts import QuantExperts
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+    probs = torch.softmax(torch.randn(tokens, EXPERTS, device="cuda", generator=gen), -1)
+    weights, ids = torch.topk(probs, TOP_K, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+    experts = QuantExperts(EXPERTS, HIDDEN, INNER, QuantFormat("int4", 32)).cuda()
+    experts.draw_random(0.02, torch.Generator(device="cuda").manual_seed(4), torch.bfloat16)
+    gu, dn = experts.matrix("gate_up_proj"), experts.matrix("down_proj")
+    hit = int(torch.unique(ids).numel())
+    read = hit * experts.nbytes // EXPERTS
+    want = moe_quant_gemv(x, gu, dn, weights, ids, t=GemvTiles(lanes=0))
+    ordered_too, order = order, expert_order(ids)
+    t = graph_time(lambda: expert_order(ids))
+    log(f"lanes_t{tokens}_expert_order_us", round(t * 1e6, 1), f"{hit} experts hit")
+    for choice in sweep:
+        tiles = GemvTiles(*choice)
+        for ordered in (None, order) if choice[3] and ordered_too else (None,):
+            name = f"lanes_t{tokens}_{choice}{'_ordered' if ordered is not None else ''}"
+            try:
+                t = graph_time(lambda c=tiles, o=ordered: moe_quant_gemv(x, gu, dn, weights, ids,
+                                                                         t=c, order=o))  # fmt: skip
+                err = rel(moe_quant_gemv(x, gu, dn, weights, ids, t=tiles, order=ordered), want)
+            except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
+                log(name, repr(exc)[:160])
+                continue
+            note = f"{read / t / 1e12:.2f} TB/s rel {err:.1e}{'' if err < 1e-2 else ' WRONG'}"
+            log(f"{name}_us", round(t * 1e6, 1), note)
+
+
 def routing(tokens: int) -> None:
     """The routing launches of a decode batch alone (CUDA graphs): the router (``route_triton``),
     the pairs' alignment for the grouped GEMMs' 16-row blocks (``align_pairs_triton``), and both
@@ -514,6 +561,9 @@ def main() -> int:
         ("gemv_int4_4", lambda: gemv_sweep(4, "int4")),
         ("gemv_int8_1", lambda: gemv_sweep(1, "int8")),
         ("routing_32", lambda: routing(32)),
+        ("lanes_32", lambda: lanes_sweep(32)),
+        ("lanes_1", lambda: lanes_sweep(1, LANES_SWEEP[:3], order=False)),
+        ("lanes_4", lambda: lanes_sweep(4, LANES_SWEEP[:3], order=False)),
         ("sweep_deltanet_1", lambda: deltanet_sweep(1)),
         ("sweep_deltanet_32", lambda: deltanet_sweep(32)),
     ]

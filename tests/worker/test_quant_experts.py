@@ -254,6 +254,47 @@ def test_quantized_moe_gemv_tiles_and_residual(triton_ready: None, fmt: QuantFor
         assert (results[0].float() - other.float()).abs().max() <= 0.02
 
 
+@pytest.mark.parametrize("fmt", [QuantFormat("int4", 8), QuantFormat("int8", 16)],
+                         ids=lambda f: f.describe())  # fmt: skip
+def test_lanes_gemv_tiles_and_expert_order_match_the_reference(
+    triton_ready: None, fmt: QuantFormat
+) -> None:
+    """The lanes kernel (``_pair_gemv_lanes_kernel``): two and four tiles a program, K split
+    (partial sums) and not (gate_up stores the activations), pairs in expert order, columns
+    past N masked, and x in fp32 (within 1e-5 of the CPU MoE) and in bf16 (read as int32
+    pairs: within bf16 rounding, and equal to the per-pair kernel's result's rounding)."""
+    from worker.device.kernels.moe_gemv import GemvTiles, expert_order, moe_quant_gemv, split_for
+
+    gen = torch.Generator().manual_seed(12)
+    tokens, hidden, inner, top_k = 3, 80, 48, 3
+    gate_up, down = _float_experts(6, hidden, inner, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = _routing(tokens, 6, top_k, gen)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    residual = torch.randn(tokens, hidden, generator=gen)
+    reference = _moe(gate_up, down, _fused(_reference(gate_up, fmt), _reference(down, fmt)))
+    want = reference._experts(x, weights, ids) + residual  # type: ignore[operator]
+    module = _quantized(gate_up, down, fmt).to(DEVICE)
+    gu, dn = module.matrix("gate_up_proj"), module.matrix("down_proj")
+    split_tiles = GemvTiles(block_n=16, warps=2, programs=200, lanes=2)
+    assert split_for(tokens * top_k, 2 * inner, hidden // fmt.group_size, split_tiles)[0] > 1
+    one_split = GemvTiles(block_n=16, warps=2, programs=1, lanes=4)
+    assert split_for(tokens * top_k, 2 * inner, hidden // fmt.group_size, one_split)[0] == 1
+    order = expert_order(ids.to(DEVICE))
+    assert order.cpu().tolist() == torch.argsort(ids.reshape(-1), stable=True).tolist()
+    args = (x.to(DEVICE), gu, dn, weights.to(DEVICE), ids.to(DEVICE))
+    for t, pairs_order in [(split_tiles, None), (one_split, order), (GemvTiles(32, 4, 1), None)]:
+        got = moe_quant_gemv(*args, residual=residual.to(DEVICE), t=t, order=pairs_order).cpu()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    bf16 = (x.to(DEVICE).bfloat16(), gu, dn, weights.to(DEVICE).bfloat16(), ids.to(DEVICE))
+    old = moe_quant_gemv(*bf16, t=GemvTiles(16, 2, 200, lanes=0)).cpu().float()
+    for t in (split_tiles, one_split):
+        got = moe_quant_gemv(*bf16, t=t, order=order).cpu()
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want - residual, rtol=0.03, atol=0.03)
+        assert (got.float() - old).abs().max() <= 0.02
+
+
 def _tiny_checkpoint(tmp_path: Path, per_expert: bool, layers: int = 8) -> Path:
     """A tiny qwen3_5_moe checkpoint (8 experts, hidden 64, inner 24; ``layers`` layers, every
     fourth full attention) with random weights."""
@@ -538,7 +579,8 @@ def test_gemv_splits_cover_k_without_empty_splits(triton_ready: None) -> None:
         assert (split - 1) * span < groups <= split * span
         assert span % t.warps == 0 or split == 1
     assert split_for(256, 1024, 64, GemvTiles()) == (1, 64)  # 32 tokens: one split
-    assert split_for(8, 1024, 64, GemvTiles()) == (4, 16)  # 1 token: 4 splits of 16 groups
+    assert split_for(8, 1024, 64, GemvTiles()) == (8, 8)  # 1 token: 8 splits of 8 groups
+    assert split_for(8, 1024, 64, GemvTiles(lanes=0)) == (4, 16)  # the per-pair kernel
     for pairs, n, k in [(8, 1024, 2048), (8, 2048, 512), (2, 48, 24), (3, 64, 40)]:
         t = FloatTiles()
         split, span = float_split_for(pairs, n, k, t)

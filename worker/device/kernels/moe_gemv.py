@@ -14,14 +14,23 @@ H200), and float ones pad 15 of 16 rows. Here a program owns one pair and BLOCK_
 its expert and reads each weight once.
 
 Quantized: its WARPS warps take one quantization group each (the experts' words are K-major,
-``worker.layers.quant_experts``: a group is GROUP / P word rows of one column), every lane a
-column. A code becomes an fp32 operand in one AND (``_code``: the code at bits a.. read as a
-denormal, code * 2^(a - 149); the codes above bit 23 come from ``word >> 8``), multiplied by
-its x scaled by 2^90 (exact) into one accumulator per code position; at a group's end the
-positions' sums take their power of two back and the group's scale (and offset, or int8's
-128) applies once. int8 words are XORed with 0x80808080 first, so their codes read as
+``worker.layers.quant_experts``: a group is GROUP / P word rows of one column). A code
+becomes an fp32 operand in one AND (``_code``: the code at bits a.. read as a denormal,
+code * 2^(a - 149); the codes above bit 23 come from ``word >> 8``) and is multiplied by its
+x scaled by a power of two (exact); at a group's end the group's scale (and offset, or
+int8's 128) applies once. int8 words are XORed with 0x80808080 first, so their codes read as
 code + 128. Each weight is ``code * scale (+ offset)`` in fp32, as
-``worker.layers.quant.dequantize``.
+``worker.layers.quant.dequantize``. Two kernels:
+
+- ``_pair_gemv_lanes_kernel`` (the default, ``GemvTiles.lanes``): each lane takes 4 adjacent
+  columns of 2 or 4 [WARPS, 128] tiles (one 128-bit load a word row), so the x values a
+  lane loads serve 8-16 columns, and x is scaled per code position (``_x_scale``) so that
+  one accumulator takes all of a word's codes: ~3 instructions per weight and pair (sm_90
+  SASS), 48-80 registers.
+- ``_pair_gemv_kernel``: one accumulator per code position, x scaled by 2^90. Its [WARPS,
+  COLS] tiles are laid out by Triton with the warps along the columns (the gated gate_up's
+  columns are not provably contiguous), so every lane holds all WARPS groups of 1-2 columns
+  and converts each x value for them: ~6.5 instructions per weight and pair.
 
 Float: [BLOCK_N, BLOCK_K] tiles of the expert's rows (K contiguous), fp32 products summed
 along K at the end.
@@ -55,16 +64,24 @@ FLOAT_GEMV_MAX_PAIRS = 8  # float: one token of top-8 (more re-read experts the 
 @dataclass(frozen=True)
 class GemvTiles:
     """Output columns per program, warps per program (one group each at a time), and the
-    programs wanted per launch (K is split over programs to reach them)."""
+    programs wanted per launch (K is split over programs to reach them). ``lanes``: the
+    tiles of ``_pair_gemv_lanes_kernel`` a program takes (2 or 4, block_n columns each);
+    0: ``_pair_gemv_kernel`` (block_n columns a program, gate and up each)."""
 
     block_n: int = 128
     warps: int = 4
     programs: int = 264  # 2 per SM of an H200 (the fastest of 12 tiles at 1 token)
+    lanes: int = 2
+
+    @property
+    def program_n(self) -> int:
+        """The columns of an [E, N, K] matrix one program covers (gate_up: gate and up)."""
+        return self.lanes * self.block_n if self.lanes else self.block_n
 
 
 def tiles() -> GemvTiles:
-    """The default tiles, or TOKENPIPE_MOE_GEMV_TILES (three comma-separated fields: the tile
-    sweep's choice, tools/bench_qwen3_5_moe_kernels.py)."""
+    """The default tiles, or TOKENPIPE_MOE_GEMV_TILES (three or four comma-separated fields:
+    the tile sweep's choice, tools/bench_qwen3_5_moe_kernels.py)."""
     override = os.environ.get("TOKENPIPE_MOE_GEMV_TILES")
     return GemvTiles(*(int(v) for v in override.split(","))) if override else GemvTiles()
 
@@ -72,7 +89,7 @@ def tiles() -> GemvTiles:
 def split_for(pairs: int, n: int, groups: int, t: GemvTiles) -> tuple[int, int]:
     """(splits, groups per split) of K that bring the launch to about ``t.programs``
     programs: a split's groups a multiple of the warps where K allows, none empty (pure)."""
-    programs = pairs * triton.cdiv(n, t.block_n)
+    programs = pairs * triton.cdiv(n, t.program_n)
     wanted = max(1, min(groups // t.warps, triton.cdiv(t.programs, programs)))
     span = triton.cdiv(triton.cdiv(groups, wanted), t.warps) * t.warps
     return triton.cdiv(groups, span), span
@@ -275,6 +292,227 @@ def _pair_gemv_kernel(
 
 
 @triton.jit
+def _x_scale(p: tl.constexpr, INT4_KIND: tl.constexpr):
+    """2^(89 - a_p): ``_code`` of position p (code * 2^(a_p - 149)) times x scaled by this is
+    code * x * 2^-60 for every position alike (a_p as in ``_unscale``), so one accumulator
+    takes all of a word's codes. x up to 2^39 in magnitude, as ``_pair_gemv_kernel``'s 2^90."""
+    if INT4_KIND:
+        if p == 0:
+            u = 6.1897001964269014e26  # 2^89
+        elif p == 1:
+            u = 3.8685626227668134e25  # 2^85
+        elif p == 2:
+            u = 2.4178516392292583e24  # 2^81
+        elif p == 3:
+            u = 1.5111572745182865e23  # 2^77
+        elif p == 4 or p == 6:
+            u = 9.44473296573929e21  # 2^73
+        else:
+            u = 5.902958103587057e20  # 2^69
+    else:
+        if p == 0:
+            u = 6.1897001964269014e26  # 2^89
+        elif p == 1:
+            u = 2.4178516392292583e24  # 2^81
+        else:
+            u = 9.44473296573929e21  # 2^73
+    return u
+
+
+@triton.jit
+def _word_dot(word, xa, xb, xc, xd, xe, xf, xg, xh, d, INT4_KIND: tl.constexpr):
+    """d + sum over a word row's codes of code * x * 2^-60 ([WARPS, LANE_N]; the x values
+    [WARPS, 1] scaled by ``_x_scale``)."""
+    high = word >> 8
+    d += _code(word, high, 0, INT4_KIND) * xa
+    d += _code(word, high, 1, INT4_KIND) * xb
+    d += _code(word, high, 2, INT4_KIND) * xc
+    d += _code(word, high, 3, INT4_KIND) * xd
+    if INT4_KIND:
+        d += _code(word, high, 4, INT4_KIND) * xe
+        d += _code(word, high, 5, INT4_KIND) * xf
+        d += _code(word, high, 6, INT4_KIND) * xg
+        d += _code(word, high, 7, INT4_KIND) * xh
+    return d
+
+
+@triton.jit
+def _x_value(x_row, k, mask_g, X_BF16: tl.constexpr, HIGH: tl.constexpr):
+    """x[k] in fp32 ([WARPS]); X_BF16: ``k`` indexes x's bf16 pairs as int32 words, HIGH
+    picks the pair's second value (bits 16..31; a bf16 is an fp32's top half)."""
+    if X_BF16:
+        pair = tl.load(x_row + k, mask=mask_g, other=0)
+        bits = pair & -65536 if HIGH else pair << 16
+        return bits.to(tl.float32, bitcast=True)
+    return tl.load(x_row + k, mask=mask_g, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pair_gemv_lanes_kernel(
+    x_ptr, ids_ptr, order_ptr, w_ptr, s_ptr, o_ptr, part_ptr, PAIRS, SPAN,
+    X_DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
+    INT4_KIND: tl.constexpr, LANE_N: tl.constexpr, WARPS: tl.constexpr, GATED: tl.constexpr,
+    X_BF16: tl.constexpr, TILES: tl.constexpr, ORDERED: tl.constexpr,
+):  # fmt: skip
+    """``_pair_gemv_kernel``'s sums with each warp on one group at a time and each lane on
+    LANE_N / 32 adjacent columns of TILES (2 or 4) [WARPS, LANE_N] tiles (LANE_N = 32 lanes x
+    one 128-bit load: Triton then lays the warps along the groups, so a lane's x values serve
+    all its columns), and one accumulator per column for all code positions (``_x_scale``).
+    The tiles: columns [TILES * LANE_N * b, + TILES * LANE_N); GATED (gate_up, one split):
+    gate columns [TILES / 2 * LANE_N * b, + TILES / 2 * LANE_N) and the same up columns INNER
+    further, storing act[pair, :INNER] = silu(gate) * up in part's dtype. X_BF16: x is read
+    as int32 pairs of bf16 (x_ptr an int32 view; K even). ORDERED: program i takes pair
+    order[i] (the pairs sorted by expert: an expert's programs run side by side)."""
+    P: tl.constexpr = 8 if INT4_KIND else 4
+    R: tl.constexpr = GROUP // P  # word rows per group
+    GROUPS: tl.constexpr = K // GROUP
+    XK: tl.constexpr = 2 if X_BF16 else 1  # x values per load
+    if ORDERED:
+        pair = tl.load(order_ptr + tl.program_id(0))
+    else:
+        pair = tl.program_id(0)
+    split = tl.program_id(2)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // X_DIV).to(tl.int64) * (K // XK)
+    HALF: tl.constexpr = TILES // 2 * LANE_N  # gate columns per program (GATED)
+    if GATED:  # tiles a (and c): gate columns; b (and d): the same up columns
+        cols_a = tl.program_id(1) * HALF + tl.arange(0, LANE_N)
+        cols_c = cols_a + LANE_N
+        cols_b = cols_a + N // 2
+        cols_d = cols_c + N // 2
+        mask_a = cols_a < N // 2
+        mask_c = cols_c < N // 2
+        mask_b = mask_a
+        mask_d = mask_c
+    else:
+        cols_a = tl.program_id(1) * (TILES * LANE_N) + tl.arange(0, LANE_N)
+        cols_b = cols_a + LANE_N
+        cols_c = cols_a + 2 * LANE_N
+        cols_d = cols_a + 3 * LANE_N
+        mask_a = cols_a < N
+        mask_b = cols_b < N
+        mask_c = cols_c < N
+        mask_d = cols_d < N
+    w_base = w_ptr + expert * (K // P * N)
+    meta_base = expert * (GROUPS * N)
+    lanes = tl.arange(0, WARPS)
+    first = split * SPAN
+    last = tl.minimum(first + SPAN, GROUPS)
+    acc_a = tl.zeros([WARPS, LANE_N], dtype=tl.float32)  # sums * 2^-60
+    acc_b = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
+    acc_c = tl.zeros([WARPS, LANE_N], dtype=tl.float32)  # TILES 4 only, as c and d below
+    acc_d = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
+    for g0 in range(first, last, WARPS):
+        g = g0 + lanes  # [WARPS]: one group per warp
+        mask_g = g < last
+        in_a = mask_g[:, None] & mask_a[None, :]
+        in_b = mask_g[:, None] & mask_b[None, :]
+        in_c = mask_g[:, None] & mask_c[None, :]
+        in_d = mask_g[:, None] & mask_d[None, :]
+        d_a = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
+        d_b = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
+        d_c = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
+        d_d = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
+        xs = tl.zeros([WARPS], dtype=tl.float32)
+        for r in tl.static_range(R):
+            rows = g * R + r  # [WARPS] word rows
+            row_ptr = w_base + rows[:, None] * N
+            word_a = tl.load(row_ptr + cols_a[None, :], mask=in_a, other=0)
+            word_b = tl.load(row_ptr + cols_b[None, :], mask=in_b, other=0)
+            if not INT4_KIND:
+                word_a = word_a ^ -2139062144  # 0x80808080: each signed byte + 128
+                word_b = word_b ^ -2139062144
+            xk = rows * (P // XK)  # x's load index of k = P * row (+ position p: p // XK)
+            x0 = _x_value(x_row, xk, mask_g, X_BF16, False)
+            x1 = _x_value(x_row, xk + (1 // XK), mask_g, X_BF16, XK == 2)
+            x2 = _x_value(x_row, xk + (2 // XK), mask_g, X_BF16, False)
+            x3 = _x_value(x_row, xk + (3 // XK), mask_g, X_BF16, XK == 2)
+            xs += x0 + x1 + x2 + x3
+            if INT4_KIND:
+                x4 = _x_value(x_row, xk + (4 // XK), mask_g, X_BF16, False)
+                x5 = _x_value(x_row, xk + (5 // XK), mask_g, X_BF16, XK == 2)
+                x6 = _x_value(x_row, xk + (6 // XK), mask_g, X_BF16, False)
+                x7 = _x_value(x_row, xk + (7 // XK), mask_g, X_BF16, XK == 2)
+                xs += x4 + x5 + x6 + x7
+            else:
+                x4 = x0
+                x5 = x0
+                x6 = x0
+                x7 = x0
+            xa = (x0 * _x_scale(0, INT4_KIND))[:, None]
+            xb = (x1 * _x_scale(1, INT4_KIND))[:, None]
+            xc = (x2 * _x_scale(2, INT4_KIND))[:, None]
+            xd = (x3 * _x_scale(3, INT4_KIND))[:, None]
+            xe = (x4 * _x_scale(4, INT4_KIND))[:, None]
+            xf = (x5 * _x_scale(5, INT4_KIND))[:, None]
+            xg = (x6 * _x_scale(6, INT4_KIND))[:, None]
+            xh = (x7 * _x_scale(7, INT4_KIND))[:, None]
+            d_a = _word_dot(word_a, xa, xb, xc, xd, xe, xf, xg, xh, d_a, INT4_KIND)
+            d_b = _word_dot(word_b, xa, xb, xc, xd, xe, xf, xg, xh, d_b, INT4_KIND)
+            if TILES == 4:
+                word_c = tl.load(row_ptr + cols_c[None, :], mask=in_c, other=0)
+                word_d = tl.load(row_ptr + cols_d[None, :], mask=in_d, other=0)
+                if not INT4_KIND:
+                    word_c = word_c ^ -2139062144
+                    word_d = word_d ^ -2139062144
+                d_c = _word_dot(word_c, xa, xb, xc, xd, xe, xf, xg, xh, d_c, INT4_KIND)
+                d_d = _word_dot(word_d, xa, xb, xc, xd, xe, xf, xg, xh, d_d, INT4_KIND)
+        meta_a = meta_base + g[:, None] * N + cols_a[None, :]
+        meta_b = meta_base + g[:, None] * N + cols_b[None, :]
+        scale_a = tl.load(s_ptr + meta_a, mask=in_a, other=0.0).to(tl.float32)
+        scale_b = tl.load(s_ptr + meta_b, mask=in_b, other=0.0).to(tl.float32)
+        xs = (xs * 8.673617379884035e-19)[:, None]  # 2^-60, as the d's
+        if INT4_KIND:
+            offset_a = tl.load(o_ptr + meta_a, mask=in_a, other=0.0).to(tl.float32)
+            offset_b = tl.load(o_ptr + meta_b, mask=in_b, other=0.0).to(tl.float32)
+            acc_a += d_a * scale_a + offset_a * xs
+            acc_b += d_b * scale_b + offset_b * xs
+        else:
+            acc_a += (d_a - 128.0 * xs) * scale_a
+            acc_b += (d_b - 128.0 * xs) * scale_b
+        if TILES == 4:
+            meta_c = meta_base + g[:, None] * N + cols_c[None, :]
+            meta_d = meta_base + g[:, None] * N + cols_d[None, :]
+            scale_c = tl.load(s_ptr + meta_c, mask=in_c, other=0.0).to(tl.float32)
+            scale_d = tl.load(s_ptr + meta_d, mask=in_d, other=0.0).to(tl.float32)
+            if INT4_KIND:
+                offset_c = tl.load(o_ptr + meta_c, mask=in_c, other=0.0).to(tl.float32)
+                offset_d = tl.load(o_ptr + meta_d, mask=in_d, other=0.0).to(tl.float32)
+                acc_c += d_c * scale_c + offset_c * xs
+                acc_d += d_d * scale_d + offset_d * xs
+            else:
+                acc_c += (d_c - 128.0 * xs) * scale_c
+                acc_d += (d_d - 128.0 * xs) * scale_d
+    _store_lanes(acc_a, acc_b, cols_a, cols_b, mask_a, mask_b, part_ptr, pair, split, PAIRS,
+                 N, GATED)  # fmt: skip
+    if TILES == 4:
+        _store_lanes(acc_c, acc_d, cols_c, cols_d, mask_c, mask_d, part_ptr, pair, split,
+                     PAIRS, N, GATED)  # fmt: skip
+
+
+@triton.jit
+def _store_lanes(
+    acc_a, acc_b, cols_a, cols_b, mask_a, mask_b, part_ptr, pair, split, PAIRS,
+    N: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    """The lanes kernel's epilogue for two tiles (sums * 2^-60, [WARPS, LANE_N]): their
+    fp32 partial sums, or (GATED: a the gate, b the up columns) silu(gate) * up."""
+    total_a = tl.sum(acc_a, axis=0) * 1.152921504606847e18  # [LANE_N]; 2^60
+    total_b = tl.sum(acc_b, axis=0) * 1.152921504606847e18
+    if GATED:
+        out_ty = part_ptr.dtype.element_ty
+        gate = total_a.to(out_ty).to(tl.float32)
+        up = total_b.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        dst = part_ptr + pair.to(tl.int64) * (N // 2) + cols_a
+        tl.store(dst, (act * up).to(out_ty), mask=mask_a)
+    else:
+        dst = part_ptr + (split * PAIRS + pair).to(tl.int64) * N
+        tl.store(dst + cols_a, total_a, mask=mask_a)
+        tl.store(dst + cols_b, total_b, mask=mask_b)
+
+
+@triton.jit
 def _gated_sum_kernel(
     part_ptr, act_ptr, PAIRS, INNER: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -302,7 +540,7 @@ def _offsets(matrix: ExpertMatrix) -> torch.Tensor:
 
 def pair_gemv(
     x: torch.Tensor, matrix: ExpertMatrix, ids: torch.Tensor, rows_per_x: int, t: GemvTiles,
-    gated: bool = False,
+    gated: bool = False, order: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Quantized: x [R, K], ids [pairs] (the expert of each pair; pair p reads
     x[p // rows_per_x]) -> fp32 partial sums [split, pairs, N] (``split_for``); ``gated``
@@ -315,7 +553,18 @@ def pair_gemv(
         part = torch.empty((pairs, n // 2), dtype=x.dtype, device=x.device)
     else:
         part = torch.empty((split, pairs, n), dtype=torch.float32, device=x.device)
-    if pairs:
+    if pairs and t.lanes:
+        x_bf16 = x.dtype == torch.bfloat16 and k % 2 == 0
+        blocks = triton.cdiv(n, t.program_n)  # gated: program_n / 2 gate columns each
+        _pair_gemv_lanes_kernel[(pairs, blocks, split)](
+            x.view(torch.int32) if x_bf16 else x, ids, ids if order is None else order,
+            matrix.words, matrix.scales,
+            _offsets(matrix), part, pairs, span, X_DIV=rows_per_x, N=n, K=k,
+            GROUP=matrix.group_size, INT4_KIND=matrix.kind == INT4, LANE_N=t.block_n,
+            WARPS=t.warps, GATED=gated, X_BF16=x_bf16, TILES=t.lanes, ORDERED=order is not None,
+            num_warps=t.warps,
+        )  # fmt: skip
+    elif pairs:
         columns = n // 2 if gated else n
         _pair_gemv_kernel[(pairs, triton.cdiv(columns, t.block_n), split)](
             x, ids, matrix.words, matrix.scales, _offsets(matrix), part, pairs, span,
@@ -393,19 +642,26 @@ def moe_quant_gemv(
     shared_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     t: GemvTiles | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``moe_quant.fused_moe_quant_triton`` for a few tokens: x [T, H]; weights [T, k] in x's
-    dtype; ids [T, k] int64 -> [T, H] in x's dtype."""
+    dtype; ids [T, k] int64 -> [T, H] in x's dtype. ``order`` [T * k] int32: the pairs in
+    the order the lanes kernel's programs take them (by expert: ``expert_order``)."""
     tiles_ = t or tiles()
     matrices = {"gate_up_proj": gate_up, "down_proj": down}
 
     def project(
         x: torch.Tensor, name: str, ids: torch.Tensor, rows: int, gated: bool
     ) -> torch.Tensor:
-        return pair_gemv(x, matrices[name], ids, rows, tiles_, gated)
+        return pair_gemv(x, matrices[name], ids, rows, tiles_, gated, order)
 
     inner = gate_up.shape[1] // 2
     return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual)
+
+
+def expert_order(ids: torch.Tensor) -> torch.Tensor:
+    """ids [T, k] -> int32 [T * k]: the pairs sorted by expert (ties in pair order)."""
+    return torch.argsort(ids.reshape(-1), stable=True).to(torch.int32)
 
 
 def moe_float_gemv(
