@@ -367,3 +367,19 @@ def test_quantized_load_and_cpu_packing(tmp_path: Path, mode: str) -> None:
     before = model(step, model.make_kv_cache(1, 64))
     assert model.prepare_for_cpu() > 0
     torch.testing.assert_close(model(step, model.make_kv_cache(1, 64)), before)
+
+
+def test_prefill_states_where_a_state_needs_no_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch form (CPU, fp32, no fla) and fla's stages hand out states at chunk multiples;
+    fla's single call without its stages cannot (every state inside a step is a split)."""
+    import worker.layers.deltanet as deltanet
+
+    assert deltanet.prefill_states("cpu", torch.float32) == CHUNK
+    assert deltanet.prefill_states("cuda", torch.float32) == CHUNK
+    monkeypatch.setattr(deltanet, "fla_chunk_rule", lambda: None)
+    assert deltanet.prefill_states("cuda", torch.bfloat16) == CHUNK
+    monkeypatch.setattr(deltanet, "fla_chunk_rule", lambda: object())
+    monkeypatch.setattr(deltanet, "fla_stages", lambda: None)
+    assert deltanet.prefill_states("cuda", torch.bfloat16) == 0
+    monkeypatch.setattr(deltanet, "fla_stages", lambda: object())
+    assert deltanet.prefill_states("cuda", torch.bfloat16) == CHUNK

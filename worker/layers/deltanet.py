@@ -470,6 +470,31 @@ class GatedDeltaNet(nn.Module):
         )  # fmt: skip
         return out.transpose(0, 1), state
 
+    def _fla_prefill(
+        self,
+        rule: Any,
+        conv_out: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_core_prefill`` through fla: q/k [1, n, Hk, Dk] (normalised in the kernel, key
+        heads shared by value heads there too), v [1, n, Hv, Dv] in the model's dtype."""
+        n = conv_out.shape[0]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        out, final = rule(
+            q.reshape(1, n, self.num_k_heads, self.dk),
+            k.reshape(1, n, self.num_k_heads, self.dk),
+            v.reshape(1, n, self.num_v_heads, self.dv),
+            g[None],
+            beta[None],
+            scale=self.dk**-0.5,
+            initial_state=None if state is None else state[None],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        return out[0].float(), final[0]
+
     def _fla_stages_prefill(
         self,
         stages: SimpleNamespace,
