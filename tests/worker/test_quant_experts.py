@@ -516,13 +516,17 @@ def test_staged_float_load_fills_the_fused_experts_from_per_expert_tensors(tmp_p
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "in_proj"])
 def test_sparse_moe_forward_takes_the_quantized_kernels(
-    triton_ready: None, monkeypatch: pytest.MonkeyPatch
+    triton_ready: None, monkeypatch: pytest.MonkeyPatch, fused: bool
 ) -> None:
     """SparseMoE.forward with QuantExperts on the Triton path (router, grouped GEMMs, shared
-    expert in the combine) equals its CPU path."""
+    expert in the combine) equals its CPU path; ``in_proj``: the router and the shared
+    expert's gate/up rows merged (E + 2I rows) and the shared expert gate's logit computed in
+    the combine (``gate_in_combine``)."""
     from test_models_qwen3_5_moe import _text_config
 
+    import worker.layers.deltanet as deltanet
     import worker.layers.moe as moe_module
     from worker.loading.quantize import QuantizeOptions, install, plan_for_model
     from worker.loading.random_init import init_random_weights
@@ -550,15 +554,22 @@ def test_sparse_moe_forward_takes_the_quantized_kernels(
     original = kernels.fused_moe_quant_triton
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
+        calls.append(kwargs.get("shared_gate_weight") is not None)
         return original(*args, **kwargs)  # type: ignore[arg-type]
 
     with torch.no_grad():
         want = layer(x)
         monkeypatch.setattr(moe_module, "use_triton", lambda t: True)
         monkeypatch.setattr(kernels, "fused_moe_quant_triton", spy)
-        got = layer.to(DEVICE)(x.to(DEVICE)).cpu()
-    assert calls == [1]
+        layer.to(DEVICE)
+        if fused:
+            monkeypatch.setattr(deltanet, "FUSED_PROJECTION_DEVICES", (DEVICE.type,))
+            layer.fuse_projections()
+            assert layer.in_proj is not None and layer.gate_in_combine
+            rows = layer.in_proj.out_features  # a multiple of 8: no shared gate row
+            assert rows == 8 + 2 * layer.shared_expert.inner and rows % 8 == 0
+        got = layer(x.to(DEVICE)).cpu()
+    assert calls == [fused]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -20,6 +20,7 @@ quantized words (``worker.device.kernels.moe_quant``).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -63,11 +64,17 @@ class SparseMoE(nn.Module):
         self.act = activation(config.hidden_act)
         self.act_name = config.hidden_act
         self.in_proj: nn.Linear | None = None  # set by fuse_projections (CUDA)
+        self.gate_in_combine = False  # set by fuse_projections
 
     def fuse_projections(self) -> None:
-        """On CUDA: the router, the shared expert's gate and the shared expert's gate/up rows
-        read the same x: one matmul (``in_proj``, rows in that order; those HF names are gone
-        afterwards, ``shared_expert`` keeps its ``down_proj``). The CPU path keeps them apart."""
+        """On CUDA: the router and the shared expert's gate/up rows read the same x: one matmul
+        (``in_proj``, rows in that order; those HF names are gone afterwards, ``shared_expert``
+        keeps its ``down_proj``). A float ``shared_expert_gate`` (one row) stays apart: the
+        kernels' combine computes its logit from x (``gate_in_combine``), so the merged rows
+        (E + 2I) stay a multiple of 8, which cuBLAS needs for its aligned GEMMs (E + 1 + 2I
+        rows ran an unaligned ``cutlass_75 ... align1`` kernel, 10.6 us a layer at 32 rows on
+        the H200); otherwise it is merged too (between the router and the shared rows). The
+        CPU path keeps them all apart."""
         import worker.layers.deltanet as deltanet
 
         stores = [*self.experts.parameters(), *self.experts.buffers()]
@@ -77,19 +84,33 @@ class SparseMoE(nn.Module):
         shared = self.shared_expert
         if shared.gate_up_proj is not None:
             return  # merged on its own already
-        fused = _concat_linears([self.gate, self.shared_expert_gate, shared.gate_proj,
-                                 shared.up_proj])  # fmt: skip
+        gate = self.shared_expert_gate
+        apart = (
+            type(gate) is nn.Linear
+            and gate.bias is None
+            and os.environ.get("TOKENPIPE_MOE_GATE_IN_COMBINE") != "0"  # (for comparison)
+        )
+        parts = [self.gate, shared.gate_proj, shared.up_proj]
+        fused = _concat_linears(parts if apart else [self.gate, gate, *parts[1:]])
         if fused is None:
             return
         self.in_proj = fused
-        del self.gate, self.shared_expert_gate, shared.gate_proj, shared.up_proj
+        self.gate_in_combine = apart
+        del self.gate, shared.gate_proj, shared.up_proj
+        if not apart:
+            del self.shared_expert_gate
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> router logits [T, E], the shared expert's gate logit [T, 1] and its
-        output [T, hidden] (views of one matmul's output once merged)."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """x [T, hidden] -> router logits [T, E], the shared expert's gate logit [T, 1] (None
+        when ``gate_in_combine``: the kernels compute it) and its output [T, hidden] (views of
+        one matmul's output once merged)."""
         if self.in_proj is None:
             return self.gate(x), self.shared_expert_gate(x), self.shared_expert(x)
         shared = self.shared_expert
+        if self.gate_in_combine:
+            widths = [self.experts.num_experts, 2 * shared.inner]
+            logits, gate_up = torch.split(self.in_proj(x), widths, dim=-1)
+            return logits, None, shared.down_from_gate_up(gate_up, x)
         widths = [self.experts.num_experts, 1, 2 * shared.inner]
         logits, gate, gate_up = torch.split(self.in_proj(x), widths, dim=-1)
         return logits, gate, shared.down_from_gate_up(gate_up, x)
@@ -112,6 +133,8 @@ class SparseMoE(nn.Module):
         logits, shared_gate, shared = self._project(x)
         if self._grouped_kernels(x):  # routed + shared (+ residual) in the kernels
             return self._fused_triton(x, logits, shared, shared_gate, residual)
+        if shared_gate is None:
+            shared_gate = self.shared_expert_gate(x)
         weights, ids = self.route(logits, x.dtype)
         routed = self._experts(x, weights, ids)
         out = routed + torch.sigmoid(shared_gate) * shared
@@ -166,10 +189,11 @@ class SparseMoE(nn.Module):
 
     def _fused_triton(
         self, x: torch.Tensor, logits: torch.Tensor, shared: torch.Tensor,
-        shared_gate: torch.Tensor, residual: torch.Tensor | None,
+        shared_gate: torch.Tensor | None, residual: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
         """The kernels' path: routing (with the pairs' alignment in the same launch for a
-        few tokens), the grouped GEMMs, and the sum with the shared expert (and residual)."""
+        few tokens), the grouped GEMMs, and the sum with the shared expert (and residual;
+        ``shared_gate`` None: its logit from x and ``shared_expert_gate``'s weight)."""
         from worker.device.kernels.moe import (
             ROUTE_ALIGN_MAX_PAIRS,
             choose_blocks,
@@ -178,6 +202,7 @@ class SparseMoE(nn.Module):
         )
 
         experts = self.experts
+        gate_weight = self.shared_expert_gate.weight if shared_gate is None else None
         quantized = isinstance(experts, QuantExperts)
         blocks = choose_blocks(x.shape[0], x.shape[1], experts.inner, quantized)
         aligned = None
@@ -200,15 +225,16 @@ class SparseMoE(nn.Module):
             return fused_moe_quant_triton(
                 x, experts.matrix("gate_up_proj"), experts.matrix("down_proj"), weights, ids,
                 blocks, shared, shared_gate, residual, aligned, gemv,
+                shared_gate_weight=gate_weight,
             )  # fmt: skip
         if gemv:
             from worker.device.kernels.moe_gemv import moe_float_gemv
 
             return moe_float_gemv(
                 x, experts.gate_up_proj, experts.down_proj, weights, ids, shared, shared_gate,
-                residual,
+                residual, shared_gate_weight=gate_weight,
             )  # fmt: skip
         return fused_moe_triton(
             x, experts.gate_up_proj, experts.down_proj, weights, ids, blocks, shared,
-            shared_gate, residual, aligned,
+            shared_gate, residual, aligned, gate_weight,
         )  # fmt: skip

@@ -430,13 +430,16 @@ def choose_blocks(tokens: int, hidden: int, inner: int, quantized: bool = False)
 @triton.jit
 def _combine_kernel(
     pairs_ptr, shared_ptr, gate_ptr, residual_ptr, out_ptr, stride_gate, stride_residual, HIDDEN,
-    route_ptr, PAIRS, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+    route_ptr, PAIRS, x_ptr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, ROUTED: tl.constexpr, BLOCK: tl.constexpr,
+    GATE_FROM_X: tl.constexpr,
 ):  # fmt: skip
     """out[t] = round(sum_j pairs[t, j]) (+ round(round(sigmoid(gate[t])) * shared[t])), each
     sum rounded; then residual[t] + that, rounded, when given. ROUTED: pairs are fp32 partial
     sums [SPLIT, PAIRS, HIDDEN] not yet routed; pair p is round(round(sum_s) * route[p])
-    (``_store_routed``'s rounding; worker.device.kernels.moe_gemv)."""
+    (``_store_routed``'s rounding; worker.device.kernels.moe_gemv). GATE_FROM_X: gate_ptr is
+    the shared expert gate's weight [HIDDEN] and gate[t] = round(x[t] . weight) (fp32 sum),
+    x [T, HIDDEN] contiguous."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -454,7 +457,16 @@ def _combine_kernel(
             acc += tl.load(pairs_ptr + pair * HIDDEN + offs, mask=mask).to(tl.float32)
     out = acc.to(out_ty).to(tl.float32)
     if HAS_SHARED:
-        logit = tl.load(gate_ptr + token * stride_gate).to(tl.float32)
+        if GATE_FROM_X:
+            dot = tl.zeros([BLOCK], dtype=tl.float32)
+            for k0 in range(0, HIDDEN, BLOCK):
+                ks = k0 + tl.arange(0, BLOCK)
+                in_k = ks < HIDDEN
+                xk = tl.load(x_ptr + token * HIDDEN + ks, mask=in_k, other=0.0).to(tl.float32)
+                dot += xk * tl.load(gate_ptr + ks, mask=in_k, other=0.0).to(tl.float32)
+            logit = tl.sum(dot, 0).to(out_ty).to(tl.float32)
+        else:
+            logit = tl.load(gate_ptr + token * stride_gate).to(tl.float32)
         scale = (1.0 / (1.0 + tl.exp(-logit))).to(out_ty).to(tl.float32)
         shared = tl.load(shared_ptr + token * HIDDEN + offs, mask=mask).to(tl.float32)
         out += (scale * shared).to(out_ty).to(tl.float32)
@@ -475,13 +487,15 @@ def fused_moe_triton(
     shared_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     aligned: AlignedPairs | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], plus
     sigmoid(shared_gate[t]) * shared[t] when given (the shared expert, added in the same
     launch that sums the k pairs), plus residual[t] when given (the decoder layer's sum).
 
     x [T, H]; gate_up [E, 2I, H] (gate rows first); down [E, H, I]; weights [T, k] in x's
-    dtype; ids [T, k] int64; shared [T, H], shared_gate [T, 1], residual [T, H] -> [T, H] in
+    dtype; ids [T, k] int64; shared [T, H], shared_gate [T, 1] (or ``shared_gate_weight``
+    [1, H]: the logits x @ weight^T computed in the combine), residual [T, H] -> [T, H] in
     x's dtype. ``aligned``: the pairs already aligned (``route_align_triton``) for
     ``blocks.block_m``."""
     tokens, hidden = x.shape
@@ -514,7 +528,7 @@ def fused_moe_triton(
         EVEN_N=hidden % blocks.down_n == 0, IEEE=ieee,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip
-    return combine_pairs(out, tokens, top_k, shared, shared_gate, residual)
+    return combine_pairs(out, tokens, top_k, shared, shared_gate, residual, x, shared_gate_weight)
 
 
 def combine_pairs(
@@ -524,22 +538,33 @@ def combine_pairs(
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    x: torch.Tensor | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
+    route: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [T * k, H] (the down GEMM's weighted pairs) -> [T, H]: each token's k pairs summed,
-    plus sigmoid(shared_gate[t]) * shared[t] when given, plus residual[t] when given; one
-    launch."""
-    hidden = out.shape[1]
-    result = torch.empty(tokens, hidden, dtype=out.dtype, device=out.device)
-    has_shared = shared is not None and shared_gate is not None
+    """out [T * k, H] (the down GEMM's weighted pairs; or with ``route`` [T * k], fp32
+    partial sums [split, T * k, H] not yet weighted) -> [T, H]: each token's k pairs summed,
+    plus sigmoid(gate[t]) * shared[t] when given, plus residual[t] when given; one launch.
+    gate: the logits ``shared_gate`` [T, 1], or x [T, H] times ``shared_gate_weight`` [1, H]
+    (the shared expert gate's matmul in the same launch)."""
+    hidden = out.shape[-1]
+    dtype = x.dtype if x is not None else out.dtype
+    result = torch.empty(tokens, hidden, dtype=dtype, device=out.device)
+    gate_from_x = shared_gate_weight is not None and x is not None
+    has_shared = shared is not None and (shared_gate is not None or gate_from_x)
+    gate = shared_gate_weight if gate_from_x else shared_gate
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
     if tokens:
         _combine_kernel[(tokens, triton.cdiv(hidden, 256))](
             out, shared.contiguous() if has_shared else out,  # type: ignore[union-attr]
-            shared_gate if has_shared else out, residual if residual is not None else out,
-            result, shared_gate.stride(0) if has_shared else 0,  # type: ignore[union-attr]
-            residual.stride(0) if residual is not None else 0,
-            hidden, out, 0, TOP_K=top_k, HAS_SHARED=has_shared,
-            HAS_RESIDUAL=residual is not None, SPLIT=1, ROUTED=False, BLOCK=256, num_warps=2,
+            gate if has_shared else out, residual if residual is not None else out,
+            result, gate.stride(0) if has_shared and not gate_from_x else 0,  # type: ignore[union-attr]
+            residual.stride(0) if residual is not None else 0, hidden,
+            route if route is not None else out, out.shape[-2],
+            x.contiguous() if gate_from_x else out,  # type: ignore[union-attr]
+            TOP_K=top_k, HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None,
+            SPLIT=out.shape[0] if route is not None else 1, ROUTED=route is not None,
+            BLOCK=256, GATE_FROM_X=gate_from_x, num_warps=2,
         )  # fmt: skip
     return result

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.device.kernels.moe import _combine_kernel
+from worker.device.kernels.moe import combine_pairs
 from worker.layers.quant import INT4
 from worker.layers.quant_experts import ExpertMatrix
 
@@ -596,7 +596,7 @@ Project = Callable[[torch.Tensor, str, torch.Tensor, int, bool], torch.Tensor]
 def _moe_gemv(
     x: torch.Tensor, inner: int, weights: torch.Tensor, ids: torch.Tensor, project: Project,
     shared: torch.Tensor | None, shared_gate: torch.Tensor | None,
-    residual: torch.Tensor | None,
+    residual: torch.Tensor | None, shared_gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The module docstring's four launches; ``project(x, matrix, ids, rows_per_x, gated)``
     the partial sums of one matrix ("gate_up_proj" / "down_proj"), or with ``gated`` the
@@ -615,21 +615,8 @@ def _moe_gemv(
         )
     out = project(act, "down_proj", flat_ids, 1, False)
     route = weights.reshape(-1).contiguous()
-    result = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    has_shared = shared is not None and shared_gate is not None
-    if residual is not None and residual.stride(-1) != 1:
-        residual = residual.contiguous()
-    if tokens:
-        _combine_kernel[(tokens, triton.cdiv(hidden, 256))](
-            out, shared.contiguous() if has_shared else out,  # type: ignore[union-attr]
-            shared_gate if has_shared else out, residual if residual is not None else out,
-            result, shared_gate.stride(0) if has_shared else 0,  # type: ignore[union-attr]
-            residual.stride(0) if residual is not None else 0,
-            hidden, route, pairs, TOP_K=top_k, HAS_SHARED=has_shared,
-            HAS_RESIDUAL=residual is not None, SPLIT=out.shape[0], ROUTED=True,
-            BLOCK=256, num_warps=2,
-        )  # fmt: skip
-    return result
+    return combine_pairs(out, tokens, top_k, shared, shared_gate, residual, x,
+                         shared_gate_weight, route)  # fmt: skip
 
 
 def moe_quant_gemv(
@@ -643,6 +630,7 @@ def moe_quant_gemv(
     residual: torch.Tensor | None = None,
     t: GemvTiles | None = None,
     order: torch.Tensor | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``moe_quant.fused_moe_quant_triton`` for a few tokens: x [T, H]; weights [T, k] in x's
     dtype; ids [T, k] int64 -> [T, H] in x's dtype. ``order`` [T * k] int32: the pairs in
@@ -656,7 +644,8 @@ def moe_quant_gemv(
         return pair_gemv(x, matrices[name], ids, rows, tiles_, gated, order)
 
     inner = gate_up.shape[1] // 2
-    return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual)
+    return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual,
+                     shared_gate_weight)  # fmt: skip
 
 
 def expert_order(ids: torch.Tensor) -> torch.Tensor:
@@ -674,6 +663,7 @@ def moe_float_gemv(
     shared_gate: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     t: FloatTiles | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``moe.fused_moe_triton`` for a token or two: gate_up [E, 2I, H], down [E, H, I]
     (contiguous); the rest as there."""
@@ -686,7 +676,8 @@ def moe_float_gemv(
         return pair_gemv_float(x, matrices[name], ids, rows, tiles_)
 
     inner = gate_up.shape[1] // 2
-    return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual)
+    return _moe_gemv(x, inner, weights, ids, project, shared, shared_gate, residual,
+                     shared_gate_weight)  # fmt: skip
 
 
 def use_float_gemv(pairs: int) -> bool:

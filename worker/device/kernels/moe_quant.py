@@ -282,24 +282,27 @@ def fused_moe_quant_triton(
     aligned: AlignedPairs | None = None,
     gemv: bool | None = None,
     dequant: bool | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe_triton`` over quantized experts: x [T, H]; gate_up [E, 2I, H] and down
     [E, H, I] as ``ExpertMatrix``; weights [T, k] in x's dtype; ids [T, k] int64; shared
-    [T, H], shared_gate [T, 1], residual [T, H] -> [T, H] in x's dtype (``aligned`` as
-    there). ``gemv``: the per-pair GEMVs of ``moe_gemv.moe_quant_gemv`` instead of the grouped GEMMs
-    (None: for steps of at most GEMV_MAX_PAIRS pairs, ``use_gemv``). Otherwise ``dequant``
-    (None: ``use_dequant``): the hit experts dequantized to a float scratch, then the float
-    grouped GEMMs; else the quantized grouped GEMMs (tiles dequantized in registers)."""
+    [T, H], shared_gate [T, 1] (or ``shared_gate_weight``), residual [T, H] -> [T, H] in x's
+    dtype (``aligned`` as there). ``gemv``: the per-pair GEMVs of ``moe_gemv.moe_quant_gemv``
+    instead of the grouped GEMMs (None: for steps of at most GEMV_MAX_PAIRS pairs,
+    ``use_gemv``). Otherwise ``dequant`` (None: ``use_dequant``): the hit experts dequantized
+    to a float scratch, then the float grouped GEMMs; else the quantized grouped GEMMs (tiles
+    dequantized in registers)."""
     if gemv is None:
         gemv = use_gemv(ids.numel())
     if gemv:
-        return moe_quant_gemv(x, gate_up, down, weights, ids, shared, shared_gate, residual)
+        return moe_quant_gemv(x, gate_up, down, weights, ids, shared, shared_gate, residual,
+                              shared_gate_weight=shared_gate_weight)  # fmt: skip
     if dequant if dequant is not None else use_dequant():
         hit = hit_experts(ids, gate_up.shape[0])
         gate_up_weights = dequantize_experts(gate_up, hit, x.dtype)
         down_weights = dequantize_experts(down, hit, x.dtype)
         return fused_moe_triton(x, gate_up_weights, down_weights, weights, ids, blocks, shared,
-                                shared_gate, residual, aligned)  # fmt: skip
+                                shared_gate, residual, aligned, shared_gate_weight)  # fmt: skip
     tokens, hidden = x.shape
     num_experts, two_inner, _ = gate_up.shape
     inner = two_inner // 2
@@ -334,4 +337,4 @@ def fused_moe_quant_triton(
         EVEN_N=hidden % blocks.down_n == 0, IEEE=ieee,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip
-    return combine_pairs(out, tokens, top_k, shared, shared_gate, residual)
+    return combine_pairs(out, tokens, top_k, shared, shared_gate, residual, x, shared_gate_weight)
