@@ -391,7 +391,8 @@ def quant_prefill(tokens: int, kind: str) -> None:
         f"dequant path {t_q / t_deq:.1f}x faster")  # fmt: skip
 
 
-# GemvTiles fields: (block_n, warps, programs); programs 1: no K split (gate_up's kernel gated)
+# the per-pair kernel's GemvTiles fields: (block_n, warps, programs); programs 1: no K split
+# (gate_up's kernel gated)
 GEMV_SWEEP = [(128, 4, 264), (128, 2, 264), (64, 4, 264), (128, 4, 132), (128, 2, 528),
               (64, 4, 528), (32, 4, 1), (64, 4, 1), (32, 8, 1), (64, 8, 1), (128, 4, 1),
               (16, 4, 1)]  # fmt: skip
@@ -420,7 +421,7 @@ def gemv_sweep(tokens: int, kind: str) -> None:
                                                   dequant=False))  # fmt: skip
     log(f"gemv_sweep_{kind}_t{tokens}_grouped_us", round(t * 1e6, 1), f"{read / t / 1e12:.2f} TB/s")
     for choice in GEMV_SWEEP:
-        tiles = GemvTiles(*choice)
+        tiles = GemvTiles(*choice, lanes=0)  # the per-pair kernel's tiles
         try:
             t = graph_time(lambda c=tiles: moe_quant_gemv(x, gu, dn, weights, ids, t=c))
             err = rel(moe_quant_gemv(x, gu, dn, weights, ids, t=tiles), want)

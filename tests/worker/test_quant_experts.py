@@ -582,6 +582,7 @@ def test_gemv_splits_cover_k_without_empty_splits(triton_ready: None) -> None:
         GemvTiles,
         float_split_for,
         split_for,
+        tiles,
     )
 
     for pairs, n, groups in [(8, 1024, 64), (8, 2048, 16), (1, 10, 9), (6, 80, 5), (256, 1024, 64)]:
@@ -589,9 +590,8 @@ def test_gemv_splits_cover_k_without_empty_splits(triton_ready: None) -> None:
         split, span = split_for(pairs, n, groups, t)
         assert (split - 1) * span < groups <= split * span
         assert span % t.warps == 0 or split == 1
-    assert split_for(256, 1024, 64, GemvTiles()) == (1, 64)  # 32 tokens: one split
-    assert split_for(8, 1024, 64, GemvTiles()) == (8, 8)  # 1 token: 8 splits of 8 groups
-    assert split_for(8, 1024, 64, GemvTiles(lanes=0)) == (4, 16)  # the per-pair kernel
+    assert tiles(256).lanes == 4 and split_for(256, 1024, 64, tiles(256)) == (1, 64)  # 32 tokens
+    assert tiles(8).lanes == 0 and split_for(8, 1024, 64, tiles(8)) == (4, 16)  # 1 token: 4 x 16
     for pairs, n, k in [(8, 1024, 2048), (8, 2048, 512), (2, 48, 24), (3, 64, 40)]:
         t = FloatTiles()
         split, span = float_split_for(pairs, n, k, t)

@@ -432,14 +432,14 @@ def _combine_kernel(
     pairs_ptr, shared_ptr, gate_ptr, residual_ptr, out_ptr, stride_gate, stride_residual, HIDDEN,
     route_ptr, PAIRS, x_ptr, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, ROUTED: tl.constexpr, BLOCK: tl.constexpr,
-    GATE_FROM_X: tl.constexpr,
+    GATE_FROM_X: tl.constexpr, GATE_K: tl.constexpr,
 ):  # fmt: skip
     """out[t] = round(sum_j pairs[t, j]) (+ round(round(sigmoid(gate[t])) * shared[t])), each
     sum rounded; then residual[t] + that, rounded, when given. ROUTED: pairs are fp32 partial
     sums [SPLIT, PAIRS, HIDDEN] not yet routed; pair p is round(round(sum_s) * route[p])
     (``_store_routed``'s rounding; worker.device.kernels.moe_gemv). GATE_FROM_X: gate_ptr is
     the shared expert gate's weight [HIDDEN] and gate[t] = round(x[t] . weight) (fp32 sum),
-    x [T, HIDDEN] contiguous."""
+    x [T, HIDDEN] contiguous, GATE_K a power of two >= HIDDEN."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -457,14 +457,12 @@ def _combine_kernel(
             acc += tl.load(pairs_ptr + pair * HIDDEN + offs, mask=mask).to(tl.float32)
     out = acc.to(out_ty).to(tl.float32)
     if HAS_SHARED:
-        if GATE_FROM_X:
-            dot = tl.zeros([BLOCK], dtype=tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK):
-                ks = k0 + tl.arange(0, BLOCK)
-                in_k = ks < HIDDEN
-                xk = tl.load(x_ptr + token * HIDDEN + ks, mask=in_k, other=0.0).to(tl.float32)
-                dot += xk * tl.load(gate_ptr + ks, mask=in_k, other=0.0).to(tl.float32)
-            logit = tl.sum(dot, 0).to(out_ty).to(tl.float32)
+        if GATE_FROM_X:  # the whole row in one load: no loop of dependent round trips
+            ks = tl.arange(0, GATE_K)
+            in_k = ks < HIDDEN
+            xk = tl.load(x_ptr + token * HIDDEN + ks, mask=in_k, other=0.0).to(tl.float32)
+            wk = tl.load(gate_ptr + ks, mask=in_k, other=0.0).to(tl.float32)
+            logit = tl.sum(xk * wk, 0).to(out_ty).to(tl.float32)
         else:
             logit = tl.load(gate_ptr + token * stride_gate).to(tl.float32)
         scale = (1.0 / (1.0 + tl.exp(-logit))).to(out_ty).to(tl.float32)
@@ -565,6 +563,7 @@ def combine_pairs(
             x.contiguous() if gate_from_x else out,  # type: ignore[union-attr]
             TOP_K=top_k, HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None,
             SPLIT=out.shape[0] if route is not None else 1, ROUTED=route is not None,
-            BLOCK=256, GATE_FROM_X=gate_from_x, num_warps=2,
+            BLOCK=256, GATE_FROM_X=gate_from_x, GATE_K=triton.next_power_of_2(hidden),
+            num_warps=2,
         )  # fmt: skip
     return result

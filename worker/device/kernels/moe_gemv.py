@@ -22,15 +22,17 @@ int8's 128) applies once. int8 words are XORed with 0x80808080 first, so their c
 code + 128. Each weight is ``code * scale (+ offset)`` in fp32, as
 ``worker.layers.quant.dequantize``. Two kernels:
 
-- ``_pair_gemv_lanes_kernel`` (the default, ``GemvTiles.lanes``): each lane takes 4 adjacent
-  columns of 2 or 4 [WARPS, 128] tiles (one 128-bit load a word row), so the x values a
-  lane loads serve 8-16 columns, and x is scaled per code position (``_x_scale``) so that
-  one accumulator takes all of a word's codes: ~3 instructions per weight and pair (sm_90
-  SASS), 48-80 registers.
-- ``_pair_gemv_kernel``: one accumulator per code position, x scaled by 2^90. Its [WARPS,
-  COLS] tiles are laid out by Triton with the warps along the columns (the gated gate_up's
-  columns are not provably contiguous), so every lane holds all WARPS groups of 1-2 columns
-  and converts each x value for them: ~6.5 instructions per weight and pair.
+- ``_pair_gemv_lanes_kernel`` (steps of at least LANES_MIN_PAIRS pairs; ``GemvTiles.lanes``):
+  each lane takes 4 adjacent columns of 2 or 4 [WARPS, 128] tiles (one 128-bit load a word
+  row), so the x values a lane loads serve 8-16 columns, and x is scaled per code position
+  (``_x_scale``) so that one accumulator takes all of a word's codes: ~2.8-3.1
+  instructions per weight and pair (sm_90 SASS, Triton 3.6), 56-96 registers. One layer of
+  the 35B-A3B shape at 32 tokens: 126.9 us against 168.4 (H200).
+- ``_pair_gemv_kernel`` (fewer pairs: faster at 1-4 tokens, where the lanes kernel splits K
+  finely): one accumulator per code position, x scaled by 2^90. Its [WARPS, COLS] tiles
+  are laid out by Triton with the warps along the columns (the gated gate_up's columns are
+  not provably contiguous), so each lane holds all WARPS groups of a few columns and
+  converts each x value for them: ~4.4 instructions per weight and pair.
 
 Float: [BLOCK_N, BLOCK_K] tiles of the expert's rows (K contiguous), fp32 products summed
 along K at the end.
@@ -71,7 +73,7 @@ class GemvTiles:
     block_n: int = 128
     warps: int = 4
     programs: int = 264  # 2 per SM of an H200 (the fastest of 12 tiles at 1 token)
-    lanes: int = 2
+    lanes: int = 4
 
     @property
     def program_n(self) -> int:
@@ -79,11 +81,21 @@ class GemvTiles:
         return self.lanes * self.block_n if self.lanes else self.block_n
 
 
-def tiles() -> GemvTiles:
-    """The default tiles, or TOKENPIPE_MOE_GEMV_TILES (three or four comma-separated fields:
-    the tile sweep's choice, tools/bench_qwen3_5_moe_kernels.py)."""
+LANES_MIN_PAIRS = 64
+"""Steps of at least this many pairs (8 tokens of top 8) take the lanes kernel. H200, one
+layer of int4 g32 experts (session 10): 32 tokens 126.9 us (4 tiles; 2 tiles 135.2) against
+the per-pair kernel's 168.4; 4 tokens 34.6 against 32.5, 1 token 17.5 against 14.9 (its
+K splits: the per-pair kernel stays below)."""
+
+
+def tiles(pairs: int = LANES_MIN_PAIRS) -> GemvTiles:
+    """The tiles of a step of ``pairs`` pairs (the lanes kernel from LANES_MIN_PAIRS, else the
+    per-pair kernel), or TOKENPIPE_MOE_GEMV_TILES (three or four comma-separated fields: the
+    tile sweep's choice, tools/bench_qwen3_5_moe_kernels.py)."""
     override = os.environ.get("TOKENPIPE_MOE_GEMV_TILES")
-    return GemvTiles(*(int(v) for v in override.split(","))) if override else GemvTiles()
+    if override:
+        return GemvTiles(*(int(v) for v in override.split(",")))
+    return GemvTiles() if pairs >= LANES_MIN_PAIRS else GemvTiles(lanes=0)
 
 
 def split_for(pairs: int, n: int, groups: int, t: GemvTiles) -> tuple[int, int]:
@@ -635,7 +647,7 @@ def moe_quant_gemv(
     """``moe_quant.fused_moe_quant_triton`` for a few tokens: x [T, H]; weights [T, k] in x's
     dtype; ids [T, k] int64 -> [T, H] in x's dtype. ``order`` [T * k] int32: the pairs in
     the order the lanes kernel's programs take them (by expert: ``expert_order``)."""
-    tiles_ = t or tiles()
+    tiles_ = t or tiles(ids.numel())
     matrices = {"gate_up_proj": gate_up, "down_proj": down}
 
     def project(
