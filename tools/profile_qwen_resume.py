@@ -332,10 +332,17 @@ def main() -> int:
     p.add_argument("--context", type=int, default=0, help="default: what the cases need")
     p.add_argument("--profile", action="store_true", help="torch.profiler over timed turns")
     p.add_argument("--cprofile", action="store_true", help="cProfile of one warm turn")
-    p.add_argument("--cprofile-cold", action="store_true",
-                   help="cProfile of a stateless cold prompt (host time by function)")
-    p.add_argument("--prefix-cache-gb", type=float, default=None,
-                   help="the worker's --prefix-cache-gb (default: its default)")
+    p.add_argument(
+        "--cprofile-cold",
+        action="store_true",
+        help="cProfile of a stateless cold prompt (host time by function)",
+    )
+    p.add_argument(
+        "--prefix-cache-gb",
+        type=float,
+        default=None,
+        help="the worker's --prefix-cache-gb (default: its default)",
+    )
     p.add_argument("--cprofile-decode", action="store_true",
                    help="cProfile of a batch-1 decode (by own time)")  # fmt: skip
     p.add_argument("--profile-decode", action="store_true", help="torch.profiler over decode")
