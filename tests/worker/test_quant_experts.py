@@ -539,14 +539,15 @@ def test_staged_float_load_fills_the_fused_experts_from_per_expert_tensors(tmp_p
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["apart", "in_proj"])
+@pytest.mark.parametrize("fused", [0, 1, 2], ids=["apart", "in_proj", "in_proj_long_step"])
 def test_sparse_moe_forward_takes_the_quantized_kernels(
-    triton_ready: None, monkeypatch: pytest.MonkeyPatch, fused: bool
+    triton_ready: None, monkeypatch: pytest.MonkeyPatch, fused: int
 ) -> None:
     """SparseMoE.forward with QuantExperts on the Triton path (router, grouped GEMMs, shared
     expert in the combine) equals its CPU path; ``in_proj``: the router and the shared
     expert's gate/up rows merged (E + 2I rows) and the shared expert gate's logit computed in
-    the combine (``gate_in_combine``)."""
+    the combine (``gate_in_combine``), or by its own matmul in a step longer than
+    GATE_IN_COMBINE_MAX_TOKENS."""
     from test_models_qwen3_5_moe import _text_config
 
     import worker.layers.deltanet as deltanet
@@ -589,10 +590,12 @@ def test_sparse_moe_forward_takes_the_quantized_kernels(
             monkeypatch.setattr(deltanet, "FUSED_PROJECTION_DEVICES", (DEVICE.type,))
             layer.fuse_projections()
             assert layer.in_proj is not None and layer.gate_in_combine
+            if fused == 2:
+                monkeypatch.setattr(moe_module, "GATE_IN_COMBINE_MAX_TOKENS", 4)
             rows = layer.in_proj.out_features  # a multiple of 8: no shared gate row
             assert rows == 8 + 2 * layer.shared_expert.inner and rows % 8 == 0
         got = layer(x.to(DEVICE)).cpu()
-    assert calls == [fused]
+    assert calls == [fused == 1]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -32,6 +32,11 @@ from worker.layers.blocks import GatedMLP, _concat_linears, activation
 from worker.layers.quant_experts import QuantExperts
 from worker.models.config import ModelConfig
 
+GATE_IN_COMBINE_MAX_TOKENS = 64
+"""Steps of up to this many tokens compute the shared expert gate's logit in the combine
+launch (``gate_in_combine``; each of a token's programs does the H-long dot, free at decode
+sizes); longer steps (prefill chunks) run its one-row matmul instead."""
+
 
 class FusedExperts(nn.Module):
     """``mlp.experts``: every expert's weights in two tensors (HF names)."""
@@ -202,6 +207,8 @@ class SparseMoE(nn.Module):
         )
 
         experts = self.experts
+        if shared_gate is None and x.shape[0] > GATE_IN_COMBINE_MAX_TOKENS:
+            shared_gate = self.shared_expert_gate(x)  # every combine program would redo the dot
         gate_weight = self.shared_expert_gate.weight if shared_gate is None else None
         quantized = isinstance(experts, QuantExperts)
         blocks = choose_blocks(x.shape[0], x.shape[1], experts.inner, quantized)
