@@ -13,6 +13,7 @@ import torch
 
 from worker.device import cpu_gemv, cpu_quant
 from worker.layers import quant as Q
+from worker.loading.checkpoint import ModelLoadError
 from worker.loading.quantize import QuantizeOptions
 
 needs_kernel = pytest.mark.skipif(not cpu_quant.available(), reason="no CPU kernel")
@@ -410,3 +411,66 @@ def test_importance_file_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert choice(QuantizeOptions("int4", 32, str(mine)), None) == str(mine)
     with pytest.raises(ValueError, match="--quant-importance: no file"):
         QuantizeOptions("int4", 32, str(tmp_path / "missing.safetensors"))
+
+
+def test_input_scales_fold_into_the_layers_that_feed_them(
+    tiny_checkpoint_factory: Any, tmp_path: Path
+) -> None:
+    """Activation-aware scales in an importance file (``"<module>.input_scale"``): the scaled
+    layers store their weight times the scales (columns), the norms before attention and the
+    MLP and the up projection's rows divide by them, so the model computes what the float
+    model does up to int4's rounding (a fold left out would be off by the scales, 0.25-4x);
+    scales that q/k/v do not share are refused, naming the norm."""
+    from safetensors.torch import save_file
+
+    from worker.loading.loader import load_model
+    from worker.models.step import StepInput
+
+    directory = tiny_checkpoint_factory(config_overrides={"num_hidden_layers": 2})
+    generator = torch.Generator().manual_seed(7)
+    stats = {}
+    for i in range(2):
+        attn, mlp, down = (
+            4.0 ** (2 * torch.rand(k, generator=generator) - 1) for k in (64, 64, 128)
+        )
+        for name, scale in [("self_attn.q_proj", attn), ("self_attn.k_proj", attn),
+                            ("self_attn.v_proj", attn), ("mlp.gate_proj", mlp),
+                            ("mlp.up_proj", mlp), ("mlp.down_proj", down)]:  # fmt: skip
+            stats[f"model.layers.{i}.{name}.input_scale"] = scale.clone()
+    path = tmp_path / "scales.safetensors"
+    save_file(stats, str(path))
+
+    def load(mode: str, file: str | None) -> Any:
+        options = QuantizeOptions(mode, 32, file)
+        return load_model(directory, "cpu", torch.float32, progress=False, quantize=options).model
+
+    reference, plain, scaled = load("none", None), load("int4", "none"), load("int4", str(path))
+    layer, float_layer = scaled.model.layers[0], reference.model.layers[0]
+    attn = stats["model.layers.0.self_attn.q_proj.input_scale"]
+    norm, float_norm = layer.input_layernorm.weight, float_layer.input_layernorm.weight
+    torch.testing.assert_close(norm, float_norm / attn)  # llama's norm: offset 0
+    up, down = layer.mlp.up_proj, layer.mlp.down_proj
+    down_scale = stats["model.layers.0.mlp.down_proj.input_scale"]
+    assert up.row_divisor is not None and torch.equal(up.row_divisor, down_scale)
+    pairs = [(down, float_layer.mlp.down_proj.weight), (up, float_layer.mlp.up_proj.weight)]
+    for module, float_weight in pairs:
+        rows = 1.0 if module is down else down_scale[:, None]
+        weight = float_weight / rows
+        stored = module.quantized.dequantize()
+        # int4 of these random weights: ~8% plain, more where a column was scaled down
+        assert float((stored / module.input_scale - weight).norm() / weight.norm()) < 0.4
+        assert float((stored - weight).norm() / weight.norm()) > 0.8  # stored scaled
+    prompt = StepInput.single(list(range(5, 14)), 0, 0)
+
+    def logits(model: Any) -> torch.Tensor:
+        return model(prompt, model.make_kv_cache(1, 32))
+
+    want = logits(reference)
+    plain_error = float((logits(plain) - want).norm() / want.norm())
+    scaled_error = float((logits(scaled) - want).norm() / want.norm())
+    assert scaled_error < 3 * plain_error + 0.02, (scaled_error, plain_error)
+
+    stats["model.layers.1.self_attn.k_proj.input_scale"] = torch.ones(64)
+    save_file(stats, str(path))
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.input_layernorm.*share one input"):
+        load("int4", str(path))

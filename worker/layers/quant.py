@@ -361,6 +361,12 @@ class QuantLinear(nn.Module):
         # [in_features]: weights the int4 fit of a float weight by input channel when set
         # (``worker.loading.quantize.set_importance``, from calibration statistics)
         self.importance: torch.Tensor | None = None
+        # activation-aware scales (``set_importance``): a float weight's columns are multiplied
+        # by ``input_scale`` [in_features] and its rows divided by ``row_divisor``
+        # [out_features] before it is quantized; the layer feeding the input divides by the
+        # same scales, so the float product is unchanged and only the rounding moves
+        self.input_scale: torch.Tensor | None = None
+        self.row_divisor: torch.Tensor | None = None
 
     @staticmethod
     def from_weight(qw: QuantizedWeight, bias: torch.Tensor | None = None) -> QuantLinear:
@@ -373,10 +379,19 @@ class QuantLinear(nn.Module):
     def load(self, value: torch.Tensor | QuantizedWeight) -> None:
         """Fill the weight: a float tensor is quantized to this layer's format."""
         shape = (self.out_features, self.in_features)
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
+            value = self._prescaled(value)
         self.quantized = _loaded(
             self.name, value, shape, self.format, "layer's", True, self.importance
         )
         self.cpu_packed = None
+
+    def _prescaled(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            weight = weight * self.input_scale.to(weight.device, weight.dtype)
+        if self.row_divisor is not None:
+            weight = weight / self.row_divisor.to(weight.device, weight.dtype)[:, None]
+        return weight
 
     @property
     def nbytes(self) -> int:

@@ -238,6 +238,8 @@ def load_model(
             model.load_weights(_with_progress(pairs, total, label, progress and total > 0))
         except ValueError as exc:
             raise ModelLoadError(f"{checkpoint.path}: {exc}") from exc
+        if quantized is not None:
+            quantized.finish(model)
     if shard is not None:
         shard.parallelize(model)
     if quantized is not None:
