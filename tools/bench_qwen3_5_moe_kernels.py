@@ -16,7 +16,7 @@
   ``FLOAT_GEMV_SWEEP``);
   ``routing_32``: the routing launches of 32 tokens alone;
   ``lanes_{1,4,32}``: int4 experts, the per-pair kernel against the lanes kernel's tiles and
-  the expert order; ``experts_32``: the expert kernel (an expert's pairs two at a time);
+  the expert order;
   ``sweep_deltanet_{1,32}``: the DeltaNet decode step's per value-dims tile and warps.
 
 Prints one line per figure and writes DIR/bench_qwen3_5_moe_kernels.json.
@@ -437,10 +437,6 @@ LANES_SWEEP = [(128, 4, 264, 0), (128, 4, 264, 2), (128, 4, 264, 4), (128, 8, 26
                (128, 8, 264, 4), (128, 2, 264, 2), (64, 4, 264, 2), (128, 4, 528, 2)]  # fmt: skip
 
 
-# (block_n, warps, programs, lanes, by_expert): the expert kernel against the lanes kernel
-EXPERTS_SWEEP = [(128, 4, 264, 4, 0), (128, 4, 264, 2, 1), (128, 2, 264, 2, 1), (128, 8, 264, 2, 1)]
-
-
 def lanes_sweep(
     tokens: int, sweep: list[tuple[int, ...]] = LANES_SWEEP, order: bool = True
 ) -> None:
@@ -567,7 +563,6 @@ def main() -> int:
         ("gemv_int8_1", lambda: gemv_sweep(1, "int8")),
         ("routing_32", lambda: routing(32)),
         ("lanes_32", lambda: lanes_sweep(32)),
-        ("experts_32", lambda: lanes_sweep(32, EXPERTS_SWEEP, order=False)),
         ("lanes_1", lambda: lanes_sweep(1, LANES_SWEEP[:3], order=False)),
         ("lanes_4", lambda: lanes_sweep(4, LANES_SWEEP[:3], order=False)),
         ("sweep_deltanet_1", lambda: deltanet_sweep(1)),

@@ -283,39 +283,16 @@ def test_lanes_gemv_tiles_and_expert_order_match_the_reference(
     order = expert_order(ids.to(DEVICE))
     assert order.cpu().tolist() == torch.argsort(ids.reshape(-1), stable=True).tolist()
     args = (x.to(DEVICE), gu, dn, weights.to(DEVICE), ids.to(DEVICE))
-    by_expert = GemvTiles(block_n=32, warps=2, programs=200, by_expert=1)  # K split too
-    for t, pairs_order in [(split_tiles, None), (one_split, order), (by_expert, None)]:
+    for t, pairs_order in [(split_tiles, None), (one_split, order)]:
         got = moe_quant_gemv(*args, residual=residual.to(DEVICE), t=t, order=pairs_order).cpu()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     bf16 = (x.to(DEVICE).bfloat16(), gu, dn, weights.to(DEVICE).bfloat16(), ids.to(DEVICE))
     old = moe_quant_gemv(*bf16, t=GemvTiles(32, 2, 200, lanes=0)).cpu().float()
-    for t in (split_tiles, one_split, GemvTiles(block_n=32, warps=2, programs=1, by_expert=1)):
-        got = moe_quant_gemv(*bf16, t=t, order=None if t.by_expert else order).cpu()
+    for t in (split_tiles, one_split):
+        got = moe_quant_gemv(*bf16, t=t, order=order).cpu()
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want - residual, rtol=0.03, atol=0.03)
         assert (got.float() - old).abs().max() <= 0.02
-
-
-def test_expert_gemv_takes_every_pair_of_a_crowded_expert(triton_ready: None) -> None:
-    """The expert kernel (``_expert_gemv_lanes_kernel``) with one expert chosen by all five
-    tokens (passes of two, two and one rows) and experts of one row: the CPU MoE's result."""
-    from worker.device.kernels.moe_gemv import GemvTiles, moe_quant_gemv
-
-    fmt = QuantFormat("int4", 8)
-    gen = torch.Generator().manual_seed(13)
-    tokens, hidden, inner, top_k = 5, 32, 16, 2
-    gate_up, down = _float_experts(6, hidden, inner, gen)
-    x = torch.randn(tokens, hidden, generator=gen)
-    ids = torch.tensor([[0, 1], [0, 2], [3, 0], [0, 1], [5, 0]])  # expert 0: five pairs
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
-    reference = _moe(gate_up, down, _fused(_reference(gate_up, fmt), _reference(down, fmt)))
-    want = reference._experts(x, weights, ids)  # type: ignore[operator]
-    module = _quantized(gate_up, down, fmt).to(DEVICE)
-    got = moe_quant_gemv(
-        x.to(DEVICE), module.matrix("gate_up_proj"), module.matrix("down_proj"),
-        weights.to(DEVICE), ids.to(DEVICE), t=GemvTiles(32, 2, 1, by_expert=1),
-    ).cpu()  # fmt: skip
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def _tiny_checkpoint(tmp_path: Path, per_expert: bool, layers: int = 8) -> Path:

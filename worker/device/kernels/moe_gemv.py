@@ -33,9 +33,6 @@ code + 128. Each weight is ``code * scale (+ offset)`` in fp32, as
   are laid out by Triton with the warps along the columns (the gated gate_up's columns are
   not provably contiguous), so each lane holds all WARPS groups of a few columns and
   converts each x value for them: ~4.4 instructions per weight and pair.
-- ``_expert_gemv_lanes_kernel`` (``GemvTiles.by_expert``, off by default, being measured):
-  the lanes kernel's arithmetic with a program per expert taking its pairs two at a time,
-  so an expert's words are read (and their codes extracted) once per two pairs.
 
 Float: [BLOCK_N, BLOCK_K] tiles of the expert's rows (K contiguous), fp32 products summed
 along K at the end.
@@ -77,13 +74,10 @@ class GemvTiles:
     warps: int = 4
     programs: int = 264  # 2 per SM of an H200 (the fastest of 12 tiles at 1 token)
     lanes: int = 4
-    by_expert: int = 0  # 1: ``_expert_gemv_lanes_kernel`` (two tiles; lanes ignored)
 
     @property
     def program_n(self) -> int:
         """The columns of an [E, N, K] matrix one program covers (gate_up: gate and up)."""
-        if self.by_expert:
-            return 2 * self.block_n
         return self.lanes * self.block_n if self.lanes else self.block_n
 
 
@@ -509,161 +503,6 @@ def _pair_gemv_lanes_kernel(
 
 
 @triton.jit
-def _row_x(x_row, rows, mask, INT4_KIND: tl.constexpr, X_BF16: tl.constexpr):
-    """One word row's x values ([WARPS, 1] each, scaled by ``_x_scale``) and their sum."""
-    P: tl.constexpr = 8 if INT4_KIND else 4
-    XK: tl.constexpr = 2 if X_BF16 else 1
-    xk = rows * (P // XK)
-    x0 = _x_value(x_row, xk, mask, X_BF16, False)
-    x1 = _x_value(x_row, xk + (1 // XK), mask, X_BF16, XK == 2)
-    x2 = _x_value(x_row, xk + (2 // XK), mask, X_BF16, False)
-    x3 = _x_value(x_row, xk + (3 // XK), mask, X_BF16, XK == 2)
-    total = x0 + x1 + x2 + x3
-    if INT4_KIND:
-        x4 = _x_value(x_row, xk + (4 // XK), mask, X_BF16, False)
-        x5 = _x_value(x_row, xk + (5 // XK), mask, X_BF16, XK == 2)
-        x6 = _x_value(x_row, xk + (6 // XK), mask, X_BF16, False)
-        x7 = _x_value(x_row, xk + (7 // XK), mask, X_BF16, XK == 2)
-        total += x4 + x5 + x6 + x7
-    else:
-        x4 = x0
-        x5 = x0
-        x6 = x0
-        x7 = x0
-    return (
-        (x0 * _x_scale(0, INT4_KIND))[:, None], (x1 * _x_scale(1, INT4_KIND))[:, None],
-        (x2 * _x_scale(2, INT4_KIND))[:, None], (x3 * _x_scale(3, INT4_KIND))[:, None],
-        (x4 * _x_scale(4, INT4_KIND))[:, None], (x5 * _x_scale(5, INT4_KIND))[:, None],
-        (x6 * _x_scale(6, INT4_KIND))[:, None], (x7 * _x_scale(7, INT4_KIND))[:, None], total,
-    )  # fmt: skip
-
-
-@triton.jit
-def _expert_gemv_lanes_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, o_ptr, part_ptr, PAIRS, SPAN,
-    X_DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr,
-    INT4_KIND: tl.constexpr, LANE_N: tl.constexpr, WARPS: tl.constexpr, GATED: tl.constexpr,
-    X_BF16: tl.constexpr, PAIRS_P2: tl.constexpr,
-):  # fmt: skip
-    """``_pair_gemv_lanes_kernel`` (two tiles) per expert: program (e, ...) takes every pair
-    of expert e (found in ids; none: it returns at once), two at a time (``_expert_rows``),
-    each word's codes extracted once for both, so an expert's weights are read once per two
-    of its pairs instead of once per pair. ids out of [0, E): their rows are not written."""
-    P: tl.constexpr = 8 if INT4_KIND else 4
-    GROUPS: tl.constexpr = K // GROUP
-    XK: tl.constexpr = 2 if X_BF16 else 1
-    expert = tl.program_id(0)
-    split = tl.program_id(2)
-    offs_p = tl.arange(0, PAIRS_P2)
-    hit = tl.load(ids_ptr + offs_p, mask=offs_p < PAIRS, other=-1) == expert
-    count = tl.sum(hit.to(tl.int32), 0)
-    if count == 0:
-        return
-    rank = tl.cumsum(hit.to(tl.int32), 0) - 1
-    if GATED:
-        cols_a = tl.program_id(1) * LANE_N + tl.arange(0, LANE_N)
-        mask_a = cols_a < N // 2
-        cols_b = cols_a + N // 2
-        mask_b = mask_a
-    else:
-        cols_a = tl.program_id(1) * (2 * LANE_N) + tl.arange(0, LANE_N)
-        mask_a = cols_a < N
-        cols_b = cols_a + LANE_N
-        mask_b = cols_b < N
-    w_base = w_ptr + expert.to(tl.int64) * (K // P * N)
-    meta_base = expert.to(tl.int64) * (GROUPS * N)
-    first = split * SPAN
-    last = tl.minimum(first + SPAN, GROUPS)
-    for c0 in range(0, count, 2):
-        pair0 = tl.sum(tl.where(hit & (rank == c0), offs_p, 0), 0)
-        pair1 = tl.sum(tl.where(hit & (rank == c0 + 1), offs_p, 0), 0)  # 0 when absent
-        x_row0 = x_ptr + (pair0 // X_DIV).to(tl.int64) * (K // XK)
-        x_row1 = x_ptr + (pair1 // X_DIV).to(tl.int64) * (K // XK)
-        if c0 + 1 < count:
-            acc_a0, acc_b0, acc_a1, acc_b1 = _expert_rows(
-                x_row0, x_row1, w_base, s_ptr, o_ptr, meta_base, cols_a, cols_b, mask_a,
-                mask_b, first, last, N, GROUP, INT4_KIND, LANE_N, WARPS, X_BF16, True,
-            )  # fmt: skip
-            _store_lanes(acc_a1, acc_b1, cols_a, cols_b, mask_a, mask_b, part_ptr, pair1,
-                         split, PAIRS, N, GATED)  # fmt: skip
-        else:
-            acc_a0, acc_b0, acc_a1, acc_b1 = _expert_rows(
-                x_row0, x_row1, w_base, s_ptr, o_ptr, meta_base, cols_a, cols_b, mask_a,
-                mask_b, first, last, N, GROUP, INT4_KIND, LANE_N, WARPS, X_BF16, False,
-            )  # fmt: skip
-        _store_lanes(acc_a0, acc_b0, cols_a, cols_b, mask_a, mask_b, part_ptr, pair0, split,
-                     PAIRS, N, GATED)  # fmt: skip
-
-
-@triton.jit
-def _expert_rows(
-    x_row0, x_row1, w_base, s_ptr, o_ptr, meta_base, cols_a, cols_b, mask_a, mask_b, first,
-    last, N: tl.constexpr, GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
-    LANE_N: tl.constexpr, WARPS: tl.constexpr, X_BF16: tl.constexpr, TWO: tl.constexpr,
-):  # fmt: skip
-    """The expert kernel's sums (* 2^-60) of one or (TWO) two rows over groups [first, last):
-    (tile a, tile b) of row 0, then of row 1 (zeros unless TWO)."""
-    P: tl.constexpr = 8 if INT4_KIND else 4
-    R: tl.constexpr = GROUP // P
-    lanes = tl.arange(0, WARPS)
-    acc_a0 = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
-    acc_b0 = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
-    acc_a1 = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
-    acc_b1 = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
-    for g0 in range(first, last, WARPS):
-        g = g0 + lanes
-        mask_g = g < last
-        in_a = mask_g[:, None] & mask_a[None, :]
-        in_b = mask_g[:, None] & mask_b[None, :]
-        d_a0 = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
-        d_b0 = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
-        d_a1 = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
-        d_b1 = tl.zeros([WARPS, LANE_N], dtype=tl.float32)
-        xs0 = tl.zeros([WARPS], dtype=tl.float32)
-        xs1 = tl.zeros([WARPS], dtype=tl.float32)
-        for r in tl.static_range(R):
-            rows = g * R + r
-            row_ptr = w_base + rows[:, None] * N
-            word_a = tl.load(row_ptr + cols_a[None, :], mask=in_a, other=0)
-            word_b = tl.load(row_ptr + cols_b[None, :], mask=in_b, other=0)
-            if not INT4_KIND:
-                word_a = word_a ^ -2139062144  # 0x80808080: each signed byte + 128
-                word_b = word_b ^ -2139062144
-            xa, xb, xc, xd, xe, xf, xg, xh, total = _row_x(x_row0, rows, mask_g, INT4_KIND,
-                                                           X_BF16)  # fmt: skip
-            xs0 += total
-            d_a0 = _word_dot(word_a, xa, xb, xc, xd, xe, xf, xg, xh, d_a0, INT4_KIND)
-            d_b0 = _word_dot(word_b, xa, xb, xc, xd, xe, xf, xg, xh, d_b0, INT4_KIND)
-            if TWO:
-                xa, xb, xc, xd, xe, xf, xg, xh, total = _row_x(x_row1, rows, mask_g, INT4_KIND,
-                                                               X_BF16)  # fmt: skip
-                xs1 += total
-                d_a1 = _word_dot(word_a, xa, xb, xc, xd, xe, xf, xg, xh, d_a1, INT4_KIND)
-                d_b1 = _word_dot(word_b, xa, xb, xc, xd, xe, xf, xg, xh, d_b1, INT4_KIND)
-        meta_a = meta_base + g[:, None] * N + cols_a[None, :]
-        meta_b = meta_base + g[:, None] * N + cols_b[None, :]
-        scale_a = tl.load(s_ptr + meta_a, mask=in_a, other=0.0).to(tl.float32)
-        scale_b = tl.load(s_ptr + meta_b, mask=in_b, other=0.0).to(tl.float32)
-        xs0 = (xs0 * 8.673617379884035e-19)[:, None]  # 2^-60, as the d's
-        xs1 = (xs1 * 8.673617379884035e-19)[:, None]
-        if INT4_KIND:
-            offset_a = tl.load(o_ptr + meta_a, mask=in_a, other=0.0).to(tl.float32)
-            offset_b = tl.load(o_ptr + meta_b, mask=in_b, other=0.0).to(tl.float32)
-            acc_a0 += d_a0 * scale_a + offset_a * xs0
-            acc_b0 += d_b0 * scale_b + offset_b * xs0
-            if TWO:
-                acc_a1 += d_a1 * scale_a + offset_a * xs1
-                acc_b1 += d_b1 * scale_b + offset_b * xs1
-        else:
-            acc_a0 += (d_a0 - 128.0 * xs0) * scale_a
-            acc_b0 += (d_b0 - 128.0 * xs0) * scale_b
-            if TWO:
-                acc_a1 += (d_a1 - 128.0 * xs1) * scale_a
-                acc_b1 += (d_b1 - 128.0 * xs1) * scale_b
-    return acc_a0, acc_b0, acc_a1, acc_b1
-
-
-@triton.jit
 def _store_lanes(
     acc_a, acc_b, cols_a, cols_b, mask_a, mask_b, part_ptr, pair, split, PAIRS,
     N: tl.constexpr, GATED: tl.constexpr,
@@ -720,22 +559,13 @@ def pair_gemv(
     (gate_up) and one split: act [pairs, N / 2] in x's dtype, silu(gate) * up."""
     num_experts, n, k = matrix.shape
     pairs = ids.numel()
-    split, span = split_for(num_experts if t.by_expert else pairs, n, k // matrix.group_size, t)
+    split, span = split_for(pairs, n, k // matrix.group_size, t)
     gated = gated and split == 1
     if gated:
         part = torch.empty((pairs, n // 2), dtype=x.dtype, device=x.device)
     else:
         part = torch.empty((split, pairs, n), dtype=torch.float32, device=x.device)
-    if pairs and t.by_expert:
-        x_bf16 = x.dtype == torch.bfloat16 and k % 2 == 0  # (ids out of [0, E): rows unwritten)
-        _expert_gemv_lanes_kernel[(num_experts, triton.cdiv(n, t.program_n), split)](
-            x.view(torch.int32) if x_bf16 else x, ids, matrix.words, matrix.scales,
-            _offsets(matrix), part, pairs, span, X_DIV=rows_per_x, N=n, K=k,
-            GROUP=matrix.group_size, INT4_KIND=matrix.kind == INT4, LANE_N=t.block_n,
-            WARPS=t.warps, GATED=gated, X_BF16=x_bf16, PAIRS_P2=triton.next_power_of_2(pairs),
-            num_warps=t.warps,
-        )  # fmt: skip
-    elif pairs and t.lanes:
+    if pairs and t.lanes:
         x_bf16 = x.dtype == torch.bfloat16 and k % 2 == 0
         blocks = triton.cdiv(n, t.program_n)  # gated: program_n / 2 gate columns each
         _pair_gemv_lanes_kernel[(pairs, blocks, split)](
