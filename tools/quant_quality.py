@@ -11,8 +11,9 @@ none`): top-1 agreement and perplexity. Variants: `auto` (the GGUF kept quantize
 `int4-mixed` is `--quantize int4-mixed`: int4 g32 except every v_proj and the down_proj of the
 layers llama.cpp's Q4_K_M gives more bits, which are int8 g32 (the share of int4 is printed).
 The int4 variants weight their fit by the shipped input-channel importance of the default
-model (`--quant-importance`'s default: tools/quant_importance.py over this repository's README
-and ARCHITECTURE, never the passage); the `-plain` ones do not (`--quant-importance none`).
+model and scale their inputs by its activation-aware scales (`--quant-importance`'s default:
+tools/quant_importance.py over this repository's README and ARCHITECTURE, never the passage);
+the `-plain` ones do neither (`--quant-importance none`).
 Every variant runs the CPU path the worker runs (``prepare_for_cpu``: the packed kernels).
 
 ``--sensitivity KIND`` instead quantizes one slice of the float model at a time (each projection
@@ -22,7 +23,8 @@ cost: where the error comes from (the torch path with the weights replaced in pl
 Targets: auto gives the float path's greedy tokens; int8 top-1 >= 98%, perplexity +<= 1%;
 int4 g32 top-1 >= 90%, perplexity +<= 8%. Neither int4 variant meets the last on this model and
 passage (the float model's perplexity on it is 2.0: it knows the text by heart, and a quarter of
-int4's error in every matmul already costs +10%; ARCHITECTURE.md "Quantized weights").
+int4's error in every matmul already costs +10%; GPTQ calibrated on the passage itself reaches
+86.5% / +13%; ARCHITECTURE.md "Quantized weights", BENCHMARKS.md session 10).
 """
 
 from __future__ import annotations
