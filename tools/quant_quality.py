@@ -24,7 +24,7 @@ Targets: auto gives the float path's greedy tokens; int8 top-1 >= 98%, perplexit
 int4 g32 top-1 >= 90%, perplexity +<= 8%. Neither int4 variant meets the last on this model and
 passage (the float model's perplexity on it is 2.0: it knows the text by heart, and a quarter of
 int4's error in every matmul already costs +10%; GPTQ calibrated on the passage itself reaches
-86.5% / +13%; ARCHITECTURE.md "Quantized weights", BENCHMARKS.md session 10).
+87.3% / +17%, tools/quant_gptq.py; ARCHITECTURE.md "Quantized weights", BENCHMARKS.md session 10).
 """
 
 from __future__ import annotations
