@@ -214,19 +214,19 @@ def test_gpu_bf16_fla_prefill_close_to_torch_form(monkeypatch: pytest.MonkeyPatc
     if deltanet.fla_chunk_rule() is None:
         pytest.skip("fla does not import")
     model = _model("cuda", torch.bfloat16)
-    ids = _ids(200, 5)
+    ids = _ids(201, 5)  # the decode step's token is fixed: each side's own argmax may differ
     results = []
     for use_fla in (True, False):
         if not use_fla:
             monkeypatch.setattr(deltanet, "fla_chunk_rule", lambda: None)
         kv = model.make_kv_cache(1, 256)
         first = model(StepInput.single(ids[:130], 0, 0, device="cuda"), kv)
-        second = model(StepInput.single(ids[130:], 0, 130, device="cuda"), kv)
-        third = model(StepInput.single([int(second.argmax())], 0, 200, device="cuda"), kv)
+        second = model(StepInput.single(ids[130:200], 0, 130, device="cuda"), kv)
+        third = model(StepInput.single(ids[200:], 0, 200, device="cuda"), kv)
         results.append((first, second, third))
     assert not deltanet._fla_broken, deltanet._fla_broken
-    for with_fla, without in zip(*results, strict=True):
-        assert _rel(with_fla, without) < 3e-2
+    errors = [_rel(with_fla, without) for with_fla, without in zip(*results, strict=True)]
+    assert max(errors) < 3e-2, f"first, second, third: {errors}"
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
