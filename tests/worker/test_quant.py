@@ -487,8 +487,9 @@ def test_gptq_tool_spreads_the_error_over_the_later_columns() -> None:
 
     generator = torch.Generator().manual_seed(11)
     weight = torch.randn(48, 128, generator=generator)
-    mixing = torch.randn(128, 128, generator=generator) * 0.3 + torch.eye(128)
-    x = torch.randn(512, 128, generator=generator) @ mixing  # [T, K], correlated channels
+    # [T, K]: inputs near a 32-dimensional subspace, their channels strongly correlated
+    x = torch.randn(512, 32, generator=generator) @ torch.randn(32, 128, generator=generator)
+    x = x + 0.1 * torch.randn(512, 128, generator=generator)
     hessian = (x.T @ x).double()
 
     def nearest(h: torch.Tensor) -> torch.Tensor:
@@ -500,8 +501,8 @@ def test_gptq_tool_spreads_the_error_over_the_later_columns() -> None:
     def error(q: torch.Tensor) -> float:
         return float((x @ (q - weight).T).square().sum())
 
-    for act_order in (False, True):
-        assert error(quant_gptq.gptq(weight, hessian, 0.01, act_order)) < 0.7 * error(
+    for act_order in (False, True):  # measured: 0.22x and 0.14x
+        assert error(quant_gptq.gptq(weight, hessian, 0.01, act_order)) < 0.5 * error(
             nearest(hessian)
         )
     diagonal = torch.diag(torch.diag(hessian))
