@@ -508,7 +508,7 @@ class GatedDeltaNet(nn.Module):
         """``_fla_prefill`` through fla's stages (``fla_stages``: the kernels its single call
         runs, on the same contiguous inputs), plus each ``inner`` row's state: the state pass
         again over the rows before it (its chunks are the full pass's first ones, so the state
-        is the one the full pass carries there, in float32; ~1/30 of a layer's prefill)."""
+        is the one the full pass carries there, in float32; one more launch a point)."""
         n = conv_out.shape[0]
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         with torch.cuda.device(conv_out.device):
