@@ -58,7 +58,11 @@ from worker.layers.quant import INT4, QuantizedWeight, unpack_nibbles
 GEMV_MAX_ROWS = 1
 GEMM_MAX_ROWS = 64
 # GEMV: (BLOCK_C words, programs wanted (K split to reach them), num_warps, rows a step: 4 or 8
-# in registers, or -S: the cp.async pipeline of S stages, `_qgemv_staged_kernel`);
+# in registers, or -S: the cp.async pipeline of S stages, `_qgemv_staged_kernel`[, group slots:
+# the tile's group rows, num_warps when left out; more slots than warps put a warp's lanes on
+# several groups, so a lane holds 4 words of a row (one 128-bit load) even at BLOCK_C 32:
+# 2.79 SASS instructions a weight against 4.24 for (32, 264, 8, 8), BENCHMARKS.md "offline
+# SASS"; not measured on a GPU yet, so no default takes it]);
 # GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages)
 GEMV_CONFIG = (32, 264, 8, 8)
 GEMM_CONFIG = (64, 32, 4, 3)
@@ -77,7 +81,7 @@ class KMajorWeight:
     scales: torch.Tensor  # fp16 [K / g, P, N / P]
     offsets: torch.Tensor | None  # fp16 [K / g, P, N / P], int4 only
     # tile configs timed for this matrix on this GPU (choose_configs); None: the defaults
-    gemv_config: tuple[int, int, int, int] | None = None
+    gemv_config: tuple[int, ...] | None = None
     gemm_config: tuple[int, int, int, int] | None = None
     # the K-split GEMV's arrival counters, one per column block (zero between calls)
     arrivals: torch.Tensor | None = None
@@ -345,8 +349,9 @@ def _qgemv_kernel(
     WARPS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """y = x @ W^T for one row of x. Program (i, s): word columns [i * BLOCK_C, ...) over the
-    groups of K split s, which its WARPS warps share out (warp w takes groups w, w + WARPS,
-    ...). Software-pipelined: each step handles ROWS (4 or 8) rows of a warp's group, and the
+    groups of K split s, which its WARPS tile rows share out (row w takes groups w, w + WARPS,
+    ...; WARPS is num_warps, or a multiple of it: the group slots of the config).
+    Software-pipelined: each step handles ROWS (4 or 8) rows of a warp's group, and the
     next step's words are loaded before this step's math, so loads stay in flight while it
     runs; a group's scales are loaded when the group starts. With K split (SPLIT), each program
     writes fp32 partial sums and the last program of a column block to arrive (a counter per
@@ -826,7 +831,7 @@ def split_for(columns: int, groups: int, block_c: int, programs: int, warps: int
 
 
 def qgemv(
-    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, int, int, int] | None = None,
+    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, ...] | None = None,
     split: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [1, K] @ W^T -> [1, N] in x's dtype; ``split`` K-splits (None: ``split_for`` the
@@ -835,12 +840,13 @@ def qgemv(
     if x.shape[0] != 1:
         raise ValueError(f"qgemv serves one row, got {x.shape[0]}")
     n, k = packed.shape
-    block_c, programs, num_warps, rows = config or packed.gemv_config or GEMV_CONFIG
+    block_c, programs, num_warps, rows, *more = config or packed.gemv_config or GEMV_CONFIG
+    slots = more[0] if more else num_warps * _gemv_slots()
     groups = k // packed.group_size
     stages = -rows if rows < 0 else 0  # -S: `_qgemv_staged_kernel` with S stages
     rows = 8 if rows >= 8 and packed.group_size >= 8 else 4
     if split is None:
-        split = split_for(packed.columns, groups, block_c, programs, num_warps)
+        split = split_for(packed.columns, groups, block_c, programs, slots)
     blocks = triton.cdiv(packed.columns, block_c)
     pdl = _pdl(x) and not stages
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
@@ -853,12 +859,12 @@ def qgemv(
     if stages:
         _qgemv_staged_kernel[(blocks, split)](
             *args, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
-            STAGES=stages, WARPS=num_warps, SPLIT=split > 1, num_warps=num_warps,
+            STAGES=stages, WARPS=slots, SPLIT=split > 1, num_warps=num_warps,
         )  # fmt: skip
     else:
         _qgemv_kernel[(blocks, split)](
             *args, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
-            ROWS=rows, WARPS=num_warps, SPLIT=split > 1, PDL=pdl, num_warps=num_warps,
+            ROWS=rows, WARPS=slots, SPLIT=split > 1, PDL=pdl, num_warps=num_warps,
             launch_pdl=pdl,
         )  # fmt: skip
     return y
@@ -901,6 +907,13 @@ def qgemm(
             out, y, count, SPLIT=split, BLOCK=block, num_warps=2
         )
     return y
+
+
+def _gemv_slots() -> int:
+    """TOKENPIPE_QUANT_GEMV_SLOTS=n: GEMV tiles without a slots field take n groups per warp
+    (n * num_warps slots; 4 with BLOCK_C 32 gives each lane 4 words of a row). Default 1: the
+    layout the timed tiles were chosen with."""
+    return max(1, int(os.environ.get("TOKENPIPE_QUANT_GEMV_SLOTS", "1")))
 
 
 def _pdl(x: torch.Tensor) -> bool:
