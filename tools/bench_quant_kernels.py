@@ -163,6 +163,61 @@ def bench_shape(
     return out
 
 
+# --tiles: the GEMV tiles timed at one row (the 5th field: group slots, quant_matmul's
+# GEMV_CONFIG comment) and the GEMM tiles at 32 rows with K split for 132 or 264 programs
+TILE_GEMVS = [
+    (32, 264, 8, 8), (128, 264, 4, 8), (128, 396, 4, 8), (32, 264, 8, 8, 32), (32, 264, 8, 4, 32),
+    (32, 264, 4, 4, 16), (32, 396, 4, 8, 16), (64, 264, 4, 8, 8),
+]  # fmt: skip
+TILE_GEMM_PROGRAMS = (132, 264, 396)
+
+
+def rotated(fn: Any, weights: list[Any]) -> float:
+    """Seconds per call of ``fn(w)`` over copies of one matrix, each call on the next copy, so
+    no call finds its weight in L2 (a decode step reads every matrix once)."""
+    return seconds(lambda: [fn(w) for w in weights]) / len(weights)
+
+
+def bench_tiles(name: str, n: int, k: int, group: int, kind: str) -> None:
+    """One line per tile: us per call (weights past L2), TB/s of the weight bytes, the max
+    error against the torch reference; the first GEMV / GEMM line is the default tile."""
+    dev = torch.device("cuda")
+    weight = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+    qw = Q.quantize(weight, Q.QuantFormat(kind, group), search=False)
+    packed = qm.KMajorWeight.pack(qw)
+    copies = [packed] + [
+        qm.KMajorWeight.pack(qw) for _ in range(max(0, -(-200_000_000 // packed.nbytes) - 1))
+    ]
+    for m in (1, 32):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        want = F.linear(x, qw.dequantize(torch.bfloat16)).float()
+        if m == 1:
+            runs = [(f"gemv {c}", lambda w, c=c, x=x: qm.qgemv(x, w, c)) for c in TILE_GEMVS]
+        else:
+            runs = []
+            for programs in TILE_GEMM_PROGRAMS:
+                for c in [qm.GEMM_CONFIG, *qm.GEMM_CANDIDATES[1:]]:
+
+                    def run(w: Any, c: Any = c, p: int = programs, x: Any = x) -> Any:
+                        qm.GEMM_PROGRAMS = p
+                        return qm.qgemm(x, w, c)
+
+                    runs.append((f"gemm32 {c} programs {programs}", run))
+        for label, fn in runs:
+            try:
+                us = rotated(fn, copies) * 1e6
+                err = (fn(packed).float() - want).abs().max().item() / want.abs().max().item()
+            except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
+                print(f"{kind} {name} [{n}, {k}] {label}: failed {exc!r:.80}", flush=True)
+                continue
+            tbps = packed.nbytes / (us * 1e-6) / 1e12
+            print(f"{kind} {name} [{n}, {k}] {label}: {us:.1f} us {tbps:.2f} TB/s "
+                  f"err {err:.1e}", flush=True)  # fmt: skip
+        qm.GEMM_PROGRAMS = TILE_GEMM_PROGRAMS[0]
+    del copies
+    torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(REPO / "examples" / "gemma4_31b" / "config.json"))
@@ -170,8 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=32)
     p.add_argument("--sweep", action="store_true", help="sweep GEMV/GEMM tile configs")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    tiles_help = "kinds (int4,int8): only time the tiles of bench_tiles per matrix"
+    p.add_argument("--tiles", default="", help=tiles_help)
+    p.add_argument("--only", default="", help="with --tiles: matrix names (qkv,o_proj,...)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
+    if args.tiles:
+        only = set(args.only.split(",")) if args.only else None
+        for kind in args.tiles.split(","):
+            for name, n, k, _ in model_shapes(Path(args.model)):
+                if only is None or name in only:
+                    bench_tiles(name, n, k, args.group, kind)
+        return 0
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = model_shapes(Path(args.model))
     table: list[dict[str, Any]] = []

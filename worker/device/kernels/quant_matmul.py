@@ -66,7 +66,10 @@ GEMM_MAX_ROWS = 64
 # GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages)
 GEMV_CONFIG = (32, 264, 8, 8)
 GEMM_CONFIG = (64, 32, 4, 3)
-GEMM_PROGRAMS = 132  # about one per SM of an H200: small GEMMs split K up to this many programs
+# about one per SM of an H200: small GEMMs split K up to this many programs (gate_up's 84 tiles
+# of 64 word columns get no split and leave 48 SMs idle at 32 rows, one 4-warp program on each
+# of the others; TOKENPIPE_QUANT_GEMM_PROGRAMS=264 asks for two a SM: not measured yet)
+GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 
 
