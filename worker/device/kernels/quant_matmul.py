@@ -62,7 +62,7 @@ GEMM_MAX_ROWS = 64
 # the tile's group rows, num_warps when left out; more slots than warps put a warp's lanes on
 # several groups, so a lane holds 4 words of a row (one 128-bit load) even at BLOCK_C 32:
 # 2.79 SASS instructions a weight against 4.24 for (32, 264, 8, 8), BENCHMARKS.md "offline
-# SASS"; not measured on a GPU yet, so no default takes it]);
+# SASS"; SLOT_CANDIDATES, off by default]);
 # GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages)
 GEMV_CONFIG = (32, 264, 8, 8)
 GEMM_CONFIG = (64, 32, 4, 3)
@@ -844,7 +844,7 @@ def qgemv(
         raise ValueError(f"qgemv serves one row, got {x.shape[0]}")
     n, k = packed.shape
     block_c, programs, num_warps, rows, *more = config or packed.gemv_config or GEMV_CONFIG
-    slots = more[0] if more else num_warps * _gemv_slots()
+    slots = more[0] if more else num_warps
     groups = k // packed.group_size
     stages = -rows if rows < 0 else 0  # -S: `_qgemv_staged_kernel` with S stages
     rows = 8 if rows >= 8 and packed.group_size >= 8 else 4
@@ -912,13 +912,6 @@ def qgemm(
     return y
 
 
-def _gemv_slots() -> int:
-    """TOKENPIPE_QUANT_GEMV_SLOTS=n: GEMV tiles without a slots field take n groups per warp
-    (n * num_warps slots; 4 with BLOCK_C 32 gives each lane 4 words of a row). Default 1: the
-    layout the timed tiles were chosen with."""
-    return max(1, int(os.environ.get("TOKENPIPE_QUANT_GEMV_SLOTS", "1")))
-
-
 def _pdl(x: torch.Tensor) -> bool:
     """Programmatic dependent launch for the GEMV (``kernels.dependent_launch``): it may start
     while the kernel before it ends, loading its first weights, and waits for that kernel
@@ -975,8 +968,14 @@ def quant_linear(
 # candidates timed per matrix shape at start-up (tools/bench_quant_kernels.py --sweep: the
 # fastest configs of the 31B shapes on an H200 were among these)
 # (the cp.async variant, rows -S, never won on the H200's 31B shapes: not timed at start-up)
-GEMV_CANDIDATES = [(32, 264, 8, 8), (128, 264, 4, 8), (64, 264, 8, 8), (128, 396, 4, 8),
-                   (32, 132, 8, 8)]  # fmt: skip
+GEMV_CANDIDATES: list[tuple[int, ...]] = [(32, 264, 8, 8), (128, 264, 4, 8), (64, 264, 8, 8),
+                                          (128, 396, 4, 8), (32, 132, 8, 8)]  # fmt: skip
+# GEMV tiles with group slots (a warp's lanes on 4 / 2 groups, 128-bit loads at BLOCK_C 32):
+# timed too with TOKENPIPE_QUANT_GEMV_SLOTS=1 (not measured on a GPU yet: off by default)
+SLOT_CANDIDATES = [(32, 264, 8, 8, 32), (32, 264, 4, 4, 16), (32, 396, 4, 8, 16),
+                   (64, 264, 4, 8, 8)]  # fmt: skip
+if os.environ.get("TOKENPIPE_QUANT_GEMV_SLOTS") == "1":
+    GEMV_CANDIDATES += SLOT_CANDIDATES
 GEMM_CANDIDATES = [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2)]
 
 
