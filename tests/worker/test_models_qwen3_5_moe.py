@@ -243,7 +243,6 @@ def test_snapshot_inside_a_chunk_then_rollback_equals_fresh(pair: Pair) -> None:
 
 
 def _set_free_split(kv: HybridCache, free: int) -> None:
-    kv.free_split = free
     for layer in kv.deltanet_layers:
         layer.free_split = free
 

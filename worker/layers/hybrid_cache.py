@@ -161,7 +161,6 @@ class HybridCache:
         self.ring_slack = ring_slack
         self.lookahead = 0
         self.snapshots = snapshots
-        self.free_split = free_split  # DeltaNetLayerCache.free_split
         d = deltanet
         conv_dim = 2 * d.num_key_heads * d.key_head_dim + d.num_value_heads * d.value_head_dim
         conv_shape = (conv_dim, d.conv_kernel - 1)
@@ -217,6 +216,12 @@ class HybridCache:
         self.settle: Callable[[], None] | None = None  # the wrapper's drop (waits, restores)
 
     # -- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def free_split(self) -> int:
+        """``DeltaNetLayerCache.free_split`` (the same in every layer)."""
+        layers = self.deltanet_layers
+        return layers[0].free_split if layers else 0
 
     @property
     def deltanet_layers(self) -> list[DeltaNetLayerCache]:
