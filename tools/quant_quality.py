@@ -100,21 +100,23 @@ def passage_ids(tokenizer: Any, positions: int | None, passage: Path = PASSAGE) 
 
 @torch.inference_mode()
 def teacher_forced(model: Any, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax [T - 1], log-prob of the true next token [T - 1]) over the passage."""
+    """(argmax [T - 1], log-prob of the true next token [T - 1]) over the passage (on the
+    CPU, whichever device the model runs on)."""
     from worker.models.step import StepInput
 
+    device = model.device
     kv = model.make_kv_cache(1, len(ids) + 16)
     tops, logps = [], []
     for start in range(0, len(ids) - 1, CHUNK):
         chunk = ids[start : min(start + CHUNK, len(ids) - 1)]
         step = StepInput(
-            input_ids=torch.tensor(chunk),
-            positions=torch.arange(start, start + len(chunk)),
+            input_ids=torch.tensor(chunk, device=device),
+            positions=torch.arange(start, start + len(chunk), device=device),
             slots=[0],
             cached_lens=[start],
             new_lens=[len(chunk)],
         )
-        logits = model(step, kv, every_position=True)  # [chunk, vocab]
+        logits = model(step, kv, every_position=True).float().cpu()  # [chunk, vocab]
         targets = torch.tensor(ids[start + 1 : start + 1 + len(chunk)])
         tops.append(logits.argmax(-1))
         logps.append(torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0])

@@ -2,26 +2,15 @@
 # q4qual: int4 of the default model on CUDA with the shipped importance file's input scales
 # (staged load: the fold on the device), against unscaled and float; the passage, 668 positions
 python3 - <<'PY'
-import math, sys, time, torch
+import sys, time, torch
 sys.path.insert(0, "tools")
 import quant_quality as qq
 from safetensors.torch import load_file, save_file
 from worker.layers.quant import pack_for_device
 from worker.loading.loader import load_model
 from worker.loading.quantize import SCALE_SUFFIX, SHIPPED_IMPORTANCE, QuantizeOptions
-from worker.models.step import StepInput
 stats = load_file(SHIPPED_IMPORTANCE)
 save_file({k: v for k, v in stats.items() if not k.endswith(SCALE_SUFFIX)}, "/tmp/unscaled.safetensors")
-@torch.inference_mode()
-def forced(model, ids):
-    kv = model.make_kv_cache(1, len(ids) + 16); tops, logps = [], []
-    for start in range(0, len(ids) - 1, 128):
-        chunk = ids[start : min(start + 128, len(ids) - 1)]
-        step = StepInput(torch.tensor(chunk), torch.arange(start, start + len(chunk)), [0], [start], [len(chunk)])
-        logits = model(step, kv, every_position=True).float().cpu()
-        t = torch.tensor(ids[start + 1 : start + 1 + len(chunk)])
-        tops.append(logits.argmax(-1)); logps.append(torch.log_softmax(logits, -1).gather(1, t[:, None])[:, 0])
-    return torch.cat(tops), torch.cat(logps)
 for dtype in (torch.float32, torch.bfloat16):
     ref = None
     for label, mode, imp in [("float", "none", None), ("int4 scaled", "int4", None),
@@ -34,7 +23,7 @@ for dtype in (torch.float32, torch.bfloat16):
         if mode != "none":
             model.fuse_projections(); pack_for_device(model)
         ids = qq.passage_ids(loaded.tokenizer, None)
-        got = forced(model, ids)
+        got = qq.teacher_forced(model, ids)
         if ref is None: ref = got
         q = qq.compare(ref, got, label)
         print(f"{str(dtype)[6:]:9} {label:18} load {load_s:5.1f}s top-1 {q.top1_agreement:.2%} ppl {q.perplexity:.3f} {q.perplexity_increase:+.2%}", flush=True)
