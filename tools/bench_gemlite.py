@@ -94,6 +94,16 @@ def gemlite_layer(qw: Q.QuantizedWeight) -> Any:
     return layer
 
 
+def gemlite_choice(m: int) -> tuple[str, str]:
+    """The kernel gemlite runs at M rows (4-bit weights) and its autotuned config, as text."""
+    from gemlite import core
+
+    kind = core.get_matmul_type(m, 4)
+    tuner = core.GEMLITE_TRITON_MAPPING[kind].kernel[0]
+    best = getattr(tuner, "best_config", None)
+    return kind, "" if best is None else str(best)
+
+
 def graph_or_plain(fn: Any) -> tuple[float, bool]:
     """(seconds per call, True if timed as CUDA-graph replays; False: plain launches)."""
     from worker.device.kernels.gemv import graph_seconds
@@ -166,6 +176,8 @@ def bench_matrix(
                 row[f"{key}_failed"] = repr(exc)[:160]
                 continue
             row[f"{key}_first_s"] = round(time.perf_counter() - start, 2)
+            if key == "gemlite":
+                row["gemlite_kernel"], row["gemlite_config"] = gemlite_choice(m)
             row[f"{key}_err"] = (y.float() - want).abs().max().item() / scale
             if warm:
                 continue
