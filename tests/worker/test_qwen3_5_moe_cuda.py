@@ -207,26 +207,37 @@ def test_gpu_fp32_path_equals_cpu_path() -> None:
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_bf16_fla_prefill_close_to_torch_form(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16: flash-linear-attention's chunked prefill against the torch form (over a cached
-    prefix too), then a decode step from each state."""
+    """bf16: flash-linear-attention's chunked prefill (over a cached prefix too, then a decode
+    step from its state) is as close to float32 as the torch form in bf16 is: both against the
+    same weights in float32 (two bf16 paths differ from each other by both their roundings,
+    which on this tiny random model reaches a few percent of the logits)."""
     import worker.layers.deltanet as deltanet
 
     if deltanet.fla_chunk_rule() is None:
         pytest.skip("fla does not import")
     model = _model("cuda", torch.bfloat16)
+    oracle = _model("cuda", torch.float32)
+    oracle.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     ids = _ids(201, 5)  # the decode step's token is fixed: each side's own argmax may differ
-    results = []
-    for use_fla in (True, False):
-        if not use_fla:
-            monkeypatch.setattr(deltanet, "fla_chunk_rule", lambda: None)
-        kv = model.make_kv_cache(1, 256)
-        first = model(StepInput.single(ids[:130], 0, 0, device="cuda"), kv)
-        second = model(StepInput.single(ids[130:200], 0, 130, device="cuda"), kv)
-        third = model(StepInput.single(ids[200:], 0, 200, device="cuda"), kv)
-        results.append((first, second, third))
+
+    def run(side: Any) -> list[torch.Tensor]:
+        kv = side.make_kv_cache(1, 256)
+        return [
+            side(StepInput.single(ids[:130], 0, 0, device="cuda"), kv),
+            side(StepInput.single(ids[130:200], 0, 130, device="cuda"), kv),
+            side(StepInput.single(ids[200:], 0, 200, device="cuda"), kv),
+        ]
+
+    want = run(oracle)
+    with_fla = run(model)
+    monkeypatch.setattr(deltanet, "fla_chunk_rule", lambda: None)
+    torch_form = run(model)
     assert not deltanet._fla_broken, deltanet._fla_broken
-    errors = [_rel(with_fla, without) for with_fla, without in zip(*results, strict=True)]
-    assert max(errors) < 3e-2, f"first, second, third: {errors}"
+    fla_err = [_rel(got, ref) for got, ref in zip(with_fla, want, strict=True)]
+    torch_err = [_rel(got, ref) for got, ref in zip(torch_form, want, strict=True)]
+    print(f"rel. error to float32 (first, second, third): fla {fla_err}, torch form {torch_err}")
+    for fla, form in zip(fla_err, torch_err, strict=True):
+        assert fla < 2 * form + 1e-2, (fla_err, torch_err)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -289,9 +289,12 @@ def test_deltanet_step_with_norm_equals_step_then_norm(
     assert torch.equal(state_one.cpu(), state_two.cpu())  # the same updates, nothing for padding
 
 
-@pytest.mark.parametrize("cached,n,split", [(5, 7, 6), (0, 10, 3), (2, 1, 0), (4, 0, 0)])
+@pytest.mark.parametrize(
+    "cached,n,split,rows",
+    [(5, 7, 6, 12), (0, 10, 3, 12), (2, 1, 0, 12), (4, 0, 0, 12), (3, 37, 16, 40), (0, 48, 33, 64)],
+)
 def test_deltanet_seq_kernels_equal_torch_prefill(
-    triton_ready: None, cached: int, n: int, split: int
+    triton_ready: None, cached: int, n: int, split: int, rows: int
 ) -> None:
     """The short prefill of one sequence (conv + recurrence over its rows, in place, with a
     snapshot inside the chunk, padding rows after n) = the torch path's conv and per-token
@@ -300,7 +303,7 @@ def test_deltanet_seq_kernels_equal_torch_prefill(
     from worker.layers.deltanet import causal_conv1d
 
     gen = torch.Generator().manual_seed(10 + n)
-    rows, slot, entry = 12, 2, 1
+    slot, entry = 2, 1
     t, dims = _decode_inputs(gen, rows, slots_total=4)
     hk, hv, dk, dv = dims["hk"], dims["hv"], dims["dk"], dims["dv"]
     snap_conv = torch.randn(4, 3, *t["conv_state"].shape[1:], generator=gen)

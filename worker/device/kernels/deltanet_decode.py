@@ -397,15 +397,20 @@ def conv_seq_triton(
 
 
 @triton.jit
-def _delta_seq_kernel(
+def _delta_chunk_kernel(
     conv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, snap_ptr, out_ptr, meta_ptr,
     N, stride_conv, stride_a, stride_b, stride_snap_slot, stride_snap_entry, scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Program (value head, block of value dims): the recurrence over the sequence's rows,
-    its state tile held in registers from the slot's state to the end (and to the snapshot
-    at `split`)."""
+    """Program (value head, block of value dims): the sequence's rows CHUNK at a time in the
+    chunked (WY) form, its state tile [DK, BLOCK_V] held in registers from the slot's state to
+    the end (and to the snapshot at `split`). Within a chunk, with G the cumulative log decay,
+    A[i, j] = beta_i exp(G_i - G_j) k_i.k_j (j < i) and S the state before the chunk:
+    U = (I + A)^-1 beta (V - exp(G) K S), O = exp(G) Q S + (exp(G_i - G_j) q_i.k_j, j <= i) U,
+    S' = exp(G_last) S + K^T (exp(G_last - G) U). A is strictly lower triangular, so
+    (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) exactly for CHUNK 16: six small products
+    instead of a row-by-row solve. Rows past n get g = 0 and beta = 0 (they change nothing)."""
     hv = tl.program_id(0)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_k = tl.arange(0, BLOCK_K)
@@ -425,29 +430,61 @@ def _delta_seq_kernel(
                   + offs_k[:, None] * DV + offs_v[None, :])  # fmt: skip
     a_log = tl.load(a_log_ptr + hv).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
-    for t in range(0, n):
-        line = conv_ptr + t * stride_conv
-        q = tl.load(line + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        k = tl.load(line + HK * DK + hk * DK + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        v = tl.load(line + 2 * HK * DK + hv * DV + offs_v, mask=mask_v, other=0.0)
-        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        a = tl.load(a_ptr + t * stride_a + hv).to(tl.float32) + dt_bias
+    step = tl.arange(0, CHUNK)
+    ii = step[:, None]
+    jj = step[None, :]
+    eye = tl.where(ii == jj, 1.0, 0.0)
+    for t0 in range(0, n, CHUNK):
+        rows = t0 + step
+        live = rows < n
+        line = conv_ptr + rows[:, None].to(tl.int64) * stride_conv
+        kmask = live[:, None] & mask_k[None, :]
+        q = tl.load(line + hk * DK + offs_k[None, :], mask=kmask, other=0.0).to(tl.float32)
+        k = tl.load(line + HK * DK + hk * DK + offs_k[None, :], mask=kmask, other=0.0)
+        k = k.to(tl.float32)
+        v = tl.load(line + 2 * HK * DK + hv * DV + offs_v[None, :],
+                    mask=live[:, None] & mask_v[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        a = tl.load(a_ptr + rows * stride_a + hv, mask=live, other=0.0).to(tl.float32) + dt_bias
         softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-        g = -tl.exp(a_log) * softplus
-        beta = tl.load(b_ptr + t * stride_b + hv).to(tl.float32)
-        beta = 1.0 / (1.0 + tl.exp(-beta))
-        h = h * tl.exp(g)
-        update = (v.to(tl.float32) - tl.sum(h * k[:, None], axis=0)) * beta
-        h += k[:, None] * update[None, :]
-        o = tl.sum(h * q[:, None], axis=0)
-        tl.store(out_ptr + (t * HV + hv) * DV + offs_v, o, mask=mask_v)
-        at_split = (zero + t + 1 == split) & (zero + split < n)
-        tl.store(snap_ptr + snap_cells, h, mask=mask & at_split)
+        g = tl.where(live, -tl.exp(a_log) * softplus, 0.0)
+        beta = tl.load(b_ptr + rows * stride_b + hv, mask=live, other=0.0).to(tl.float32)
+        beta = tl.where(live, 1.0 / (1.0 + tl.exp(-beta)), 0.0)
+        big_g = tl.cumsum(g, axis=0)  # [CHUNK] log decay from the chunk's start
+        decay = tl.exp(tl.where(ii >= jj, big_g[:, None] - big_g[None, :], 0.0))
+        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+        lower = tl.where(ii > jj, beta[:, None] * decay * kk, 0.0)
+        square = tl.dot(lower, lower, input_precision="ieee")
+        inverse = tl.dot(eye - lower, eye + square, input_precision="ieee")
+        square = tl.dot(square, square, input_precision="ieee")
+        inverse = tl.dot(inverse, eye + square, input_precision="ieee")
+        square = tl.dot(square, square, input_precision="ieee")
+        inverse = tl.dot(inverse, eye + square, input_precision="ieee")
+        grow = tl.exp(big_g)
+        ks = tl.dot(k, h, input_precision="ieee")  # [CHUNK, BLOCK_V]
+        u = tl.dot(inverse, beta[:, None] * (v - grow[:, None] * ks), input_precision="ieee")
+        qk = tl.where(ii >= jj, decay * tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)
+        o = grow[:, None] * tl.dot(q, h, input_precision="ieee")
+        o += tl.dot(qk, u, input_precision="ieee")
+        tl.store(out_ptr + (rows[:, None] * HV + hv) * DV + offs_v[None, :], o,
+                 mask=(rows < N)[:, None] & mask_v[None, :])  # fmt: skip
+        # the snapshot after `split` rows, when it falls in this chunk
+        inside = split - t0  # rows of this chunk before the snapshot
+        g_at = tl.sum(tl.where(step == inside - 1, big_g, 0.0), axis=0)
+        weight = tl.where(step < inside, tl.exp(tl.where(step < inside, g_at - big_g, 0.0)), 0.0)
+        at = tl.exp(g_at) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision="ieee")
+        at_split = (zero + inside > 0) & (zero + inside <= CHUNK) & (zero + split < n)
+        tl.store(snap_ptr + snap_cells, at, mask=mask & at_split)
+        g_end = tl.sum(tl.where(step == CHUNK - 1, big_g, 0.0), axis=0)
+        weight = tl.exp(g_end - big_g)
+        h = tl.exp(g_end) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision="ieee")
     tl.store(state_ptr + cells, h, mask=mask & (zero + n > 0))
-    for t in range(n, N):  # padding rows: zeros
-        tl.store(out_ptr + (t * HV + hv) * DV + offs_v,
-                 tl.zeros([BLOCK_V], dtype=tl.float32), mask=mask_v)  # fmt: skip
+    for t0 in range(tl.cdiv(n, CHUNK) * CHUNK, N, CHUNK):  # padding rows: zeros
+        rows = t0 + step
+        tl.store(out_ptr + (rows[:, None] * HV + hv) * DV + offs_v[None, :],
+                 tl.zeros([CHUNK, BLOCK_V], dtype=tl.float32),
+                 mask=(rows < N)[:, None] & mask_v[None, :])  # fmt: skip
 
 
 def gated_delta_seq_triton(
@@ -461,26 +498,27 @@ def gated_delta_seq_triton(
     meta: torch.Tensor,
     num_key_heads: int,
     key_dim: int,
-    block_v: int = 16,
+    block_v: int = 32,
+    num_warps: int = 4,
 ) -> torch.Tensor:
-    """The gated delta rule over one sequence's rows, one row after the other (see above for
+    """The gated delta rule over one sequence's rows, 16 rows at a time (see above for
     ``meta``): conv_out [N, 2 * Hk * Dk + Hv * Dv]; a, b [N, Hv] (raw projections); state
     [S, Hv, Dk, Dv] and snap_state [S, snapshots, Hv, Dk, Dv] float32, updated in place ->
-    o [N, Hv, Dv] float32 (padding rows zero). ``recurrent_gated_delta_rule`` row by row,
-    capturable: for a short prefill (tens of rows) it is one launch where the chunked form
-    takes a dozen."""
+    o [N, Hv, Dv] float32 (padding rows zero). ``recurrent_gated_delta_rule`` over the rows,
+    capturable, in one launch (the chunked form above: a warm turn's 64 rows are 4 chunk steps
+    of small matrix products where a row-by-row loop waits on 64 dependent reductions)."""
     rows = conv_out.shape[0]
     _, heads_v, dk, dv = state.shape
     assert state.is_contiguous() and state.dtype == torch.float32 and dk == key_dim
     assert snap_state.stride(-1) == 1 and snap_state.stride(2) == dk * dv
     assert conv_out.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1
     out = torch.empty(rows, heads_v, dv, dtype=torch.float32, device=conv_out.device)
-    block_v = min(block_v, triton.next_power_of_2(dv))
-    _delta_seq_kernel[(heads_v, triton.cdiv(dv, block_v))](
+    block_v = max(16, min(block_v, triton.next_power_of_2(dv)))  # tl.dot: 16 at least
+    _delta_chunk_kernel[(heads_v, triton.cdiv(dv, block_v))](
         conv_out, a, b, a_log, dt_bias, state, snap_state, out, meta, rows,
         conv_out.stride(0), a.stride(0), b.stride(0), snap_state.stride(0),
         snap_state.stride(1), dk**-0.5,
-        HK=num_key_heads, HV=heads_v, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk),
-        BLOCK_V=block_v, num_warps=2,
+        HK=num_key_heads, HV=heads_v, DK=dk, DV=dv,
+        BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, CHUNK=16, num_warps=num_warps,
     )  # fmt: skip
     return out
