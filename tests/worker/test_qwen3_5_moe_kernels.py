@@ -293,8 +293,9 @@ def test_deltanet_step_with_norm_equals_step_then_norm(
     "cached,n,split,rows",
     [(5, 7, 6, 12), (0, 10, 3, 12), (2, 1, 0, 12), (4, 0, 0, 12), (3, 37, 16, 40), (0, 48, 33, 64)],
 )
+@pytest.mark.parametrize("form", ["chunk", "rows"])
 def test_deltanet_seq_kernels_equal_torch_prefill(
-    triton_ready: None, cached: int, n: int, split: int, rows: int
+    triton_ready: None, cached: int, n: int, split: int, rows: int, form: str
 ) -> None:
     """The short prefill of one sequence (conv + recurrence over its rows, in place, with a
     snapshot inside the chunk, padding rows after n) = the torch path's conv and per-token
@@ -331,7 +332,7 @@ def test_deltanet_seq_kernels_equal_torch_prefill(
     got_conv = conv_seq_triton(dev["x"], dev["conv_state"], dev_snap_conv, dev["weight"], meta)
     got = gated_delta_seq_triton(got_conv, dev["a"], dev["b"], dev["a_log"], dev["dt_bias"],
                                  dev["state"], dev_snap_state, meta, num_key_heads=hk,
-                                 key_dim=dk)  # fmt: skip
+                                 key_dim=dk, form=form)  # fmt: skip
     got_conv, got = got_conv.cpu(), got.cpu()
     assert not got_conv[n:].any() and not got[n:].any()  # padding rows
     others = [s for s in range(4) if s != slot]

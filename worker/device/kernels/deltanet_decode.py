@@ -235,7 +235,9 @@ def gated_delta_norm_step_triton(
     num_key_heads: int,
     key_dim: int,
     block_v: int = 32,
-    num_warps: int = 4,
+    num_warps: int = 8,
+    form: str = "chunk",
+    precision: str = "ieee",
 ) -> torch.Tensor:
     """``gated_delta_step_triton`` followed by ``gated_rms_norm_triton`` (gate z [B, Hv, Dv],
     rows may be strided, heads packed; weight [Dv]) in one launch -> [B, Hv, Dv] in z's dtype,
@@ -397,11 +399,77 @@ def conv_seq_triton(
 
 
 @triton.jit
+def _delta_rows_kernel(
+    conv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, snap_ptr, out_ptr, meta_ptr,
+    N, stride_conv, stride_a, stride_b, stride_snap_slot, stride_snap_entry, scale,
+    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Program (value head, block of value dims): the recurrence over the sequence's rows,
+    its state tile held in registers from the slot's state to the end (and to the snapshot
+    at `split`)."""
+    hv = tl.program_id(0)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_v = offs_v < DV
+    mask_k = offs_k < DK
+    mask = mask_k[:, None] & mask_v[None, :]
+    hk = hv // (HV // HK)
+    slot = tl.load(meta_ptr).to(tl.int64)
+    cached = tl.load(meta_ptr + 1)
+    n = tl.load(meta_ptr + 2)
+    split = tl.load(meta_ptr + 3)
+    entry = tl.load(meta_ptr + 4).to(tl.int64)
+    cells = (slot * HV + hv) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    zero = offs_v[None, :] * 0  # [1, BLOCK_V]: scalar conditions as tensors (the interpreter)
+    h = tl.load(state_ptr + cells, mask=mask & (zero + cached > 0), other=0.0)
+    snap_cells = (slot * stride_snap_slot + entry * stride_snap_entry + hv * DK * DV
+                  + offs_k[:, None] * DV + offs_v[None, :])  # fmt: skip
+    a_log = tl.load(a_log_ptr + hv).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+    line = conv_ptr  # row 0 (N >= 1 rows are there; read even when n == 0)
+    q_next = tl.load(line + hk * DK + offs_k, mask=mask_k, other=0.0)
+    k_next = tl.load(line + HK * DK + hk * DK + offs_k, mask=mask_k, other=0.0)
+    v_next = tl.load(line + 2 * HK * DK + hv * DV + offs_v, mask=mask_v, other=0.0)
+    a_next = tl.load(a_ptr + hv)
+    b_next = tl.load(b_ptr + hv)
+    for t in range(0, n):
+        q = q_next.to(tl.float32)
+        k = k_next.to(tl.float32)
+        v = v_next
+        a = a_next.to(tl.float32) + dt_bias
+        beta = b_next.to(tl.float32)
+        after = tl.minimum(t + 1, N - 1)  # the next row's loads go out before this row's math
+        line = conv_ptr + after * stride_conv
+        q_next = tl.load(line + hk * DK + offs_k, mask=mask_k, other=0.0)
+        k_next = tl.load(line + HK * DK + hk * DK + offs_k, mask=mask_k, other=0.0)
+        v_next = tl.load(line + 2 * HK * DK + hv * DV + offs_v, mask=mask_v, other=0.0)
+        a_next = tl.load(a_ptr + after * stride_a + hv)
+        b_next = tl.load(b_ptr + after * stride_b + hv)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+        g = -tl.exp(a_log) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-beta))
+        h = h * tl.exp(g)
+        update = (v.to(tl.float32) - tl.sum(h * k[:, None], axis=0)) * beta
+        h += k[:, None] * update[None, :]
+        o = tl.sum(h * q[:, None], axis=0)
+        tl.store(out_ptr + (t * HV + hv) * DV + offs_v, o, mask=mask_v)
+        at_split = (zero + t + 1 == split) & (zero + split < n)
+        tl.store(snap_ptr + snap_cells, h, mask=mask & at_split)
+    tl.store(state_ptr + cells, h, mask=mask & (zero + n > 0))
+    for t in range(n, N):  # padding rows: zeros
+        tl.store(out_ptr + (t * HV + hv) * DV + offs_v,
+                 tl.zeros([BLOCK_V], dtype=tl.float32), mask=mask_v)  # fmt: skip
+
+
+@triton.jit
 def _delta_chunk_kernel(
     conv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, snap_ptr, out_ptr, meta_ptr,
     N, stride_conv, stride_a, stride_b, stride_snap_slot, stride_snap_entry, scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (value head, block of value dims): the sequence's rows CHUNK at a time in the
     chunked (WY) form, its state tile [DK, BLOCK_V] held in registers from the slot's state to
@@ -453,32 +521,32 @@ def _delta_chunk_kernel(
         beta = tl.where(live, 1.0 / (1.0 + tl.exp(-beta)), 0.0)
         big_g = tl.cumsum(g, axis=0)  # [CHUNK] log decay from the chunk's start
         decay = tl.exp(tl.where(ii >= jj, big_g[:, None] - big_g[None, :], 0.0))
-        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+        kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
         lower = tl.where(ii > jj, beta[:, None] * decay * kk, 0.0)
-        square = tl.dot(lower, lower, input_precision="ieee")
-        inverse = tl.dot(eye - lower, eye + square, input_precision="ieee")
-        square = tl.dot(square, square, input_precision="ieee")
-        inverse = tl.dot(inverse, eye + square, input_precision="ieee")
-        square = tl.dot(square, square, input_precision="ieee")
-        inverse = tl.dot(inverse, eye + square, input_precision="ieee")
+        square = tl.dot(lower, lower, input_precision=PRECISION)
+        inverse = tl.dot(eye - lower, eye + square, input_precision=PRECISION)
+        square = tl.dot(square, square, input_precision=PRECISION)
+        inverse = tl.dot(inverse, eye + square, input_precision=PRECISION)
+        square = tl.dot(square, square, input_precision=PRECISION)
+        inverse = tl.dot(inverse, eye + square, input_precision=PRECISION)
         grow = tl.exp(big_g)
-        ks = tl.dot(k, h, input_precision="ieee")  # [CHUNK, BLOCK_V]
-        u = tl.dot(inverse, beta[:, None] * (v - grow[:, None] * ks), input_precision="ieee")
-        qk = tl.where(ii >= jj, decay * tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)
-        o = grow[:, None] * tl.dot(q, h, input_precision="ieee")
-        o += tl.dot(qk, u, input_precision="ieee")
+        ks = tl.dot(k, h, input_precision=PRECISION)  # [CHUNK, BLOCK_V]
+        u = tl.dot(inverse, beta[:, None] * (v - grow[:, None] * ks), input_precision=PRECISION)
+        qk = tl.where(ii >= jj, decay * tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)
+        o = grow[:, None] * tl.dot(q, h, input_precision=PRECISION)
+        o += tl.dot(qk, u, input_precision=PRECISION)
         tl.store(out_ptr + (rows[:, None] * HV + hv) * DV + offs_v[None, :], o,
                  mask=(rows < N)[:, None] & mask_v[None, :])  # fmt: skip
         # the snapshot after `split` rows, when it falls in this chunk
         inside = split - t0  # rows of this chunk before the snapshot
         g_at = tl.sum(tl.where(step == inside - 1, big_g, 0.0), axis=0)
         weight = tl.where(step < inside, tl.exp(tl.where(step < inside, g_at - big_g, 0.0)), 0.0)
-        at = tl.exp(g_at) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision="ieee")
+        at = tl.exp(g_at) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision=PRECISION)
         at_split = (zero + inside > 0) & (zero + inside <= CHUNK) & (zero + split < n)
         tl.store(snap_ptr + snap_cells, at, mask=mask & at_split)
         g_end = tl.sum(tl.where(step == CHUNK - 1, big_g, 0.0), axis=0)
         weight = tl.exp(g_end - big_g)
-        h = tl.exp(g_end) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision="ieee")
+        h = tl.exp(g_end) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision=PRECISION)
     tl.store(state_ptr + cells, h, mask=mask & (zero + n > 0))
     for t0 in range(tl.cdiv(n, CHUNK) * CHUNK, N, CHUNK):  # padding rows: zeros
         rows = t0 + step
@@ -499,7 +567,9 @@ def gated_delta_seq_triton(
     num_key_heads: int,
     key_dim: int,
     block_v: int = 32,
-    num_warps: int = 4,
+    num_warps: int = 8,
+    form: str = "chunk",
+    precision: str = "ieee",
 ) -> torch.Tensor:
     """The gated delta rule over one sequence's rows, 16 rows at a time (see above for
     ``meta``): conv_out [N, 2 * Hk * Dk + Hv * Dv]; a, b [N, Hv] (raw projections); state
@@ -513,12 +583,22 @@ def gated_delta_seq_triton(
     assert snap_state.stride(-1) == 1 and snap_state.stride(2) == dk * dv
     assert conv_out.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1
     out = torch.empty(rows, heads_v, dv, dtype=torch.float32, device=conv_out.device)
-    block_v = max(16, min(block_v, triton.next_power_of_2(dv)))  # tl.dot: 16 at least
-    _delta_chunk_kernel[(heads_v, triton.cdiv(dv, block_v))](
+    args = (
         conv_out, a, b, a_log, dt_bias, state, snap_state, out, meta, rows,
         conv_out.stride(0), a.stride(0), b.stride(0), snap_state.stride(0),
         snap_state.stride(1), dk**-0.5,
-        HK=num_key_heads, HV=heads_v, DK=dk, DV=dv,
-        BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, CHUNK=16, num_warps=num_warps,
+    )  # fmt: skip
+    if form == "rows":
+        block_v = min(block_v, triton.next_power_of_2(dv))
+        _delta_rows_kernel[(heads_v, triton.cdiv(dv, block_v))](
+            *args, HK=num_key_heads, HV=heads_v, DK=dk, DV=dv,
+            BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=num_warps,
+        )  # fmt: skip
+        return out
+    block_v = max(16, min(block_v, triton.next_power_of_2(dv)))  # tl.dot: 16 at least
+    _delta_chunk_kernel[(heads_v, triton.cdiv(dv, block_v))](
+        *args, HK=num_key_heads, HV=heads_v, DK=dk, DV=dv,
+        BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, CHUNK=16,
+        PRECISION=precision, num_warps=num_warps,
     )  # fmt: skip
     return out
