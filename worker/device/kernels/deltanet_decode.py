@@ -238,6 +238,7 @@ def gated_delta_norm_step_triton(
     num_warps: int = 8,
     form: str = "chunk",
     precision: str = "ieee",
+    state_precision: str = "",
 ) -> torch.Tensor:
     """``gated_delta_step_triton`` followed by ``gated_rms_norm_triton`` (gate z [B, Hv, Dv],
     rows may be strided, heads packed; weight [Dv]) in one launch -> [B, Hv, Dv] in z's dtype,
@@ -470,6 +471,7 @@ def _delta_chunk_kernel(
     N, stride_conv, stride_a, stride_b, stride_snap_slot, stride_snap_entry, scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    STATE_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (value head, block of value dims): the sequence's rows CHUNK at a time in the
     chunked (WY) form, its state tile [DK, BLOCK_V] held in registers from the slot's state to
@@ -530,10 +532,10 @@ def _delta_chunk_kernel(
         square = tl.dot(square, square, input_precision=PRECISION)
         inverse = tl.dot(inverse, eye + square, input_precision=PRECISION)
         grow = tl.exp(big_g)
-        ks = tl.dot(k, h, input_precision=PRECISION)  # [CHUNK, BLOCK_V]
+        ks = tl.dot(k, h, input_precision=STATE_PRECISION)  # [CHUNK, BLOCK_V]
         u = tl.dot(inverse, beta[:, None] * (v - grow[:, None] * ks), input_precision=PRECISION)
         qk = tl.where(ii >= jj, decay * tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)
-        o = grow[:, None] * tl.dot(q, h, input_precision=PRECISION)
+        o = grow[:, None] * tl.dot(q, h, input_precision=STATE_PRECISION)
         o += tl.dot(qk, u, input_precision=PRECISION)
         tl.store(out_ptr + (rows[:, None] * HV + hv) * DV + offs_v[None, :], o,
                  mask=(rows < N)[:, None] & mask_v[None, :])  # fmt: skip
@@ -541,12 +543,12 @@ def _delta_chunk_kernel(
         inside = split - t0  # rows of this chunk before the snapshot
         g_at = tl.sum(tl.where(step == inside - 1, big_g, 0.0), axis=0)
         weight = tl.where(step < inside, tl.exp(tl.where(step < inside, g_at - big_g, 0.0)), 0.0)
-        at = tl.exp(g_at) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision=PRECISION)
+        at = tl.exp(g_at) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision=STATE_PRECISION)
         at_split = (zero + inside > 0) & (zero + inside <= CHUNK) & (zero + split < n)
         tl.store(snap_ptr + snap_cells, at, mask=mask & at_split)
         g_end = tl.sum(tl.where(step == CHUNK - 1, big_g, 0.0), axis=0)
         weight = tl.exp(g_end - big_g)
-        h = tl.exp(g_end) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision=PRECISION)
+        h = tl.exp(g_end) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision=STATE_PRECISION)
     tl.store(state_ptr + cells, h, mask=mask & (zero + n > 0))
     for t0 in range(tl.cdiv(n, CHUNK) * CHUNK, N, CHUNK):  # padding rows: zeros
         rows = t0 + step
@@ -570,6 +572,7 @@ def gated_delta_seq_triton(
     num_warps: int = 8,
     form: str = "chunk",
     precision: str = "ieee",
+    state_precision: str = "",
 ) -> torch.Tensor:
     """The gated delta rule over one sequence's rows, 16 rows at a time (see above for
     ``meta``): conv_out [N, 2 * Hk * Dk + Hv * Dv]; a, b [N, Hv] (raw projections); state
@@ -599,6 +602,6 @@ def gated_delta_seq_triton(
     _delta_chunk_kernel[(heads_v, triton.cdiv(dv, block_v))](
         *args, HK=num_key_heads, HV=heads_v, DK=dk, DV=dv,
         BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, CHUNK=16,
-        PRECISION=precision, num_warps=num_warps,
+        PRECISION=precision, STATE_PRECISION=state_precision or precision, num_warps=num_warps,
     )  # fmt: skip
     return out
