@@ -234,11 +234,11 @@ def gated_delta_norm_step_triton(
     eps: float,
     num_key_heads: int,
     key_dim: int,
-    block_v: int = 32,
-    num_warps: int = 8,
-    form: str = "chunk",
-    precision: str = "ieee",
+    form: str = "",
+    precision: str = "tf32",
     state_precision: str = "",
+    block_v: int = 0,
+    num_warps: int = 0,
 ) -> torch.Tensor:
     """``gated_delta_step_triton`` followed by ``gated_rms_norm_triton`` (gate z [B, Hv, Dv],
     rows may be strided, heads packed; weight [Dv]) in one launch -> [B, Hv, Dv] in z's dtype,
@@ -543,12 +543,14 @@ def _delta_chunk_kernel(
         inside = split - t0  # rows of this chunk before the snapshot
         g_at = tl.sum(tl.where(step == inside - 1, big_g, 0.0), axis=0)
         weight = tl.where(step < inside, tl.exp(tl.where(step < inside, g_at - big_g, 0.0)), 0.0)
-        at = tl.exp(g_at) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision=STATE_PRECISION)
+        at = tl.dot(tl.trans(k * weight[:, None]), u, input_precision=STATE_PRECISION)
+        at += tl.exp(g_at) * h
         at_split = (zero + inside > 0) & (zero + inside <= CHUNK) & (zero + split < n)
         tl.store(snap_ptr + snap_cells, at, mask=mask & at_split)
         g_end = tl.sum(tl.where(step == CHUNK - 1, big_g, 0.0), axis=0)
         weight = tl.exp(g_end - big_g)
-        h = tl.exp(g_end) * h + tl.dot(tl.trans(k * weight[:, None]), u, input_precision=STATE_PRECISION)
+        change = tl.dot(tl.trans(k * weight[:, None]), u, input_precision=STATE_PRECISION)
+        h = tl.exp(g_end) * h + change
     tl.store(state_ptr + cells, h, mask=mask & (zero + n > 0))
     for t0 in range(tl.cdiv(n, CHUNK) * CHUNK, N, CHUNK):  # padding rows: zeros
         rows = t0 + step
@@ -568,11 +570,11 @@ def gated_delta_seq_triton(
     meta: torch.Tensor,
     num_key_heads: int,
     key_dim: int,
-    block_v: int = 32,
-    num_warps: int = 8,
-    form: str = "chunk",
-    precision: str = "ieee",
+    form: str = "",
+    precision: str = "tf32",
     state_precision: str = "",
+    block_v: int = 0,
+    num_warps: int = 0,
 ) -> torch.Tensor:
     """The gated delta rule over one sequence's rows, 16 rows at a time (see above for
     ``meta``): conv_out [N, 2 * Hk * Dk + Hv * Dv]; a, b [N, Hv] (raw projections); state
@@ -591,14 +593,16 @@ def gated_delta_seq_triton(
         conv_out.stride(0), a.stride(0), b.stride(0), snap_state.stride(0),
         snap_state.stride(1), dk**-0.5,
     )  # fmt: skip
+    form = form or ("rows" if conv_out.dtype == torch.float32 else "chunk")
     if form == "rows":
-        block_v = min(block_v, triton.next_power_of_2(dv))
+        block_v, num_warps = min(block_v or 16, triton.next_power_of_2(dv)), num_warps or 1
         _delta_rows_kernel[(heads_v, triton.cdiv(dv, block_v))](
             *args, HK=num_key_heads, HV=heads_v, DK=dk, DV=dv,
             BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=num_warps,
         )  # fmt: skip
         return out
-    block_v = max(16, min(block_v, triton.next_power_of_2(dv)))  # tl.dot: 16 at least
+    block_v = max(16, min(block_v or 32, triton.next_power_of_2(dv)))  # tl.dot: 16 at least
+    num_warps = num_warps or 4
     _delta_chunk_kernel[(heads_v, triton.cdiv(dv, block_v))](
         *args, HK=num_key_heads, HV=heads_v, DK=dk, DV=dv,
         BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, CHUNK=16,
