@@ -7,6 +7,7 @@ Times are CUDA-graph replays (the way decode runs); GB/s is the weight bytes rea
 CUDA only.
 
     python tools/bench_quant_kernels.py [--rows 1,2,4,8,16,32,64,2048] [--out DIR]
+    python tools/bench_quant_kernels.py --gemm 8,32,64 [--only o_proj] [--gemm-tiles 0,1] [--warm]
 """
 
 from __future__ import annotations
@@ -219,6 +220,48 @@ def bench_tiles(name: str, n: int, k: int, group: int, kind: str) -> None:
     torch.cuda.empty_cache()
 
 
+# --gemm: today's GEMM tiles and the same with the joined store (5th field), at each row count
+GEMM_STORE_TILES = [(64, 32, 4, 3), (64, 32, 4, 3, 1), (128, 32, 8, 3), (128, 32, 8, 3, 1)]
+
+
+def bench_gemm_rows(
+    name: str, n: int, k: int, group: int, rows_list: list[int], tiles: list[tuple[int, ...]],
+    warm: bool,
+) -> None:  # fmt: skip
+    """One line per (rows, tile, K-split target): us per call (weights past L2), TB/s of the
+    weight bytes, max error relative to the largest output (int4). ``warm``: one call each,
+    nothing timed (compiles into Triton's disk cache)."""
+    dev = torch.device("cuda")
+    weight = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+    qw = Q.quantize(weight, Q.QuantFormat("int4", group), search=False)
+    packed = qm.KMajorWeight.pack(qw)
+    copies = [packed]
+    if not warm:
+        more = max(0, -(-200_000_000 // packed.nbytes) - 1)
+        copies += [qm.KMajorWeight.pack(qw) for _ in range(more)]
+    for m in rows_list:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        want = F.linear(x, qw.dequantize(torch.bfloat16)).float()
+        for programs in TILE_GEMM_PROGRAMS:
+            qm.GEMM_PROGRAMS = programs
+            for tile in tiles:
+                label = f"int4 {name} [{n}, {k}] rows {m} gemm {tile} programs {programs}"
+                try:
+                    err = (qm.qgemm(x, packed, tile).float() - want).abs().max().item()
+                    if warm:
+                        continue
+                    us = rotated(lambda w, t=tile, x=x: qm.qgemm(x, w, t), copies) * 1e6
+                except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
+                    print(f"{label}: failed {exc!r:.80}", flush=True)
+                    continue
+                tbps = packed.nbytes / (us * 1e-6) / 1e12
+                rel = err / want.abs().max().item()
+                print(f"{label}: {us:.1f} us {tbps:.2f} TB/s err {rel:.1e}", flush=True)
+    qm.GEMM_PROGRAMS = TILE_GEMM_PROGRAMS[0]
+    del copies
+    torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(REPO / "examples" / "gemma4_31b" / "config.json"))
@@ -229,8 +272,24 @@ def main(argv: list[str] | None = None) -> int:
     tiles_help = "kinds (int4,int8): only time the tiles of bench_tiles per matrix"
     p.add_argument("--tiles", default="", help=tiles_help)
     p.add_argument("--only", default="", help="with --tiles: matrix names (qkv,o_proj,...)")
+    gemm_help = "rows (8,32,64): only time GEMM_STORE_TILES per matrix (with --only)"
+    p.add_argument("--gemm", default="", help=gemm_help)
+    p.add_argument("--gemm-tiles", default="", help="with --gemm: GEMM_STORE_TILES indices")
+    p.add_argument("--warm", action="store_true", help="with --gemm: compile only, no timing")
     args = p.parse_args(argv)
     torch.manual_seed(0)
+    if args.gemm:  # each name's first matrix (the sliding layers' o and qkv), no head
+        only = set(args.only.split(",")) if args.only else None
+        rows = [int(r) for r in args.gemm.split(",")]
+        tiles = GEMM_STORE_TILES
+        if args.gemm_tiles:
+            tiles = [GEMM_STORE_TILES[int(i)] for i in args.gemm_tiles.split(",")]
+        seen = {"lm_head"}
+        for name, n, k, _ in model_shapes(Path(args.model)):
+            if name not in seen and (only is None or name in only):
+                bench_gemm_rows(name, n, k, args.group, rows, tiles, args.warm)
+            seen.add(name)
+        return 0
     if args.tiles:
         only = set(args.only.split(",")) if args.only else None
         for kind in args.tiles.split(","):

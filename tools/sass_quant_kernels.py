@@ -101,18 +101,21 @@ def gemv(qm, int4: bool, block_c: int, warps: int, split: bool, dump, slots: int
 
 
 def gemm(qm, int4: bool, config, dump) -> None:  # type: ignore[no-untyped-def]
-    block_c, block_k, warps, stages = config
+    block_c, block_k, warps, stages, *more = config
+    joined = bool(more and more[0])  # the joined store (quant_matmul._gemm_store_joined)
     p = 8 if int4 else 4
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16",
            "y_ptr": "*fp32", "M": "i32", "N": "i32", "C": "i32", "K": "i32",
            "stride_xm": "i32", "stride_ym": "i32"}  # fmt: skip
     const = dict(GROUP=32, INT4_KIND=int4, BLOCK_M=32, BLOCK_C=block_c, BLOCK_K=block_k,
-                 PRECISION="tf32", EVEN_K=True, BF16_PAIRS=int4, ASM=True)  # fmt: skip
+                 PRECISION="tf32", EVEN_K=True, BF16_PAIRS=int4, ASM=True,
+                 JOINED=joined)  # fmt: skip
     sig.update({k: "constexpr" for k in const})
     k = compile_sm90(qm._qgemm_kernel, sig, const, warps, num_stages=stages,
                      div16=("N", "C", "K", "stride_xm", "stride_ym"))  # fmt: skip
     per_pass = block_c * block_k * p  # weights of a K tile (for 32 rows of x)
-    name = f"gemm32_{'int4' if int4 else 'int8'}_c{block_c}_k{block_k}_w{warps}_s{stages}"
+    name = (f"gemm32_{'int4' if int4 else 'int8'}_c{block_c}_k{block_k}_w{warps}_s{stages}"
+            f"{'_joined' if joined else ''}")  # fmt: skip
     report(name, k, per_pass / (warps * 32), dump)
 
 
@@ -141,7 +144,7 @@ def main() -> None:
             for block_c, warps, slots in ((32, 8, 32), (32, 4, 16), (64, 4, 8), (64, 8, 16)):
                 gemv(qm, int4, block_c, warps, True, dump, slots)
         if "gemm" in only:
-            for config in qm.GEMM_CANDIDATES:
+            for config in qm.GEMM_CANDIDATES + qm.JOINED_CANDIDATES:
                 gemm(qm, int4, config, dump)
 
 

@@ -137,6 +137,27 @@ def test_int4_gemm_with_bf16_inputs_makes_bf16_pair_weights(
     torch.testing.assert_close(once, exact, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("kind", "group"), [("int4", 32), ("int8", 16)])
+def test_gemm_joined_store_equals_the_per_position_store(kind: str, group: int) -> None:
+    """The GEMM's joined store (config field 5: the P accumulators interleaved into
+    consecutive outputs, one store) writes the same values to the same outputs as the store
+    per code position, with and without a K split, for a partial last word (75 outputs) and
+    row counts of each BLOCK_M (16, 32, 64)."""
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw(kind, group, n=75, k=group * 4, seed=6)
+    packed = qm.KMajorWeight.pack(qw)
+    for rows in (3, 20, 40):
+        x = torch.randn(rows, group * 4, generator=torch.Generator().manual_seed(rows))
+        x = x.to(DEVICE)
+        want = x @ qw.dequantize().T
+        for split in (1, 3):
+            apart = qm.qgemm(x, packed, (8, 32, 4, 2), split=split)
+            joined = qm.qgemm(x, packed, (8, 32, 4, 2, 1), split=split)
+            torch.testing.assert_close(joined, apart, rtol=0, atol=0)
+            torch.testing.assert_close(joined, want, rtol=1e-4, atol=1e-4)
+
+
 def test_pack_for_device_routes_layers_and_shares_a_tied_table(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -85,7 +85,7 @@ class KMajorWeight:
     offsets: torch.Tensor | None  # fp16 [K / g, P, N / P], int4 only
     # tile configs timed for this matrix on this GPU (choose_configs); None: the defaults
     gemv_config: tuple[int, ...] | None = None
-    gemm_config: tuple[int, int, int, int] | None = None
+    gemm_config: tuple[int, ...] | None = None
     # the K-split GEMV's arrival counters, one per column block (zero between calls)
     arrivals: torch.Tensor | None = None
 
@@ -691,12 +691,14 @@ def _qgemm_kernel(
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
+    JOINED: tl.constexpr = False,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
     of the tensor-core tile, split across warps) and x's [BLOCK_K, BLOCK_M] tile. BLOCK_K is a
     multiple of the group, or (groups of 8) holds two: then each weight reads its own
-    group's scales."""
+    group's scales. JOINED: the P accumulators are interleaved into consecutive outputs before
+    the store (``_gemm_store_joined``), else each is stored on its own, P outputs apart."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
     pid_c = tl.program_id(0)
@@ -765,15 +767,19 @@ def _qgemm_kernel(
                 w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, C, INT4_KIND)
                 acc7 += tl.dot(w.to(ty), x, input_precision=PRECISION)
     y_cols = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym
-    _gemm_store(y_cols, acc0, offs_c, mask_m, mask_c, N, 0, P)
-    _gemm_store(y_cols, acc1, offs_c, mask_m, mask_c, N, 1, P)
-    _gemm_store(y_cols, acc2, offs_c, mask_m, mask_c, N, 2, P)
-    _gemm_store(y_cols, acc3, offs_c, mask_m, mask_c, N, 3, P)
-    if INT4_KIND:
-        _gemm_store(y_cols, acc4, offs_c, mask_m, mask_c, N, 4, P)
-        _gemm_store(y_cols, acc5, offs_c, mask_m, mask_c, N, 5, P)
-        _gemm_store(y_cols, acc6, offs_c, mask_m, mask_c, N, 6, P)
-        _gemm_store(y_cols, acc7, offs_c, mask_m, mask_c, N, 7, P)
+    if JOINED:
+        _gemm_store_joined(y_cols, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, pid_c, mask_m,
+                           N, BLOCK_C, BLOCK_M, P)  # fmt: skip
+    else:
+        _gemm_store(y_cols, acc0, offs_c, mask_m, mask_c, N, 0, P)
+        _gemm_store(y_cols, acc1, offs_c, mask_m, mask_c, N, 1, P)
+        _gemm_store(y_cols, acc2, offs_c, mask_m, mask_c, N, 2, P)
+        _gemm_store(y_cols, acc3, offs_c, mask_m, mask_c, N, 3, P)
+        if INT4_KIND:
+            _gemm_store(y_cols, acc4, offs_c, mask_m, mask_c, N, 4, P)
+            _gemm_store(y_cols, acc5, offs_c, mask_m, mask_c, N, 5, P)
+            _gemm_store(y_cols, acc6, offs_c, mask_m, mask_c, N, 6, P)
+            _gemm_store(y_cols, acc7, offs_c, mask_m, mask_c, N, 7, P)
 
 
 @triton.jit
@@ -781,6 +787,24 @@ def _gemm_store(y_cols, acc, offs_c, mask_m, mask_c, N, p: tl.constexpr, P: tl.c
     out = offs_c * P + p  # acc [BLOCK_C, BLOCK_M]: outputs by rows of x
     mask = (mask_c & (out < N))[:, None] & mask_m[None, :]
     tl.store(y_cols + out[:, None], acc.to(y_cols.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_store_joined(y_cols, a0, a1, a2, a3, a4, a5, a6, a7, pid_c, mask_m, N,
+                       BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr):  # fmt: skip
+    """The P accumulators [BLOCK_C, BLOCK_M] (acc p: outputs P*c + p) as one tile of
+    [BLOCK_C * P, BLOCK_M] consecutive outputs, stored along N: whole lines per warp, where
+    ``_gemm_store`` writes 4 of every 32 bytes a store (int4), P stores a line."""
+    if P == 8:  # joins nest as p = 4 l + 2 j + i, the flattened order of [.., l, j, i]
+        t = tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)),
+                    tl.join(tl.join(a1, a5), tl.join(a3, a7)))  # fmt: skip
+    else:  # p = 2 l + i
+        t = tl.join(tl.join(a0, a2), tl.join(a1, a3))
+    t = tl.reshape(t, [BLOCK_C, BLOCK_M, P])
+    t = tl.reshape(tl.permute(t, (0, 2, 1)), [BLOCK_C * P, BLOCK_M])  # row P*c + p
+    out = pid_c * (BLOCK_C * P) + tl.arange(0, BLOCK_C * P)
+    mask = (out < N)[:, None] & mask_m[None, :]
+    tl.store(y_cols + out[:, None], t.to(y_cols.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -874,15 +898,17 @@ def qgemv(
 
 
 def qgemm(
-    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, int, int, int] | None = None,
+    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, ...] | None = None,
     split: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ W^T -> [M, N], weights dequantized in registers for ``tl.dot``; K split
-    over ``split`` programs (None: enough for about GEMM_PROGRAMS programs), summed in fp32."""
+    over ``split`` programs (None: enough for about GEMM_PROGRAMS programs), summed in fp32.
+    ``config``: (BLOCK_C, BLOCK_K, num_warps, num_stages[, joined store: 1])."""
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
-    block_c, block_k, num_warps, num_stages = config or packed.gemm_config or GEMM_CONFIG
+    block_c, block_k, num_warps, num_stages, *more = config or packed.gemm_config or GEMM_CONFIG
+    joined = bool(more and more[0])
     group = packed.group_size
     block_k = max(16, group, block_k - block_k % group)  # a multiple of the group, >= 16
     if block_k > group and group < 16:
@@ -900,7 +926,7 @@ def qgemm(
         BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         BF16_PAIRS=packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs(),
-        ASM=os.environ.get("TRITON_INTERPRET") != "1",
+        ASM=os.environ.get("TRITON_INTERPRET") != "1", JOINED=joined,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
@@ -976,7 +1002,14 @@ SLOT_CANDIDATES = [(32, 264, 8, 8, 32), (32, 264, 4, 4, 16), (32, 396, 4, 8, 16)
                    (64, 264, 4, 8, 8)]  # fmt: skip
 if os.environ.get("TOKENPIPE_QUANT_GEMV_SLOTS") == "1":
     GEMV_CANDIDATES += SLOT_CANDIDATES
-GEMM_CANDIDATES = [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2)]
+GEMM_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3),
+                                          (64, 64, 4, 2)]  # fmt: skip
+# the same GEMM tiles with the joined store (5th field; ``_gemm_store_joined``: 128-bit stores
+# of consecutive outputs instead of 4-byte stores 32 bytes apart, 216 registers instead of 253
+# at 32 rows, offline SASS): timed too with TOKENPIPE_QUANT_GEMM_JOINED=1 (not yet measured)
+JOINED_CANDIDATES = [(64, 32, 4, 3, 1), (128, 32, 8, 3, 1)]
+if os.environ.get("TOKENPIPE_QUANT_GEMM_JOINED") == "1":
+    GEMM_CANDIDATES += JOINED_CANDIDATES
 
 
 def choose_configs(
