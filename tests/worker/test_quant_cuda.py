@@ -5,6 +5,7 @@ on both: the logits of a prompt and of a decode step agree. Needs CUDA."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,15 +14,19 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _logits(path: Path, device: str, mode: str) -> list[torch.Tensor]:
+def _logits(
+    path: Path, device: str, mode: str, importance: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:  # fmt: skip
     from worker.device.cuda_setup import prepare_model_for_device
     from worker.layers.quant import QuantLinear
     from worker.loading.loader import load_model
     from worker.loading.quantize import QuantizeOptions
     from worker.models.step import StepInput
 
-    loaded = load_model(path, device, torch.float32, progress=False,
-                        quantize=QuantizeOptions(mode, 32 if mode == "int4" else None))  # fmt: skip
+    group = 32 if mode == "int4" else None
+    loaded = load_model(path, device, dtype, progress=False,
+                        quantize=QuantizeOptions(mode, group, importance))  # fmt: skip
     model = prepare_model_for_device(loaded, device, cuda_graphs=False)
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert quantized
@@ -39,6 +44,38 @@ def test_int4_checkpoint_on_cuda_equals_cpu(tiny_checkpoint_factory) -> None:
         _logits(directory, "cuda", "int4"), _logits(directory, "cpu", "int4"), strict=True
     ):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_int4_input_scales_on_cuda_equal_cpu(tiny_checkpoint_factory, tmp_path: Path) -> None:
+    """Activation-aware input scales (an importance file's ``.input_scale`` entries, as the
+    default model ships them) folded on the GPU: the scaled weights packed for the Triton
+    kernels, the norms and up_proj's rows divided on the device; fp32 equals the CPU load,
+    bf16 within its rounding."""
+    from safetensors.torch import save_file
+
+    directory = tiny_checkpoint_factory(dtype=torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    stats = {}
+    config = json.loads((directory / "config.json").read_text())
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    for i in range(config["num_hidden_layers"]):
+        attn, mlp, down = (
+            4.0 ** (2 * torch.rand(k, generator=generator) - 1) for k in (hidden, hidden, inner)
+        )
+        for name, scale in [("self_attn.q_proj", attn), ("self_attn.k_proj", attn),
+                            ("self_attn.v_proj", attn), ("mlp.gate_proj", mlp),
+                            ("mlp.up_proj", mlp), ("mlp.down_proj", down)]:  # fmt: skip
+            stats[f"model.layers.{i}.{name}.input_scale"] = scale.clone()
+    path = str(tmp_path / "scales.safetensors")
+    save_file(stats, path)
+    want = _logits(directory, "cpu", "int4", path)
+    plain = _logits(directory, "cpu", "int4", "none")
+    assert float((plain[0] - want[0]).norm() / want[0].norm()) > 1e-2  # the scales matter
+    for got, ref in zip(_logits(directory, "cuda", "int4", path), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+    for got, ref in zip(_logits(directory, "cuda", "int4", path, torch.bfloat16), want,
+                        strict=True):  # fmt: skip
+        assert float((got.float() - ref).norm() / ref.norm()) < 3e-2
 
 
 def test_gguf_kept_quantized_on_cuda_equals_cpu(
