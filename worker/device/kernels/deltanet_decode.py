@@ -236,7 +236,6 @@ def gated_delta_norm_step_triton(
     key_dim: int,
     form: str = "",
     precision: str = "tf32",
-    state_precision: str = "",
     block_v: int = 0,
     num_warps: int = 0,
 ) -> torch.Tensor:
@@ -471,7 +470,6 @@ def _delta_chunk_kernel(
     N, stride_conv, stride_a, stride_b, stride_snap_slot, stride_snap_entry, scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
-    STATE_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (value head, block of value dims): the sequence's rows CHUNK at a time in the
     chunked (WY) form, its state tile [DK, BLOCK_V] held in registers from the slot's state to
@@ -532,10 +530,10 @@ def _delta_chunk_kernel(
         square = tl.dot(square, square, input_precision=PRECISION)
         inverse = tl.dot(inverse, eye + square, input_precision=PRECISION)
         grow = tl.exp(big_g)
-        ks = tl.dot(k, h, input_precision=STATE_PRECISION)  # [CHUNK, BLOCK_V]
+        ks = tl.dot(k, h, input_precision=PRECISION)  # [CHUNK, BLOCK_V]
         u = tl.dot(inverse, beta[:, None] * (v - grow[:, None] * ks), input_precision=PRECISION)
         qk = tl.where(ii >= jj, decay * tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0)
-        o = grow[:, None] * tl.dot(q, h, input_precision=STATE_PRECISION)
+        o = grow[:, None] * tl.dot(q, h, input_precision=PRECISION)
         o += tl.dot(qk, u, input_precision=PRECISION)
         tl.store(out_ptr + (rows[:, None] * HV + hv) * DV + offs_v[None, :], o,
                  mask=(rows < N)[:, None] & mask_v[None, :])  # fmt: skip
@@ -543,13 +541,13 @@ def _delta_chunk_kernel(
         inside = split - t0  # rows of this chunk before the snapshot
         g_at = tl.sum(tl.where(step == inside - 1, big_g, 0.0), axis=0)
         weight = tl.where(step < inside, tl.exp(tl.where(step < inside, g_at - big_g, 0.0)), 0.0)
-        at = tl.dot(tl.trans(k * weight[:, None]), u, input_precision=STATE_PRECISION)
+        at = tl.dot(tl.trans(k * weight[:, None]), u, input_precision=PRECISION)
         at += tl.exp(g_at) * h
         at_split = (zero + inside > 0) & (zero + inside <= CHUNK) & (zero + split < n)
         tl.store(snap_ptr + snap_cells, at, mask=mask & at_split)
         g_end = tl.sum(tl.where(step == CHUNK - 1, big_g, 0.0), axis=0)
         weight = tl.exp(g_end - big_g)
-        change = tl.dot(tl.trans(k * weight[:, None]), u, input_precision=STATE_PRECISION)
+        change = tl.dot(tl.trans(k * weight[:, None]), u, input_precision=PRECISION)
         h = tl.exp(g_end) * h + change
     tl.store(state_ptr + cells, h, mask=mask & (zero + n > 0))
     for t0 in range(tl.cdiv(n, CHUNK) * CHUNK, N, CHUNK):  # padding rows: zeros
@@ -572,16 +570,19 @@ def gated_delta_seq_triton(
     key_dim: int,
     form: str = "",
     precision: str = "tf32",
-    state_precision: str = "",
     block_v: int = 0,
     num_warps: int = 0,
 ) -> torch.Tensor:
-    """The gated delta rule over one sequence's rows, 16 rows at a time (see above for
-    ``meta``): conv_out [N, 2 * Hk * Dk + Hv * Dv]; a, b [N, Hv] (raw projections); state
-    [S, Hv, Dk, Dv] and snap_state [S, snapshots, Hv, Dk, Dv] float32, updated in place ->
-    o [N, Hv, Dv] float32 (padding rows zero). ``recurrent_gated_delta_rule`` over the rows,
-    capturable, in one launch (the chunked form above: a warm turn's 64 rows are 4 chunk steps
-    of small matrix products where a row-by-row loop waits on 64 dependent reductions)."""
+    """The gated delta rule over one sequence's rows (see above for ``meta``): conv_out
+    [N, 2 * Hk * Dk + Hv * Dv]; a, b [N, Hv] (raw projections); state [S, Hv, Dk, Dv] and
+    snap_state [S, snapshots, Hv, Dk, Dv] float32, updated in place -> o [N, Hv, Dv] float32
+    (padding rows zero). ``recurrent_gated_delta_rule`` over the rows, capturable, one launch.
+
+    ``form`` "chunk" (the default for bf16/fp16 inputs): 16 rows a step of small matrix
+    products at ``precision`` (tf32: 17 us for a warm turn's 64 rows on the 35B-A3B heads,
+    outputs within 2e-3 of exact; "ieee" float32 products are slower than the row loop on
+    Hopper); "rows" (the default for float32): one row after the other, exact (38 us).
+    BENCHMARKS.md, session 11, has the sweep behind the defaults."""
     rows = conv_out.shape[0]
     _, heads_v, dk, dv = state.shape
     assert state.is_contiguous() and state.dtype == torch.float32 and dk == key_dim
@@ -606,6 +607,6 @@ def gated_delta_seq_triton(
     _delta_chunk_kernel[(heads_v, triton.cdiv(dv, block_v))](
         *args, HK=num_key_heads, HV=heads_v, DK=dk, DV=dv,
         BLOCK_K=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, CHUNK=16,
-        PRECISION=precision, STATE_PRECISION=state_precision or precision, num_warps=num_warps,
+        PRECISION=precision, num_warps=num_warps,
     )  # fmt: skip
     return out
