@@ -158,6 +158,33 @@ def test_gemm_joined_store_equals_the_per_position_store(kind: str, group: int) 
             torch.testing.assert_close(joined, want, rtol=1e-4, atol=1e-4)
 
 
+def test_gemm_config_field_6_sets_the_k_split_program_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(.., joined, programs): K split for about `programs` programs instead of GEMM_PROGRAMS
+    (10 word columns in 2 tiles of 8: 6 programs split K in 3)."""
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw("int4", 32, n=75, k=128, seed=6)
+    packed = qm.KMajorWeight.pack(qw)
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    splits: list[int] = []
+    reduce = qm._reduce_kernel
+
+    class Spy:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kwargs: object) -> None:
+                splits.append(int(kwargs["SPLIT"]))  # type: ignore[call-overload]
+                reduce[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(qm, "_reduce_kernel", Spy())
+    got = qm.qgemm(x, packed, (8, 32, 4, 2, 1, 6))
+    assert splits == [3]
+    torch.testing.assert_close(got, x @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
 def test_pack_for_device_routes_layers_and_shares_a_tied_table(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

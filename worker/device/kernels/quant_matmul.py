@@ -902,13 +902,15 @@ def qgemm(
     split: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ W^T -> [M, N], weights dequantized in registers for ``tl.dot``; K split
-    over ``split`` programs (None: enough for about GEMM_PROGRAMS programs), summed in fp32.
-    ``config``: (BLOCK_C, BLOCK_K, num_warps, num_stages[, joined store: 1])."""
+    over ``split`` programs (None: enough for about ``programs`` programs), summed in fp32.
+    ``config``: (BLOCK_C, BLOCK_K, num_warps, num_stages[, joined store: 1[, programs]]);
+    programs left out: GEMM_PROGRAMS."""
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
     block_c, block_k, num_warps, num_stages, *more = config or packed.gemm_config or GEMM_CONFIG
     joined = bool(more and more[0])
+    programs = more[1] if len(more) > 1 else GEMM_PROGRAMS
     group = packed.group_size
     block_k = max(16, group, block_k - block_k % group)  # a multiple of the group, >= 16
     if block_k > group and group < 16:
@@ -916,7 +918,7 @@ def qgemm(
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     tiles = (triton.cdiv(packed.columns, block_c), triton.cdiv(m, block_m))
     if split is None:  # few word columns (5,376 outputs: 11 tiles of 64): split K
-        split = max(1, min(triton.cdiv(k, block_k), GEMM_PROGRAMS // (tiles[0] * tiles[1])))
+        split = max(1, min(triton.cdiv(k, block_k), programs // (tiles[0] * tiles[1])))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _qgemm_kernel[(*tiles, split)](
@@ -1004,10 +1006,12 @@ if os.environ.get("TOKENPIPE_QUANT_GEMV_SLOTS") == "1":
     GEMV_CANDIDATES += SLOT_CANDIDATES
 GEMM_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3),
                                           (64, 64, 4, 2)]  # fmt: skip
-# the same GEMM tiles with the joined store (5th field; ``_gemm_store_joined``: 128-bit stores
-# of consecutive outputs instead of 4-byte stores 32 bytes apart, 216 registers instead of 253
-# at 32 rows, offline SASS): timed too with TOKENPIPE_QUANT_GEMM_JOINED=1 (not yet measured)
-JOINED_CANDIDATES = [(64, 32, 4, 3, 1), (128, 32, 8, 3, 1)]
+# GEMM tiles with the joined store (5th field; ``_gemm_store_joined``: 128-bit stores of
+# consecutive outputs instead of 4-byte stores 32 bytes apart, 216 registers instead of 253 at
+# 32 rows, offline SASS), and K split for 264 programs (6th field: two 4-warp programs an SM
+# fit in 216 registers): timed too with TOKENPIPE_QUANT_GEMM_JOINED=1 (not yet measured)
+JOINED_CANDIDATES = [(64, 32, 4, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 1, 264),
+                     (64, 32, 4, 4, 1, 264)]  # fmt: skip
 if os.environ.get("TOKENPIPE_QUANT_GEMM_JOINED") == "1":
     GEMM_CANDIDATES += JOINED_CANDIDATES
 
