@@ -144,7 +144,7 @@ def main() -> None:
             for block_c, warps, slots in ((32, 8, 32), (32, 4, 16), (64, 4, 8), (64, 8, 16)):
                 gemv(qm, int4, block_c, warps, True, dump, slots)
         if "gemm" in only:
-            for config in qm.GEMM_CANDIDATES + qm.JOINED_CANDIDATES:
+            for config in qm.PER_POSITION_CANDIDATES + qm.JOINED_CANDIDATES:
                 gemm(qm, int4, config, dump)
 
 

@@ -29,7 +29,8 @@ Three paths, by the number of rows M:
   column block to finish: deterministic, and no second kernel).
 - **GEMM, 1 < M <= GEMM_MAX_ROWS** (decode batches): per code position p, the
   [K tile, N / P tile] weights dequantized in registers (an AND and an FMA with the scale,
-  then x's dtype) and multiplied on the tensor cores (``tl.dot``) into the outputs P*c + p.
+  then x's dtype) and multiplied on the tensor cores (``tl.dot``) into the outputs P*c + p;
+  the P accumulators are interleaved into consecutive outputs for one coalesced store.
 - **Longer inputs** (prefill chunks): the weight dequantized into a [K, N] scratch of x's
   dtype by one kernel, then cuBLAS; the dequantization costs ~2.5 bytes per weight per
   chunk, small against a chunk's matmul.
@@ -63,12 +64,15 @@ GEMM_MAX_ROWS = 64
 # several groups, so a lane holds 4 words of a row (one 128-bit load) even at BLOCK_C 32:
 # 2.79 SASS instructions a weight against 4.24 for (32, 264, 8, 8), BENCHMARKS.md "offline
 # SASS"; SLOT_CANDIDATES, off by default]);
-# GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages)
+# GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages[, joined
+# store: 1 (``_gemm_store_joined``)[, programs: the K split's target, GEMM_PROGRAMS if left
+# out]]); TOKENPIPE_QUANT_GEMM_JOINED=0: the per-position store and its tiles of session 7
+GEMM_JOINED = os.environ.get("TOKENPIPE_QUANT_GEMM_JOINED", "1") != "0"
 GEMV_CONFIG = (32, 264, 8, 8)
-GEMM_CONFIG = (64, 32, 4, 3)
-# about one per SM of an H200: small GEMMs split K up to this many programs (gate_up's 84 tiles
-# of 64 word columns get no split and leave 48 SMs idle at 32 rows, one 4-warp program on each
-# of the others; TOKENPIPE_QUANT_GEMM_PROGRAMS=264 asks for two a SM: not measured yet)
+GEMM_CONFIG: tuple[int, ...] = (64, 32, 4, 3, 1, 264) if GEMM_JOINED else (64, 32, 4, 3)
+# about one per SM of an H200: tiles without a 6th field split K up to this many programs
+# (gate_up's 84 tiles of 64 word columns get no split at 32 rows); the joined tiles, at 216
+# registers, run two 4-warp programs an SM: 264 (BENCHMARKS "The int4 decode GEMM's store")
 GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 
@@ -1004,16 +1008,16 @@ SLOT_CANDIDATES = [(32, 264, 8, 8, 32), (32, 264, 4, 4, 16), (32, 396, 4, 8, 16)
                    (64, 264, 4, 8, 8)]  # fmt: skip
 if os.environ.get("TOKENPIPE_QUANT_GEMV_SLOTS") == "1":
     GEMV_CANDIDATES += SLOT_CANDIDATES
-GEMM_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3), (32, 32, 4, 3), (128, 32, 8, 3),
-                                          (64, 64, 4, 2)]  # fmt: skip
 # GEMM tiles with the joined store (5th field; ``_gemm_store_joined``: 128-bit stores of
 # consecutive outputs instead of 4-byte stores 32 bytes apart, 216 registers instead of 253 at
-# 32 rows, offline SASS), and K split for 264 programs (6th field: two 4-warp programs an SM
-# fit in 216 registers): timed too with TOKENPIPE_QUANT_GEMM_JOINED=1 (not yet measured)
-JOINED_CANDIDATES = [(64, 32, 4, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 1, 264),
-                     (64, 32, 4, 4, 1, 264)]  # fmt: skip
-if os.environ.get("TOKENPIPE_QUANT_GEMM_JOINED") == "1":
-    GEMM_CANDIDATES += JOINED_CANDIDATES
+# 32 rows), two with K split for 264 programs (6th field; two programs an SM). On an H200
+# (s11r5, weights past L2) they beat every session-7 tile at 8, 32 and 64 rows (32 rows:
+# 1.4-1.55x), and int4 decode at 32 sessions went 1,565 -> 2,123 tok/s.
+JOINED_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3, 1, 264), (64, 32, 4, 4, 1, 264),
+                                            (128, 32, 8, 3, 1), (64, 32, 4, 3, 1)]  # fmt: skip
+PER_POSITION_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3), (32, 32, 4, 3),
+                                                  (128, 32, 8, 3), (64, 64, 4, 2)]  # fmt: skip
+GEMM_CANDIDATES = JOINED_CANDIDATES if GEMM_JOINED else PER_POSITION_CANDIDATES
 
 
 def choose_configs(
