@@ -1011,8 +1011,8 @@ if os.environ.get("TOKENPIPE_QUANT_GEMV_SLOTS") == "1":
 # GEMM tiles with the joined store (5th field; ``_gemm_store_joined``: 128-bit stores of
 # consecutive outputs instead of 4-byte stores 32 bytes apart, 216 registers instead of 253 at
 # 32 rows), two with K split for 264 programs (6th field; two programs an SM). On an H200
-# (s11r5, weights past L2) they beat every session-7 tile at 8, 32 and 64 rows (32 rows:
-# 1.4-1.55x), and int4 decode at 32 sessions went 1,565 -> 2,123 tok/s.
+# (s11r5, weights past L2) they beat session 7's tiles (at their 132 programs) at 8, 32 and
+# 64 rows (32 rows: 1.4-1.55x), and int4 decode at 32 sessions went 1,565 -> 2,123 tok/s.
 JOINED_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3, 1, 264), (64, 32, 4, 4, 1, 264),
                                             (128, 32, 8, 3, 1), (64, 32, 4, 3, 1)]  # fmt: skip
 PER_POSITION_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3), (32, 32, 4, 3),
