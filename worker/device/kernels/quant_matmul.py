@@ -63,7 +63,7 @@ GEMM_MAX_ROWS = 64
 # the tile's group rows, num_warps when left out; more slots than warps put a warp's lanes on
 # several groups, so a lane holds 4 words of a row (one 128-bit load) even at BLOCK_C 32:
 # 2.79 SASS instructions a weight against 4.24 for (32, 264, 8, 8), BENCHMARKS.md "offline
-# SASS"; SLOT_CANDIDATES, off by default]);
+# SASS"; SLOT_CANDIDATES, timed at start-up]);
 # GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages[, joined
 # store: 1 (``_gemm_store_joined``)[, programs: the K split's target, GEMM_PROGRAMS if left
 # out]]); TOKENPIPE_QUANT_GEMM_JOINED=0: the per-position store and its tiles of session 7
@@ -1002,11 +1002,13 @@ def quant_linear(
 # (the cp.async variant, rows -S, never won on the H200's 31B shapes: not timed at start-up)
 GEMV_CANDIDATES: list[tuple[int, ...]] = [(32, 264, 8, 8), (128, 264, 4, 8), (64, 264, 8, 8),
                                           (128, 396, 4, 8), (32, 132, 8, 8)]  # fmt: skip
-# GEMV tiles with group slots (a warp's lanes on 4 / 2 groups, 128-bit loads at BLOCK_C 32):
-# timed too with TOKENPIPE_QUANT_GEMV_SLOTS=1 (not measured on a GPU yet: off by default)
+# GEMV tiles with group slots (a warp's lanes on 4 / 2 groups, 128-bit loads at BLOCK_C 32),
+# timed beside the others unless TOKENPIPE_QUANT_GEMV_SLOTS=0. On an H200 through the worker
+# with them as candidates (s11r1, s11r5): int8 batch 1 80.2 -> 88.5 tok/s, int4 103 -> 103-106
+# (the start-up picked (64, 264, 4, 8, 8) for qkv, gate_up and the full layers' matrices).
 SLOT_CANDIDATES = [(32, 264, 8, 8, 32), (32, 264, 4, 4, 16), (32, 396, 4, 8, 16),
                    (64, 264, 4, 8, 8)]  # fmt: skip
-if os.environ.get("TOKENPIPE_QUANT_GEMV_SLOTS") == "1":
+if os.environ.get("TOKENPIPE_QUANT_GEMV_SLOTS", "1") != "0":
     GEMV_CANDIDATES += SLOT_CANDIDATES
 # GEMM tiles with the joined store (5th field; ``_gemm_store_joined``: 128-bit stores of
 # consecutive outputs instead of 4-byte stores 32 bytes apart, 216 registers instead of 253 at
