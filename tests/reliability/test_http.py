@@ -174,22 +174,26 @@ def test_body_size_limit(server: Server) -> None:
     assert head.split(b" ")[1] == b"413", head
 
 
+def _send_then_read(port: int, request: bytes) -> bytes:
+    """Send an oversized request and read the answer's head; the server may answer and close
+    before it has all of it (then the send breaks: the answer, if any, is still read)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        try:
+            sock.sendall(request)
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        try:
+            return sock.recv(100)
+        except (ConnectionResetError, BrokenPipeError):
+            return b""
+
+
 def test_header_size_limit(server: Server) -> None:
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n")
-        try:
-            head = sock.recv(100)
-        except (ConnectionResetError, BrokenPipeError):
-            head = b""
-    assert head == b"" or head.split(b" ")[1] in (b"400", b"413", b"431"), head
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        many = b"".join(b"X-H%d: v\r\n" % i for i in range(20_000))
-        try:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
-            head = sock.recv(100)
-        except (ConnectionResetError, BrokenPipeError):
-            head = b""
-    assert head == b"" or head.split(b" ")[1] in (b"400", b"413", b"431"), head
+    big = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n"
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(20_000))
+    for request in (big, b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n"):
+        head = _send_then_read(server.port, request)
+        assert head == b"" or head.split(b" ")[1] in (b"400", b"413", b"431"), head
     assert httpx.get(server.base + "/health", timeout=10).status_code == 200
 
 
