@@ -107,24 +107,6 @@ def gemlite_choice(m: int) -> tuple[str, str]:
     return kind, "" if best is None else str(best)
 
 
-def graph_or_plain(fn: Any) -> tuple[float, bool]:
-    """(seconds per call, True if timed as CUDA-graph replays; False: plain launches)."""
-    from worker.device.kernels.gemv import graph_seconds
-
-    try:
-        return graph_seconds(fn), True
-    except Exception as exc:  # noqa: BLE001 - a path that cannot be captured
-        print(f"  (graph capture failed: {exc!r:.100}; plain timing)", flush=True)
-        torch.cuda.synchronize()
-        fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / 10, False
-
-
 def bench_matrix(
     name: str, n: int, k: int, rows_list: list[int], group: int, warm: bool
 ) -> list[dict[str, Any]]:
@@ -185,7 +167,7 @@ def bench_matrix(
             row[f"{key}_err"] = (y.float() - want).abs().max().item() / scale
             if warm:
                 continue
-            seconds, graphed = graph_or_plain(lambda ws=weights, c=call: [c(w) for w in ws])
+            seconds, graphed = bq.timed(lambda ws=weights, c=call: [c(w) for w in ws])
             us = seconds / len(weights) * 1e6
             row[f"{key}_us"] = round(us, 2)
             row[f"{key}_TBps"] = round(int4_bytes / (us * 1e-6) / 1e12, 3)

@@ -61,17 +61,24 @@ def model_shapes(config_path: Path) -> list[tuple[str, int, int, int]]:
     return [(name, n, k, c) for (name, n, k), c in counts.items()]
 
 
-def seconds(fn: Any) -> float:
+def timed(fn: Any) -> tuple[float, bool]:
+    """(seconds per call, True if timed as CUDA-graph replays; False: plain launches)."""
     try:
-        return graph_time(fn)
-    except Exception:  # noqa: BLE001 - some paths cannot be captured: plain timing
+        return graph_time(fn), True
+    except Exception as exc:  # noqa: BLE001 - some paths cannot be captured: plain timing
+        print(f"  (graph capture failed: {exc!r:.100}; plain timing)", flush=True)
+        torch.cuda.synchronize()
         fn()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
-        return (time.perf_counter() - start) / 20
+        return (time.perf_counter() - start) / 20, False
+
+
+def seconds(fn: Any) -> float:
+    return timed(fn)[0]
 
 
 def tinygemm(qw: Q.QuantizedWeight) -> Any:

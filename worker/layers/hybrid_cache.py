@@ -107,17 +107,10 @@ class DeltaNetLayerCache:
         for target in self.captures.get(slot, ()):
             if target.tokens != tokens:
                 continue
-            if target.entry >= 0:
-                self.snap_conv[slot, target.entry] = conv
-                self.snap_recurrent[slot, target.entry] = recurrent
-            if target.row >= 0:
-                self.to_pool(target.row, conv, recurrent)
-
-    def to_pool(self, row: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """A state (conv, recurrent) into prefix-pool row ``row``."""
-        assert self.pool_conv is not None and self.pool_recurrent is not None
-        self.pool_conv[row] = conv
-        self.pool_recurrent[row] = recurrent
+            into = [] if target.entry < 0 else self.snapshot(slot, target.entry)
+            into += [] if target.row < 0 else self.pool_row(target.row)
+            if into:
+                torch._foreach_copy_(into, [conv, recurrent] * (len(into) // 2))
 
     def live(self, slot: int) -> list[torch.Tensor]:
         """The slot's live state (conv, recurrent), views to copy from or into."""
@@ -449,8 +442,9 @@ class HybridCache:
         is (a ``DeltaNetLayerCache`` view method: live / snapshot / pool_row, its arguments).
         60 single copies cost ~1 ms of host time on the H200's host (a warm turn's
         end-of-turn snapshot sat in its time to first token)."""
-        dst = [t for layer in self.deltanet_layers for t in getattr(layer, into[0])(*into[1:])]
-        src = [t for layer in self.deltanet_layers for t in getattr(layer, source[0])(*source[1:])]
+        layers = self.deltanet_layers
+        dst = [t for layer in layers for t in getattr(layer, into[0])(*into[1:])]
+        src = [t for layer in layers for t in getattr(layer, source[0])(*source[1:])]
         if dst:
             torch._foreach_copy_(dst, src)
 
