@@ -171,14 +171,19 @@ def bench_shape(
     return out
 
 
-# --tiles: the GEMV tiles timed at one row (the 5th field: group slots, quant_matmul's
-# GEMV_CONFIG comment) and the GEMM tiles at 32 rows with K split for 132 or 264 programs
+# --tiles: the GEMV tiles timed at one row (5th field: group slots; 6th: L2 prefetch steps
+# ahead, quant_matmul's GEMV_CONFIG comment) and the GEMM tiles at 32 rows (5th: joined store;
+# 6th: the K split's program target, 0 for GEMM_PROGRAMS; 7th: L2 prefetch K tiles ahead)
 TILE_GEMVS = [
-    (32, 264, 8, 8), (128, 264, 4, 8), (128, 396, 4, 8), (32, 264, 8, 8, 32), (32, 264, 8, 4, 32),
-    (32, 264, 4, 4, 16), (32, 396, 4, 8, 16), (64, 264, 4, 8, 8),
+    (32, 264, 8, 8), (128, 264, 4, 8), (32, 264, 8, 8, 32), (64, 264, 4, 8, 8), (128, 264, 4, 8, 4),
+    (32, 264, 8, 8, 32, 2), (32, 264, 8, 8, 32, 3), (32, 264, 8, 8, 32, 6), (64, 264, 4, 8, 8, 3),
+    (64, 264, 4, 8, 8, 6), (128, 264, 4, 8, 4, 3), (32, 132, 8, 8, 32, 3), (64, 132, 4, 8, 8, 6),
 ]  # fmt: skip
-TILE_GEMM_PROGRAMS = (132, 264)
-TILE_GEMMS = [(64, 32, 4, 3), (128, 32, 8, 3)]  # the start-up's choices in session 7
+TILE_GEMM_PROGRAMS = (132, 264)  # --gemm: the K split's targets
+TILE_GEMMS = [
+    (64, 32, 4, 3, 1, 264), (64, 32, 4, 4, 1, 264), (128, 32, 8, 3, 1), (64, 32, 4, 3, 1, 264, 4),
+    (64, 32, 4, 4, 1, 264, 6), (64, 32, 4, 3, 1, 264, 8), (128, 32, 8, 3, 1, 0, 4),
+]  # fmt: skip
 
 
 def rotated(fn: Any, weights: list[Any]) -> float:
@@ -203,15 +208,7 @@ def bench_tiles(name: str, n: int, k: int, group: int, kind: str) -> None:
         if m == 1:
             runs = [(f"gemv {c}", lambda w, c=c, x=x: qm.qgemv(x, w, c)) for c in TILE_GEMVS]
         else:
-            runs = []
-            for programs in TILE_GEMM_PROGRAMS:
-                for c in TILE_GEMMS:
-
-                    def run(w: Any, c: Any = c, p: int = programs, x: Any = x) -> Any:
-                        qm.GEMM_PROGRAMS = p
-                        return qm.qgemm(x, w, c)
-
-                    runs.append((f"gemm32 {c} programs {programs}", run))
+            runs = [(f"gemm32 {c}", lambda w, c=c, x=x: qm.qgemm(x, w, c)) for c in TILE_GEMMS]
         for label, fn in runs:
             try:
                 us = rotated(fn, copies) * 1e6
@@ -222,7 +219,6 @@ def bench_tiles(name: str, n: int, k: int, group: int, kind: str) -> None:
             tbps = packed.nbytes / (us * 1e-6) / 1e12
             print(f"{kind} {name} [{n}, {k}] {label}: {us:.1f} us {tbps:.2f} TB/s "
                   f"err {err:.1e}", flush=True)  # fmt: skip
-        qm.GEMM_PROGRAMS = TILE_GEMM_PROGRAMS[0]
     del copies
     torch.cuda.empty_cache()
 

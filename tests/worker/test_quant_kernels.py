@@ -321,6 +321,73 @@ def test_tiles_chosen_per_matrix_shape() -> None:
     )  # fmt: skip
 
 
+def test_tiles_are_timed_over_the_models_matrices_of_a_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each candidate is timed over the matrices of its shape in turn, as many as make 200 MB
+    (``_past_l2``), so no call finds its weight in L2 as a lone matrix would (a decode step
+    reads each once); a shape with one matrix is timed on it."""
+    from worker.device.kernels import quant_matmul as qm
+
+    weights = [qm.KMajorWeight.pack(_qw("int4", 32, n=40, k=256, seed=s)) for s in range(3)]
+    lone = qm.KMajorWeight.pack(_qw("int8", 32, n=24, k=128))
+    assert qm._past_l2(weights, enough=2 * weights[0].nbytes) == weights[:2]
+    assert qm._past_l2(weights, enough=1) == weights[:1]
+    seen: list[list[int]] = []
+    calls: list[int] = []
+    gemv, gemm = qm.qgemv, qm.qgemm
+
+    def spy(real):  # type: ignore[no-untyped-def]
+        def run(x, w, c=None, split=None):  # type: ignore[no-untyped-def]
+            calls.append(id(w))
+            return real(x, w, c, split)
+
+        return run
+
+    monkeypatch.setattr(qm, "qgemv", spy(gemv))
+    monkeypatch.setattr(qm, "qgemm", spy(gemm))
+    monkeypatch.setattr(qm, "GEMV_CANDIDATES", qm.GEMV_CANDIDATES[:1])
+    monkeypatch.setattr(qm, "GEMM_CANDIDATES", qm.GEMM_CANDIDATES[:1])
+
+    def timer(fn: object) -> float:
+        calls.clear()
+        fn()  # type: ignore[operator]
+        seen.append(list(calls))
+        return 1.0
+
+    assert qm.choose_configs([*weights, lone], torch.float32, timer) == 2
+    ids = [id(w) for w in weights]
+    assert seen == [ids, ids, [id(lone)], [id(lone)]]
+
+
+@pytest.mark.parametrize(("kind", "group"), [("int4", 32), ("int8", 16)])
+def test_l2_prefetch_fields_leave_the_results_as_they_were(kind: str, group: int) -> None:
+    """GEMV field 6 and GEMM field 7 (prefetch into L2 some steps ahead: hints) give the same
+    bits as the same tile without them, with and without a K split, at distances past a
+    program's last step too (masked). Triton's interpreter runs no PTX and drops the fields,
+    so on the CPU this checks the configs are read; on CUDA the prefetching kernels run."""
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw(kind, group, n=75, k=group * 7, seed=3)
+    packed = qm.KMajorWeight.pack(qw)
+    one = torch.randn(1, group * 7, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    want = one @ qw.dequantize().T
+    for split in (1, 3):
+        for tile in ((8, 1, 1, 8, 4), (16, 1, 2, 4, 2)):
+            plain = qm.qgemv(one, packed, tile, split=split)
+            torch.testing.assert_close(plain, want, rtol=1e-4, atol=1e-4)
+            for ahead in (1, 3, 9):
+                got = qm.qgemv(one, packed, (*tile, ahead), split=split)
+                torch.testing.assert_close(got, plain, rtol=0, atol=0)
+    many = torch.randn(20, group * 7, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    for split in (1, 3):
+        plain = qm.qgemm(many, packed, (8, 32, 4, 2, 1), split=split)
+        torch.testing.assert_close(plain, many @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
+        for ahead in (1, 4, 9):
+            got = qm.qgemm(many, packed, (8, 32, 4, 2, 1, 0, ahead), split=split)
+            torch.testing.assert_close(got, plain, rtol=0, atol=0)
+
+
 def test_tile_choices_are_remembered(tmp_path: Path) -> None:
     from worker.device.kernels import quant_matmul as qm
 
