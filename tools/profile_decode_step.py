@@ -1,4 +1,5 @@
-"""Where a qwen3_5_moe decode step's GPU time goes, per kernel, at a given batch (in process).
+"""Where a decode step's GPU time goes, per kernel, at a given batch (in process; qwen3_5_moe
+by default, any model with --model: a dense one has no expert or DeltaNet bytes).
 
     python tools/profile_decode_step.py [--model examples/qwen3_5_moe] [--sizes 1,32]
         [--quantize none,int4-experts] [--replays 30] [--profiled 10]
@@ -67,7 +68,8 @@ def step_bytes(model: Any, config: dict[str, Any], batch: int) -> dict[str, floa
     import torch
 
     text = config.get("text_config", config)
-    experts, top_k = int(text["num_experts"]), int(text["num_experts_per_tok"])
+    # a dense model (Gemma): no experts, no DeltaNet states
+    experts, top_k = int(text.get("num_experts") or 1), int(text.get("num_experts_per_tok") or 1)
     expert_bytes = dense = embed = 0
     seen: set[int] = set()
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -84,8 +86,9 @@ def step_bytes(model: Any, config: dict[str, Any], batch: int) -> dict[str, floa
     hit = experts * (1 - (1 - top_k / experts) ** batch)
     layers = [t for t in text.get("layer_types") or [] if t == "linear_attention"]
     n_linear = len(layers) or 3 * int(text["num_hidden_layers"]) // 4
-    state = (int(text["linear_num_value_heads"]) * int(text["linear_key_head_dim"])
-             * int(text["linear_value_head_dim"]) * 4)  # fmt: skip
+    dims = ("num_value_heads", "key_head_dim", "value_head_dim")
+    heads, key, value = (int(text.get(f"linear_{name}") or 0) for name in dims)
+    state = heads * key * value * 4
     return {
         "experts_hit_per_layer": hit,
         "expert_bytes_all": float(expert_bytes),

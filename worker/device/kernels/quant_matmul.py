@@ -350,7 +350,7 @@ def _gemv_finish(a0, a1, a2, a3, a4, a5, a6, a7, part_ptr, y_ptr, count_ptr, pid
                  offs_c, mask_c, N, C, BLOCK_C: tl.constexpr, INT4_KIND: tl.constexpr,
                  SPLIT: tl.constexpr):  # fmt: skip
     """Store the outputs (or, K split, this split's partials; the last program of the column
-    block to arrive adds all splits' partials in order and resets its counter)."""
+    block to arrive adds all splits' partials in a fixed order and resets its counter)."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     out = y_ptr
     if SPLIT:  # partials [splits, C * P] in fp32, indexed like the outputs
@@ -373,9 +373,14 @@ def _gemv_finish(a0, a1, a2, a3, a4, a5, a6, a7, part_ptr, y_ptr, count_ptr, pid
             outs = pid * BLOCK_C * P + tl.arange(0, BLOCK_C * P)
             mask_o = outs < N
             total = tl.zeros([BLOCK_C * P], dtype=tl.float32)
-            for s in range(splits):
-                total += tl.load(part_ptr + s * (C * P) + outs, mask=mask_o, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
+            # 8 splits' partials a load, summed in a fixed tree: one L2 round trip for up to
+            # 8 (a split at a time waited ~12 trips at the end of every K-split GEMV)
+            rows = tl.arange(0, 8)
+            for s0 in range(0, splits, 8):
+                parts = tl.load(part_ptr + (s0 + rows)[:, None] * (C * P) + outs[None, :],
+                                mask=((s0 + rows) < splits)[:, None] & mask_o[None, :],
+                                other=0.0, cache_modifier=".cg")  # fmt: skip
+                total += tl.sum(parts, axis=0)
             tl.store(y_ptr + outs, total.to(y_ptr.dtype.element_ty), mask=mask_o)
             tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
 
@@ -1099,12 +1104,11 @@ GEMM_CANDIDATES = JOINED_CANDIDATES if GEMM_JOINED else PER_POSITION_CANDIDATES
 # words of a later step while it sums this one (``_prefetch_l2``: no registers held), so
 # more of a matrix is in flight than its register or shared-memory pipeline holds. Timed
 # beside the others unless TOKENPIPE_QUANT_PREFETCH=0.
-PREFETCH_GEMV_CANDIDATES = [(32, 264, 8, 8, 32, 3), (64, 264, 4, 8, 8, 3), (128, 264, 4, 8, 4, 3),
-                            (32, 132, 8, 8, 32, 3)]  # fmt: skip
-PREFETCH_GEMM_CANDIDATES = [(64, 32, 4, 3, 1, 264, 4), (64, 32, 4, 4, 1, 264, 6),
-                            (128, 32, 8, 3, 1, 0, 4)]  # fmt: skip
+# On an H200 (s12r1, Gemma 4 31B int4 matrices past L2) the GEMM at 32 rows gained 2-6% with
+# 4 tiles ahead (not the LM head); the GEMV none (0-20% slower: it is not waiting on HBM
+# latency), so its field stays a benchmark option (tools/bench_quant_kernels.py --tiles).
+PREFETCH_GEMM_CANDIDATES = [(64, 32, 4, 3, 1, 264, 4), (64, 32, 4, 4, 1, 264, 6)]
 if os.environ.get("TOKENPIPE_QUANT_PREFETCH", "1") != "0":
-    GEMV_CANDIDATES += PREFETCH_GEMV_CANDIDATES
     GEMM_CANDIDATES = GEMM_CANDIDATES + PREFETCH_GEMM_CANDIDATES
 
 
