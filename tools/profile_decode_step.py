@@ -83,6 +83,11 @@ def step_bytes(model: Any, config: dict[str, Any], batch: int) -> dict[str, floa
             embed += size
         else:
             dense += size
+    for module in model.modules():  # quantized dense weights (K-major, packed for the GPU)
+        packed = getattr(module, "device_packed", None)
+        if packed is not None and id(packed) not in seen and hasattr(packed, "nbytes"):
+            seen.add(id(packed))
+            dense += int(packed.nbytes)
     hit = experts * (1 - (1 - top_k / experts) ** batch)
     layers = [t for t in text.get("layer_types") or [] if t == "linear_attention"]
     n_linear = len(layers) or 3 * int(text["num_hidden_layers"]) // 4

@@ -376,14 +376,14 @@ def test_l2_prefetch_fields_leave_the_results_as_they_were(kind: str, group: int
         for tile in ((8, 1, 1, 8, 4), (16, 1, 2, 4, 2)):
             plain = qm.qgemv(one, packed, tile, split=split)
             torch.testing.assert_close(plain, want, rtol=1e-4, atol=1e-4)
-            for ahead in (1, 3, 9):
+            for ahead in (2, 9):
                 got = qm.qgemv(one, packed, (*tile, ahead), split=split)
                 torch.testing.assert_close(got, plain, rtol=0, atol=0)
     many = torch.randn(20, group * 7, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     for split in (1, 3):
         plain = qm.qgemm(many, packed, (8, 32, 4, 2, 1), split=split)
         torch.testing.assert_close(plain, many @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
-        for ahead in (1, 4, 9):
+        for ahead in (4, 9):
             got = qm.qgemm(many, packed, (8, 32, 4, 2, 1, 0, ahead), split=split)
             torch.testing.assert_close(got, plain, rtol=0, atol=0)
 

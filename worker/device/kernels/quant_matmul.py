@@ -350,7 +350,7 @@ def _gemv_finish(a0, a1, a2, a3, a4, a5, a6, a7, part_ptr, y_ptr, count_ptr, pid
                  offs_c, mask_c, N, C, BLOCK_C: tl.constexpr, INT4_KIND: tl.constexpr,
                  SPLIT: tl.constexpr):  # fmt: skip
     """Store the outputs (or, K split, this split's partials; the last program of the column
-    block to arrive adds all splits' partials in a fixed order and resets its counter)."""
+    block to arrive adds all splits' partials in order and resets its counter)."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     out = y_ptr
     if SPLIT:  # partials [splits, C * P] in fp32, indexed like the outputs
@@ -373,14 +373,9 @@ def _gemv_finish(a0, a1, a2, a3, a4, a5, a6, a7, part_ptr, y_ptr, count_ptr, pid
             outs = pid * BLOCK_C * P + tl.arange(0, BLOCK_C * P)
             mask_o = outs < N
             total = tl.zeros([BLOCK_C * P], dtype=tl.float32)
-            # 8 splits' partials a load, summed in a fixed tree: one L2 round trip for up to
-            # 8 (a split at a time waited ~12 trips at the end of every K-split GEMV)
-            rows = tl.arange(0, 8)
-            for s0 in range(0, splits, 8):
-                parts = tl.load(part_ptr + (s0 + rows)[:, None] * (C * P) + outs[None, :],
-                                mask=((s0 + rows) < splits)[:, None] & mask_o[None, :],
-                                other=0.0, cache_modifier=".cg")  # fmt: skip
-                total += tl.sum(parts, axis=0)
+            for s in range(splits):
+                total += tl.load(part_ptr + s * (C * P) + outs, mask=mask_o, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
             tl.store(y_ptr + outs, total.to(y_ptr.dtype.element_ty), mask=mask_o)
             tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
 
