@@ -136,6 +136,33 @@ def test_rms_norm_matches_torch(shape: tuple[int, ...], with_scale: bool) -> Non
 
 
 @needs_kernel
+def test_argmax_is_torchs() -> None:
+    """tp_argmax gives torch.argmax's index on every row: the first of tied maxima (within a
+    vector of 8 and across vectors), a maximum in the scalar tail, the first NaN, all -inf,
+    +-0 ties, and widths below, at and past a vector; greedy sampling on the CPU takes it."""
+    from worker.engine.sampling import SamplingParams, sample
+
+    gen = torch.Generator().manual_seed(5)
+    for n in (1, 7, 8, 9, 64, 1003, 262_144):
+        x = torch.randn(6, n, generator=gen)
+        if n > 2:
+            x[1, n // 3] = x[1, n - 1] = 50.0  # a tie: the first wins
+            x[2, n - 1] = 60.0  # the maximum in the scalar tail (n % 8 != 0)
+            x[3, n // 2] = float("nan")
+            x[3, n - 1] = float("nan")
+            x[3, 0] = 70.0  # a NaN beats any number
+        x[4] = float("-inf")
+        x[5] = 0.0
+        x[5, n - 1] = -0.0
+        got = cpu_gemv.argmax(x)
+        assert got is not None and got.dtype == torch.int64
+        assert got.tolist() == torch.argmax(x, dim=-1).tolist(), n
+    assert cpu_gemv.argmax(x.double()) is None and cpu_gemv.argmax(x[0]) is None
+    ids = sample(x, [SamplingParams()] * 6, [None] * 6)
+    assert ids.tolist() == torch.argmax(x, dim=-1).tolist()
+
+
+@needs_kernel
 def test_one_thread_build(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
     # the build without the thread pool: same results, one thread
     lib = cpu_gemv.load_library(threaded=False)

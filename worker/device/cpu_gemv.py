@@ -153,6 +153,8 @@ def load_library(threaded: bool) -> ctypes.CDLL:
     rows.argtypes += [ctypes.c_int64] * 3
     lib.tp_vector_rows.restype = ctypes.c_int
     lib.tp_vector_rows.argtypes = []
+    lib.tp_argmax.restype = None
+    lib.tp_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 
@@ -253,6 +255,22 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     )
     if status != 0:
         raise ValueError(f"tp_packed_gemm failed ({status}) for x {tuple(x.shape)}, [{n}, {k}]")
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """``torch.argmax(logits, dim=-1)`` for fp32 CPU logits [B, V] in one call (the same
+    index: the first maximum, a NaN the largest); None where the kernel cannot take them.
+    torch's takes ~0.4 ms over a 262,144-token vocabulary, a tenth of the default model's
+    decode step outside its matmuls."""
+    lib = kernel()
+    if lib is None or logits.dim() != 2 or logits.dtype != torch.float32:
+        return None
+    if logits.device.type != "cpu":
+        return None
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.tp_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
     return out
 
 

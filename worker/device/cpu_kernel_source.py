@@ -468,4 +468,43 @@ void tp_decode_attention(const float *q, float *k_slot, float *v_slot, int64_t h
         h0 += nh;
     }
 }
+
+/* torch.argmax(x, dim=-1) of rows [rows, n] floats: the first index of the largest value, a
+   NaN counting as the largest (the first NaN wins). One pass for the maximum (and any NaN),
+   one for its first index: ~0.4 ms of torch's become tens of us over a 262,144 vocabulary. */
+void tp_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = x + r * n;
+        __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(p + i);
+            best = _mm256_max_ps(best, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float lanes[8], m = -INFINITY;
+        _mm256_storeu_ps(lanes, best);
+        for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+        int has_nan = _mm256_movemask_ps(nan) != 0;
+        for (; i < n; i++) {
+            if (p[i] != p[i]) has_nan = 1;
+            else if (p[i] > m) m = p[i];
+        }
+        int64_t found = 0;
+        if (has_nan) {
+            for (i = 0; i < n; i++)
+                if (p[i] != p[i]) { found = i; break; }
+        } else {
+            __m256 mv = _mm256_set1_ps(m);
+            for (i = 0; i + 8 <= n; i += 8) {
+                int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), mv, _CMP_EQ_OQ));
+                if (hit) { found = i + __builtin_ctz(hit); break; }
+            }
+            if (i + 8 > n)
+                for (; i < n; i++)
+                    if (p[i] == m) { found = i; break; }
+        }
+        out[r] = found;
+    }
+}
 """

@@ -78,6 +78,12 @@ def sample(
     Greedy rows take the argmax; the others draw their stream's next number."""
     assert logits.dim() == 2 and logits.shape[0] == len(params) == len(streams)
     if all(p.greedy or s is None for p, s in zip(params, streams, strict=True)):
+        if logits.device.type == "cpu":
+            from worker.device.cpu_gemv import argmax
+
+            ids = argmax(logits)
+            if ids is not None:
+                return ids
         return torch.argmax(logits, dim=-1)
     presampled = getattr(logits, "presampled", None)
     ids = presampled(params, streams) if presampled is not None else None
