@@ -223,8 +223,9 @@ def bench_tiles(name: str, n: int, k: int, group: int, kind: str) -> None:
     torch.cuda.empty_cache()
 
 
-# --gemm: today's GEMM tiles and the same with the joined store (5th field), at each row count;
-# the last: one more pipeline stage (the joined store frees 37 registers)
+# --gemm: session 7's GEMM tiles and the same with the joined store (5th field), at each row
+# count and K-split target (TILE_GEMM_PROGRAMS); the last: one more pipeline stage (the joined
+# store frees 37 registers). Session 11's comparison; --tiles times today's candidates.
 GEMM_STORE_TILES = [(64, 32, 4, 3), (64, 32, 4, 3, 1), (128, 32, 8, 3), (128, 32, 8, 3, 1),
                     (64, 32, 4, 4, 1)]  # fmt: skip
 
