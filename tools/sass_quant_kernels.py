@@ -109,7 +109,7 @@ def gemm(qm, int4: bool, config, dump) -> None:  # type: ignore[no-untyped-def]
            "stride_xm": "i32", "stride_ym": "i32"}  # fmt: skip
     const = dict(GROUP=32, INT4_KIND=int4, BLOCK_M=32, BLOCK_C=block_c, BLOCK_K=block_k,
                  PRECISION="tf32", EVEN_K=True, BF16_PAIRS=int4, ASM=True,
-                 JOINED=joined)  # fmt: skip
+                 JOINED=joined, PREFETCH=0)  # fmt: skip
     sig.update({k: "constexpr" for k in const})
     k = compile_sm90(qm._qgemm_kernel, sig, const, warps, num_stages=stages,
                      div16=("N", "C", "K", "stride_xm", "stride_ym"))  # fmt: skip
