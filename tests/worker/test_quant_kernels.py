@@ -138,11 +138,14 @@ def test_int4_gemm_with_bf16_inputs_makes_bf16_pair_weights(
 
 
 @pytest.mark.parametrize(("kind", "group"), [("int4", 32), ("int8", 16)])
-def test_gemm_joined_store_equals_the_per_position_store(kind: str, group: int) -> None:
+def test_gemm_joined_store_equals_the_per_position_store(
+    kind: str, group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The GEMM's joined store (config field 5: the P accumulators interleaved into
     consecutive outputs, one store) writes the same values to the same outputs as the store
     per code position, with and without a K split, for a partial last word (75 outputs) and
-    row counts of each BLOCK_M (16, 32, 64)."""
+    row counts of each BLOCK_M (16, 32; 40 rows as two row tiles of 32, the same bits as one
+    tile of 64)."""
     from worker.device.kernels import quant_matmul as qm
 
     qw = _qw(kind, group, n=75, k=group * 4, seed=6)
@@ -156,6 +159,11 @@ def test_gemm_joined_store_equals_the_per_position_store(kind: str, group: int) 
             joined = qm.qgemm(x, packed, (8, 32, 4, 2, 1), split=split)
             torch.testing.assert_close(joined, apart, rtol=0, atol=0)
             torch.testing.assert_close(joined, want, rtol=1e-4, atol=1e-4)
+            if rows > 32:
+                monkeypatch.setattr(qm, "GEMM_BLOCK_M", 64)
+                one_tile = qm.qgemm(x, packed, (8, 32, 4, 2, 1), split=split)
+                monkeypatch.setattr(qm, "GEMM_BLOCK_M", 32)
+                torch.testing.assert_close(one_tile, joined, rtol=0, atol=0)
 
 
 def test_gemm_config_field_6_sets_the_k_split_program_target(

@@ -70,7 +70,10 @@ GEMM_MAX_ROWS = 64
 # store and its tiles of session 7
 GEMM_JOINED = os.environ.get("TOKENPIPE_QUANT_GEMM_JOINED", "1") != "0"
 GEMV_CONFIG = (32, 264, 8, 8)
-GEMM_CONFIG: tuple[int, ...] = (64, 32, 4, 3, 1, 264) if GEMM_JOINED else (64, 32, 4, 3)
+GEMM_CONFIG: tuple[int, ...] = (32, 32, 2, 3, 1, 528) if GEMM_JOINED else (64, 32, 4, 3)
+# rows a GEMM program takes at most: 33-64 rows run as two row tiles (the tiles' 8
+# accumulators of 64 rows spill; BENCHMARKS "GEMM tiles of session 13")
+GEMM_BLOCK_M = int(os.environ.get("TOKENPIPE_QUANT_GEMM_BLOCK_M", "32"))
 # about one per SM of an H200: tiles without a 6th field split K up to this many programs
 # (gate_up's 84 tiles of 64 word columns get no split at 32 rows); the joined tiles, at 216
 # registers, run two 4-warp programs an SM: 264 (BENCHMARKS "The int4 decode GEMM's store")
@@ -747,8 +750,8 @@ def _qgemm_kernel(
     prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory)."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
-    pid_c = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_m = tl.program_id(0)  # the row tiles of a column tile side by side: one reads the
+    pid_c = tl.program_id(1)  # weights from HBM, the others mostly from L2
     split = tl.program_id(2)  # K split: partial sums into y[split] (fp32), added by _reduce_kernel
     tiles = tl.cdiv(K, BLOCK_K)
     span = tl.cdiv(tiles, tl.num_programs(2))
@@ -989,8 +992,8 @@ def qgemm(
     block_k = max(16, group, block_k - block_k % group)  # a multiple of the group, >= 16
     if block_k > group and group < 16:
         block_k = 16  # groups of 8: two per tile, scales read per row
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    tiles = (triton.cdiv(packed.columns, block_c), triton.cdiv(m, block_m))
+    block_m = 16 if m <= 16 else min(32 if m <= 32 else 64, GEMM_BLOCK_M)
+    tiles = (triton.cdiv(m, block_m), triton.cdiv(packed.columns, block_c))
     if split is None:  # few word columns (5,376 outputs: 11 tiles of 64): split K
         split = max(1, min(triton.cdiv(k, block_k), programs // (tiles[0] * tiles[1])))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
@@ -1090,8 +1093,14 @@ if os.environ.get("TOKENPIPE_QUANT_GEMV_SLOTS", "1") != "0":
 # 32 rows), two with K split for 264 programs (6th field; two programs an SM). On an H200
 # (s11r5, weights past L2) they beat session 7's tiles (at their 132 programs) at 8, 32 and
 # 64 rows (32 rows: 1.4-1.55x), and int4 decode at 32 sessions went 1,565 -> 2,123 tok/s.
-JOINED_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3, 1, 264), (64, 32, 4, 4, 1, 264),
-                                            (128, 32, 8, 3, 1), (64, 32, 4, 3, 1)]  # fmt: skip
+# Session 13 (s13r1): narrower tiles on mma.sync, (32, 32, 2, 3, 1, 528) and (16, 32, 1, 3,
+# 1, 528 / 1056), 4 programs of 2 warps or 8 of 1 an SM, 6-12% faster at 32 rows on every
+# matrix (the same 4.4 instructions a weight; more programs to hide latency behind).
+JOINED_CANDIDATES: list[tuple[int, ...]] = [
+    (32, 32, 2, 3, 1, 528), (32, 32, 2, 4, 1, 528), (16, 32, 1, 3, 1, 528),
+    (16, 32, 1, 3, 1, 1056), (32, 32, 2, 3, 1, 264), (64, 32, 4, 3, 1, 264),
+    (64, 32, 4, 4, 1, 264),
+]  # fmt: skip
 PER_POSITION_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3), (32, 32, 4, 3),
                                                   (128, 32, 8, 3), (64, 64, 4, 2)]  # fmt: skip
 GEMM_CANDIDATES = JOINED_CANDIDATES if GEMM_JOINED else PER_POSITION_CANDIDATES
