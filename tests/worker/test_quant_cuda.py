@@ -93,8 +93,9 @@ def test_gguf_kept_quantized_on_cuda_equals_cpu(
 def test_gemv_with_dependent_launch_replays_the_plain_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """TOKENPIPE_QUANT_PDL=1: a chain of GEMVs, each reading the one before's output, captured
-    in a CUDA graph and replayed, gives the plain launches' bits (the wait before x holds)."""
+    """Dependent launch (the default; TOKENPIPE_QUANT_PDL=0 turns it off): a chain of GEMVs,
+    each reading the one before's output, captured in a CUDA graph and replayed, gives the
+    plain launches' bits (the wait before x holds)."""
     from worker.device.kernels import quant_matmul as qm
     from worker.layers import quant as Q
 
@@ -109,6 +110,7 @@ def test_gemv_with_dependent_launch_replays_the_plain_result(
             y = qm.qgemv(y, packed, (32, 16, 4, 8)) * 0.05
         return y
 
+    monkeypatch.setenv("TOKENPIPE_QUANT_PDL", "0")
     want = chain()
     monkeypatch.setenv("TOKENPIPE_QUANT_PDL", "1")
     chain()
@@ -118,3 +120,52 @@ def test_gemv_with_dependent_launch_replays_the_plain_result(
     for _ in range(3):
         graph.replay()
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_int4_graphed_decode_equals_eager(
+    tiny_checkpoint_factory, monkeypatch: pytest.MonkeyPatch, pdl: str
+) -> None:
+    """An int4 model's decode through the worker's CUDA graphs (1 row: the GEMV; 3 rows: the
+    GEMM), with and without dependent launch (TOKENPIPE_QUANT_PDL), gives the logits of the
+    same model run eagerly with plain launches, step after step."""
+    from worker.device.cuda_setup import prepare_model_for_device
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+    from worker.models.step import StepInput
+
+    directory = tiny_checkpoint_factory(dtype=torch.float32)
+
+    def load(graphs: bool):  # type: ignore[no-untyped-def]
+        loaded = load_model(directory, "cuda", torch.float32, progress=False,
+                            quantize=QuantizeOptions("int4", 32, None))  # fmt: skip
+        return prepare_model_for_device(loaded, "cuda", cuda_graphs=graphs)
+
+    monkeypatch.setenv("TOKENPIPE_QUANT_PDL", "0")
+    eager = load(False)
+    monkeypatch.setenv("TOKENPIPE_QUANT_PDL", pdl)
+    graphed = load(True)
+    assert type(graphed).__name__ == "GraphedCausalLM"
+    kv_eager, kv_graph = eager.make_kv_cache(4, 64), graphed.make_kv_cache(4, 64)
+    gen = torch.Generator().manual_seed(1)
+    prompts = {s: torch.randint(3, 250, (5 + 4 * s,), generator=gen).tolist() for s in (0, 1, 3)}
+    for slot, ids in prompts.items():
+        monkeypatch.setenv("TOKENPIPE_QUANT_PDL", "0")
+        eager(StepInput.single(ids, slot, 0, device="cuda"), kv_eager)
+        monkeypatch.setenv("TOKENPIPE_QUANT_PDL", pdl)
+        graphed(StepInput.single(ids, slot, 0, device="cuda"), kv_graph)
+    lens = {s: len(ids) for s, ids in prompts.items()}
+    tokens = {s: ids[-1] for s, ids in prompts.items()}
+    for slots in ([0], [0], [3, 0, 1], [1, 3, 0], [1]):
+        step = StepInput(
+            input_ids=torch.tensor([tokens[s] for s in slots], device="cuda"),
+            positions=torch.tensor([lens[s] for s in slots], device="cuda"),
+            slots=slots, cached_lens=[lens[s] for s in slots], new_lens=[1] * len(slots),
+        )  # fmt: skip
+        monkeypatch.setenv("TOKENPIPE_QUANT_PDL", "0")
+        want = eager(step, kv_eager).clone()
+        monkeypatch.setenv("TOKENPIPE_QUANT_PDL", pdl)
+        got = graphed(step, kv_graph).clone()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for s, token in zip(slots, want.argmax(dim=-1).tolist(), strict=True):
+            tokens[s], lens[s] = token, lens[s] + 1
