@@ -137,6 +137,37 @@ def test_int4_gemm_with_bf16_inputs_makes_bf16_pair_weights(
     torch.testing.assert_close(once, exact, rtol=1e-4, atol=1e-4)
 
 
+def test_int4_scales_kept_as_bf16_for_a_bf16_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 weights of a bf16 model keep their scales and offsets as bf16 in the GPU layout
+    (``meta_dtype_for``): the GEMM, which rounded them to bf16 anyway, gives the same bits;
+    the GEMV equals the reference with bf16-rounded scales. int8, fp32 and fp16 models and
+    TOKENPIPE_QUANT_BF16_META=0 keep fp16."""
+    from worker.device.kernels import quant_matmul as qm
+
+    bf16 = torch.bfloat16
+    assert qm.meta_dtype_for("int4", bf16) == bf16
+    for kind, dtype in [("int8", bf16), ("int4", torch.float32), ("int4", torch.float16)]:
+        assert qm.meta_dtype_for(kind, dtype) == torch.float16
+    qw = _qw("int4", 32, n=72, k=128, seed=9)
+    plain, kept = qm.KMajorWeight.pack(qw), qm.KMajorWeight.pack(qw, bf16)
+    assert kept.scales.dtype == kept.offsets.dtype == bf16  # type: ignore[union-attr]
+    assert kept.nbytes == plain.nbytes
+    torch.testing.assert_close(kept.scales, plain.scales.to(bf16), rtol=0, atol=0)
+    gen = torch.Generator().manual_seed(2)
+    many = torch.randn(5, 128, generator=gen).to(DEVICE).to(bf16)
+    tile = (16, 32, 4, 2, 1)
+    torch.testing.assert_close(qm.qgemm(many, kept, tile), qm.qgemm(many, plain, tile),
+                               rtol=0, atol=0)  # fmt: skip
+    one = torch.randn(1, 128, generator=gen).to(DEVICE)
+    rounded = Q.QuantizedWeight(qw.kind, qw.shape, qw.group_size, qw.qdata,
+                                qw.scales.to(bf16).half(), qw.offsets.to(bf16).half())  # fmt: skip
+    torch.testing.assert_close(qm.qgemv(one, kept), one @ rounded.dequantize().T,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    assert (qm.qgemv(one, kept) - qm.qgemv(one, plain)).abs().max() > 0  # the rounding shows
+    monkeypatch.setenv("TOKENPIPE_QUANT_BF16_META", "0")
+    assert qm.meta_dtype_for("int4", bf16) == torch.float16
+
+
 @pytest.mark.parametrize(("kind", "group"), [("int4", 32), ("int8", 16)])
 def test_gemm_joined_store_equals_the_per_position_store(
     kind: str, group: int, monkeypatch: pytest.MonkeyPatch

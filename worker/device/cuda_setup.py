@@ -100,7 +100,7 @@ def _pack_quantized(inner: Any) -> tuple[int, int]:
         return 0, 0
     if not triton_available():
         raise ValueError("quantized weights on CUDA need Triton (pip install triton)")
-    result = pack_for_device(inner)
+    result = pack_for_device(inner, inner.model.norm.weight.dtype)
     torch.cuda.empty_cache()
     return result
 

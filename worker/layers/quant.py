@@ -452,13 +452,14 @@ class QuantEmbedding(nn.Module):
         return self.quantized.rows(ids).dequantize(self.dtype)
 
 
-def pack_for_device(model: nn.Module) -> tuple[int, int]:
-    """Every quantized linear of ``model`` into the GPU kernels' K-major layout
-    (``worker.device.kernels.quant_matmul.KMajorWeight``), its canonical copy dropped; an
+def pack_for_device(model: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """Every quantized linear of ``model`` (computing in ``dtype``) into the GPU kernels'
+    K-major layout (``worker.device.kernels.quant_matmul.KMajorWeight``, scales in
+    ``meta_dtype_for``), its canonical copy dropped; an
     embedding whose table a packed LM head shares gathers its rows from the packed table (one
     copy). Weights whose group the kernels cannot take stay canonical (the torch reference).
     Returns (packed, left canonical). Imports Triton."""
-    from worker.device.kernels.quant_matmul import KMajorWeight
+    from worker.device.kernels.quant_matmul import KMajorWeight, meta_dtype_for
 
     packed: dict[int, KMajorWeight] = {}
     left = 0
@@ -470,7 +471,8 @@ def pack_for_device(model: nn.Module) -> tuple[int, int]:
             continue
         key = id(module.quantized)
         if key not in packed:
-            packed[key] = KMajorWeight.pack(module.quantized)
+            qw = module.quantized
+            packed[key] = KMajorWeight.pack(qw, meta_dtype_for(qw.kind, dtype))
         module.device_packed = packed[key]
     for module in model.modules():
         if isinstance(module, QuantEmbedding) and module.quantized is not None:

@@ -6,9 +6,10 @@
 The canonical layout of ``worker.layers.quant`` (row-major codes) is repacked for the GPU
 into a **K-major, output-interleaved** one: codes in int32 words [K, N / P], word (k, c)
 holding the codes of outputs P*c .. P*c + P - 1 at input k (int4: P = 8 nibbles, output
-P*c + i at bits 4i..4i+3; int8: P = 4 bytes), and the fp16 scales (and int4 offsets) as
-[K / g, P, N / P] (position-major: the scales of one code position are contiguous). N is
-padded to a multiple of P with zero codes (outputs never stored).
+P*c + i at bits 4i..4i+3; int8: P = 4 bytes), and the fp16 (int4 in a bf16 model: bf16)
+scales (and int4 offsets) as [K / g, P, N / P] (position-major: the scales of one code
+position are contiguous). N is padded to a multiple of P with zero codes (outputs never
+stored).
 
 A word shares its input k, so one x value feeds all P codes of a loaded word, and a code
 becomes an fp32 operand in **one instruction**: ``word & mask`` read as an fp32 is the code
@@ -89,8 +90,8 @@ class KMajorWeight:
     shape: tuple[int, int]
     group_size: int
     words: torch.Tensor  # int32 [K, N / P] (N padded to a multiple of P)
-    scales: torch.Tensor  # fp16 [K / g, P, N / P]
-    offsets: torch.Tensor | None  # fp16 [K / g, P, N / P], int4 only
+    scales: torch.Tensor  # fp16 (or bf16: ``meta_dtype_for``) [K / g, P, N / P]
+    offsets: torch.Tensor | None  # the same, int4 only
     # tile configs timed for this matrix on this GPU (choose_configs); None: the defaults
     gemv_config: tuple[int, ...] | None = None
     gemm_config: tuple[int, ...] | None = None
@@ -126,7 +127,9 @@ class KMajorWeight:
         return group >= 8 and group & (group - 1) == 0
 
     @staticmethod
-    def pack(qw: QuantizedWeight) -> KMajorWeight:
+    def pack(qw: QuantizedWeight, meta_dtype: torch.dtype = torch.float16) -> KMajorWeight:
+        """``meta_dtype``: the scales' and offsets' (fp16 as in ``qw``; bf16 for int4 weights
+        of a bf16 model, ``meta_dtype_for``)."""
         n, k = qw.shape
         if not KMajorWeight.supports(qw):
             group = qw.group_size
@@ -152,7 +155,7 @@ class KMajorWeight:
             words[:, first:last] = word.t()
 
         def by_position(meta: torch.Tensor) -> torch.Tensor:  # [N, K / g] -> [K / g, P, C]
-            padded = meta.new_zeros((columns * per_word, meta.shape[1]))
+            padded = meta.new_zeros((columns * per_word, meta.shape[1]), dtype=meta_dtype)
             padded[:n] = meta
             return padded.t().reshape(-1, columns, per_word).transpose(1, 2).contiguous()
 
@@ -916,6 +919,17 @@ def _dequant_kernel(
     tl.store(out, tile, mask=(offs_k < K)[:, None] & (cols < N)[None, :])
 
 
+def meta_dtype_for(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The scales' and offsets' dtype in the GPU layout: bf16 for int4 weights of a bf16 model
+    (its GEMM rounds them to bf16 anyway, ``_int4_bf16_weights``; stored so, its loop skips 48
+    of 567 instructions a K step converting them, tools/sass_quant_kernels.py; its GEMV takes
+    them as they are), else fp16 as quantized. TOKENPIPE_QUANT_BF16_META=0: always fp16."""
+    if kind == INT4 and dtype == torch.bfloat16 and _bf16_pairs():
+        if os.environ.get("TOKENPIPE_QUANT_BF16_META", "1") != "0":
+            return torch.bfloat16
+    return torch.float16
+
+
 def _check(x: torch.Tensor, packed: KMajorWeight) -> None:
     if x.dim() != 2 or x.shape[1] != packed.shape[1] or x.stride(1) != 1:
         raise ValueError(f"quantized matmul: x {tuple(x.shape)} against {list(packed.shape)}")
@@ -1181,7 +1195,8 @@ def _choice_key(device_name: str, packed: KMajorWeight, dtype: torch.dtype) -> s
     n, k = packed.shape
     candidates = repr((GEMV_CANDIDATES, GEMM_CANDIDATES, "timed past L2"))
     digest = hashlib.sha256(candidates.encode()).hexdigest()[:8]
-    return f"{device_name}|{packed.kind}|{n}x{k}|g{packed.group_size}|{dtype}|{digest}"
+    meta = "" if packed.scales.dtype == torch.float16 else f"|{packed.scales.dtype}"
+    return f"{device_name}|{packed.kind}|{n}x{k}|g{packed.group_size}|{dtype}{meta}|{digest}"
 
 
 def _read_choices(cache: Path | None) -> dict[str, list[object]]:
