@@ -28,7 +28,8 @@ Three paths, by the number of rows M:
   next rows' words are in flight while the current ones are summed), K split over programs
   for matrices of few outputs (partial sums added in a fixed order by the last program of a
   column block to finish: deterministic, and no second kernel).
-- **GEMM, 1 < M <= GEMM_MAX_ROWS** (decode batches): per code position p, the
+- **GEMM, 1 < M <= GEMM_MAX_ROWS** (decode batches; rows in tiles of at most GEMM_BLOCK_M,
+  side by side in the grid): per code position p, the
   [K tile, N / P tile] weights dequantized in registers (an AND and an FMA with the scale,
   then x's dtype) and multiplied on the tensor cores (``tl.dot``) into the outputs P*c + p;
   the P accumulators are interleaved into consecutive outputs for one coalesced store.
@@ -73,7 +74,7 @@ GEMM_JOINED = os.environ.get("TOKENPIPE_QUANT_GEMM_JOINED", "1") != "0"
 GEMV_CONFIG = (32, 264, 8, 8)
 GEMM_CONFIG: tuple[int, ...] = (32, 32, 2, 3, 1, 528) if GEMM_JOINED else (64, 32, 4, 3)
 # rows a GEMM program takes at most: 33-64 rows run as two row tiles (the tiles' 8
-# accumulators of 64 rows spill; BENCHMARKS "GEMM tiles of session 13")
+# accumulators of 64 rows spill; BENCHMARKS "Gemma 4 31B int4 on one H200, session 13")
 GEMM_BLOCK_M = int(os.environ.get("TOKENPIPE_QUANT_GEMM_BLOCK_M", "32"))
 # about one per SM of an H200: tiles without a 6th field split K up to this many programs
 # (gate_up's 84 tiles of 64 word columns get no split at 32 rows); the joined tiles, at 216
