@@ -455,9 +455,9 @@ class QuantEmbedding(nn.Module):
 def pack_for_device(model: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """Every quantized linear of ``model`` (computing in ``dtype``) into the GPU kernels'
     K-major layout (``worker.device.kernels.quant_matmul.KMajorWeight``, scales in
-    ``meta_dtype_for``), its canonical copy dropped; an
-    embedding whose table a packed LM head shares gathers its rows from the packed table (one
-    copy). Weights whose group the kernels cannot take stay canonical (the torch reference).
+    ``meta_dtype_for``), its canonical copy dropped; an embedding whose table a packed LM head
+    shares gathers its rows from the packed table (one copy). Weights whose group the kernels
+    cannot take stay canonical (the torch reference).
     Returns (packed, left canonical). Imports Triton."""
     from worker.device.kernels.quant_matmul import KMajorWeight, meta_dtype_for
 
