@@ -240,11 +240,12 @@ def bench_gemm_rows(
     dev = torch.device("cuda")
     weight = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
     qw = Q.quantize(weight, Q.QuantFormat("int4", group), search=False)
-    packed = qm.KMajorWeight.pack(qw)
+    meta = qm.meta_dtype_for("int4", torch.bfloat16)  # as a bf16 model's int4 weights
+    packed = qm.KMajorWeight.pack(qw, meta)
     copies = [packed]
     if not warm:
         more = max(0, -(-200_000_000 // packed.nbytes) - 1)
-        copies += [qm.KMajorWeight.pack(qw) for _ in range(more)]
+        copies += [qm.KMajorWeight.pack(qw, meta) for _ in range(more)]
     for m in rows_list:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         want = F.linear(x, qw.dequantize(torch.bfloat16)).float()
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     gemm_help = "rows (8,32,64): only time GEMM_STORE_TILES per matrix (with --only)"
     p.add_argument("--gemm", default="", help=gemm_help)
     p.add_argument("--gemm-tiles", default="", help="with --gemm: GEMM_STORE_TILES indices")
-    list_help = "with --gemm: tiles to time instead, as 'c,k,w,s[,j,programs,ahead];...'"
+    list_help = "with --gemm: tiles to time, as 'c,k,w,s[,j,programs,ahead,pass,halves];...'"
     p.add_argument("--gemm-list", default="", help=list_help)
     p.add_argument("--warm", action="store_true", help="with --gemm: compile only, no timing")
     args = p.parse_args(argv)

@@ -102,21 +102,27 @@ def gemv(qm, int4: bool, block_c: int, warps: int, split: bool, dump, slots: int
 
 def gemm(qm, int4: bool, config, dump) -> None:  # type: ignore[no-untyped-def]
     block_c, block_k, warps, stages, *more = config
-    joined = bool(more and more[0])  # the joined store (quant_matmul._gemm_store_joined)
+    more = list(more) + [0] * (5 - len(more))
+    joined = bool(more[0])  # the joined store (quant_matmul._gemm_store_joined)
+    per_pass = max(1, more[3])  # K tiles a loop pass (field 8)
+    halves = 2 if more[4] == 2 and int4 and joined else 1  # field 9
     p = 8 if int4 else 4
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16",
+    meta = "*bf16" if int4 else "*fp16"  # int4 of a bf16 model keeps bf16 scales
+    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": meta, "o_ptr": meta,
            "y_ptr": "*fp32", "M": "i32", "N": "i32", "C": "i32", "K": "i32",
            "stride_xm": "i32", "stride_ym": "i32"}  # fmt: skip
     const = dict(GROUP=32, INT4_KIND=int4, BLOCK_M=32, BLOCK_C=block_c, BLOCK_K=block_k,
                  PRECISION="tf32", EVEN_K=True, BF16_PAIRS=int4, ASM=True,
-                 JOINED=joined, PREFETCH=0)  # fmt: skip
+                 JOINED=joined, PREFETCH=0, PASS=per_pass, HALVES=halves)  # fmt: skip
     sig.update({k: "constexpr" for k in const})
     k = compile_sm90(qm._qgemm_kernel, sig, const, warps, num_stages=stages,
                      div16=("N", "C", "K", "stride_xm", "stride_ym"))  # fmt: skip
-    per_pass = block_c * block_k * p  # weights of a K tile (for 32 rows of x)
+    # weights of a loop pass (for 32 rows of x): its K tiles, the program's code positions
+    weights = block_c * block_k * per_pass * p // halves
     name = (f"gemm32_{'int4' if int4 else 'int8'}_c{block_c}_k{block_k}_w{warps}_s{stages}"
-            f"{'_joined' if joined else ''}")  # fmt: skip
-    report(name, k, per_pass / (warps * 32), dump)
+            f"{'_joined' if joined else ''}{f'_pass{per_pass}' if per_pass > 1 else ''}"
+            f"{'_halves' if halves > 1 else ''}")  # fmt: skip
+    report(name, k, weights / (warps * 32), dump)
 
 
 def main() -> None:
@@ -124,6 +130,11 @@ def main() -> None:
     parser.add_argument("--triton", default="", help="a Triton install to put first on sys.path")
     parser.add_argument("--dump", default="", help="write each kernel's SASS and TTGIR here")
     parser.add_argument("--only", default="", help="comma list: gemv, slots, gemm")
+    parser.add_argument(
+        "--gemm-list",
+        default="",
+        help='GEMM tiles instead of the start-up candidates: "c,k,w,s[,...];..."',
+    )
     args = parser.parse_args()
     if args.triton:
         sys.path.insert(0, args.triton)
@@ -144,7 +155,10 @@ def main() -> None:
             for block_c, warps, slots in ((32, 8, 32), (32, 4, 16), (64, 4, 8), (64, 8, 16)):
                 gemv(qm, int4, block_c, warps, True, dump, slots)
         if "gemm" in only:
-            for config in qm.PER_POSITION_CANDIDATES + qm.JOINED_CANDIDATES:
+            configs = qm.PER_POSITION_CANDIDATES + qm.JOINED_CANDIDATES
+            if args.gemm_list:
+                configs = [tuple(int(v) for v in c.split(",")) for c in args.gemm_list.split(";")]
+            for config in configs:
                 gemm(qm, int4, config, dump)
 
 

@@ -197,6 +197,33 @@ def test_gemm_joined_store_equals_the_per_position_store(
                 torch.testing.assert_close(one_tile, joined, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_gemm_two_tiles_a_pass_and_half_positions_give_the_same_bits(
+    group: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Config field 8 (two K tiles a loop pass) and field 9 (halves = 2: two programs a
+    column tile, each half the code positions) change how the int4 GEMM's work is laid out,
+    not its arithmetic: the same bits as the plain tile, with and without a K split (splits
+    of whole passes), for an odd count of K tiles (the last pass masked), a partial last word
+    (75 outputs) and row tiles of 16 and 32 (40 rows: two)."""
+    from worker.device.kernels import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "GEMM_BLOCK_M", 32)
+    for k_tiles in (5, 6):
+        qw = _qw("int4", group, n=75, k=group * k_tiles, seed=k_tiles)
+        packed = qm.KMajorWeight.pack(qw, torch.bfloat16)
+        for rows in (3, 20, 40):
+            gen = torch.Generator().manual_seed(rows)
+            x = torch.randn(rows, group * k_tiles, generator=gen).to(DEVICE).to(torch.bfloat16)
+            want = x.float() @ qw.dequantize().T
+            for split in (1, 3) if k_tiles == 6 else (1,):  # 6 tiles in 3: passes of 2
+                plain = qm.qgemm(x, packed, (8, 32, 4, 2, 1), split=split)
+                torch.testing.assert_close(plain.float(), want, rtol=0.05, atol=0.05)
+                for more in [(0, 0, 2), (0, 0, 1, 2), (0, 0, 2, 2)]:
+                    got = qm.qgemm(x, packed, (8, 32, 4, 2, 1, *more), split=split)
+                    torch.testing.assert_close(got, plain, rtol=0, atol=0)
+
+
 def test_gemm_config_field_6_sets_the_k_split_program_target(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
