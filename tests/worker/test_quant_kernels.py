@@ -198,30 +198,34 @@ def test_gemm_joined_store_equals_the_per_position_store(
 
 
 @pytest.mark.parametrize("group", [32, 64])
-def test_gemm_two_tiles_a_pass_and_half_positions_give_the_same_bits(
-    group: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Config field 8 (two K tiles a loop pass) and field 9 (halves = 2: two programs a
-    column tile, each half the code positions) change how the int4 GEMM's work is laid out,
-    not its arithmetic: the same bits as the plain tile, with and without a K split (splits
-    of whole passes), for an odd count of K tiles (the last pass masked), a partial last word
-    (75 outputs) and row tiles of 16 and 32 (40 rows: two)."""
+def test_gemm_k_slices_in_a_program(group: int) -> None:
+    """Config field 8 (`_qgemm_sliced_kernel`: a program's K range in slices worked side by
+    side, summed in the program) gives the bf16-pair weights' products like the plain tile
+    (the same weights; the sums added in another order), the same bits call after call, for
+    K tiles that do not fill the slices (5 tiles in 2 or 4 slices, in 1 or 2 programs: some
+    slices run past K), a partial last word (75 outputs) and row tiles of 16 and 32 (40 rows:
+    two)."""
     from worker.device.kernels import quant_matmul as qm
 
-    monkeypatch.setattr(qm, "GEMM_BLOCK_M", 32)
-    for k_tiles in (5, 6):
-        qw = _qw("int4", group, n=75, k=group * k_tiles, seed=k_tiles)
-        packed = qm.KMajorWeight.pack(qw, torch.bfloat16)
-        for rows in (3, 20, 40):
-            gen = torch.Generator().manual_seed(rows)
-            x = torch.randn(rows, group * k_tiles, generator=gen).to(DEVICE).to(torch.bfloat16)
-            want = x.float() @ qw.dequantize().T
-            for split in (1, 3) if k_tiles == 6 else (1,):  # 6 tiles in 3: passes of 2
-                plain = qm.qgemm(x, packed, (8, 32, 4, 2, 1), split=split)
-                torch.testing.assert_close(plain.float(), want, rtol=0.05, atol=0.05)
-                for more in [(0, 0, 2), (0, 0, 1, 2), (0, 0, 2, 2)]:
-                    got = qm.qgemm(x, packed, (8, 32, 4, 2, 1, *more), split=split)
-                    torch.testing.assert_close(got, plain, rtol=0, atol=0)
+    qw = _qw("int4", group, n=75, k=group * 5, seed=5)
+    packed = qm.KMajorWeight.pack(qw, torch.bfloat16)
+    codes = Q.unpack_nibbles(qw.qdata).float()[:, : group * 5]
+    scales = qw.scales.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
+    offsets = qw.offsets.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
+    weights = (codes * scales + offsets).to(torch.bfloat16).float()
+    for rows in (3, 20, 40):
+        gen = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, group * 5, generator=gen).to(DEVICE).to(torch.bfloat16)
+        want = x.float() @ weights.to(DEVICE).T
+        plain = qm.qgemm(x, packed, (8, 32, 1, 2, 1)).float()
+        for slices in (2, 4):
+            for split in (1, 2):
+                tile = (16, 32, slices, 2, 1, 0, 0, slices)
+                got = qm.qgemm(x, packed, tile, split=split)
+                torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2e-3)
+                torch.testing.assert_close(got.float(), plain, rtol=2**-7, atol=2e-3)
+                torch.testing.assert_close(qm.qgemm(x, packed, tile, split=split), got,
+                                           rtol=0, atol=0)  # fmt: skip
 
 
 def test_gemm_config_field_6_sets_the_k_split_program_target(

@@ -638,39 +638,30 @@ def _weights(word, scale_ptr, offset_ptr, meta, mask, p: tl.constexpr, C, INT4_K
     return value * (scale * (1.0 / (1 << a))) + offset
 
 
-def _bf16_pairs_asm(positions: int = 8) -> str:
-    """PTX for ``positions`` code positions of two int4 words at a time (``pack=2``): with
-    n = positions, operands $0..$n-1 the bf16x2 weights, $n and $n+1 the two words, then the
-    n bf16x2 scales and the n offsets; with 4 positions, two more operands: the byte-permute
-    selectors of the words' bytes 2h and 2h + 1 (half h of the word's codes, chosen at run
-    time: `_qgemm_kernel`'s HALVES). Per position: a byte permute puts the byte holding the
-    code of each word in one half (odd positions from the words shifted right by 4), an
+def _bf16_pairs_asm() -> str:
+    """PTX for 8 code positions of two int4 words at a time (``pack=2``): operands $0..$7 the
+    bf16x2 weights of positions 0..7, $8 and $9 the two words, $10..$17 the bf16x2 scales and
+    $18..$25 the offsets of positions 0..7. Per position: a byte permute puts the byte holding
+    the code of each word in one half (odd positions from the words shifted right by 4), an
     AND/OR makes each half 128 + code as a bf16 (exact), a bf16x2 subtract takes the 128 off
     (exact) and one bf16x2 FMA gives code * scale + offset, rounded to bf16 once."""
-    n = positions
-    a, b = f"${n}", f"${n + 1}"
     lines = ["{", ".reg .b32 hi0, hi1, t, base;", "mov.b32 base, 0x43004300;",
-             f"shr.u32 hi0, {a}, 4;", f"shr.u32 hi1, {b}, 4;"]  # fmt: skip
-    for p in range(n):
+             "shr.u32 hi0, $8, 4;", "shr.u32 hi1, $9, 4;"]  # fmt: skip
+    for p in range(8):
         byte = p // 2
-        low, high = (a, b) if p % 2 == 0 else ("hi0", "hi1")
-        if n == 8:
-            select = f"{byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12:#x}"
-        else:  # the selector of byte 2h + p // 2, an operand
-            select = f"${3 * n + 2 + byte}"
+        low, high = ("$8", "$9") if p % 2 == 0 else ("hi0", "hi1")
+        select = byte | byte << 4 | (4 + byte) << 8 | (4 + byte) << 12
         lines += [
-            f"prmt.b32 t, {low}, {high}, {select};",
+            f"prmt.b32 t, {low}, {high}, {select:#x};",
             "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;",  # (t & mask) | 128.0 in each half
             "sub.bf16x2 t, t, base;",
-            f"fma.rn.bf16x2 ${p}, t, ${n + 2 + p}, ${2 * n + 2 + p};",
+            f"fma.rn.bf16x2 ${p}, t, ${10 + p}, ${18 + p};",
         ]
     return "\n".join([*lines, "}"])
 
 
 BF16_PAIRS_ASM = tl.constexpr(_bf16_pairs_asm())
 BF16_PAIRS_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 18))
-BF16_HALF_ASM = tl.constexpr(_bf16_pairs_asm(4))
-BF16_HALF_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
 
 
 @triton.jit
@@ -721,36 +712,6 @@ def _int4_bf16_weights(word, s_ptr, o_ptr, meta, mask, C, ASM: tl.constexpr):
 
 
 @triton.jit
-def _int4_bf16_half(word, s_ptr, o_ptr, meta, mask, C, half, ASM: tl.constexpr):
-    """`_int4_bf16_weights` for half the code positions: 4h..4h+3 of each word, h = ``half``
-    (0 or 1, known only at run time; ``s_ptr`` and ``o_ptr`` already point at position 4h's
-    scales and offsets). The PTX takes the words' bytes 2h and 2h + 1 by permute selectors
-    made once, so a weight costs what it costs with all 8 positions."""
-    s0 = _bf16_meta(s_ptr, meta, mask, 0, C, ASM)
-    s1 = _bf16_meta(s_ptr, meta, mask, 1, C, ASM)
-    s2 = _bf16_meta(s_ptr, meta, mask, 2, C, ASM)
-    s3 = _bf16_meta(s_ptr, meta, mask, 3, C, ASM)
-    o0 = _bf16_meta(o_ptr, meta, mask, 0, C, ASM)
-    o1 = _bf16_meta(o_ptr, meta, mask, 1, C, ASM)
-    o2 = _bf16_meta(o_ptr, meta, mask, 2, C, ASM)
-    o3 = _bf16_meta(o_ptr, meta, mask, 3, C, ASM)
-    if ASM:
-        low = 2 * half  # the byte of positions 4h, 4h + 1; selector b | b<<4 | (4+b)<<8 | (4+b)<<12
-        sel0 = tl.full(word.shape, 0x4400, tl.int16) + (low * 0x1111).to(tl.int16)
-        sel1 = sel0 + 0x1111
-        return tl.inline_asm_elementwise(
-            BF16_HALF_ASM, BF16_HALF_CONSTRAINTS,
-            [word, s0, s1, s2, s3, o0, o1, o2, o3, sel0, sel1],
-            dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2,
-        )  # fmt: skip
-    shifted = word >> (16 * half)
-    return (
-        _bf16_weight(shifted, s0, o0, 0), _bf16_weight(shifted, s1, o1, 1),
-        _bf16_weight(shifted, s2, o2, 2), _bf16_weight(shifted, s3, o3, 3),
-    )  # fmt: skip
-
-
-@triton.jit
 def _bf16_dot(acc, w, x, ASM: tl.constexpr):
     """acc += w @ x for bf16 tiles; without ASM (Triton's interpreter, whose bf16 dot is
     wrong) as an exact fp32 dot of the same values."""
@@ -781,8 +742,7 @@ def _qgemm_kernel(
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
-    JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PASS: tl.constexpr = 1,
-    HALVES: tl.constexpr = 1,
+    JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
@@ -791,27 +751,16 @@ def _qgemm_kernel(
     group's scales. JOINED: the P accumulators are interleaved into consecutive outputs before
     the store (``_gemm_store_joined``), else each is stored on its own, P outputs apart.
     PREFETCH = D > 0: at each K step the words, scales and offsets D steps ahead are
-    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory).
-    PASS: K tiles a loop pass (2: the loop's bookkeeping shared by two; a K split's span is
-    then a multiple of two tiles; EVEN_K says the whole K is). HALVES = 2 (int4 bf16 pairs,
-    joined store): two programs a column tile, side by side in the grid, each taking half
-    the code positions of the same words (4 accumulators: fewer registers, more programs an
-    SM; the second program reads the words mostly from L2)."""
+    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory)."""
     P: tl.constexpr = 8 if INT4_KIND else 4
+    PER_ROW: tl.constexpr = BLOCK_K > GROUP
     pid_m = tl.program_id(0)  # the row tiles of a column tile side by side: one reads the
     pid_c = tl.program_id(1)  # weights from HBM, the others mostly from L2
     split = tl.program_id(2)  # K split: partial sums into y[split] (fp32), added by _reduce_kernel
-    half = 0
-    if HALVES == 2:
-        half = pid_m % 2
-        pid_m = pid_m // 2
-        s_ptr += half * 4 * C  # the scales (and offsets) of positions 4h..4h+3
-        o_ptr += half * 4 * C
     tiles = tl.cdiv(K, BLOCK_K)
-    span = tl.cdiv(tl.cdiv(tiles, tl.num_programs(2)), PASS) * PASS
+    span = tl.cdiv(tiles, tl.num_programs(2))
     k_first = split * span * BLOCK_K
     k_last = tl.minimum((split + 1) * span, tiles) * BLOCK_K
-    k_end = tl.minimum(k_last, K)  # the masks' bound
     y_ptr += split * M * N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -826,22 +775,55 @@ def _qgemm_kernel(
     acc5 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     acc6 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     acc7 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
-    for k_pass in range(k_first, k_last, PASS * BLOCK_K):
-        for j in tl.static_range(PASS):
-            k0 = k_pass + j * BLOCK_K
-            if PREFETCH > 0:
-                _gemm_prefetch(w_ptr, s_ptr, o_ptr, k0 + PREFETCH * BLOCK_K, k_last, pid_c, C,
-                               K, GROUP, BLOCK_C, BLOCK_K, P, INT4_KIND)  # fmt: skip
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _gemm_step(
-                acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, x_cols, w_ptr, s_ptr, o_ptr,
-                k0, k_end, offs_c, mask_c, mask_m, C, half, GROUP, INT4_KIND, BLOCK_K,
-                PRECISION, EVEN_K, BF16_PAIRS, ASM, HALVES,
-            )  # fmt: skip
+    for k0 in range(k_first, k_last, BLOCK_K):
+        if PREFETCH > 0:
+            _gemm_prefetch(w_ptr, s_ptr, o_ptr, k0 + PREFETCH * BLOCK_K, k_last, pid_c, C, K,
+                           GROUP, BLOCK_C, BLOCK_K, P, INT4_KIND)  # fmt: skip
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = (offs_k < K) | EVEN_K  # EVEN_K: K a multiple of BLOCK_K, no mask to compute
+        mask = mask_c[:, None] & mask_k[None, :]
+        word = tl.load(w_ptr + offs_k[None, :].to(tl.int64) * C + offs_c[:, None], mask=mask,
+                       other=0)  # fmt: skip
+        if PER_ROW:
+            meta = (offs_k // GROUP)[None, :] * (P * C) + offs_c[:, None]
+            meta_mask = mask
+        else:
+            meta = (k0 // GROUP) * (P * C) + offs_c[:, None]
+            meta_mask = mask_c[:, None]
+        x = tl.load(x_cols + offs_k[:, None], mask=mask_k[:, None] & mask_m[None, :],
+                    other=0.0)  # fmt: skip
+        if BF16_PAIRS:  # int4 with bf16 x: weights made as bf16 pairs (~2 instructions each)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _int4_bf16_weights(word, s_ptr, o_ptr, meta,
+                                                                meta_mask, C, ASM)  # fmt: skip
+            acc0 = _bf16_dot(acc0, w0, x, ASM)
+            acc1 = _bf16_dot(acc1, w1, x, ASM)
+            acc2 = _bf16_dot(acc2, w2, x, ASM)
+            acc3 = _bf16_dot(acc3, w3, x, ASM)
+            acc4 = _bf16_dot(acc4, w4, x, ASM)
+            acc5 = _bf16_dot(acc5, w5, x, ASM)
+            acc6 = _bf16_dot(acc6, w6, x, ASM)
+            acc7 = _bf16_dot(acc7, w7, x, ASM)
+        else:
+            ty = x.dtype
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, C, INT4_KIND)
+            acc0 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 1, C, INT4_KIND)
+            acc1 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 2, C, INT4_KIND)
+            acc2 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 3, C, INT4_KIND)
+            acc3 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+            if INT4_KIND:
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 4, C, INT4_KIND)
+                acc4 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 5, C, INT4_KIND)
+                acc5 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 6, C, INT4_KIND)
+                acc6 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, C, INT4_KIND)
+                acc7 += tl.dot(w.to(ty), x, input_precision=PRECISION)
     y_cols = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym
-    if HALVES == 2:
-        _gemm_store_half(y_cols, acc0, acc1, acc2, acc3, pid_c, half, mask_m, N, BLOCK_C,
-                         BLOCK_M)  # fmt: skip
-    elif JOINED:
+    if JOINED:
         _gemm_store_joined(y_cols, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, pid_c, mask_m,
                            N, BLOCK_C, BLOCK_M, P)  # fmt: skip
     else:
@@ -857,41 +839,49 @@ def _qgemm_kernel(
 
 
 @triton.jit
-def _gemm_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, x_cols, w_ptr, s_ptr, o_ptr, k0,
-               k_end, offs_c, mask_c, mask_m, C, half, GROUP: tl.constexpr,
-               INT4_KIND: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-               EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
-               HALVES: tl.constexpr):  # fmt: skip
-    """One K tile at k0: its codes and x masked to k < k_end, the end of this split's K
-    (a pass of two tiles can run past an odd end) unless EVEN_K."""
-    P: tl.constexpr = 8 if INT4_KIND else 4
-    PER_ROW: tl.constexpr = BLOCK_K > GROUP
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:  # every pass whole: no K mask to compute
-        whole = tl.full([BLOCK_K], 1, tl.int1)
-        mask = mask_c[:, None] & whole[None, :]
-        x_mask = whole[:, None] & mask_m[None, :]
-    else:
-        mask = mask_c[:, None] & (offs_k < k_end)[None, :]
-        x_mask = (offs_k < k_end)[:, None] & mask_m[None, :]
-    word = tl.load(w_ptr + offs_k[None, :].to(tl.int64) * C + offs_c[:, None], mask=mask,
-                   other=0)  # fmt: skip
-    if PER_ROW:
-        meta = (offs_k // GROUP)[None, :] * (P * C) + offs_c[:, None]
-        meta_mask = mask
-    else:
-        meta = (k0 // GROUP) * (P * C) + offs_c[:, None]
-        meta_mask = mask_c[:, None]
-        if not EVEN_K:  # a pass's second tile past the split's end: no scales to read
-            meta_mask = meta_mask & ((offs_c * 0 + k0) < k_end)[:, None]
-    x = tl.load(x_cols + offs_k[:, None], mask=x_mask, other=0.0)
-    if HALVES == 2:
-        w0, w1, w2, w3 = _int4_bf16_half(word, s_ptr, o_ptr, meta, meta_mask, C, half, ASM)
-        acc0 = _bf16_dot(acc0, w0, x, ASM)
-        acc1 = _bf16_dot(acc1, w1, x, ASM)
-        acc2 = _bf16_dot(acc2, w2, x, ASM)
-        acc3 = _bf16_dot(acc3, w3, x, ASM)
-    elif BF16_PAIRS:  # int4 with bf16 x: weights made as bf16 pairs (~2 instructions each)
+def _qgemm_sliced_kernel(
+    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, C, K, stride_xm, stride_ym,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    SLICES: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """`_qgemm_kernel` for int4 weights and bf16 x (bf16 pairs, joined store) with the
+    program's K range cut into SLICES slices worked side by side: each K step loads one
+    [BLOCK_C, BLOCK_K] word tile a slice and multiplies the 3-D (batched) tiles with one
+    tl.dot, the slices on their own warps; the slices' sums are added once, at the end, in
+    the program. A K split of S programs a column tile then writes one fp32 partial a
+    program: SLICES times fewer bytes for `_reduce_kernel` than S * SLICES programs of
+    `_qgemm_kernel`, at the same warps in flight. BLOCK_K is the group (32 or more)."""
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    split = tl.program_id(2)
+    tiles = tl.cdiv(K, BLOCK_K)
+    span = tl.cdiv(tiles, tl.num_programs(2) * SLICES)  # K tiles a slice
+    first = (split * SLICES + tl.arange(0, SLICES)) * span  # [SLICES] each slice's first tile
+    y_ptr += split * M * N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_m = offs_m < M
+    mask_c = offs_c < C
+    x_cols = x_ptr + offs_m[None, None, :].to(tl.int64) * stride_xm
+    acc0 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc1 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc2 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc3 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc4 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc5 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc6 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
+    acc7 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
+    for i in range(0, span):
+        tile = first + i
+        valid = tile < tiles  # the last program's slices may run past K
+        offs_k = tile[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [SLICES, BLOCK_K]
+        mask_k = valid[:, None] & (offs_k < K)
+        word = tl.load(w_ptr + offs_k[:, None, :].to(tl.int64) * C + offs_c[None, :, None],
+                       mask=mask_k[:, None, :] & mask_c[None, :, None], other=0)  # fmt: skip
+        meta = ((tile * BLOCK_K) // GROUP)[:, None, None] * (8 * C) + offs_c[None, :, None]
+        meta_mask = valid[:, None, None] & mask_c[None, :, None]
+        x = tl.load(x_cols + offs_k[:, :, None], mask=mask_k[:, :, None] & mask_m[None, None, :],
+                    other=0.0)  # fmt: skip
         w0, w1, w2, w3, w4, w5, w6, w7 = _int4_bf16_weights(word, s_ptr, o_ptr, meta,
                                                             meta_mask, C, ASM)  # fmt: skip
         acc0 = _bf16_dot(acc0, w0, x, ASM)
@@ -902,26 +892,11 @@ def _gemm_step(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, x_cols, w_ptr, s_
         acc5 = _bf16_dot(acc5, w5, x, ASM)
         acc6 = _bf16_dot(acc6, w6, x, ASM)
         acc7 = _bf16_dot(acc7, w7, x, ASM)
-    else:
-        ty = x.dtype
-        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, C, INT4_KIND)
-        acc0 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 1, C, INT4_KIND)
-        acc1 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 2, C, INT4_KIND)
-        acc2 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-        w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 3, C, INT4_KIND)
-        acc3 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-        if INT4_KIND:
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 4, C, INT4_KIND)
-            acc4 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 5, C, INT4_KIND)
-            acc5 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 6, C, INT4_KIND)
-            acc6 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, C, INT4_KIND)
-            acc7 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+    y_cols = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym
+    _gemm_store_joined(y_cols, tl.sum(acc0, axis=0), tl.sum(acc1, axis=0), tl.sum(acc2, axis=0),
+                       tl.sum(acc3, axis=0), tl.sum(acc4, axis=0), tl.sum(acc5, axis=0),
+                       tl.sum(acc6, axis=0), tl.sum(acc7, axis=0), pid_c, mask_m, N, BLOCK_C,
+                       BLOCK_M, 8)  # fmt: skip
 
 
 @triton.jit
@@ -968,20 +943,6 @@ def _gemm_store_joined(y_cols, a0, a1, a2, a3, a4, a5, a6, a7, pid_c, mask_m, N,
     t = tl.reshape(t, [BLOCK_C, BLOCK_M, P])
     t = tl.reshape(tl.permute(t, (0, 2, 1)), [BLOCK_C * P, BLOCK_M])  # row P*c + p
     out = pid_c * (BLOCK_C * P) + tl.arange(0, BLOCK_C * P)
-    mask = (out < N)[:, None] & mask_m[None, :]
-    tl.store(y_cols + out[:, None], t.to(y_cols.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gemm_store_half(y_cols, a0, a1, a2, a3, pid_c, half, mask_m, N, BLOCK_C: tl.constexpr,
-                     BLOCK_M: tl.constexpr):  # fmt: skip
-    """`_gemm_store_joined` for a program of positions 4h..4h+3 (``HALVES``): each word
-    column's 4 outputs are consecutive (8c + 4h .. 8c + 4h + 3), its other half another's."""
-    t = tl.join(tl.join(a0, a2), tl.join(a1, a3))  # p = 2 l + i
-    t = tl.reshape(t, [BLOCK_C, BLOCK_M, 4])
-    t = tl.reshape(tl.permute(t, (0, 2, 1)), [BLOCK_C * 4, BLOCK_M])  # row 4 c + p
-    r = tl.arange(0, BLOCK_C * 4)
-    out = (pid_c * BLOCK_C + r // 4) * 8 + half * 4 + r % 4
     mask = (out < N)[:, None] & mask_m[None, :]
     tl.store(y_cols + out[:, None], t.to(y_cols.dtype.element_ty), mask=mask)
 
@@ -1095,42 +1056,44 @@ def qgemm(
     """x [M, K] @ W^T -> [M, N], weights dequantized in registers for ``tl.dot``; K split
     over ``split`` programs (None: enough for about ``programs`` programs), summed in fp32.
     ``config``: (BLOCK_C, BLOCK_K, num_warps, num_stages[, joined store: 1[, programs[, L2
-    prefetch ahead[, K tiles a pass: 1 or 2[, halves: 2 for two programs a column tile, int4
-    with bf16 x and the joined store only]]]]]); programs left out or 0: GEMM_PROGRAMS."""
+    prefetch ahead[, K slices a program: `_qgemm_sliced_kernel`, int4 with bf16 x and the
+    joined store]]]]); programs left out or 0: GEMM_PROGRAMS."""
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
     block_c, block_k, num_warps, num_stages, *more = config or packed.gemm_config or GEMM_CONFIG
-    more = more + [0] * (5 - len(more))
+    more = more + [0] * (4 - len(more))
     joined = bool(more[0])
     programs = more[1] or GEMM_PROGRAMS
     prefetch = more[2] if not _interpreting() else 0
-    per_pass = max(1, more[3])
     group = packed.group_size
     block_k = max(16, group, block_k - block_k % group)  # a multiple of the group, >= 16
     if block_k > group and group < 16:
         block_k = 16  # groups of 8: two per tile, scales read per row
     pairs = packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs()
-    halves = 2 if more[4] == 2 and pairs and joined else 1
-    if halves == 2:
-        prefetch = 0  # its addresses assume all 8 positions' scales
+    slices = more[3] if more[3] > 1 and pairs and joined and block_k == group else 1
     block_m = 16 if m <= 16 else min(32 if m <= 32 else 64, GEMM_BLOCK_M)
-    tiles = (triton.cdiv(m, block_m) * halves, triton.cdiv(packed.columns, block_c))
-    k_tiles = triton.cdiv(k, block_k)
+    tiles = (triton.cdiv(m, block_m), triton.cdiv(packed.columns, block_c))
     if split is None:  # few word columns (5,376 outputs: 11 tiles of 64): split K
-        split = max(1, min(k_tiles // per_pass, programs // (tiles[0] * tiles[1])))
+        k_tiles = triton.cdiv(triton.cdiv(k, block_k), slices)
+        split = max(1, min(k_tiles, programs // (tiles[0] * tiles[1])))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    _qgemm_kernel[(*tiles, split)](
-        x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
-        x.stride(0), n if split > 1 else y.stride(0),
-        GROUP=group, INT4_KIND=packed.kind == INT4,
-        BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        EVEN_K=k % block_k == 0 and k_tiles % per_pass == 0, BF16_PAIRS=pairs,
-        ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch, PASS=per_pass,
-        HALVES=halves, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+    args = (x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
+            x.stride(0), n if split > 1 else y.stride(0))  # fmt: skip
+    if slices > 1:
+        _qgemm_sliced_kernel[(*tiles, split)](
+            *args, GROUP=group, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
+            SLICES=slices, ASM=not _interpreting(), num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+    else:
+        _qgemm_kernel[(*tiles, split)](
+            *args, GROUP=group, INT4_KIND=packed.kind == INT4,
+            BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
+            BF16_PAIRS=pairs, ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
     if split > 1:
         block = 256
         count = m * n
@@ -1224,18 +1187,14 @@ JOINED_CANDIDATES: list[tuple[int, ...]] = [
     (16, 32, 1, 3, 1, 1056), (32, 32, 2, 3, 1, 264), (64, 32, 4, 3, 1, 264),
     (64, 32, 4, 4, 1, 264),
 ]  # fmt: skip
-# Session 14: the (32, 32, 2, 3) tile's work laid out two more ways (offline SASS, BENCHMARKS
-# "Gemma 4 31B int4 on one H200, session 14"): two K tiles a loop pass (field 8: 3.77-3.84
-# instructions a weight against 4.06, 224-234 registers) and two programs a column tile, each
-# half the code positions (field 9: 4 accumulators, 162-168 registers, 6 programs an SM
-# against 4; 4.67-5.06 instructions a weight, the words read twice, the second mostly from
-# L2). Timed beside the others unless TOKENPIPE_QUANT_GEMM_LAYOUTS=0.
-LAYOUT_CANDIDATES: list[tuple[int, ...]] = [
-    (32, 32, 2, 2, 1, 528, 0, 2), (32, 32, 2, 3, 1, 792, 0, 1, 2),
-    (32, 32, 2, 3, 1, 792, 0, 2, 2), (32, 32, 2, 3, 1, 528, 0, 2, 2),
+# Session 14: the K split inside a program (field 8, `_qgemm_sliced_kernel`): 16-word tiles,
+# one warp a K slice, the slices summed in the program; a program writes one fp32 partial
+# for SLICES warps' work, so `_reduce_kernel` reads 4 MB instead of 17 at 32 rows.
+SLICED_CANDIDATES: list[tuple[int, ...]] = [
+    (16, 32, 2, 3, 1, 528, 0, 2), (16, 32, 4, 3, 1, 264, 0, 4), (16, 32, 8, 3, 1, 132, 0, 8),
 ]  # fmt: skip
-if os.environ.get("TOKENPIPE_QUANT_GEMM_LAYOUTS", "1") != "0":
-    JOINED_CANDIDATES = JOINED_CANDIDATES + LAYOUT_CANDIDATES
+if os.environ.get("TOKENPIPE_QUANT_GEMM_SLICES", "1") != "0":
+    JOINED_CANDIDATES = JOINED_CANDIDATES + SLICED_CANDIDATES
 PER_POSITION_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3), (32, 32, 4, 3),
                                                   (128, 32, 8, 3), (64, 64, 4, 2)]  # fmt: skip
 GEMM_CANDIDATES = JOINED_CANDIDATES if GEMM_JOINED else PER_POSITION_CANDIDATES
