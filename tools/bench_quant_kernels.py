@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     gemm_help = "rows (8,32,64): only time GEMM_STORE_TILES per matrix (with --only)"
     p.add_argument("--gemm", default="", help=gemm_help)
     p.add_argument("--gemm-tiles", default="", help="with --gemm: GEMM_STORE_TILES indices")
-    list_help = "with --gemm: tiles to time, as 'c,k,w,s[,j,programs,ahead,slices];...'"
+    list_help = "with --gemm: tiles to time, as 'c,k,w,s[,j,programs,ahead];...'"
     p.add_argument("--gemm-list", default="", help=list_help)
     p.add_argument("--warm", action="store_true", help="with --gemm: compile only, no timing")
     args = p.parse_args(argv)

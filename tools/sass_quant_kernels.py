@@ -102,28 +102,21 @@ def gemv(qm, int4: bool, block_c: int, warps: int, split: bool, dump, slots: int
 
 def gemm(qm, int4: bool, config, dump) -> None:  # type: ignore[no-untyped-def]
     block_c, block_k, warps, stages, *more = config
-    more = list(more) + [0] * (4 - len(more))
-    joined = bool(more[0])  # the joined store (quant_matmul._gemm_store_joined)
-    slices = more[3] if more[3] > 1 and int4 and joined else 1  # _qgemm_sliced_kernel
+    joined = bool(more and more[0])  # the joined store (quant_matmul._gemm_store_joined)
     p = 8 if int4 else 4
     meta = "*bf16" if int4 else "*fp16"  # int4 of a bf16 model keeps bf16 scales
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": meta, "o_ptr": meta,
            "y_ptr": "*fp32", "M": "i32", "N": "i32", "C": "i32", "K": "i32",
            "stride_xm": "i32", "stride_ym": "i32"}  # fmt: skip
-    const = dict(GROUP=32, BLOCK_M=32, BLOCK_C=block_c, BLOCK_K=block_k, SLICES=slices,
-                 ASM=True)  # fmt: skip
-    kernel = qm._qgemm_sliced_kernel
-    if slices == 1:
-        del const["SLICES"]
-        const.update(INT4_KIND=int4, PRECISION="tf32", EVEN_K=True, BF16_PAIRS=int4,
-                     JOINED=joined, PREFETCH=0)  # fmt: skip
-        kernel = qm._qgemm_kernel
+    const = dict(GROUP=32, INT4_KIND=int4, BLOCK_M=32, BLOCK_C=block_c, BLOCK_K=block_k,
+                 PRECISION="tf32", EVEN_K=True, BF16_PAIRS=int4, ASM=True,
+                 JOINED=joined, PREFETCH=0)  # fmt: skip
     sig.update({k: "constexpr" for k in const})
-    k = compile_sm90(kernel, sig, const, warps, num_stages=stages,
+    k = compile_sm90(qm._qgemm_kernel, sig, const, warps, num_stages=stages,
                      div16=("N", "C", "K", "stride_xm", "stride_ym"))  # fmt: skip
-    per_pass = block_c * block_k * p * slices  # weights of a K step (for 32 rows of x)
+    per_pass = block_c * block_k * p  # weights of a K tile (for 32 rows of x)
     name = (f"gemm32_{'int4' if int4 else 'int8'}_c{block_c}_k{block_k}_w{warps}_s{stages}"
-            f"{'_joined' if joined else ''}{f'_slices{slices}' if slices > 1 else ''}")  # fmt: skip
+            f"{'_joined' if joined else ''}")  # fmt: skip
     report(name, k, per_pass / (warps * 32), dump)
 
 

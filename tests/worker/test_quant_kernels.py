@@ -197,37 +197,6 @@ def test_gemm_joined_store_equals_the_per_position_store(
                 torch.testing.assert_close(one_tile, joined, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("group", [32, 64])
-def test_gemm_k_slices_in_a_program(group: int) -> None:
-    """Config field 8 (`_qgemm_sliced_kernel`: a program's K range in slices worked side by
-    side, summed in the program) gives the bf16-pair weights' products like the plain tile
-    (the same weights; the sums added in another order), the same bits call after call, for
-    K tiles that do not fill the slices (5 tiles in 2 or 4 slices, in 1 or 2 programs: some
-    slices run past K), a partial last word (75 outputs) and row tiles of 16 and 32 (40 rows:
-    two)."""
-    from worker.device.kernels import quant_matmul as qm
-
-    qw = _qw("int4", group, n=75, k=group * 5, seed=5)
-    packed = qm.KMajorWeight.pack(qw, torch.bfloat16)
-    codes = Q.unpack_nibbles(qw.qdata).float()[:, : group * 5]
-    scales = qw.scales.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
-    offsets = qw.offsets.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
-    weights = (codes * scales + offsets).to(torch.bfloat16).float()
-    for rows in (3, 20, 40):
-        gen = torch.Generator().manual_seed(rows)
-        x = torch.randn(rows, group * 5, generator=gen).to(DEVICE).to(torch.bfloat16)
-        want = x.float() @ weights.to(DEVICE).T
-        plain = qm.qgemm(x, packed, (8, 32, 1, 2, 1)).float()
-        for slices in (2, 4):
-            for split in (1, 2):
-                tile = (16, 32, slices, 2, 1, 0, 0, slices)
-                got = qm.qgemm(x, packed, tile, split=split)
-                torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2e-3)
-                torch.testing.assert_close(got.float(), plain, rtol=2**-7, atol=2e-3)
-                torch.testing.assert_close(qm.qgemm(x, packed, tile, split=split), got,
-                                           rtol=0, atol=0)  # fmt: skip
-
-
 def test_gemm_config_field_6_sets_the_k_split_program_target(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -80,6 +80,9 @@ GEMM_BLOCK_M = int(os.environ.get("TOKENPIPE_QUANT_GEMM_BLOCK_M", "32"))
 # (gate_up's 84 tiles of 64 word columns get no split at 32 rows); the joined tiles, at 216
 # registers, run two 4-warp programs an SM: 264 (BENCHMARKS "The int4 decode GEMM's store")
 GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
+# with dependent launch (``_pdl``), the K tiles a GEMM program asks into L2 before it waits
+# for the kernel before it (``_qgemm_kernel``'s PDL)
+GEMM_PDL_AHEAD = 3
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 
 
@@ -742,7 +745,7 @@ def _qgemm_kernel(
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
-    JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
@@ -751,7 +754,10 @@ def _qgemm_kernel(
     group's scales. JOINED: the P accumulators are interleaved into consecutive outputs before
     the store (``_gemm_store_joined``), else each is stored on its own, P outputs apart.
     PREFETCH = D > 0: at each K step the words, scales and offsets D steps ahead are
-    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory)."""
+    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory).
+    PDL = D > 0 (launched as a dependent of the kernel before, ``_pdl``): the program's first
+    D K tiles of words and scales, which need nothing from that kernel, are asked into L2
+    while it ends; x is read, and anything written, only after ``gdc_wait``."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
     pid_m = tl.program_id(0)  # the row tiles of a column tile side by side: one reads the
@@ -775,6 +781,11 @@ def _qgemm_kernel(
     acc5 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     acc6 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     acc7 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
+    if PDL > 0:
+        for t in tl.static_range(PDL):
+            _gemm_prefetch(w_ptr, s_ptr, o_ptr, k_first + t * BLOCK_K, k_last, pid_c, C, K,
+                           GROUP, BLOCK_C, BLOCK_K, P, INT4_KIND)  # fmt: skip
+        tl.extra.cuda.gdc_wait()  # x (and the outputs' memory) belong to the kernels before
     for k0 in range(k_first, k_last, BLOCK_K):
         if PREFETCH > 0:
             _gemm_prefetch(w_ptr, s_ptr, o_ptr, k0 + PREFETCH * BLOCK_K, k_last, pid_c, C, K,
@@ -836,67 +847,6 @@ def _qgemm_kernel(
             _gemm_store(y_cols, acc5, offs_c, mask_m, mask_c, N, 5, P)
             _gemm_store(y_cols, acc6, offs_c, mask_m, mask_c, N, 6, P)
             _gemm_store(y_cols, acc7, offs_c, mask_m, mask_c, N, 7, P)
-
-
-@triton.jit
-def _qgemm_sliced_kernel(
-    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, C, K, stride_xm, stride_ym,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    SLICES: tl.constexpr, ASM: tl.constexpr,
-):  # fmt: skip
-    """`_qgemm_kernel` for int4 weights and bf16 x (bf16 pairs, joined store) with the
-    program's K range cut into SLICES slices worked side by side: each K step loads one
-    [BLOCK_C, BLOCK_K] word tile a slice and multiplies the 3-D (batched) tiles with one
-    tl.dot, the slices on their own warps; the slices' sums are added once, at the end, in
-    the program. A K split of S programs a column tile then writes one fp32 partial a
-    program: SLICES times fewer bytes for `_reduce_kernel` than S * SLICES programs of
-    `_qgemm_kernel`, at the same warps in flight. BLOCK_K is the group (32 or more)."""
-    pid_m = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    split = tl.program_id(2)
-    tiles = tl.cdiv(K, BLOCK_K)
-    span = tl.cdiv(tiles, tl.num_programs(2) * SLICES)  # K tiles a slice
-    first = (split * SLICES + tl.arange(0, SLICES)) * span  # [SLICES] each slice's first tile
-    y_ptr += split * M * N
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_m = offs_m < M
-    mask_c = offs_c < C
-    x_cols = x_ptr + offs_m[None, None, :].to(tl.int64) * stride_xm
-    acc0 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
-    acc1 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
-    acc2 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
-    acc3 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
-    acc4 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
-    acc5 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
-    acc6 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
-    acc7 = tl.zeros([SLICES, BLOCK_C, BLOCK_M], dtype=tl.float32)
-    for i in range(0, span):
-        tile = first + i
-        valid = tile < tiles  # the last program's slices may run past K
-        offs_k = tile[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [SLICES, BLOCK_K]
-        mask_k = valid[:, None] & (offs_k < K)
-        word = tl.load(w_ptr + offs_k[:, None, :].to(tl.int64) * C + offs_c[None, :, None],
-                       mask=mask_k[:, None, :] & mask_c[None, :, None], other=0)  # fmt: skip
-        meta = ((tile * BLOCK_K) // GROUP)[:, None, None] * (8 * C) + offs_c[None, :, None]
-        meta_mask = valid[:, None, None] & mask_c[None, :, None]
-        x = tl.load(x_cols + offs_k[:, :, None], mask=mask_k[:, :, None] & mask_m[None, None, :],
-                    other=0.0)  # fmt: skip
-        w0, w1, w2, w3, w4, w5, w6, w7 = _int4_bf16_weights(word, s_ptr, o_ptr, meta,
-                                                            meta_mask, C, ASM)  # fmt: skip
-        acc0 = _bf16_dot(acc0, w0, x, ASM)
-        acc1 = _bf16_dot(acc1, w1, x, ASM)
-        acc2 = _bf16_dot(acc2, w2, x, ASM)
-        acc3 = _bf16_dot(acc3, w3, x, ASM)
-        acc4 = _bf16_dot(acc4, w4, x, ASM)
-        acc5 = _bf16_dot(acc5, w5, x, ASM)
-        acc6 = _bf16_dot(acc6, w6, x, ASM)
-        acc7 = _bf16_dot(acc7, w7, x, ASM)
-    y_cols = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym
-    _gemm_store_joined(y_cols, tl.sum(acc0, axis=0), tl.sum(acc1, axis=0), tl.sum(acc2, axis=0),
-                       tl.sum(acc3, axis=0), tl.sum(acc4, axis=0), tl.sum(acc5, axis=0),
-                       tl.sum(acc6, axis=0), tl.sum(acc7, axis=0), pid_c, mask_m, N, BLOCK_C,
-                       BLOCK_M, 8)  # fmt: skip
 
 
 @triton.jit
@@ -1055,45 +1005,37 @@ def qgemm(
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ W^T -> [M, N], weights dequantized in registers for ``tl.dot``; K split
     over ``split`` programs (None: enough for about ``programs`` programs), summed in fp32.
-    ``config``: (BLOCK_C, BLOCK_K, num_warps, num_stages[, joined store: 1[, programs[, L2
-    prefetch ahead[, K slices a program: `_qgemm_sliced_kernel`, int4 with bf16 x and the
-    joined store]]]]); programs left out or 0: GEMM_PROGRAMS."""
+    ``config``: (BLOCK_C, BLOCK_K, num_warps, num_stages[, joined store: 1[, programs]]);
+    programs left out: GEMM_PROGRAMS."""
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
     block_c, block_k, num_warps, num_stages, *more = config or packed.gemm_config or GEMM_CONFIG
-    more = more + [0] * (4 - len(more))
-    joined = bool(more[0])
-    programs = more[1] or GEMM_PROGRAMS
-    prefetch = more[2] if not _interpreting() else 0
+    joined = bool(more and more[0])
+    programs = more[1] if len(more) > 1 and more[1] else GEMM_PROGRAMS
+    prefetch = more[2] if len(more) > 2 and not _interpreting() else 0
     group = packed.group_size
     block_k = max(16, group, block_k - block_k % group)  # a multiple of the group, >= 16
     if block_k > group and group < 16:
         block_k = 16  # groups of 8: two per tile, scales read per row
-    pairs = packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs()
-    slices = more[3] if more[3] > 1 and pairs and joined and block_k == group else 1
     block_m = 16 if m <= 16 else min(32 if m <= 32 else 64, GEMM_BLOCK_M)
     tiles = (triton.cdiv(m, block_m), triton.cdiv(packed.columns, block_c))
     if split is None:  # few word columns (5,376 outputs: 11 tiles of 64): split K
-        k_tiles = triton.cdiv(triton.cdiv(k, block_k), slices)
-        split = max(1, min(k_tiles, programs // (tiles[0] * tiles[1])))
+        split = max(1, min(triton.cdiv(k, block_k), programs // (tiles[0] * tiles[1])))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    args = (x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
-            x.stride(0), n if split > 1 else y.stride(0))  # fmt: skip
-    if slices > 1:
-        _qgemm_sliced_kernel[(*tiles, split)](
-            *args, GROUP=group, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
-            SLICES=slices, ASM=not _interpreting(), num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
-    else:
-        _qgemm_kernel[(*tiles, split)](
-            *args, GROUP=group, INT4_KIND=packed.kind == INT4,
-            BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
-            BF16_PAIRS=pairs, ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch,
-            num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
+    pdl = _pdl(x) and not _interpreting()
+    _qgemm_kernel[(*tiles, split)](
+        x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
+        x.stride(0), n if split > 1 else y.stride(0),
+        GROUP=group, INT4_KIND=packed.kind == INT4,
+        BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
+        BF16_PAIRS=packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs(),
+        ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch,
+        PDL=GEMM_PDL_AHEAD if pdl else 0, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl,
+    )  # fmt: skip
     if split > 1:
         block = 256
         count = m * n
@@ -1104,9 +1046,9 @@ def qgemm(
 
 
 def _pdl(x: torch.Tensor) -> bool:
-    """Programmatic dependent launch for the GEMV (``kernels.dependent_launch``): it may start
-    while the kernel before it ends, loading its first weights, and waits for that kernel
-    (``gdc_wait``) before it reads x."""
+    """Programmatic dependent launch for the GEMV and the GEMM (``kernels.dependent_launch``):
+    it may start while the kernel before it ends, loading its first weights, and waits for
+    that kernel (``gdc_wait``) before it reads x."""
     from worker.device.kernels import dependent_launch
 
     return dependent_launch(x.device)
@@ -1187,14 +1129,6 @@ JOINED_CANDIDATES: list[tuple[int, ...]] = [
     (16, 32, 1, 3, 1, 1056), (32, 32, 2, 3, 1, 264), (64, 32, 4, 3, 1, 264),
     (64, 32, 4, 4, 1, 264),
 ]  # fmt: skip
-# Session 14: the K split inside a program (field 8, `_qgemm_sliced_kernel`): 16-word tiles,
-# one warp a K slice, the slices summed in the program; a program writes one fp32 partial
-# for SLICES warps' work, so `_reduce_kernel` reads 4 MB instead of 17 at 32 rows.
-SLICED_CANDIDATES: list[tuple[int, ...]] = [
-    (16, 32, 2, 3, 1, 528, 0, 2), (16, 32, 4, 3, 1, 264, 0, 4), (16, 32, 8, 3, 1, 132, 0, 8),
-]  # fmt: skip
-if os.environ.get("TOKENPIPE_QUANT_GEMM_SLICES", "1") != "0":
-    JOINED_CANDIDATES = JOINED_CANDIDATES + SLICED_CANDIDATES
 PER_POSITION_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3), (32, 32, 4, 3),
                                                   (128, 32, 8, 3), (64, 64, 4, 2)]  # fmt: skip
 GEMM_CANDIDATES = JOINED_CANDIDATES if GEMM_JOINED else PER_POSITION_CANDIDATES
