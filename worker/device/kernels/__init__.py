@@ -24,13 +24,12 @@ def triton_available() -> bool:
 
 
 def dependent_launch(device: object) -> bool:
-    """Programmatic dependent launch for the quantized GEMVs and GEMMs (on unless
-    TOKENPIPE_QUANT_PDL=0): on a CUDA device of compute capability 9+, with a Triton that has
-    grid dependency control (+1.7-2.4% at batch 1 on an H200 in five A/B runs over sessions
-    11-13). The matmul is launched as a dependent of the kernel before it and waits
-    (``gdc_wait``) before reading x; the small kernels that precede them (norms, the gated
-    activation, attention's combine) signal ``gdc_launch_dependents`` at their start so it
-    can begin loading weights."""
+    """Programmatic dependent launch for the quantized GEMVs (on unless TOKENPIPE_QUANT_PDL=0):
+    on a CUDA device of compute capability 9+, with a Triton that has grid dependency control
+    (+1.7-2.4% at batch 1 on an H200 in five A/B runs over sessions 11-13). The
+    GEMV is launched as a dependent of the kernel before it and waits (``gdc_wait``) before
+    reading x; the small kernels that precede GEMVs (norms, the gated activation, attention's
+    combine) signal ``gdc_launch_dependents`` at their start so it can begin loading weights."""
     import os
 
     if os.environ.get("TOKENPIPE_QUANT_PDL", "1") == "0":

@@ -80,9 +80,6 @@ GEMM_BLOCK_M = int(os.environ.get("TOKENPIPE_QUANT_GEMM_BLOCK_M", "32"))
 # (gate_up's 84 tiles of 64 word columns get no split at 32 rows); the joined tiles, at 216
 # registers, run two 4-warp programs an SM: 264 (BENCHMARKS "The int4 decode GEMM's store")
 GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
-# with dependent launch (``_pdl``), the K tiles a GEMM program asks into L2 before it waits
-# for the kernel before it (``_qgemm_kernel``'s PDL)
-GEMM_PDL_AHEAD = 3
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 
 
@@ -745,7 +742,7 @@ def _qgemm_kernel(
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
-    JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
@@ -754,10 +751,7 @@ def _qgemm_kernel(
     group's scales. JOINED: the P accumulators are interleaved into consecutive outputs before
     the store (``_gemm_store_joined``), else each is stored on its own, P outputs apart.
     PREFETCH = D > 0: at each K step the words, scales and offsets D steps ahead are
-    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory).
-    PDL = D > 0 (launched as a dependent of the kernel before, ``_pdl``): the program's first
-    D K tiles of words and scales, which need nothing from that kernel, are asked into L2
-    while it ends; x is read, and anything written, only after ``gdc_wait``."""
+    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory)."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
     pid_m = tl.program_id(0)  # the row tiles of a column tile side by side: one reads the
@@ -781,11 +775,6 @@ def _qgemm_kernel(
     acc5 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     acc6 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     acc7 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
-    if PDL > 0:
-        for t in tl.static_range(PDL):
-            _gemm_prefetch(w_ptr, s_ptr, o_ptr, k_first + t * BLOCK_K, k_last, pid_c, C, K,
-                           GROUP, BLOCK_C, BLOCK_K, P, INT4_KIND)  # fmt: skip
-        tl.extra.cuda.gdc_wait()  # x (and the outputs' memory) belong to the kernels before
     for k0 in range(k_first, k_last, BLOCK_K):
         if PREFETCH > 0:
             _gemm_prefetch(w_ptr, s_ptr, o_ptr, k0 + PREFETCH * BLOCK_K, k_last, pid_c, C, K,
@@ -1024,7 +1013,6 @@ def qgemm(
         split = max(1, min(triton.cdiv(k, block_k), programs // (tiles[0] * tiles[1])))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    pdl = _pdl(x) and not _interpreting()
     _qgemm_kernel[(*tiles, split)](
         x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
         x.stride(0), n if split > 1 else y.stride(0),
@@ -1033,8 +1021,7 @@ def qgemm(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         BF16_PAIRS=packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs(),
         ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch,
-        PDL=GEMM_PDL_AHEAD if pdl else 0, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
         block = 256
@@ -1046,9 +1033,9 @@ def qgemm(
 
 
 def _pdl(x: torch.Tensor) -> bool:
-    """Programmatic dependent launch for the GEMV and the GEMM (``kernels.dependent_launch``):
-    it may start while the kernel before it ends, loading its first weights, and waits for
-    that kernel (``gdc_wait``) before it reads x."""
+    """Programmatic dependent launch for the GEMV (``kernels.dependent_launch``): it may start
+    while the kernel before it ends, loading its first weights, and waits for that kernel
+    (``gdc_wait``) before it reads x."""
     from worker.device.kernels import dependent_launch
 
     return dependent_launch(x.device)
