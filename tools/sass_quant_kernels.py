@@ -107,17 +107,16 @@ def gemm(qm, int4: bool, config, dump) -> None:  # type: ignore[no-untyped-def]
     meta = "*bf16" if int4 else "*fp16"  # int4 of a bf16 model keeps bf16 scales
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": meta, "o_ptr": meta,
            "y_ptr": "*fp32", "M": "i32", "N": "i32", "C": "i32", "K": "i32",
-           "stride_xm": "i32", "stride_ym": "i32", "sum_ptr": "*bf16", "stride_sm": "i32",
-           "count_ptr": "*i32"}  # fmt: skip
+           "stride_xm": "i32", "stride_ym": "i32"}  # fmt: skip
     const = dict(GROUP=32, INT4_KIND=int4, BLOCK_M=32, BLOCK_C=block_c, BLOCK_K=block_k,
                  PRECISION="tf32", EVEN_K=True, BF16_PAIRS=int4, ASM=True,
-                 JOINED=joined, PREFETCH=0, SUM_HERE=len(more) > 3 and bool(more[3]))  # fmt: skip
+                 JOINED=joined, PREFETCH=0)  # fmt: skip
     sig.update({k: "constexpr" for k in const})
     k = compile_sm90(qm._qgemm_kernel, sig, const, warps, num_stages=stages,
                      div16=("N", "C", "K", "stride_xm", "stride_ym"))  # fmt: skip
     per_pass = block_c * block_k * p  # weights of a K tile (for 32 rows of x)
     name = (f"gemm32_{'int4' if int4 else 'int8'}_c{block_c}_k{block_k}_w{warps}_s{stages}"
-            f"{'_joined' if joined else ''}{'_sum_here' if const['SUM_HERE'] else ''}")  # fmt: skip
+            f"{'_joined' if joined else ''}")  # fmt: skip
     report(name, k, per_pass / (warps * 32), dump)
 
 

@@ -197,27 +197,6 @@ def test_gemm_joined_store_equals_the_per_position_store(
                 torch.testing.assert_close(one_tile, joined, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("kind", "group"), [("int4", 32), ("int8", 16)])
-def test_gemm_sums_its_k_split_itself(kind: str, group: int) -> None:
-    """Config field 8 = 1: the K-split sums added by the last program of each tile to finish
-    (`_gemm_sum_splits`) give `_reduce_kernel`'s bits (the same order), for 1-4 splits, a
-    partial last word (75 outputs), row tiles of 16 and 32 (40 rows: two), twice over (the
-    counters are back at zero after a call)."""
-    from worker.device.kernels import quant_matmul as qm
-
-    qw = _qw(kind, group, n=75, k=group * 4, seed=6)
-    packed = qm.KMajorWeight.pack(qw)
-    for rows in (3, 20, 40):
-        x = torch.randn(rows, group * 4, generator=torch.Generator().manual_seed(rows))
-        x = x.to(DEVICE)
-        for split in (1, 2, 4):
-            apart = qm.qgemm(x, packed, (8, 32, 4, 2, 1), split=split)
-            for _ in range(2):
-                here = qm.qgemm(x, packed, (8, 32, 4, 2, 1, 0, 0, 1), split=split)
-                torch.testing.assert_close(here, apart, rtol=0, atol=0)
-                assert packed.arrivals is not None and not packed.arrivals.any()
-
-
 def test_gemm_config_field_6_sets_the_k_split_program_target(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

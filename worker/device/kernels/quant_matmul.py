@@ -68,9 +68,8 @@ GEMM_MAX_ROWS = 64
 # SASS"; SLOT_CANDIDATES, timed at start-up[, L2 prefetch: steps ahead, 0 none]]);
 # GEMM: (BLOCK_C words, BLOCK_K (a multiple of the group), num_warps, num_stages[, joined
 # store: 1 (``_gemm_store_joined``)[, programs: the K split's target, GEMM_PROGRAMS if left
-# out or 0[, L2 prefetch: K tiles ahead[, K-split sums in the GEMM: 1 (the last program of a
-# tile to finish adds them; else `_reduce_kernel`)]]]]); TOKENPIPE_QUANT_GEMM_JOINED=0: the
-# per-position store and its tiles of session 7
+# out or 0[, L2 prefetch: K tiles ahead]]]); TOKENPIPE_QUANT_GEMM_JOINED=0: the per-position
+# store and its tiles of session 7
 GEMM_JOINED = os.environ.get("TOKENPIPE_QUANT_GEMM_JOINED", "1") != "0"
 GEMV_CONFIG = (32, 264, 8, 8)
 GEMM_CONFIG: tuple[int, ...] = (32, 32, 2, 3, 1, 528) if GEMM_JOINED else (64, 32, 4, 3)
@@ -81,6 +80,10 @@ GEMM_BLOCK_M = int(os.environ.get("TOKENPIPE_QUANT_GEMM_BLOCK_M", "32"))
 # (gate_up's 84 tiles of 64 word columns get no split at 32 rows); the joined tiles, at 216
 # registers, run two 4-warp programs an SM: 264 (BENCHMARKS "The int4 decode GEMM's store")
 GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
+# the K split's program target counts per row tile (33-64 rows: twice the programs, each row
+# tile split as one of 32 rows is) unless TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS=0 (then a
+# 64-row gate_up ran 336 programs unsplit: 0.82 TB/s, BENCHMARKS session 14)
+GEMM_PROGRAMS_PER_ROW_TILE = os.environ.get("TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS", "1") != "0"
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 
 
@@ -739,11 +742,11 @@ def _nearest_bf16(value):
 
 @triton.jit
 def _qgemm_kernel(
-    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, C, K, stride_xm, stride_ym, sum_ptr, stride_sm,
-    count_ptr, GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, C, K, stride_xm, stride_ym,
+    GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
-    JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0, SUM_HERE: tl.constexpr = False,
+    JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
@@ -752,11 +755,7 @@ def _qgemm_kernel(
     group's scales. JOINED: the P accumulators are interleaved into consecutive outputs before
     the store (``_gemm_store_joined``), else each is stored on its own, P outputs apart.
     PREFETCH = D > 0: at each K step the words, scales and offsets D steps ahead are
-    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory).
-    K split: y is the fp32 partials [splits, M, N]; SUM_HERE: the last program of a tile to
-    arrive (a counter a tile in ``count_ptr``, zero between calls) adds the splits' partials
-    in split order into ``sum_ptr`` (deterministic) and resets its counter, in place of
-    `_reduce_kernel`."""
+    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory)."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
     pid_m = tl.program_id(0)  # the row tiles of a column tile side by side: one reads the
@@ -766,7 +765,6 @@ def _qgemm_kernel(
     span = tl.cdiv(tiles, tl.num_programs(2))
     k_first = split * span * BLOCK_K
     k_last = tl.minimum((split + 1) * span, tiles) * BLOCK_K
-    part_ptr = y_ptr
     y_ptr += split * M * N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -842,34 +840,6 @@ def _qgemm_kernel(
             _gemm_store(y_cols, acc5, offs_c, mask_m, mask_c, N, 5, P)
             _gemm_store(y_cols, acc6, offs_c, mask_m, mask_c, N, 6, P)
             _gemm_store(y_cols, acc7, offs_c, mask_m, mask_c, N, 7, P)
-    if SUM_HERE:
-        _gemm_sum_splits(part_ptr, sum_ptr, count_ptr, pid_m, pid_c, offs_m, mask_m, M, N,
-                         stride_sm, BLOCK_C * P, BLOCK_M)  # fmt: skip
-
-
-@triton.jit
-def _gemm_sum_splits(part_ptr, sum_ptr, count_ptr, pid_m, pid_c, offs_m, mask_m, M, N,
-                     stride_sm, OUTS: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """The K-split sums of a GEMM tile, by the last of its splits to arrive (`_gemv_finish`'s
-    scheme): every thread's partials are stored (barrier) before one acq_rel add publishes
-    them; the last reads all splits' partials of the tile (bypassing L1) in split order."""
-    tl.debug_barrier()
-    tile = pid_m * tl.num_programs(1) + pid_c
-    splits = tl.num_programs(2)
-    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == splits - 1:
-        rows = offs_m[None, :].to(tl.int64)
-        CHUNK: tl.constexpr = OUTS // 4  # a quarter of the tile at a time: fewer registers
-        for c in tl.static_range(4):
-            outs = pid_c * OUTS + c * CHUNK + tl.arange(0, CHUNK)
-            mask = (outs < N)[:, None] & mask_m[None, :]
-            parts = part_ptr + rows * N + outs[:, None]
-            total = tl.zeros([CHUNK, BLOCK_M], dtype=tl.float32)
-            for s in range(splits):
-                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            out = sum_ptr + rows * stride_sm + outs[:, None]
-            tl.store(out, total.to(sum_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -1028,8 +998,8 @@ def qgemm(
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ W^T -> [M, N], weights dequantized in registers for ``tl.dot``; K split
     over ``split`` programs (None: enough for about ``programs`` programs), summed in fp32.
-    ``config``: (BLOCK_C, BLOCK_K, num_warps, num_stages[, joined store: 1[, programs[, L2
-    prefetch ahead[, sums in the GEMM: 1]]]]); programs left out or 0: GEMM_PROGRAMS."""
+    ``config``: (BLOCK_C, BLOCK_K, num_warps, num_stages[, joined store: 1[, programs]]);
+    programs left out: GEMM_PROGRAMS."""
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
@@ -1037,7 +1007,6 @@ def qgemm(
     joined = bool(more and more[0])
     programs = more[1] if len(more) > 1 and more[1] else GEMM_PROGRAMS
     prefetch = more[2] if len(more) > 2 and not _interpreting() else 0
-    sum_here = len(more) > 3 and bool(more[3])
     group = packed.group_size
     block_k = max(16, group, block_k - block_k % group)  # a multiple of the group, >= 16
     if block_k > group and group < 16:
@@ -1045,21 +1014,21 @@ def qgemm(
     block_m = 16 if m <= 16 else min(32 if m <= 32 else 64, GEMM_BLOCK_M)
     tiles = (triton.cdiv(m, block_m), triton.cdiv(packed.columns, block_c))
     if split is None:  # few word columns (5,376 outputs: 11 tiles of 64): split K
-        split = max(1, min(triton.cdiv(k, block_k), programs // (tiles[0] * tiles[1])))
+        target = programs * (tiles[0] if GEMM_PROGRAMS_PER_ROW_TILE else 1)
+        split = max(1, min(triton.cdiv(k, block_k), target // (tiles[0] * tiles[1])))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    sum_here = sum_here and split > 1
     _qgemm_kernel[(*tiles, split)](
         x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
-        x.stride(0), n if split > 1 else y.stride(0), y, y.stride(0),
-        packed.counters(tiles[0] * tiles[1]), GROUP=group, INT4_KIND=packed.kind == INT4,
+        x.stride(0), n if split > 1 else y.stride(0),
+        GROUP=group, INT4_KIND=packed.kind == INT4,
         BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         BF16_PAIRS=packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs(),
-        ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch, SUM_HERE=sum_here,
+        ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if split > 1 and not sum_here:
+    if split > 1:
         block = 256
         count = m * n
         _reduce_kernel[(triton.cdiv(count, block),)](
@@ -1152,13 +1121,6 @@ JOINED_CANDIDATES: list[tuple[int, ...]] = [
     (16, 32, 1, 3, 1, 1056), (32, 32, 2, 3, 1, 264), (64, 32, 4, 3, 1, 264),
     (64, 32, 4, 4, 1, 264),
 ]  # fmt: skip
-# Session 14: the K-split sums added by the GEMM's last program of each tile (field 8,
-# `_gemm_sum_splits`) instead of a second kernel; timed beside the others unless
-# TOKENPIPE_QUANT_GEMM_SUM_HERE=0.
-SUM_HERE_CANDIDATES: list[tuple[int, ...]] = [(32, 32, 2, 3, 1, 528, 0, 1),
-                                              (32, 32, 2, 3, 1, 264, 0, 1)]  # fmt: skip
-if os.environ.get("TOKENPIPE_QUANT_GEMM_SUM_HERE", "1") != "0":
-    JOINED_CANDIDATES = JOINED_CANDIDATES + SUM_HERE_CANDIDATES
 PER_POSITION_CANDIDATES: list[tuple[int, ...]] = [(64, 32, 4, 3), (32, 32, 4, 3),
                                                   (128, 32, 8, 3), (64, 64, 4, 2)]  # fmt: skip
 GEMM_CANDIDATES = JOINED_CANDIDATES if GEMM_JOINED else PER_POSITION_CANDIDATES
