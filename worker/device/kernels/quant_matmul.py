@@ -1014,8 +1014,10 @@ def qgemm(
     block_m = 16 if m <= 16 else min(32 if m <= 32 else 64, GEMM_BLOCK_M)
     tiles = (triton.cdiv(m, block_m), triton.cdiv(packed.columns, block_c))
     if split is None:  # few word columns (5,376 outputs: 11 tiles of 64): split K
-        target = programs * (tiles[0] if GEMM_PROGRAMS_PER_ROW_TILE else 1)
-        split = max(1, min(triton.cdiv(k, block_k), target // (tiles[0] * tiles[1])))
+        split = programs // (tiles[0] * tiles[1])
+        if split < 2 and GEMM_PROGRAMS_PER_ROW_TILE:  # row tiles fill the grid unsplit: a
+            split = programs * tiles[0] // (tiles[0] * tiles[1])  # target per row tile
+        split = max(1, min(triton.cdiv(k, block_k), split))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _qgemm_kernel[(*tiles, split)](
