@@ -224,6 +224,39 @@ def test_gemm_config_field_6_sets_the_k_split_program_target(
     torch.testing.assert_close(got, x @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
 
 
+def test_gemm_row_tiles_that_fill_the_grid_get_a_program_target_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """33-64 rows run as two row tiles; where those tiles alone would take the K split's
+    program target unsplit (a 64-row gate_up: 336 tiles for 528), the target counts per row
+    tile (GEMM_PROGRAMS_PER_ROW_TILE): 2 row tiles x 2 column tiles for 6 programs split K in
+    3, not 1; one row tile (20 rows) keeps 6 // 2 = 3; off, two row tiles run unsplit."""
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw("int4", 32, n=75, k=128, seed=6)
+    packed = qm.KMajorWeight.pack(qw)
+    splits: list[int] = []
+    reduce = qm._reduce_kernel
+
+    class Spy:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kwargs: object) -> None:
+                splits.append(int(kwargs["SPLIT"]))  # type: ignore[call-overload]
+                reduce[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(qm, "_reduce_kernel", Spy())
+    monkeypatch.setattr(qm, "GEMM_BLOCK_M", 32)
+    for rows, per_row_tile, want in [(40, True, [3]), (20, True, [3]), (40, False, [])]:
+        monkeypatch.setattr(qm, "GEMM_PROGRAMS_PER_ROW_TILE", per_row_tile)
+        splits.clear()
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        got = qm.qgemm(x, packed, (8, 32, 4, 2, 1, 6))
+        assert splits == want
+        torch.testing.assert_close(got, x @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
 def test_pack_for_device_routes_layers_and_shares_a_tied_table(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

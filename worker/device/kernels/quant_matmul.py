@@ -80,9 +80,10 @@ GEMM_BLOCK_M = int(os.environ.get("TOKENPIPE_QUANT_GEMM_BLOCK_M", "32"))
 # (gate_up's 84 tiles of 64 word columns get no split at 32 rows); the joined tiles, at 216
 # registers, run two 4-warp programs an SM: 264 (BENCHMARKS "The int4 decode GEMM's store")
 GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
-# the K split's program target counts per row tile (33-64 rows: twice the programs, each row
-# tile split as one of 32 rows is) unless TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS=0 (then a
-# 64-row gate_up ran 336 programs unsplit: 0.82 TB/s, BENCHMARKS session 14)
+# where the row tiles (33-64 rows: two) alone would fill the K split's program target unsplit,
+# the target counts per row tile: a 64-row gate_up ran 336 programs unsplit at 0.82 TB/s
+# (176 us), split 3 ways 134 us; 48-64 sessions +8-10% through the worker (BENCHMARKS "Gemma
+# 4 31B int4 on one H200, session 14"). TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS=0: the old split
 GEMM_PROGRAMS_PER_ROW_TILE = os.environ.get("TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS", "1") != "0"
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 
