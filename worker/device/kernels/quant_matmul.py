@@ -1016,8 +1016,8 @@ def qgemm(
     tiles = (triton.cdiv(m, block_m), triton.cdiv(packed.columns, block_c))
     if split is None:  # few word columns (5,376 outputs: 11 tiles of 64): split K
         split = programs // (tiles[0] * tiles[1])
-        if split < 2 and GEMM_PROGRAMS_PER_ROW_TILE:  # row tiles fill the grid unsplit: a
-            split = programs * tiles[0] // (tiles[0] * tiles[1])  # target per row tile
+        if split < 2 and GEMM_PROGRAMS_PER_ROW_TILE:  # row tiles fill the grid unsplit
+            split = programs // tiles[1]  # the target per row tile
         split = max(1, min(triton.cdiv(k, block_k), split))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
