@@ -319,61 +319,6 @@ def test_quantized_model_logits_kernels_equal_reference() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_decode_matmuls_chained_for_the_l2_prefetch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With TOKENPIPE_QUANT_AHEAD_MB, the CUDA set-up chains a decode step's quantized
-    matrices in the order it runs them: each layer's qkv, o, gate_up, down, then the head;
-    the head's chain ends. Off (0 MB), nothing is chained."""
-    from tiny_models import byte_level_tokenizer_json, tiny_config
-
-    from worker.device import cuda_setup
-    from worker.device.kernels import quant_matmul as qm
-    from worker.loading.loader import load_model
-    from worker.loading.quantize import QuantizeOptions
-
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
-        (directory / "config.json").write_text(json.dumps(tiny_config("llama", 263)))
-        (directory / "tokenizer.json").write_text(json.dumps(byte_level_tokenizer_json()))
-        loaded = load_model(
-            directory, DEVICE, torch.float32, random_weights=True, progress=False,
-            quantize=QuantizeOptions("int4", 32),
-        )  # fmt: skip
-    model = loaded.model
-    model.fuse_projections()
-    Q.pack_for_device(model)
-    monkeypatch.setattr(qm, "AHEAD_BYTES", 0)
-    assert cuda_setup._link_ahead(model) == 0
-    monkeypatch.setattr(qm, "AHEAD_BYTES", 2**20)
-    order = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        order += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    order.append(model.lm_head)
-    packed = [m.device_packed for m in order]
-    assert cuda_setup._link_ahead(model) == len(packed) - 1
-    assert all(p.ahead is q for p, q in zip(packed, [*packed[1:], None], strict=True))
-
-
-def test_l2_prefetch_asks_for_the_same_first_share_of_every_k_split() -> None:
-    """The prefetch of the next matrix covers, in each tensor, the same first share of every
-    K split the matmul of those rows runs (GEMV at one row, the GEMM's split above), rounded
-    up to a 128-byte line; a budget past the matrix's bytes takes all of it."""
-    from worker.device.kernels import quant_matmul as qm
-
-    packed = qm.KMajorWeight.pack(_qw("int4", 32, n=80, k=1024, seed=3))
-    sizes = [t.numel() * t.element_size() for t in (packed.words, packed.scales, packed.offsets)]
-    for rows, split in [(1, qm.gemv_split(packed)), (3, qm.gemm_grid(packed, 3)[3])]:
-        got_split, ranges = qm.ahead_ranges(packed, rows, packed.nbytes // 4)
-        assert got_split == split > 1
-        for size, (span, count) in zip(sizes, ranges, strict=True):
-            assert span == -(-size // split)
-            assert span // 4 <= count <= span // 4 + 128
-        _, whole = qm.ahead_ranges(packed, rows, 10 * packed.nbytes)
-        assert all(count == span for span, count in whole)
-    int8 = qm.KMajorWeight.pack(_qw("int8", 32, n=80, k=1024))
-    assert len(qm.ahead_ranges(int8, 1, 1)[1]) == 2  # words and scales
-
-
 def test_staged_quantized_load_equals_the_plain_one(tiny_checkpoint_factory) -> None:
     """The CUDA load path, run on the CPU: a float checkpoint streamed through transient
     targets (no float copy of a planned weight in the model) quantizes to the same bytes as

@@ -75,9 +75,6 @@ def prepare_model_for_device(
     if packed or left:
         _log(f"cuda_setup: {packed} quantized weights in the K-major layout of the W4A16/W8A16 "
              f"kernels, {left} left to the torch reference")  # fmt: skip
-    if packed and _link_ahead(inner):
-        _log("cuda_setup: each quantized matmul of a decode step prefetches the next one's "
-             "first weights into L2 (TOKENPIPE_QUANT_AHEAD_MB)")  # fmt: skip
     if packed and os.environ.get("TOKENPIPE_NO_GEMV") != "1":
         with clock.step("cuda_setup: quantized kernel tiles timed"):
             shapes = _time_quantized(inner, compiles)
@@ -106,27 +103,6 @@ def _pack_quantized(inner: Any) -> tuple[int, int]:
     result = pack_for_device(inner, inner.model.norm.weight.dtype)
     torch.cuda.empty_cache()
     return result
-
-
-def _link_ahead(inner: Any) -> int:
-    """The quantized matrices of a decode step chained in the order it runs them (each
-    layer's qkv, o, gate_up and down, then the LM head: ``quant_matmul.link_ahead``) when
-    TOKENPIPE_QUANT_AHEAD_MB is set and every layer is of that shape; -> links made."""
-    from worker.device.kernels.quant_matmul import AHEAD_BYTES, KMajorWeight, link_ahead
-    from worker.layers.blocks import Attention, GatedMLP
-
-    if AHEAD_BYTES <= 0:
-        return 0
-    order = []
-    for layer in inner.model.layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if not isinstance(attn, Attention) or type(mlp) is not GatedMLP:
-            return 0
-        order += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    head = getattr(inner.lm_head, "device_packed", None)
-    found = [getattr(m, "device_packed", None) for m in order] + ([head] if head else [])
-    chain = [p for p in found if isinstance(p, KMajorWeight)]
-    return link_ahead(chain) if len(chain) == len(found) else 0
 
 
 def _time_quantized(inner: Any, compiles: CompilePool | None) -> int:

@@ -48,7 +48,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -103,9 +103,6 @@ class KMajorWeight:
     gemm_config: tuple[int, ...] | None = None
     # the K-split GEMV's arrival counters, one per column block (zero between calls)
     arrivals: torch.Tensor | None = None
-    # the quantized matrix a decode step multiplies next (``link_ahead``): its first weights
-    # go to L2 while the kernels between the two run (``AHEAD_BYTES``)
-    ahead: KMajorWeight | None = field(default=None, repr=False, compare=False)
 
     def counters(self, blocks: int) -> torch.Tensor:
         """At least ``blocks`` zeroed counters of this weight's own (made by ``pack``, before
@@ -955,13 +952,6 @@ def split_for(columns: int, groups: int, block_c: int, programs: int, warps: int
     return max(1, min(groups // warps, programs // triton.cdiv(columns, block_c)))
 
 
-def gemv_split(packed: KMajorWeight, config: tuple[int, ...] | None = None) -> int:
-    """The K splits ``qgemv`` runs with (``split_for`` the config's program count)."""
-    block_c, programs, num_warps, _, *more = config or packed.gemv_config or GEMV_CONFIG
-    groups = packed.shape[1] // packed.group_size
-    return split_for(packed.columns, groups, block_c, programs, more[0] if more else num_warps)
-
-
 def qgemv(
     x: torch.Tensor, packed: KMajorWeight, config: tuple[int, ...] | None = None,
     split: int | None = None,
@@ -972,13 +962,14 @@ def qgemv(
     if x.shape[0] != 1:
         raise ValueError(f"qgemv serves one row, got {x.shape[0]}")
     n, k = packed.shape
-    block_c, _, num_warps, rows, *more = config or packed.gemv_config or GEMV_CONFIG
+    block_c, programs, num_warps, rows, *more = config or packed.gemv_config or GEMV_CONFIG
     slots = more[0] if more else num_warps
     prefetch = more[1] if len(more) > 1 and not _interpreting() else 0
+    groups = k // packed.group_size
     stages = -rows if rows < 0 else 0  # -S: `_qgemv_staged_kernel` with S stages
     rows = 8 if rows >= 8 and packed.group_size >= 8 else 4
     if split is None:
-        split = gemv_split(packed, config)
+        split = split_for(packed.columns, groups, block_c, programs, slots)
     blocks = triton.cdiv(packed.columns, block_c)
     pdl = _pdl(x) and not stages
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
@@ -1002,28 +993,6 @@ def qgemv(
     return y
 
 
-def gemm_grid(
-    packed: KMajorWeight, m: int, config: tuple[int, ...] | None = None
-) -> tuple[int, int, tuple[int, int], int]:
-    """(BLOCK_M, BLOCK_K, (row tiles, word-column tiles), K splits) of ``qgemm`` for m rows:
-    K is split over enough programs for about the config's program target (GEMM_PROGRAMS if
-    left out or 0)."""
-    k = packed.shape[1]
-    block_c, block_k, _, _, *more = config or packed.gemm_config or GEMM_CONFIG
-    programs = more[1] if len(more) > 1 and more[1] else GEMM_PROGRAMS
-    group = packed.group_size
-    block_k = max(16, group, block_k - block_k % group)  # a multiple of the group, >= 16
-    if block_k > group and group < 16:
-        block_k = 16  # groups of 8: two per tile, scales read per row
-    block_m = 16 if m <= 16 else min(32 if m <= 32 else 64, GEMM_BLOCK_M)
-    tiles = (triton.cdiv(m, block_m), triton.cdiv(packed.columns, block_c))
-    # few word columns (5,376 outputs: 11 tiles of 64): split K
-    split = programs // (tiles[0] * tiles[1])
-    if split < 2 and GEMM_PROGRAMS_PER_ROW_TILE:  # row tiles fill the grid unsplit
-        split = programs // tiles[1]  # the target per row tile
-    return block_m, block_k, tiles, max(1, min(triton.cdiv(k, block_k), split))
-
-
 def qgemm(
     x: torch.Tensor, packed: KMajorWeight, config: tuple[int, ...] | None = None,
     split: int | None = None,
@@ -1037,15 +1006,25 @@ def qgemm(
     n, k = packed.shape
     block_c, block_k, num_warps, num_stages, *more = config or packed.gemm_config or GEMM_CONFIG
     joined = bool(more and more[0])
+    programs = more[1] if len(more) > 1 and more[1] else GEMM_PROGRAMS
     prefetch = more[2] if len(more) > 2 and not _interpreting() else 0
-    block_m, block_k, tiles, chosen = gemm_grid(packed, m, config)
-    split = chosen if split is None else split
+    group = packed.group_size
+    block_k = max(16, group, block_k - block_k % group)  # a multiple of the group, >= 16
+    if block_k > group and group < 16:
+        block_k = 16  # groups of 8: two per tile, scales read per row
+    block_m = 16 if m <= 16 else min(32 if m <= 32 else 64, GEMM_BLOCK_M)
+    tiles = (triton.cdiv(m, block_m), triton.cdiv(packed.columns, block_c))
+    if split is None:  # few word columns (5,376 outputs: 11 tiles of 64): split K
+        split = programs // (tiles[0] * tiles[1])
+        if split < 2 and GEMM_PROGRAMS_PER_ROW_TILE:  # row tiles fill the grid unsplit
+            split = programs // tiles[1]  # the target per row tile
+        split = max(1, min(triton.cdiv(k, block_k), split))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _qgemm_kernel[(*tiles, split)](
         x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
         x.stride(0), n if split > 1 else y.stride(0),
-        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4,
+        GROUP=group, INT4_KIND=packed.kind == INT4,
         BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         BF16_PAIRS=packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs(),
@@ -1098,17 +1077,12 @@ def dequantize_triton(packed: KMajorWeight, dtype: torch.dtype) -> torch.Tensor:
 def quant_linear(
     x: torch.Tensor, packed: KMajorWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for x [..., K], by the path that suits M. With
-    ``AHEAD_BYTES``, a decode matmul first joins the L2 prefetch forked after the one before
-    and, when done, forks the next matrix's (``packed.ahead``)."""
+    """``F.linear(x, W, bias)`` for x [..., K], by the path that suits M."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     m = flat.shape[0]
-    ahead = AHEAD_BYTES > 0 and flat.is_cuda and not _interpreting()
-    if ahead:
-        _ahead_join(flat.device)
     if m == 0:
         y = flat.new_empty((0, packed.shape[0]))
     elif m <= GEMV_MAX_ROWS:
@@ -1117,102 +1091,9 @@ def quant_linear(
         y = qgemm(flat, packed)
     else:
         y = F.linear(flat, dequantize_triton(packed, flat.dtype).t())
-    if ahead and packed.ahead is not None and 0 < m <= GEMM_MAX_ROWS:
-        _ahead_fork(packed.ahead, m, flat.device)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, packed.shape[0])
-
-
-# -- the next matrix's first weights into L2 while the kernels between run ---------------------
-# Between two matmuls of a decode step run small kernels (norms, rotary, attention, the gated
-# activation) that leave HBM idle: ~24 us a layer of the 31B at one row. With
-# TOKENPIPE_QUANT_AHEAD_MB > 0, each quantized matmul of a decode step forks onto a side
-# stream a kernel that asks for the first bytes (up to that many MB) of the next matrix's K
-# splits into L2 (``prefetch.global.L2``: a hint, no registers), and the next matmul joins it.
-# The chain (``KMajorWeight.ahead``) is set by ``link_ahead`` at start-up.
-AHEAD_BYTES = int(float(os.environ.get("TOKENPIPE_QUANT_AHEAD_MB", "0")) * 2**20)
-AHEAD_LINES = 256  # 128-byte lines a prefetch program asks for (two a thread)
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-_pending: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def link_ahead(order: list[KMajorWeight]) -> int:
-    """Give each matrix of a decode step's ``order`` the next as its ``ahead`` (the last:
-    none); -> links made."""
-    for packed in order:
-        packed.ahead = None
-    for first, then in zip(order[:-1], order[1:], strict=True):
-        first.ahead = then
-    return max(0, len(order) - 1)
-
-
-def ahead_ranges(packed: KMajorWeight, m: int, budget: int) -> tuple[int, list[tuple[int, int]]]:
-    """(K splits, [(bytes a split spans, bytes of it to prefetch)] per tensor: words, scales,
-    offsets) for the matmul of m rows over ``packed``: the same first share of every split's
-    K range, so each program of the matmul finds its first steps in L2."""
-    split = gemv_split(packed) if m <= GEMV_MAX_ROWS else gemm_grid(packed, m)[3]
-    tensors = [packed.words, packed.scales] + ([packed.offsets] if packed.offsets is not None
-                                               else [])  # fmt: skip
-    share = min(1.0, budget / max(1, packed.nbytes))
-    ranges = []
-    for t in tensors:
-        span = triton.cdiv(t.numel() * t.element_size(), split)
-        ranges.append((span, min(span, int(span * share) + 127)))
-    return split, ranges
-
-
-@triton.jit
-def _ahead_lines(ptr, split, span, count, total, LINES: tl.constexpr):
-    first = split.to(tl.int64) * span
-    at = first + (tl.program_id(0) * LINES + tl.arange(0, LINES)).to(tl.int64) * 128
-    _prefetch_l2(ptr + at, (at < first + count) & (at < total))
-
-
-@triton.jit
-def _ahead_kernel(w_ptr, s_ptr, o_ptr, w_span, s_span, o_span, w_count, s_count, o_count,
-                  w_total, s_total, o_total, LINES: tl.constexpr):  # fmt: skip
-    """Program (i, s, t): lines i * LINES .. of split s's first bytes of tensor t (words,
-    scales, offsets; byte pointers) into L2."""
-    split = tl.program_id(1)
-    tensor = tl.program_id(2)
-    if tensor == 0:
-        _ahead_lines(w_ptr, split, w_span, w_count, w_total, LINES)
-    elif tensor == 1:
-        _ahead_lines(s_ptr, split, s_span, s_count, s_total, LINES)
-    else:
-        _ahead_lines(o_ptr, split, o_span, o_count, o_total, LINES)
-
-
-def l2_ahead(packed: KMajorWeight, m: int, budget: int) -> None:
-    """Launch the prefetch of ``ahead_ranges`` on the current stream."""
-    split, ranges = ahead_ranges(packed, m, budget)
-    tensors = [packed.words, packed.scales, _offsets(packed)]
-    while len(ranges) < 3:
-        ranges.append((0, 0))
-    programs = triton.cdiv(max(count for _, count in ranges), 128 * AHEAD_LINES)
-    _ahead_kernel[(programs, split, 3)](
-        *(t.view(torch.uint8) for t in tensors), *(span for span, _ in ranges),
-        *(count for _, count in ranges), *(t.numel() * t.element_size() for t in tensors),
-        LINES=AHEAD_LINES, num_warps=4,
-    )  # fmt: skip
-
-
-def _ahead_fork(packed: KMajorWeight, m: int, device: torch.device) -> None:
-    main = torch.cuda.current_stream(device)
-    side = _side_streams.get(device)
-    if side is None:
-        side = _side_streams[device] = torch.cuda.Stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        l2_ahead(packed, m, AHEAD_BYTES)
-    _pending[device] = side
-
-
-def _ahead_join(device: torch.device) -> None:
-    side = _pending.pop(device, None)
-    if side is not None:
-        torch.cuda.current_stream(device).wait_stream(side)
 
 
 # -- choosing tiles per matrix ------------------------------------------------------------------
