@@ -45,16 +45,28 @@ def test_quant_linear_matches_the_reference(kind: str, group: int, rows: int) ->
 
 @pytest.mark.parametrize(("kind", "group"), FORMATS)
 @pytest.mark.parametrize("n", [37, 40])
-def test_k_major_rows_and_dequantize_match_the_reference(kind: str, group: int, n: int) -> None:
+@pytest.mark.parametrize("block", [0, 2, 32])
+def test_k_major_rows_and_dequantize_match_the_reference(
+    kind: str, group: int, n: int, block: int
+) -> None:
+    """Both layouts: plain [K, C] words, and blocks of ``block`` word columns (C padded to
+    whole blocks: several blocks at 2, one partly empty block at 32)."""
     from worker.device.kernels.quant_matmul import KMajorWeight, dequantize_triton
 
     qw = _qw(kind, group, n=n, k=group * 3)
-    packed = KMajorWeight.pack(qw)
+    packed = KMajorWeight.pack(qw, block=block)
     per_word = packed.per_word
     columns = -(-n // per_word)  # N padded to whole words: 37 -> 40
-    assert packed.words.dtype == torch.int32 and packed.words.shape == (group * 3, columns)
-    assert packed.scales.shape == (3, per_word, columns)
-    assert (packed.nbytes == qw.nbytes) == (n % per_word == 0)
+    assert packed.block == block and packed.columns == columns
+    if block:  # and the storage to whole blocks
+        blocks = -(-columns // block)
+        words, meta = (blocks, group * 3, block), (blocks, 3, per_word, block)
+        stored = blocks * block
+    else:
+        words, meta, stored = (group * 3, columns), (3, per_word, columns), columns
+    assert packed.words.dtype == torch.int32 and packed.words.shape == words
+    assert packed.scales.shape == meta
+    assert (packed.nbytes == qw.nbytes) == (n == stored * per_word)
     ids = torch.tensor([0, n - 1, 5, 5]).to(DEVICE)
     torch.testing.assert_close(packed.rows(ids, torch.float32), qw.rows(ids).dequantize())
     torch.testing.assert_close(dequantize_triton(packed, torch.float32), qw.dequantize().T)
@@ -107,6 +119,34 @@ def test_gemv_k_splits_pipeline_steps_and_arrival_counters(kind: str, group: int
         assert packed.arrivals is not None and not packed.arrivals.any()
     again = qm.qgemv(x, packed, (8, 1, 2, 4), split=3)
     torch.testing.assert_close(again, qm.qgemv(x, packed, (8, 1, 2, 4), split=3), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_blocked_layout_gives_the_plain_layouts_bits(kind: str) -> None:
+    """The blocked layout (``KMajorWeight.block``) changes only where the kernels read: the
+    GEMV (register and cp.async pipelines, group slots, K splits), the GEMM (joined and
+    per-position stores, K split) and the prefill dequantization give the plain layout's
+    bits, for tiles narrower than a block, equal to one and spanning several, and a last
+    block partly made of padding."""
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw(kind, 16, n=200, k=16 * 6, seed=3)  # int4: 25 word columns, int8: 50
+    plain = qm.KMajorWeight.pack(qw, block=0)
+    one = torch.randn(1, 96, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    many = torch.randn(5, 96, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    gemvs = [((8, 1, 2, 8), 1), ((16, 1, 1, 4), 3), ((8, 1, 2, -2), 2), ((8, 1, 1, 8, 4), 3)]
+    gemms = [(8, 16, 1, 1, 1, 1), (16, 32, 1, 1, 0, 6)]
+    for block in (8, 16):
+        blocked = qm.KMajorWeight.pack(qw, block=block)
+        for config, split in gemvs:
+            want = qm.qgemv(one, plain, config, split=split)
+            assert torch.equal(qm.qgemv(one, blocked, config, split=split), want), config
+        for config in gemms:
+            assert torch.equal(qm.qgemm(many, blocked, config), qm.qgemm(many, plain, config))
+        got = qm.dequantize_triton(blocked, torch.float32)
+        assert torch.equal(got, qm.dequantize_triton(plain, torch.float32))
+        ids = torch.tensor([0, 199, 77, 77]).to(DEVICE)
+        assert torch.equal(blocked.rows(ids, torch.float32), plain.rows(ids, torch.float32))
 
 
 @pytest.mark.parametrize("group", [8, 32])

@@ -86,6 +86,12 @@ GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
 # 4 31B int4 on one H200, session 14"). TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS=0: the old split
 GEMM_PROGRAMS_PER_ROW_TILE = os.environ.get("TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS", "1") != "0"
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
+# word columns a block of the blocked layout (``KMajorWeight.block``): a column block's K rows of
+# 32 words (128 bytes) lie one after another, so a warp's run of rows in the GEMV is one
+# contiguous read; the GEMV 15-21% faster on every 31B matrix at one row, the GEMM 2-4% at 32
+# rows (BENCHMARKS "Gemma 4 31B int4 on one H200, session 16"). TOKENPIPE_QUANT_BLOCKED=0: the
+# plain [K, C] layout
+BLOCK_WORDS = 32 if os.environ.get("TOKENPIPE_QUANT_BLOCKED", "1") != "0" else 0
 
 
 @dataclass
@@ -95,14 +101,20 @@ class KMajorWeight:
     kind: str
     shape: tuple[int, int]
     group_size: int
-    words: torch.Tensor  # int32 [K, N / P] (N padded to a multiple of P)
-    scales: torch.Tensor  # fp16 (or bf16: ``meta_dtype_for``) [K / g, P, N / P]
+    # int32 [K, C = N / P] (N padded to a multiple of P); blocked (``block`` B): [C / B, K, B]
+    words: torch.Tensor
+    # fp16 (or bf16: ``meta_dtype_for``) [K / g, P, C]; blocked: [C / B, K / g, P, B]
+    scales: torch.Tensor
     offsets: torch.Tensor | None  # the same, int4 only
     # tile configs timed for this matrix on this GPU (choose_configs); None: the defaults
     gemv_config: tuple[int, ...] | None = None
     gemm_config: tuple[int, ...] | None = None
     # the K-split GEMV's arrival counters, one per column block (zero between calls)
     arrivals: torch.Tensor | None = None
+    # B > 0: the blocked layout, word columns in blocks of B (the last padded with zero words,
+    # which no kernel reads: a word's address depends on B and K only); 0: plain rows of C words
+    block: int = 0
+    width: int = 0  # blocked: C, the word columns before the padding
 
     def counters(self, blocks: int) -> torch.Tensor:
         """At least ``blocks`` zeroed counters of this weight's own (made by ``pack``, before
@@ -118,8 +130,8 @@ class KMajorWeight:
 
     @property
     def columns(self) -> int:
-        """Word columns C = N / P (N padded up)."""
-        return self.words.shape[1]
+        """Word columns C = N / P (N padded up to whole words)."""
+        return self.width if self.block else self.words.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -133,18 +145,28 @@ class KMajorWeight:
         return group >= 8 and group & (group - 1) == 0
 
     @staticmethod
-    def pack(qw: QuantizedWeight, meta_dtype: torch.dtype = torch.float16) -> KMajorWeight:
+    def pack(
+        qw: QuantizedWeight, meta_dtype: torch.dtype = torch.float16, block: int | None = None
+    ) -> KMajorWeight:
         """``meta_dtype``: the scales' and offsets' (fp16 as in ``qw``; bf16 for int4 weights
-        of a bf16 model, ``meta_dtype_for``)."""
+        of a bf16 model, ``meta_dtype_for``); ``block``: word columns a block of the blocked
+        layout, 0 for plain rows (None: BLOCK_WORDS)."""
         n, k = qw.shape
         if not KMajorWeight.supports(qw):
             group = qw.group_size
             raise ValueError(f"K-major packing needs a power-of-two group >= 8, got {group}")
         per_word = 8 if qw.kind == INT4 else 4
         bits = 32 // per_word
-        columns = triton.cdiv(n, per_word)
+        block = BLOCK_WORDS if block is None else block
+        if block < 0 or block and (PACK_ROWS // 8) % block:
+            raise ValueError(f"K-major packing: blocks of {block} words do not divide a chunk")
+        width = triton.cdiv(n, per_word)
+        columns = triton.cdiv(width, block) * block if block else width  # stored
         device = qw.qdata.device
-        words = torch.zeros((k, columns), dtype=torch.int32, device=device)
+        # blocked: [C / B, K, B], filled a chunk of whole blocks at a time (chunks start at
+        # multiples of PACK_ROWS / P word columns), so no [K, C] copy is made
+        shape = (columns // block, k, block) if block else (k, columns)
+        words = torch.zeros(shape, dtype=torch.int32, device=device)
         for start in range(0, n, PACK_ROWS):
             stop = min(start + PACK_ROWS, n)
             if qw.kind == INT4:
@@ -152,23 +174,32 @@ class KMajorWeight:
             else:  # signed bytes stored offset by 128 (the kernels take 128 * scale back)
                 codes = (qw.qdata[start:stop].to(torch.int32) + 128) & 0xFF
             first, last = start // per_word, triton.cdiv(stop, per_word)
-            block = torch.zeros(((last - first) * per_word, k), dtype=torch.int32, device=device)
-            block[: stop - start] = codes
-            block = block.view(last - first, per_word, k)
-            word = torch.zeros((last - first, k), dtype=torch.int32, device=device)
+            span = triton.cdiv(last - first, block) * block if block else last - first
+            chunk = torch.zeros((span * per_word, k), dtype=torch.int32, device=device)
+            chunk[: stop - start] = codes
+            chunk = chunk.view(span, per_word, k)
+            word = torch.zeros((span, k), dtype=torch.int32, device=device)
             for position in range(per_word):
-                word |= block[:, position] << (bits * position)
-            words[:, first:last] = word.t()
+                word |= chunk[:, position] << (bits * position)
+            if block:
+                at = first // block
+                words[at : at + span // block] = word.view(-1, block, k).transpose(1, 2)
+            else:
+                words[:, first:last] = word.t()
 
         def by_position(meta: torch.Tensor) -> torch.Tensor:  # [N, K / g] -> [K / g, P, C]
             padded = meta.new_zeros((columns * per_word, meta.shape[1]), dtype=meta_dtype)
             padded[:n] = meta
-            return padded.t().reshape(-1, columns, per_word).transpose(1, 2).contiguous()
+            meta = padded.t().reshape(-1, columns, per_word).transpose(1, 2)
+            if not block:
+                return meta.contiguous()
+            groups = meta.shape[0]  # -> [C / B, K / g, P, B]
+            return meta.reshape(groups, per_word, -1, block).permute(2, 0, 1, 3).contiguous()
 
+        scales = by_position(qw.scales)
         offsets = None if qw.offsets is None else by_position(qw.offsets)
-        packed = KMajorWeight(
-            qw.kind, qw.shape, qw.group_size, words, by_position(qw.scales), offsets
-        )
+        packed = KMajorWeight(qw.kind, qw.shape, qw.group_size, words, scales, offsets,
+                              block=block, width=width)  # fmt: skip
         packed.counters(1)  # now, not inside a graph capture
         return packed
 
@@ -178,16 +209,25 @@ class KMajorWeight:
         per_word = self.per_word
         bits = 32 // per_word
         column, position = ids // per_word, ids % per_word
-        words = self.words[:, column]  # [K, T]
-        codes = (words >> (bits * position).to(torch.int32)) & ((1 << bits) - 1)
+        if self.block:
+            blocks, lanes = column // self.block, column % self.block
+            words = self.words[blocks, :, lanes]  # [T, K]
+
+            def meta(t: torch.Tensor) -> torch.Tensor:  # [T, K / g]
+                return t[blocks, :, position, lanes].float()
+        else:
+            words = self.words[:, column].t()
+
+            def meta(t: torch.Tensor) -> torch.Tensor:
+                return t[:, position, column].t().float()
+
+        codes = (words >> (bits * position).to(torch.int32)[:, None]) & ((1 << bits) - 1)
         if self.kind != INT4:
             codes = codes - 128
         group = self.group_size
-        scales = self.scales[:, position, column].t().float()  # [T, K / g]
-        out = codes.t().float() * scales.repeat_interleave(group, dim=1)
+        out = codes.float() * meta(self.scales).repeat_interleave(group, dim=1)
         if self.offsets is not None:
-            offsets = self.offsets[:, position, column].t().float()
-            out = out + offsets.repeat_interleave(group, dim=1)
+            out = out + meta(self.offsets).repeat_interleave(group, dim=1)
         return out.to(dtype)
 
 
@@ -253,6 +293,24 @@ def _unscale(p: tl.constexpr, INT4_KIND: tl.constexpr):
         else:
             u = 8796093022208.0  # 2^43
     return u
+
+
+@triton.jit
+def _layout(offs_c, C, K, GROUP: tl.constexpr, P: tl.constexpr, BW: tl.constexpr):
+    """Where word column c starts in the words and in the scales, and the strides of a word
+    row and of a code position there: plain (BW 0) c, c, C, C; blocked (``KMajorWeight.block``
+    = BW) the block's offset plus c's lane in it, and BW, BW."""
+    if BW == 0:
+        words_at = offs_c.to(tl.int64)
+        meta_at = offs_c
+        row = C
+    else:
+        block = offs_c // BW
+        lane = offs_c % BW
+        words_at = block.to(tl.int64) * (K * BW) + lane
+        meta_at = block * ((K // GROUP) * (P * BW)) + lane
+        row = C * 0 + BW
+    return words_at, meta_at, row
 
 
 @triton.jit
@@ -323,8 +381,8 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _gemv_prefetch(w_ptr, g0, last, row, pid, C, GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
-                   ROWS: tl.constexpr, WARPS: tl.constexpr):  # fmt: skip
+def _gemv_prefetch(w_ptr, g0, last, row, pid, C, K, GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
+                   ROWS: tl.constexpr, WARPS: tl.constexpr, BW: tl.constexpr = 0):  # fmt: skip
     """Prefetch into L2 the words of one pipeline step: rows row .. row + ROWS - 1 of groups
     g0 .. g0 + WARPS - 1 (below ``last``), this program's BLOCK_C columns of each: one
     128-byte line (32 words) an element of a [WARPS, ROWS * lines] tensor of its own, about
@@ -334,7 +392,8 @@ def _gemv_prefetch(w_ptr, g0, last, row, pid, C, GROUP: tl.constexpr, BLOCK_C: t
     j = tl.arange(0, ROWS * LINES)
     k = (g * GROUP)[:, None] + (row + j // LINES)[None, :]
     col = pid * BLOCK_C + (j % LINES) * 32
-    ptrs = w_ptr + k.to(tl.int64) * C + col[None, :]
+    words_at, _, stride = _layout(col, C, K, GROUP, 1, BW)
+    ptrs = w_ptr + k.to(tl.int64) * stride + words_at[None, :]
     mask = (g < last)[:, None] & (col < C)[None, :]
     _prefetch_l2(ptrs, mask)
 
@@ -397,6 +456,7 @@ def _qgemv_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, y_ptr, count_ptr, N, C, K,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
     WARPS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    BW: tl.constexpr = 0,
 ):  # fmt: skip
     """y = x @ W^T for one row of x. Program (i, s): word columns [i * BLOCK_C, ...) over the
     groups of K split s, which its WARPS tile rows share out (row w takes groups w, w + WARPS,
@@ -415,6 +475,7 @@ def _qgemv_kernel(
     splits = tl.num_programs(1)
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
+    words_at, meta_at, RS = _layout(offs_c, C, K, GROUP, P, BW)
     lanes = tl.arange(0, WARPS)
     groups = K // GROUP
     span = tl.cdiv(groups, splits)
@@ -424,17 +485,17 @@ def _qgemv_kernel(
     mask_g = g < last
     # the first step's words need nothing from the kernel before (PDL: they load while it ends)
     for t in tl.static_range(1, PREFETCH + 1):
-        _gemv_prefetch(w_ptr, first + (t // SUB) * WARPS, last, (t % SUB) * ROWS, pid, C, GROUP,
-                       BLOCK_C, ROWS, WARPS)  # fmt: skip
-    w0 = _gemv_words(w_ptr, g, 0, mask_g, mask_c, offs_c, C, GROUP)
-    w1 = _gemv_words(w_ptr, g, 1, mask_g, mask_c, offs_c, C, GROUP)
-    w2 = _gemv_words(w_ptr, g, 2, mask_g, mask_c, offs_c, C, GROUP)
-    w3 = _gemv_words(w_ptr, g, 3, mask_g, mask_c, offs_c, C, GROUP)
+        _gemv_prefetch(w_ptr, first + (t // SUB) * WARPS, last, (t % SUB) * ROWS, pid, C, K,
+                       GROUP, BLOCK_C, ROWS, WARPS, BW)  # fmt: skip
+    w0 = _gemv_words(w_ptr, g, 0, mask_g, mask_c, words_at, RS, GROUP)
+    w1 = _gemv_words(w_ptr, g, 1, mask_g, mask_c, words_at, RS, GROUP)
+    w2 = _gemv_words(w_ptr, g, 2, mask_g, mask_c, words_at, RS, GROUP)
+    w3 = _gemv_words(w_ptr, g, 3, mask_g, mask_c, words_at, RS, GROUP)
     if ROWS == 8:
-        w4 = _gemv_words(w_ptr, g, 4, mask_g, mask_c, offs_c, C, GROUP)
-        w5 = _gemv_words(w_ptr, g, 5, mask_g, mask_c, offs_c, C, GROUP)
-        w6 = _gemv_words(w_ptr, g, 6, mask_g, mask_c, offs_c, C, GROUP)
-        w7 = _gemv_words(w_ptr, g, 7, mask_g, mask_c, offs_c, C, GROUP)
+        w4 = _gemv_words(w_ptr, g, 4, mask_g, mask_c, words_at, RS, GROUP)
+        w5 = _gemv_words(w_ptr, g, 5, mask_g, mask_c, words_at, RS, GROUP)
+        w6 = _gemv_words(w_ptr, g, 6, mask_g, mask_c, words_at, RS, GROUP)
+        w7 = _gemv_words(w_ptr, g, 7, mask_g, mask_c, words_at, RS, GROUP)
     if PDL:
         tl.extra.cuda.gdc_wait()  # x (and the outputs' memory) belong to the kernels before
     x0 = _gemv_x(x_ptr, g, 0, mask_g, GROUP)
@@ -458,24 +519,24 @@ def _qgemv_kernel(
         g = g0 + lanes
         mask_g = g < last
         mask = mask_g[:, None] & mask_c[None, :]
-        meta = g[:, None] * (P * C) + offs_c[None, :]
-        s0 = _gemv_meta(s_ptr, meta, mask, 0, C)
-        s1 = _gemv_meta(s_ptr, meta, mask, 1, C)
-        s2 = _gemv_meta(s_ptr, meta, mask, 2, C)
-        s3 = _gemv_meta(s_ptr, meta, mask, 3, C)
+        meta = g[:, None] * (P * RS) + meta_at[None, :]
+        s0 = _gemv_meta(s_ptr, meta, mask, 0, RS)
+        s1 = _gemv_meta(s_ptr, meta, mask, 1, RS)
+        s2 = _gemv_meta(s_ptr, meta, mask, 2, RS)
+        s3 = _gemv_meta(s_ptr, meta, mask, 3, RS)
         if INT4_KIND:
-            s4 = _gemv_meta(s_ptr, meta, mask, 4, C)
-            s5 = _gemv_meta(s_ptr, meta, mask, 5, C)
-            s6 = _gemv_meta(s_ptr, meta, mask, 6, C)
-            s7 = _gemv_meta(s_ptr, meta, mask, 7, C)
-            o0 = _gemv_meta(o_ptr, meta, mask, 0, C)
-            o1 = _gemv_meta(o_ptr, meta, mask, 1, C)
-            o2 = _gemv_meta(o_ptr, meta, mask, 2, C)
-            o3 = _gemv_meta(o_ptr, meta, mask, 3, C)
-            o4 = _gemv_meta(o_ptr, meta, mask, 4, C)
-            o5 = _gemv_meta(o_ptr, meta, mask, 5, C)
-            o6 = _gemv_meta(o_ptr, meta, mask, 6, C)
-            o7 = _gemv_meta(o_ptr, meta, mask, 7, C)
+            s4 = _gemv_meta(s_ptr, meta, mask, 4, RS)
+            s5 = _gemv_meta(s_ptr, meta, mask, 5, RS)
+            s6 = _gemv_meta(s_ptr, meta, mask, 6, RS)
+            s7 = _gemv_meta(s_ptr, meta, mask, 7, RS)
+            o0 = _gemv_meta(o_ptr, meta, mask, 0, RS)
+            o1 = _gemv_meta(o_ptr, meta, mask, 1, RS)
+            o2 = _gemv_meta(o_ptr, meta, mask, 2, RS)
+            o3 = _gemv_meta(o_ptr, meta, mask, 3, RS)
+            o4 = _gemv_meta(o_ptr, meta, mask, 4, RS)
+            o5 = _gemv_meta(o_ptr, meta, mask, 5, RS)
+            o6 = _gemv_meta(o_ptr, meta, mask, 6, RS)
+            o7 = _gemv_meta(o_ptr, meta, mask, 7, RS)
         d0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
         d1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
         d2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
@@ -488,23 +549,23 @@ def _qgemv_kernel(
         for sub in tl.static_range(SUB):
             if PREFETCH > 0:  # the step PREFETCH ahead into L2
                 _gemv_prefetch(w_ptr, g0 + ((sub + PREFETCH) // SUB) * WARPS, last,
-                               ((sub + PREFETCH) % SUB) * ROWS, pid, C, GROUP, BLOCK_C, ROWS,
-                               WARPS)  # fmt: skip
+                               ((sub + PREFETCH) % SUB) * ROWS, pid, C, K, GROUP, BLOCK_C, ROWS,
+                               WARPS, BW)  # fmt: skip
             if sub + 1 < SUB:  # the next step: this group's next rows, or the next group's first
                 ng = g
             else:
                 ng = g + WARPS
             nm = ng < last
             r0 = ((sub + 1) % SUB) * ROWS
-            n0, y0 = _gemv_row(w_ptr, x_ptr, ng, r0, nm, mask_c, offs_c, C, GROUP)
-            n1, y1 = _gemv_row(w_ptr, x_ptr, ng, r0 + 1, nm, mask_c, offs_c, C, GROUP)
-            n2, y2 = _gemv_row(w_ptr, x_ptr, ng, r0 + 2, nm, mask_c, offs_c, C, GROUP)
-            n3, y3 = _gemv_row(w_ptr, x_ptr, ng, r0 + 3, nm, mask_c, offs_c, C, GROUP)
+            n0, y0 = _gemv_row(w_ptr, x_ptr, ng, r0, nm, mask_c, words_at, RS, GROUP)
+            n1, y1 = _gemv_row(w_ptr, x_ptr, ng, r0 + 1, nm, mask_c, words_at, RS, GROUP)
+            n2, y2 = _gemv_row(w_ptr, x_ptr, ng, r0 + 2, nm, mask_c, words_at, RS, GROUP)
+            n3, y3 = _gemv_row(w_ptr, x_ptr, ng, r0 + 3, nm, mask_c, words_at, RS, GROUP)
             if ROWS == 8:
-                n4, y4 = _gemv_row(w_ptr, x_ptr, ng, r0 + 4, nm, mask_c, offs_c, C, GROUP)
-                n5, y5 = _gemv_row(w_ptr, x_ptr, ng, r0 + 5, nm, mask_c, offs_c, C, GROUP)
-                n6, y6 = _gemv_row(w_ptr, x_ptr, ng, r0 + 6, nm, mask_c, offs_c, C, GROUP)
-                n7, y7 = _gemv_row(w_ptr, x_ptr, ng, r0 + 7, nm, mask_c, offs_c, C, GROUP)
+                n4, y4 = _gemv_row(w_ptr, x_ptr, ng, r0 + 4, nm, mask_c, words_at, RS, GROUP)
+                n5, y5 = _gemv_row(w_ptr, x_ptr, ng, r0 + 5, nm, mask_c, words_at, RS, GROUP)
+                n6, y6 = _gemv_row(w_ptr, x_ptr, ng, r0 + 6, nm, mask_c, words_at, RS, GROUP)
+                n7, y7 = _gemv_row(w_ptr, x_ptr, ng, r0 + 7, nm, mask_c, words_at, RS, GROUP)
             d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
                 d0, d1, d2, d3, d4, d5, d6, d7, xs, w0, x0, INT4_KIND)  # fmt: skip
             d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
@@ -547,7 +608,7 @@ def _qgemv_kernel(
 def _qgemv_staged_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, y_ptr, count_ptr, N, C, K,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
-    WARPS: tl.constexpr, SPLIT: tl.constexpr,
+    WARPS: tl.constexpr, SPLIT: tl.constexpr, BW: tl.constexpr = 0,
 ):  # fmt: skip
     """`_qgemv_kernel` with Triton's software pipeliner instead of registers: the words of the
     next STAGES - 1 group steps are fetched by cp.async into shared memory while this one is
@@ -558,6 +619,7 @@ def _qgemv_staged_kernel(
     splits = tl.num_programs(1)
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
+    words_at, meta_at, RS = _layout(offs_c, C, K, GROUP, P, BW)
     lanes = tl.arange(0, WARPS)
     groups = K // GROUP
     span = tl.cdiv(groups, splits)
@@ -575,7 +637,7 @@ def _qgemv_staged_kernel(
         g = g0 + lanes
         mask_g = g < last
         mask = mask_g[:, None] & mask_c[None, :]
-        meta = g[:, None] * (P * C) + offs_c[None, :]
+        meta = g[:, None] * (P * RS) + meta_at[None, :]
         d0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
         d1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
         d2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
@@ -586,19 +648,19 @@ def _qgemv_staged_kernel(
         d7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
         xs = tl.zeros([WARPS], dtype=tl.float32)
         for r in tl.static_range(GROUP):
-            word, x = _gemv_row(w_ptr, x_ptr, g, r, mask_g, mask_c, offs_c, C, GROUP)
+            word, x = _gemv_row(w_ptr, x_ptr, g, r, mask_g, mask_c, words_at, RS, GROUP)
             d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
                 d0, d1, d2, d3, d4, d5, d6, d7, xs, word, x, INT4_KIND)  # fmt: skip
         xsum = xs[:, None]
-        a0 = _gemv_end_at(a0, d0, s_ptr, o_ptr, meta, mask, xsum, 0, C, INT4_KIND)
-        a1 = _gemv_end_at(a1, d1, s_ptr, o_ptr, meta, mask, xsum, 1, C, INT4_KIND)
-        a2 = _gemv_end_at(a2, d2, s_ptr, o_ptr, meta, mask, xsum, 2, C, INT4_KIND)
-        a3 = _gemv_end_at(a3, d3, s_ptr, o_ptr, meta, mask, xsum, 3, C, INT4_KIND)
+        a0 = _gemv_end_at(a0, d0, s_ptr, o_ptr, meta, mask, xsum, 0, RS, INT4_KIND)
+        a1 = _gemv_end_at(a1, d1, s_ptr, o_ptr, meta, mask, xsum, 1, RS, INT4_KIND)
+        a2 = _gemv_end_at(a2, d2, s_ptr, o_ptr, meta, mask, xsum, 2, RS, INT4_KIND)
+        a3 = _gemv_end_at(a3, d3, s_ptr, o_ptr, meta, mask, xsum, 3, RS, INT4_KIND)
         if INT4_KIND:
-            a4 = _gemv_end_at(a4, d4, s_ptr, o_ptr, meta, mask, xsum, 4, C, INT4_KIND)
-            a5 = _gemv_end_at(a5, d5, s_ptr, o_ptr, meta, mask, xsum, 5, C, INT4_KIND)
-            a6 = _gemv_end_at(a6, d6, s_ptr, o_ptr, meta, mask, xsum, 6, C, INT4_KIND)
-            a7 = _gemv_end_at(a7, d7, s_ptr, o_ptr, meta, mask, xsum, 7, C, INT4_KIND)
+            a4 = _gemv_end_at(a4, d4, s_ptr, o_ptr, meta, mask, xsum, 4, RS, INT4_KIND)
+            a5 = _gemv_end_at(a5, d5, s_ptr, o_ptr, meta, mask, xsum, 5, RS, INT4_KIND)
+            a6 = _gemv_end_at(a6, d6, s_ptr, o_ptr, meta, mask, xsum, 6, RS, INT4_KIND)
+            a7 = _gemv_end_at(a7, d7, s_ptr, o_ptr, meta, mask, xsum, 7, RS, INT4_KIND)
     _gemv_finish(a0, a1, a2, a3, a4, a5, a6, a7, part_ptr, y_ptr, count_ptr, pid, split,
                  splits, offs_c, mask_c, N, C, BLOCK_C, INT4_KIND, SPLIT)  # fmt: skip
 
@@ -747,7 +809,7 @@ def _qgemm_kernel(
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
-    JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0, BW: tl.constexpr = 0,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
@@ -771,6 +833,7 @@ def _qgemm_kernel(
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_m = offs_m < M
     mask_c = offs_c < C
+    words_at, meta_at, RS = _layout(offs_c, C, K, GROUP, P, BW)
     x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
     acc0 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
@@ -781,25 +844,25 @@ def _qgemm_kernel(
     acc6 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     acc7 = tl.zeros([BLOCK_C, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_first, k_last, BLOCK_K):
-        if PREFETCH > 0:
+        if PREFETCH > 0 and BW == 0:  # (the plain layout's addresses)
             _gemm_prefetch(w_ptr, s_ptr, o_ptr, k0 + PREFETCH * BLOCK_K, k_last, pid_c, C, K,
                            GROUP, BLOCK_C, BLOCK_K, P, INT4_KIND)  # fmt: skip
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = (offs_k < K) | EVEN_K  # EVEN_K: K a multiple of BLOCK_K, no mask to compute
         mask = mask_c[:, None] & mask_k[None, :]
-        word = tl.load(w_ptr + offs_k[None, :].to(tl.int64) * C + offs_c[:, None], mask=mask,
+        word = tl.load(w_ptr + offs_k[None, :].to(tl.int64) * RS + words_at[:, None], mask=mask,
                        other=0)  # fmt: skip
         if PER_ROW:
-            meta = (offs_k // GROUP)[None, :] * (P * C) + offs_c[:, None]
+            meta = (offs_k // GROUP)[None, :] * (P * RS) + meta_at[:, None]
             meta_mask = mask
         else:
-            meta = (k0 // GROUP) * (P * C) + offs_c[:, None]
+            meta = (k0 // GROUP) * (P * RS) + meta_at[:, None]
             meta_mask = mask_c[:, None]
         x = tl.load(x_cols + offs_k[:, None], mask=mask_k[:, None] & mask_m[None, :],
                     other=0.0)  # fmt: skip
         if BF16_PAIRS:  # int4 with bf16 x: weights made as bf16 pairs (~2 instructions each)
             w0, w1, w2, w3, w4, w5, w6, w7 = _int4_bf16_weights(word, s_ptr, o_ptr, meta,
-                                                                meta_mask, C, ASM)  # fmt: skip
+                                                                meta_mask, RS, ASM)  # fmt: skip
             acc0 = _bf16_dot(acc0, w0, x, ASM)
             acc1 = _bf16_dot(acc1, w1, x, ASM)
             acc2 = _bf16_dot(acc2, w2, x, ASM)
@@ -810,22 +873,22 @@ def _qgemm_kernel(
             acc7 = _bf16_dot(acc7, w7, x, ASM)
         else:
             ty = x.dtype
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, C, INT4_KIND)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, RS, INT4_KIND)
             acc0 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 1, C, INT4_KIND)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 1, RS, INT4_KIND)
             acc1 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 2, C, INT4_KIND)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 2, RS, INT4_KIND)
             acc2 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 3, C, INT4_KIND)
+            w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 3, RS, INT4_KIND)
             acc3 += tl.dot(w.to(ty), x, input_precision=PRECISION)
             if INT4_KIND:
-                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 4, C, INT4_KIND)
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 4, RS, INT4_KIND)
                 acc4 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 5, C, INT4_KIND)
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 5, RS, INT4_KIND)
                 acc5 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 6, C, INT4_KIND)
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 6, RS, INT4_KIND)
                 acc6 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, C, INT4_KIND)
+                w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, RS, INT4_KIND)
                 acc7 += tl.dot(w.to(ty), x, input_precision=PRECISION)
     y_cols = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym
     if JOINED:
@@ -895,26 +958,29 @@ def _gemm_store_joined(y_cols, a0, a1, a2, a3, a4, a5, a6, a7, pid_c, mask_m, N,
 def _dequant_kernel(
     w_ptr, s_ptr, o_ptr, out_ptr, N, C, K,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    BW: tl.constexpr = 0,
 ):  # fmt: skip
     """out [K, N] (x's dtype) = the dequantized weight, transposed."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_k < K)[:, None] & (offs_c < C)[None, :]
-    word = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * C + offs_c[None, :], mask=mask, other=0)
-    meta = (offs_k // GROUP)[:, None] * (P * C) + offs_c[None, :]
+    words_at, meta_at, RS = _layout(offs_c, C, K, GROUP, P, BW)
+    word = tl.load(w_ptr + offs_k[:, None].to(tl.int64) * RS + words_at[None, :], mask=mask,
+                   other=0)  # fmt: skip
+    meta = (offs_k // GROUP)[:, None] * (P * RS) + meta_at[None, :]
     ty = out_ptr.dtype.element_ty
-    w0 = _weights(word, s_ptr, o_ptr, meta, mask, 0, C, INT4_KIND).to(ty)
-    w1 = _weights(word, s_ptr, o_ptr, meta, mask, 1, C, INT4_KIND).to(ty)
-    w2 = _weights(word, s_ptr, o_ptr, meta, mask, 2, C, INT4_KIND).to(ty)
-    w3 = _weights(word, s_ptr, o_ptr, meta, mask, 3, C, INT4_KIND).to(ty)
+    w0 = _weights(word, s_ptr, o_ptr, meta, mask, 0, RS, INT4_KIND).to(ty)
+    w1 = _weights(word, s_ptr, o_ptr, meta, mask, 1, RS, INT4_KIND).to(ty)
+    w2 = _weights(word, s_ptr, o_ptr, meta, mask, 2, RS, INT4_KIND).to(ty)
+    w3 = _weights(word, s_ptr, o_ptr, meta, mask, 3, RS, INT4_KIND).to(ty)
     # the P positions of a word side by side (join's new last axis, in registers): each
     # thread stores its words' P outputs as one contiguous vector
     if INT4_KIND:
-        w4 = _weights(word, s_ptr, o_ptr, meta, mask, 4, C, INT4_KIND).to(ty)
-        w5 = _weights(word, s_ptr, o_ptr, meta, mask, 5, C, INT4_KIND).to(ty)
-        w6 = _weights(word, s_ptr, o_ptr, meta, mask, 6, C, INT4_KIND).to(ty)
-        w7 = _weights(word, s_ptr, o_ptr, meta, mask, 7, C, INT4_KIND).to(ty)
+        w4 = _weights(word, s_ptr, o_ptr, meta, mask, 4, RS, INT4_KIND).to(ty)
+        w5 = _weights(word, s_ptr, o_ptr, meta, mask, 5, RS, INT4_KIND).to(ty)
+        w6 = _weights(word, s_ptr, o_ptr, meta, mask, 6, RS, INT4_KIND).to(ty)
+        w7 = _weights(word, s_ptr, o_ptr, meta, mask, 7, RS, INT4_KIND).to(ty)
         evens = tl.join(tl.join(w0, w4), tl.join(w2, w6))  # [.., a, b] = w(4a + 2b)
         odds = tl.join(tl.join(w1, w5), tl.join(w3, w7))
         tile = tl.reshape(tl.join(evens, odds), [BLOCK_K, BLOCK_C * P])
@@ -982,12 +1048,12 @@ def qgemv(
     if stages:
         _qgemv_staged_kernel[(blocks, split)](
             *args, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
-            STAGES=stages, WARPS=slots, SPLIT=split > 1, num_warps=num_warps,
+            STAGES=stages, WARPS=slots, SPLIT=split > 1, BW=packed.block, num_warps=num_warps,
         )  # fmt: skip
     else:
         _qgemv_kernel[(blocks, split)](
             *args, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
-            ROWS=rows, WARPS=slots, SPLIT=split > 1, PDL=pdl, PREFETCH=prefetch,
+            ROWS=rows, WARPS=slots, SPLIT=split > 1, PDL=pdl, PREFETCH=prefetch, BW=packed.block,
             num_warps=num_warps, launch_pdl=pdl,
         )  # fmt: skip
     return y
@@ -1028,7 +1094,7 @@ def qgemm(
         BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         BF16_PAIRS=packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs(),
-        ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch,
+        ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch, BW=packed.block,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
@@ -1069,7 +1135,7 @@ def dequantize_triton(packed: KMajorWeight, dtype: torch.dtype) -> torch.Tensor:
     _dequant_kernel[grid](
         packed.words, packed.scales, _offsets(packed), out, n, packed.columns, k,
         GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
-        BLOCK_K=block_k, num_warps=4,
+        BLOCK_K=block_k, BW=packed.block, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -1135,7 +1201,7 @@ GEMM_CANDIDATES = JOINED_CANDIDATES if GEMM_JOINED else PER_POSITION_CANDIDATES
 # 4 tiles ahead (not the LM head); the GEMV none (0-20% slower: it is not waiting on HBM
 # latency), so its field stays a benchmark option (tools/bench_quant_kernels.py --tiles).
 PREFETCH_GEMM_CANDIDATES = [(64, 32, 4, 3, 1, 264, 4), (64, 32, 4, 4, 1, 264, 6)]
-if os.environ.get("TOKENPIPE_QUANT_PREFETCH", "1") != "0":
+if os.environ.get("TOKENPIPE_QUANT_PREFETCH", "1") != "0" and not BLOCK_WORDS:  # plain layout
     GEMM_CANDIDATES = GEMM_CANDIDATES + PREFETCH_GEMM_CANDIDATES
 
 
@@ -1205,6 +1271,7 @@ def _choice_key(device_name: str, packed: KMajorWeight, dtype: torch.dtype) -> s
     candidates = repr((GEMV_CANDIDATES, GEMM_CANDIDATES, "timed past L2"))
     digest = hashlib.sha256(candidates.encode()).hexdigest()[:8]
     meta = "" if packed.scales.dtype == torch.float16 else f"|{packed.scales.dtype}"
+    meta += f"|blocks of {packed.block}" if packed.block else ""
     return f"{device_name}|{packed.kind}|{n}x{k}|g{packed.group_size}|{dtype}{meta}|{digest}"
 
 
