@@ -9,7 +9,10 @@ holding the codes of outputs P*c .. P*c + P - 1 at input k (int4: P = 8 nibbles,
 P*c + i at bits 4i..4i+3; int8: P = 4 bytes), and the fp16 (int4 in a bf16 model: bf16)
 scales (and int4 offsets) as [K / g, P, N / P] (position-major: the scales of one code
 position are contiguous). N is padded to a multiple of P with zero codes (outputs never
-stored).
+stored). Stored **blocked** by default (``KMajorWeight.block``, BLOCK_WORDS): the C = N / P word
+columns in blocks of 32, words [C / 32, K, 32] and scales [C / 32, K / g, P, 32], so the K rows
+of a column block are contiguous and a warp's rows come in one read (`_layout` gives every
+kernel its addresses in either order; the bits are the same).
 
 A word shares its input k, so one x value feeds all P codes of a loaded word, and a code
 becomes an fp32 operand in **one instruction**: ``word & mask`` read as an fp32 is the code
