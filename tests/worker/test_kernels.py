@@ -383,6 +383,24 @@ def test_rms_norm_partial_rope_kernel_matches_torch(
 
 # the interpreter computes sigmoid(x) as 1 / (1 + exp(-x)) in numpy: exp overflows to inf
 # for large negative x and warns, and the result (0) is right
+def test_small_kernels_launch_dependent_where_the_gemvs_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode step's small kernels are launched as dependents (``dependent_small``) only
+    where the GEMVs are (``dependent_launch``: CUDA, compute capability 9+, a Triton with grid
+    dependency control; TOKENPIPE_QUANT_PDL=0 turns both off) and TOKENPIPE_PDL_SMALL is not
+    0; the CPU never."""
+    from worker.device import kernels
+
+    monkeypatch.setattr(kernels, "_dependent_launch_supported", lambda d: d.startswith("cuda"))
+    monkeypatch.delenv("TOKENPIPE_QUANT_PDL", raising=False)
+    monkeypatch.delenv("TOKENPIPE_PDL_SMALL", raising=False)
+    assert kernels.dependent_small("cuda:0") and not kernels.dependent_small("cpu")
+    monkeypatch.setenv("TOKENPIPE_PDL_SMALL", "0")
+    assert kernels.dependent_launch("cuda:0") and not kernels.dependent_small("cuda:0")
+    monkeypatch.setenv("TOKENPIPE_PDL_SMALL", "1")
+    monkeypatch.setenv("TOKENPIPE_QUANT_PDL", "0")
+    assert not kernels.dependent_small("cuda:0") and not kernels.dependent_launch("cuda:0")
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu", "sigmoid"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,6 +37,21 @@ def dependent_launch(device: object) -> bool:
     return _dependent_launch_supported(str(device))
 
 
+def dependent_small(device: object) -> bool:
+    """Programmatic dependent launch for the decode step's small kernels too (norms, rotary,
+    the KV store, attention's split and combine, the gated activation), where
+    ``dependent_launch`` holds, unless TOKENPIPE_PDL_SMALL=0: each is launched as a dependent
+    of the kernel before and waits for it (``gdc_wait``) before any memory access, then lets
+    its own dependent launch; the GEMV lets its dependent launch once its main loop is done.
+    A launch inside a CUDA graph then overlaps the kernel before instead of following it
+    (~0.45-0.65 us a kernel boundary on an H200, BENCHMARKS "session 16")."""
+    import os
+
+    if os.environ.get("TOKENPIPE_PDL_SMALL", "1") == "0":
+        return False
+    return dependent_launch(device)
+
+
 @functools.cache
 def _dependent_launch_supported(device: str) -> bool:
     import torch

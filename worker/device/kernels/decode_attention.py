@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.device.kernels import dependent_launch
+from worker.device.kernels import dependent_launch, dependent_small
+from worker.device.kernels.rmsnorm import dependent_start
 
 
 @triton.jit
@@ -78,8 +79,9 @@ def _decode_split_kernel(
     sm_scale, capacity, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
 ):  # fmt: skip
+    dependent_start(WAIT, TRIGGER)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -142,9 +144,9 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, TRIGGER: tl.constexpr = False,
+    WAIT: tl.constexpr = False,
 ):  # fmt: skip
-    if TRIGGER:  # a dependent GEMV (o_proj) may start loading its weights
-        tl.extra.cuda.gdc_launch_dependents()
+    dependent_start(WAIT, TRIGGER)  # TRIGGER: the o_proj GEMV may start loading its weights
     row = tl.program_id(0)
     head = tl.program_id(1)
     q_heads = tl.num_programs(1)
@@ -226,12 +228,14 @@ def decode_attention_triton(
         BLOCK_N=_block_n(head_dim),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=bool(triton.knobs.runtime.interpret),
-        num_warps=num_warps, num_stages=2,
+        TRIGGER=dependent_launch(q.device), WAIT=dependent_small(q.device),
+        launch_pdl=dependent_small(q.device), num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     _decode_combine_kernel[(batch, q_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        TRIGGER=dependent_launch(out.device), num_warps=4,
+        TRIGGER=dependent_launch(out.device), WAIT=dependent_small(out.device),
+        launch_pdl=dependent_small(out.device), num_warps=4,
     )  # fmt: skip
     return out
 
@@ -243,8 +247,9 @@ def _store_kv_kernel(
     stride_ks, stride_kc_h, stride_kr,
     stride_vs, stride_vc_h, stride_vr,
     capacity,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
 ):  # fmt: skip
+    dependent_start(WAIT, TRIGGER)
     row = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -275,5 +280,7 @@ def store_kv_triton(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_cache.shape[2], HEAD_DIM=head_dim, num_warps=1 if head_dim <= 256 else 2,
+        k_cache.shape[2], HEAD_DIM=head_dim, TRIGGER=dependent_launch(k.device),
+        WAIT=dependent_small(k.device), launch_pdl=dependent_small(k.device),
+        num_warps=1 if head_dim <= 256 else 2,
     )  # fmt: skip

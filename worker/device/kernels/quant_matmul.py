@@ -603,6 +603,8 @@ def _qgemv_kernel(
             a1 = _gemv_group_end(a1, d1, s1, s1, xsum, 1, INT4_KIND)
             a2 = _gemv_group_end(a2, d2, s2, s2, xsum, 2, INT4_KIND)
             a3 = _gemv_group_end(a3, d3, s3, s3, xsum, 3, INT4_KIND)
+    if PDL:  # the next kernel may launch while this one sums its K splits and stores
+        tl.extra.cuda.gdc_launch_dependents()
     _gemv_finish(a0, a1, a2, a3, a4, a5, a6, a7, part_ptr, y_ptr, count_ptr, pid, split,
                  splits, offs_c, mask_c, N, C, BLOCK_C, INT4_KIND, SPLIT)  # fmt: skip
 

@@ -27,7 +27,19 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.device.kernels import dependent_launch
+from worker.device.kernels import dependent_launch, dependent_small
+
+
+@triton.jit
+def dependent_start(WAIT: tl.constexpr, TRIGGER: tl.constexpr):
+    """The start of a kernel in the decode step's chain of dependent launches: WAIT (launched
+    as a dependent, ``kernels.dependent_small``) first waits for the kernel before to finish,
+    its writes visible, before any memory access; TRIGGER then lets the next kernel launch (a
+    GEMV to load its first weights, a small kernel to be resident when this one ends)."""
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -53,10 +65,9 @@ def _normed(x, w_ptr, offs, mask, n, eps, offset, HAS_W: tl.constexpr,
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, stride_x0, stride_x1, stride_y0, stride_y1, n, eps, offset,
     HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr,
-    TRIGGER: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
 ):  # fmt: skip
-    if TRIGGER:  # a dependent GEMV may start loading its weights (kernels.dependent_launch)
-        tl.extra.cuda.gdc_launch_dependents()
+    dependent_start(WAIT, TRIGGER)
     r0, r1 = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -92,7 +103,8 @@ def rms_norm_triton(
         x, weight if weight is not None else x, y, s0, s1, y.stride(0), y.stride(1), n,
         float(eps), float(offset),
         HAS_W=weight is not None, ROUND_FIRST=round_first, BLOCK=triton.next_power_of_2(n),
-        TRIGGER=dependent_launch(x.device), num_warps=_warps(n),
+        TRIGGER=dependent_launch(x.device), WAIT=dependent_small(x.device),
+        launch_pdl=dependent_small(x.device), num_warps=_warps(n),
     )  # fmt: skip
     return y.view(shape)
 
@@ -108,9 +120,9 @@ def _add_rms_norm_kernel(
     stride_y, stride_r, stride_h, stride_o, n, eps, offset,
     NORM1: tl.constexpr, NORM2: tl.constexpr, HAS_SCALE: tl.constexpr,
     ROUND_FIRST: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False,
+    WAIT: tl.constexpr = False,
 ):  # fmt: skip
-    if TRIGGER:  # a dependent GEMV may start loading its weights (kernels.dependent_launch)
-        tl.extra.cuda.gdc_launch_dependents()
+    dependent_start(WAIT, TRIGGER)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -156,7 +168,8 @@ def add_rms_norm_triton(
         y.stride(0), residual.stride(0), h.stride(0), out.stride(0), n, float(eps), float(offset),
         NORM1=w1 is not None, NORM2=w2 is not None, HAS_SCALE=scale is not None,
         ROUND_FIRST=round_first, BLOCK=triton.next_power_of_2(n),
-        TRIGGER=dependent_launch(y.device), num_warps=_warps(n),
+        TRIGGER=dependent_launch(y.device), WAIT=dependent_small(y.device),
+        launch_pdl=dependent_small(y.device), num_warps=_warps(n),
     )  # fmt: skip
     return h, (out if w2 is not None else None)
 
@@ -166,8 +179,9 @@ def _rms_norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
     stride_x0, stride_x1, stride_y0, stride_y1, stride_c, half, eps, offset,
     NORM: tl.constexpr, HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
 ):  # fmt: skip
+    dependent_start(WAIT, TRIGGER)
     t, hd = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
@@ -224,7 +238,9 @@ def rms_norm_rope_triton(
         x.stride(0), x.stride(1), y.stride(0), y.stride(1), cos.stride(0), half,
         float(eps), float(offset),
         NORM=norm, HAS_W=weight is not None, ROUND_FIRST=round_first,
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=_warps(dim),
+        BLOCK_HALF=triton.next_power_of_2(half), TRIGGER=dependent_launch(x.device),
+        WAIT=dependent_small(x.device), launch_pdl=dependent_small(x.device),
+        num_warps=_warps(dim),
     )  # fmt: skip
     return y
 
@@ -308,9 +324,9 @@ def rms_norm_partial_rope_triton(
 def _gated_act_kernel(
     g_ptr, u_ptr, y_ptr, stride_g, stride_u, stride_y, n,
     ACT: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False,
+    WAIT: tl.constexpr = False,
 ):  # fmt: skip
-    if TRIGGER:  # a dependent GEMV may start loading its weights (kernels.dependent_launch)
-        tl.extra.cuda.gdc_launch_dependents()
+    dependent_start(WAIT, TRIGGER)
     row, blk = tl.program_id(0), tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -352,6 +368,7 @@ def gated_act_triton(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Te
     block = 1024
     _gated_act_kernel[(rows, triton.cdiv(n, block))](
         gate, up, y, gate.stride(0), up.stride(0), y.stride(0), n,
-        ACT=GATED_ACTIVATIONS[act], BLOCK=block, TRIGGER=dependent_launch(y.device), num_warps=4,
+        ACT=GATED_ACTIVATIONS[act], BLOCK=block, TRIGGER=dependent_launch(y.device),
+        WAIT=dependent_small(y.device), launch_pdl=dependent_small(y.device), num_warps=4,
     )  # fmt: skip
     return y
