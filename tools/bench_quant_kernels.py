@@ -8,6 +8,7 @@ CUDA only.
 
     python tools/bench_quant_kernels.py [--rows 1,2,4,8,16,32,64,2048] [--out DIR]
     python tools/bench_quant_kernels.py --gemm 8,32,64 [--only o_proj] [--gemm-tiles 0,1] [--warm]
+    python tools/bench_quant_kernels.py --tiles int4 --layouts 0,32   # weight layouts side by side
 """
 
 from __future__ import annotations
@@ -173,17 +174,15 @@ def bench_shape(
 
 # --tiles: the GEMV tiles timed at one row (5th field: group slots; 6th: L2 prefetch steps
 # ahead, quant_matmul's GEMV_CONFIG comment) and the GEMM tiles at 32 rows (5th: joined store;
-# 6th: the K split's program target, 0 for GEMM_PROGRAMS; 7th: L2 prefetch K tiles ahead)
+# 6th: the K split's program target, 0 for GEMM_PROGRAMS; 7th: L2 prefetch K tiles ahead):
+# session 16's set (BENCHMARKS "the blocked weight layout"), with --layouts 0,32
 TILE_GEMVS = [
-    (32, 264, 8, 8), (128, 264, 4, 8), (32, 264, 8, 8, 32), (64, 264, 4, 8, 8), (128, 264, 4, 8, 4),
-    (32, 264, 8, 8, 32, 2), (32, 264, 8, 8, 32, 3), (32, 264, 8, 8, 32, 6), (64, 264, 4, 8, 8, 3),
-    (64, 264, 4, 8, 8, 6), (128, 264, 4, 8, 4, 3), (32, 132, 8, 8, 32, 3), (64, 132, 4, 8, 8, 6),
+    (32, 264, 8, 8), (64, 264, 8, 8), (64, 264, 4, 8, 8), (32, 264, 4, 8, 8), (128, 264, 4, 8),
+    (32, 132, 8, 8), (32, 396, 8, 8),
 ]  # fmt: skip
 TILE_GEMM_PROGRAMS = (132, 264)  # --gemm: the K split's targets
-TILE_GEMMS = [
-    (64, 32, 4, 3, 1, 264), (64, 32, 4, 4, 1, 264), (128, 32, 8, 3, 1), (64, 32, 4, 3, 1, 264, 4),
-    (64, 32, 4, 4, 1, 264, 6), (64, 32, 4, 3, 1, 264, 8), (128, 32, 8, 3, 1, 0, 4),
-]  # fmt: skip
+# session 13's chosen 32-row tile and its neighbours
+TILE_GEMMS = [(32, 32, 2, 3, 1, 528), (32, 32, 2, 3, 1, 264), (64, 32, 4, 3, 1, 264)]
 
 
 def rotated(fn: Any, weights: list[Any]) -> float:
@@ -192,16 +191,20 @@ def rotated(fn: Any, weights: list[Any]) -> float:
     return seconds(lambda: [fn(w) for w in weights]) / len(weights)
 
 
-def bench_tiles(name: str, n: int, k: int, group: int, kind: str) -> None:
-    """One line per tile: us per call (weights past L2), TB/s of the weight bytes, the max
-    error against the torch reference; the first GEMV / GEMM line is the default tile."""
+def bench_tiles(
+    name: str, n: int, k: int, group: int, kind: str, layouts: list[int] | None = None
+) -> None:
+    """One line per tile and weight layout (``layouts``: block widths, 0 the plain [K, C]
+    order; None: the default): us per call (weights past L2), TB/s of the weight bytes, the
+    max error against the torch reference, and whether the bits equal the first layout's; the
+    first GEMV / GEMM line is the default tile."""
     dev = torch.device("cuda")
     weight = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
     qw = Q.quantize(weight, Q.QuantFormat(kind, group), search=False)
-    packed = qm.KMajorWeight.pack(qw)
-    copies = [packed] + [
-        qm.KMajorWeight.pack(qw) for _ in range(max(0, -(-200_000_000 // packed.nbytes) - 1))
-    ]
+    meta = qm.meta_dtype_for(kind, torch.bfloat16)  # as a bf16 model's weights
+    layouts = [qm.BLOCK_WORDS] if layouts is None else layouts
+    first = qm.KMajorWeight.pack(qw, meta, layouts[0])
+    more = max(0, -(-200_000_000 // first.nbytes) - 1)
     for m in (1, 32):
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         want = F.linear(x, qw.dequantize(torch.bfloat16)).float()
@@ -209,18 +212,24 @@ def bench_tiles(name: str, n: int, k: int, group: int, kind: str) -> None:
             runs = [(f"gemv {c}", lambda w, c=c, x=x: qm.qgemv(x, w, c)) for c in TILE_GEMVS]
         else:
             runs = [(f"gemm32 {c}", lambda w, c=c, x=x: qm.qgemm(x, w, c)) for c in TILE_GEMMS]
-        for label, fn in runs:
-            try:
-                us = rotated(fn, copies) * 1e6
-                err = (fn(packed).float() - want).abs().max().item() / want.abs().max().item()
-            except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
-                print(f"{kind} {name} [{n}, {k}] {label}: failed {exc!r:.80}", flush=True)
-                continue
-            tbps = packed.nbytes / (us * 1e-6) / 1e12
-            print(f"{kind} {name} [{n}, {k}] {label}: {us:.1f} us {tbps:.2f} TB/s "
-                  f"err {err:.1e}", flush=True)  # fmt: skip
-    del copies
-    torch.cuda.empty_cache()
+        for block in layouts:
+            packed = qm.KMajorWeight.pack(qw, meta, block)
+            copies = [packed] + [qm.KMajorWeight.pack(qw, meta, block) for _ in range(more)]
+            layout = f"blocks of {block}" if block else "plain"
+            for label, fn in runs:
+                try:
+                    us = rotated(fn, copies) * 1e6
+                    got = fn(packed)
+                    same = torch.equal(got, fn(first))
+                    err = (got.float() - want).abs().max().item() / want.abs().max().item()
+                except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot run
+                    print(f"{kind} {name} [{n}, {k}] {label} {layout}: failed {exc!r:.80}")
+                    continue
+                tbps = packed.nbytes / (us * 1e-6) / 1e12
+                print(f"{kind} {name} [{n}, {k}] {label} {layout}: {us:.1f} us {tbps:.2f} TB/s "
+                      f"err {err:.1e} bits as {layouts[0]}: {same}", flush=True)  # fmt: skip
+            del copies, packed
+            torch.cuda.empty_cache()
 
 
 # --gemm: session 7's GEMM tiles and the same with the joined store (5th field), at each row
@@ -281,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     tiles_help = "kinds (int4,int8): only time the tiles of bench_tiles per matrix"
     p.add_argument("--tiles", default="", help=tiles_help)
     p.add_argument("--only", default="", help="with --tiles: matrix names (qkv,o_proj,...)")
+    layouts_help = "with --tiles: weight layouts side by side, block widths (0: plain), e.g. 0,32"
+    p.add_argument("--layouts", default="", help=layouts_help)
     gemm_help = "rows (8,32,64): only time GEMM_STORE_TILES per matrix (with --only)"
     p.add_argument("--gemm", default="", help=gemm_help)
     p.add_argument("--gemm-tiles", default="", help="with --gemm: GEMM_STORE_TILES indices")
@@ -305,10 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.tiles:
         only = set(args.only.split(",")) if args.only else None
+        layouts = [int(b) for b in args.layouts.split(",")] if args.layouts else None
         for kind in args.tiles.split(","):
             for name, n, k, _ in model_shapes(Path(args.model)):
                 if only is None or name in only:
-                    bench_tiles(name, n, k, args.group, kind)
+                    bench_tiles(name, n, k, args.group, kind, layouts)
         return 0
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = model_shapes(Path(args.model))
