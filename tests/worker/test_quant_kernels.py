@@ -134,19 +134,18 @@ def test_blocked_layout_gives_the_plain_layouts_bits(kind: str) -> None:
     plain = qm.KMajorWeight.pack(qw, block=0)
     one = torch.randn(1, 96, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     many = torch.randn(5, 96, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    gemvs = [((8, 1, 2, 8), 1), ((16, 1, 1, 4), 3), ((8, 1, 2, -2), 2), ((8, 1, 1, 8, 4), 3)]
-    gemms = [(8, 16, 1, 1, 1, 1), (16, 32, 1, 1, 0, 6)]
-    for block in (8, 16):
-        blocked = qm.KMajorWeight.pack(qw, block=block)
-        for config, split in gemvs:
-            want = qm.qgemv(one, plain, config, split=split)
-            assert torch.equal(qm.qgemv(one, blocked, config, split=split), want), config
-        for config in gemms:
-            assert torch.equal(qm.qgemm(many, blocked, config), qm.qgemm(many, plain, config))
-        got = qm.dequantize_triton(blocked, torch.float32)
-        assert torch.equal(got, qm.dequantize_triton(plain, torch.float32))
-        ids = torch.tensor([0, 199, 77, 77]).to(DEVICE)
-        assert torch.equal(blocked.rows(ids, torch.float32), plain.rows(ids, torch.float32))
+    blocked = qm.KMajorWeight.pack(qw, block=16)  # int4: 2 blocks, int8: 4; the last padded
+    # tiles of 8, 16 and 32 words: half a block, one, two
+    gemvs = [((8, 1, 2, 8), 1), ((32, 1, 1, 4), 3), ((8, 1, 2, -2), 2), ((16, 1, 1, 8, 4), 3)]
+    for config, split in gemvs:
+        want = qm.qgemv(one, plain, config, split=split)
+        assert torch.equal(qm.qgemv(one, blocked, config, split=split), want), config
+    for config in [(8, 16, 1, 1, 1, 1), (32, 32, 1, 1, 0, 6)]:
+        assert torch.equal(qm.qgemm(many, blocked, config), qm.qgemm(many, plain, config))
+    got = qm.dequantize_triton(blocked, torch.float32)
+    assert torch.equal(got, qm.dequantize_triton(plain, torch.float32))
+    ids = torch.tensor([0, 199, 77, 77]).to(DEVICE)
+    assert torch.equal(blocked.rows(ids, torch.float32), plain.rows(ids, torch.float32))
 
 
 @pytest.mark.parametrize("group", [8, 32])
