@@ -381,6 +381,56 @@ def test_rms_norm_partial_rope_kernel_matches_torch(
     torch.testing.assert_close(got[..., rotary:], _reference(norm, x)[..., rotary:], **_tol(dtype))
 
 
+@pytest.mark.parametrize("case", ["gemma4", "k_eq_v", "llama", "rope_only"])
+def test_qkv_norm_rope_store_kernel_equals_its_four_kernels(
+    fused: ModuleType, triton_kernels: ModuleType, case: str
+) -> None:
+    """The decode step's one launch (q and k norms and rotary, the V norm, the KV store) gives
+    the bits of the four kernels it replaces: q returned, k and v written at positions % R of
+    their slots (a ring wrapped, a padding row writing nothing), every other entry untouched."""
+    from worker.layers.rope import Rotary
+    from worker.models.config import RopeSpec
+
+    dim, heads, kv_heads, rows, dtype = 32, 4, 2, 4, torch.bfloat16
+    norm = _torch_norm(dim, "llama" if case == "llama" else "gemma4", dtype)
+    k_norm = _torch_norm(dim, "llama" if case == "llama" else "gemma4", dtype)
+    with torch.no_grad():
+        k_norm.weight.mul_(-0.5)  # q and k norms of their own
+    rot = Rotary(RopeSpec(theta=10000.0), dim, 512)
+    positions = torch.tensor([3, 9, 130, 5], device=_device())
+    slots = torch.tensor([1, -1, 0, 2], device=_device())
+    cos, sin = rot.cos_sin(positions, dtype)
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype).to(_device())
+    q = qkv[:, : heads * dim].view(rows, heads, dim)  # strided views, as `_project` gives
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    v = k if case == "k_eq_v" else qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+    has_norm = case in ("gemma4", "k_eq_v", "llama")
+    v_eps = 1e-6 if case in ("gemma4", "k_eq_v") else None
+    caches = [torch.randn(3, kv_heads, 8, dim, generator=gen).to(dtype).to(_device())
+              for _ in range(2)]  # fmt: skip
+    want_k, want_v = caches[0].clone(), caches[1].clone()
+    if has_norm:
+        want_q = fused.rms_norm_rope_triton(q, norm.weight, cos, sin, norm.eps,
+                                            norm.style.offset, norm.round_first)  # fmt: skip
+        k_in = fused.rms_norm_rope_triton(k, k_norm.weight, cos, sin, norm.eps,
+                                          norm.style.offset, norm.round_first)  # fmt: skip
+    else:
+        want_q = fused.rms_norm_rope_triton(q, None, cos, sin, 0.0, 0.0, False, norm=False)
+        k_in = fused.rms_norm_rope_triton(k, None, cos, sin, 0.0, 0.0, False, norm=False)
+    v_in = v.contiguous() if v_eps is None else fused.rms_norm_triton(v, None, v_eps, 0.0, False)
+    triton_kernels.store_kv_triton(want_k, want_v, k_in, v_in, slots, positions)
+    norms = None
+    if has_norm:
+        norms = (norm.weight, k_norm.weight, norm.eps, norm.style.offset, norm.round_first)
+    got_k, got_v = caches[0].clone(), caches[1].clone()
+    got_q = fused.qkv_norm_rope_store_triton(q, k, v, norms, v_eps, cos, sin, got_k, got_v,
+                                             slots, positions)  # fmt: skip
+    assert got_q.is_contiguous() and torch.equal(got_q, want_q)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert not torch.equal(got_k, caches[0]) and torch.equal(got_k[:, :, 1], caches[0][:, :, 1])
+
+
 # the interpreter computes sigmoid(x) as 1 / (1 + exp(-x)) in numpy: exp overflows to inf
 # for large negative x and warns, and the result (0) is right
 def test_small_kernels_launch_dependent_where_the_gemvs_do(monkeypatch: pytest.MonkeyPatch) -> None:

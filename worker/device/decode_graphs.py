@@ -56,6 +56,11 @@ class FusedDecodePlan:
     ) -> torch.Tensor:
         """q [B, H, D]; k, v [B, KVH, D]; cache: a worker.layers.kv.LayerCache."""
         store_kv_op(cache.k, cache.v, k.contiguous(), v.contiguous(), self.slots, self.positions)
+        return self.attend_stored(q, cache, scale)
+
+    def attend_stored(self, q: torch.Tensor, cache: Any, scale: float) -> torch.Tensor:
+        """`attend` once this step's keys and values are in ``cache`` already (written by the
+        kernel that norms and rotates them, `rmsnorm.qkv_norm_rope_store_triton`)."""
         return decode_attention_op(
             q.contiguous(), cache.k, cache.v, self.slots, self.lens, float(scale), cache.window or 0
         )

@@ -16,6 +16,7 @@ gone then.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,8 +297,12 @@ class Attention(nn.Module):
         if self.cpu_kernel and _on_cpu_kernel(x):
             q, k, v = self._norm_rope_cpu(q, k, v, cos, sin)
         elif use_triton(x):
-            q, k, v = self._norm_rope_fused(q, k, v, cos, sin)
-            o = attend(q, k, v, cache, plan, self.scale)  # [T, H, D]
+            if hasattr(plan, "attend_stored") and _qkv_store_fused():
+                o = plan.attend_stored(self._norm_rope_store(q, k, v, cos, sin, cache, plan),
+                                       cache, self.scale)  # fmt: skip
+            else:
+                q, k, v = self._norm_rope_fused(q, k, v, cos, sin)
+                o = attend(q, k, v, cache, plan, self.scale)  # [T, H, D]
             fused: torch.Tensor = self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
             return fused
         else:
@@ -349,6 +354,29 @@ class Attention(nn.Module):
         q_out = norm_rope(q, self.q_norm if has_qk_norm else None)
         k_out = norm_rope(k, self.k_norm if has_qk_norm else None)
         return q_out, k_out, v_out
+
+    def _norm_rope_store(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, cache: LayerCache, plan: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        """A decode step's `_norm_rope_fused` and the plan's store of k and v into ``cache``
+        in one launch -> q, normed and rotated (the plan then attends without storing)."""
+        from worker.device.kernels.rmsnorm import qkv_norm_rope_store_triton
+
+        norms = None
+        if self.q_norm is not None and self.k_norm is not None:
+            q_norm, k_norm = self.q_norm, self.k_norm
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.style.offset,
+                     q_norm.round_first)  # fmt: skip
+        v_eps = self.v_norm.eps if self.v_norm is not None else None
+        return qkv_norm_rope_store_triton(q, k, v, norms, v_eps, cos, sin, cache.k, cache.v,
+                                          plan.slots, plan.positions)  # fmt: skip
+
+
+def _qkv_store_fused() -> bool:
+    """Decode's q/k norms, rotary, V norm and KV store as one kernel where the attention plan
+    allows it (`decode_graphs.FusedDecodePlan`); TOKENPIPE_QKV_STORE=0 keeps four launches."""
+    return os.environ.get("TOKENPIPE_QKV_STORE", "1") != "0"
 
 
 class PreNormDecoderLayer(nn.Module):

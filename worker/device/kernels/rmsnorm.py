@@ -1,13 +1,15 @@
 """Fused RMSNorm kernels (Triton): one launch where the torch path takes five to ten.
 
-Three kernels, each one program per row (the row fits in one block):
+The kernels, one program per row (the row fits in one block):
 
 - `rms_norm_triton(x, w, eps, offset, round_first)`: y = norm(x) * (offset + w);
 - `add_rms_norm_triton(y, r, w1, w2, scale, ...)`: h = (r + norm_w1(y)) * scale, and
   n = norm_w2(h): the sandwich layer's "residual add + next norm" in one pass;
 - `rms_norm_rope_triton(x, w, cos, sin, ...)`: per (token, head) row, the q/k norm followed
   by the rotate-half rotary embedding; `rms_norm_partial_rope_triton` the same with only the
-  first dims rotated (qwen3_5_moe's partial rotary).
+  first dims rotated (qwen3_5_moe's partial rotary);
+- `qkv_norm_rope_store_triton(q, k, v, ...)`: a decode step's q and k norms and rotary, the
+  V norm, and the store of the new key and value into the KV cache, in one launch.
 
 Numerics: the sum of squares and the scaling run in float32; every value the torch path
 stores in the input dtype (the norm's output, the residual sum, the scaled sum) is rounded to
@@ -23,11 +25,16 @@ The torch references are in `worker.device.kernels.reference`-style helpers of
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from worker.device.kernels import dependent_launch, dependent_small
+
+# A/B switch (session 17): trigger the dependent before waiting on the kernel before
+_TRIGGER_FIRST = tl.constexpr(os.environ.get("TOKENPIPE_PDL_EARLY", "0") == "1")
 
 
 @triton.jit
@@ -36,9 +43,11 @@ def dependent_start(WAIT: tl.constexpr, TRIGGER: tl.constexpr):
     as a dependent, ``kernels.dependent_small``) first waits for the kernel before to finish,
     its writes visible, before any memory access; TRIGGER then lets the next kernel launch (a
     GEMV to load its first weights, a small kernel to be resident when this one ends)."""
+    if TRIGGER and _TRIGGER_FIRST:
+        tl.extra.cuda.gdc_launch_dependents()
     if WAIT:
         tl.extra.cuda.gdc_wait()
-    if TRIGGER:
+    if TRIGGER and not _TRIGGER_FIRST:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -175,18 +184,13 @@ def add_rms_norm_triton(
 
 
 @triton.jit
-def _rms_norm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
-    stride_x0, stride_x1, stride_y0, stride_y1, stride_c, half, eps, offset,
-    NORM: tl.constexpr, HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
-):  # fmt: skip
-    dependent_start(WAIT, TRIGGER)
-    t, hd = tl.program_id(0), tl.program_id(1)
+def _norm_rope_row(base, w_ptr, cos_ptr, sin_ptr, t, stride_c, half, eps, offset,
+                   NORM: tl.constexpr, HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, dt: tl.constexpr):  # fmt: skip
+    """The row of D = 2 * half values at ``base`` (token t): its q/k norm (NORM), then the
+    rotate-half rotary embedding -> the two halves, float32 (the caller rounds to dt)."""
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
-    dt = y_ptr.dtype.element_ty
-    base = x_ptr + t * stride_x0 + hd * stride_x1
     x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + half + offs, mask=mask, other=0.0).to(tl.float32)
     if NORM:
@@ -208,8 +212,24 @@ def _rms_norm_rope_kernel(
     c2 = tl.load(cos_ptr + t * stride_c + half + offs, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + t * stride_c + offs, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t * stride_c + half + offs, mask=mask, other=0.0).to(tl.float32)
-    y1 = x1 * c1 - x2 * s1
-    y2 = x2 * c2 + x1 * s2
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
+    stride_x0, stride_x1, stride_y0, stride_y1, stride_c, half, eps, offset,
+    NORM: tl.constexpr, HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
+):  # fmt: skip
+    dependent_start(WAIT, TRIGGER)
+    t, hd = tl.program_id(0), tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < half
+    dt = y_ptr.dtype.element_ty
+    y1, y2 = _norm_rope_row(x_ptr + t * stride_x0 + hd * stride_x1, w_ptr, cos_ptr, sin_ptr, t,
+                            stride_c, half, eps, offset, NORM, HAS_W, ROUND_FIRST, BLOCK_HALF,
+                            dt)  # fmt: skip
     out = y_ptr + t * stride_y0 + hd * stride_y1
     tl.store(out + offs, y1.to(dt), mask=mask)
     tl.store(out + half + offs, y2.to(dt), mask=mask)
@@ -243,6 +263,99 @@ def rms_norm_rope_triton(
         num_warps=_warps(dim),
     )  # fmt: skip
     return y
+
+
+@triton.jit
+def _qkv_norm_rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, w_q_ptr, w_k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr,
+    v_cache_ptr, slots_ptr, positions_ptr,
+    stride_q0, stride_q1, stride_k0, stride_k1, stride_v0, stride_v1, stride_o0, stride_o1,
+    stride_c, stride_ks, stride_kh, stride_kr, stride_vs, stride_vh, stride_vr,
+    heads, capacity, half, eps, v_eps, offset,
+    NORM: tl.constexpr, HAS_W: tl.constexpr, V_NORM: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, TRIGGER: tl.constexpr = False,
+    WAIT: tl.constexpr = False,
+):  # fmt: skip
+    """Program (t, h): q head h (h < heads) normed and rotated into q_out; or KV head
+    h - heads, its key normed and rotated and its value normed (V_NORM), both written into
+    the caches at entry positions[t] % capacity of slots[t] (a negative slot: nothing)."""
+    dependent_start(WAIT, TRIGGER)
+    t, hd = tl.program_id(0), tl.program_id(1)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < half
+    dt = q_out_ptr.dtype.element_ty
+    if hd < heads:
+        y1, y2 = _norm_rope_row(q_ptr + t * stride_q0 + hd * stride_q1, w_q_ptr, cos_ptr,
+                                sin_ptr, t, stride_c, half, eps, offset, NORM, HAS_W, ROUND_FIRST,
+                                BLOCK_HALF, dt)  # fmt: skip
+        out = q_out_ptr + t * stride_o0 + hd * stride_o1
+        tl.store(out + offs, y1.to(dt), mask=mask)
+        tl.store(out + half + offs, y2.to(dt), mask=mask)
+    else:
+        j = hd - heads
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if slot >= 0:
+            entry = tl.load(positions_ptr + t).to(tl.int64) % capacity
+            y1, y2 = _norm_rope_row(k_ptr + t * stride_k0 + j * stride_k1, w_k_ptr, cos_ptr,
+                                    sin_ptr, t, stride_c, half, eps, offset, NORM, HAS_W,
+                                    ROUND_FIRST, BLOCK_HALF, dt)  # fmt: skip
+            k_dst = k_cache_ptr + slot * stride_ks + j * stride_kh + entry * stride_kr
+            ct = k_cache_ptr.dtype.element_ty
+            tl.store(k_dst + offs, y1.to(dt).to(ct), mask=mask)
+            tl.store(k_dst + half + offs, y2.to(dt).to(ct), mask=mask)
+            offs_d = tl.arange(0, BLOCK_D)
+            mask_d = offs_d < 2 * half
+            v = tl.load(v_ptr + t * stride_v0 + j * stride_v1 + offs_d, mask=mask_d, other=0.0)
+            v = v.to(tl.float32)
+            if V_NORM:
+                v = _normed(v, v_ptr, offs_d, mask_d, 2 * half, v_eps, 0.0, False, False, dt)
+            v_dst = v_cache_ptr + slot * stride_vs + j * stride_vh + entry * stride_vr
+            tl.store(v_dst + offs_d, v.to(dt).to(v_cache_ptr.dtype.element_ty), mask=mask_d)
+
+
+def qkv_norm_rope_store_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    norms: tuple[torch.Tensor | None, torch.Tensor | None, float, float, bool] | None,
+    v_eps: float | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """A decode step's attention inputs in one launch: q [B, H, D] -> rotary(q_norm(q)),
+    returned contiguous; k [B, KVH, D] -> rotary(k_norm(k)) and v -> v_norm(v) (weightless),
+    written into the caches [S, KVH, R, D] at entry ``positions % R`` of ``slots`` (a
+    negative slot writes nothing). ``norms``: (q weight, k weight, eps, offset, round_first),
+    or None for rotary alone; ``v_eps`` None: no V norm. The same values, roundings included,
+    as `rms_norm_rope_triton` on q and k, `rms_norm_triton` on v and
+    `decode_attention.store_kv_triton`: four launches in one."""
+    batch, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    w_q, w_k, eps, offset, round_first = norms or (None, None, 0.0, 0.0, False)
+    out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
+    half = dim // 2
+    _qkv_norm_rope_store_kernel[(batch, heads + kv_heads)](
+        q, k, v, w_q if w_q is not None else q, w_k if w_k is not None else q, cos, sin, out,
+        k_cache, v_cache, slots, positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        heads, k_cache.shape[2], half, float(eps), float(v_eps or 0.0), float(offset),
+        NORM=norms is not None, HAS_W=w_q is not None, V_NORM=v_eps is not None,
+        ROUND_FIRST=round_first, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_D=triton.next_power_of_2(dim), TRIGGER=dependent_launch(q.device),
+        WAIT=dependent_small(q.device), launch_pdl=dependent_small(q.device),
+        num_warps=_warps(dim),
+    )  # fmt: skip
+    return out
 
 
 @triton.jit
