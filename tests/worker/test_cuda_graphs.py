@@ -296,3 +296,30 @@ def test_fused_kernels_and_merged_projections_match_the_torch_path(
         got = graphed(step, kv_fast)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         token, pos = int(want.argmax()), pos + 1
+
+
+def test_norm_chain_only_where_every_layer_can(
+    monkeypatch: pytest.MonkeyPatch, triton_ready: None
+) -> None:
+    """The decode step chains each layer's last kernel into the next layer's input norm (and
+    the last layer's into the final norm) only on the fused path, for sandwich layers whose
+    norms share style and eps with the next; TOKENPIPE_NORM_CHAIN=0 turns it off."""
+    from worker.layers.blocks import norm_chain
+
+    monkeypatch.delenv("TOKENPIPE_NORM_CHAIN", raising=False)
+    gemma, llama = tiny_model(), build_model(ModelConfig.from_hf(_llama_config()), "cpu",
+                                             torch.float32)  # fmt: skip
+    x = torch.zeros(1, 64)
+    monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "0")
+    assert norm_chain(gemma.model.layers, gemma.model.norm, x) is None  # the torch path
+    monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
+    chain = norm_chain(gemma.model.layers, gemma.model.norm, x)
+    layers = list(gemma.model.layers)
+    assert chain is not None and chain[-1] is gemma.model.norm
+    assert chain[:-1] == [layer.input_layernorm for layer in layers[1:]]
+    assert norm_chain(llama.model.layers, llama.model.norm, x) is None
+    monkeypatch.setenv("TOKENPIPE_NORM_CHAIN", "0")
+    assert norm_chain(gemma.model.layers, gemma.model.norm, x) is None
+    monkeypatch.delenv("TOKENPIPE_NORM_CHAIN")
+    monkeypatch.setattr(gemma.model.norm, "eps", gemma.model.norm.eps * 2)
+    assert norm_chain(gemma.model.layers, gemma.model.norm, x) is None

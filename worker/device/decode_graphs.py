@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from worker.device.kernels.attention import decode_attention_op, store_kv_op
 from worker.device.kernels.batched_sampling import RowSampling, sample_rows
+from worker.layers.blocks import norm_chain
 from worker.layers.quant import QuantLinear
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -115,11 +116,20 @@ def rows_logits(
     if model.embed_scale is not None:
         x = x * torch.tensor(model.embed_scale, dtype=x.dtype)
     tables = {key: rot.cos_sin(positions, x.dtype) for key, rot in model._rotaries.items()}
-    for layer, rope_key, cache in zip(model.model.layers, model._rope_keys, kv.layers, strict=True):
-        x = layer(x, tables[rope_key], cache, plan)
+    layers = model.model.layers
+    chain = norm_chain(layers, model.model.norm, x)  # each layer's last kernel norms for the next
+    normed = None
+    for i, (layer, rope_key, cache) in enumerate(zip(layers, model._rope_keys, kv.layers,
+                                                     strict=True)):  # fmt: skip
+        if chain is None:
+            x = layer(x, tables[rope_key], cache, plan)
+        else:
+            x, normed = layer.forward_chained(x, normed, tables[rope_key], cache, plan, chain[i])
+    if normed is not None:
+        x = normed  # the final norm, applied by the last layer
     if last is not None:
         x = x.index_select(0, last)
-    last_hidden = model.model.norm(x)
+    last_hidden = x if normed is not None else model.model.norm(x)
     gemv = getattr(model, "_decode_lm_head_gemv", None)  # set by worker/device/cuda_setup.py
     if isinstance(model.lm_head, QuantLinear):  # its own kernels (quant_matmul)
         logits = model.lm_head(last_hidden).float()

@@ -458,7 +458,7 @@ class SandwichDecoderLayer(nn.Module):
         if self.cpu_kernel and _on_cpu_kernel(x):
             return self._tail_cpu(x, attn)
         if use_triton(x) and self.post_attention_layernorm.weight is not None:
-            return self._tail_fused(x, attn)
+            return self._tail_fused(x, attn)[0]
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))
         x = x + self.post_feedforward_layernorm(mlp)
@@ -481,8 +481,37 @@ class SandwichDecoderLayer(nn.Module):
             x = x * self.layer_scalar
         return x
 
-    def _tail_fused(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Everything after attention in two norm kernels (+ the MLP)."""
+    def chainable(self, x: torch.Tensor, next_norm: RMSNorm) -> bool:
+        """`forward_chained` serves x: the fused tail runs, and ``next_norm`` (the next
+        layer's input norm, or the model's final one) has the weight, style and eps of its own
+        norms, so its last kernel can apply it."""
+        post = self.post_attention_layernorm
+        return (
+            not self.cpu_kernel and use_triton(x) and post.weight is not None
+            and next_norm.weight is not None and next_norm.eps == post.eps
+            and next_norm.style == post.style
+        )  # fmt: skip
+
+    def forward_chained(
+        self, x: torch.Tensor, normed: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor], cache: LayerCache, plan: AttentionPlan,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`forward` with its input norm already applied by the layer before (``normed``:
+        input_layernorm(x); None: applied here) -> (x, next_norm(x)), both from its last
+        kernel: one norm launch a layer fewer (see ``chainable``)."""
+        if normed is None:
+            normed = self.input_layernorm(x)
+        attn = self.self_attn(normed, cos_sin, cache, plan)
+        x, h = self._tail_fused(x, attn, next_norm)
+        assert h is not None
+        return x, h
+
+    def _tail_fused(
+        self, x: torch.Tensor, attn: torch.Tensor, next_norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Everything after attention in two norm kernels (+ the MLP); with ``next_norm``,
+        the second also returns next_norm of the layer's output."""
         from worker.device.kernels.rmsnorm import add_rms_norm_triton
 
         post_attn, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
@@ -493,7 +522,22 @@ class SandwichDecoderLayer(nn.Module):
                                    first)  # fmt: skip
         assert h is not None
         mlp = self.mlp(h)
-        # (x + post_ff(mlp)) * layer_scalar
-        x, _ = add_rms_norm_triton(mlp, x, post_ff.weight, None, self.layer_scalar, eps, offset,
-                                   first)  # fmt: skip
-        return x
+        # (x + post_ff(mlp)) * layer_scalar, and next_norm of that
+        next_weight = next_norm.weight if next_norm is not None else None
+        return add_rms_norm_triton(mlp, x, post_ff.weight, next_weight, self.layer_scalar, eps,
+                                   offset, first)  # fmt: skip
+
+
+def norm_chain(layers: Any, final_norm: Any, x: torch.Tensor) -> list[RMSNorm] | None:
+    """The norm each layer's last kernel applies for the next (its input norm; the final norm
+    after the last layer) when every layer can (`SandwichDecoderLayer.chainable`), else None.
+    TOKENPIPE_NORM_CHAIN=0: None."""
+    if os.environ.get("TOKENPIPE_NORM_CHAIN", "1") == "0" or not isinstance(final_norm, RMSNorm):
+        return None
+    layers = list(layers)
+    if not all(isinstance(layer, SandwichDecoderLayer) for layer in layers):
+        return None
+    nexts = [layer.input_layernorm for layer in layers[1:]] + [final_norm]
+    if not all(layer.chainable(x, n) for layer, n in zip(layers, nexts, strict=True)):
+        return None
+    return nexts
