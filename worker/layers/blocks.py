@@ -179,12 +179,6 @@ class GatedMLP(nn.Module):
 
                     act = GATED_ACTIVATIONS[self.act_name]
                     return gated_gemv_triton(gate, up, self.down_proj.weight, act, config)
-                packed = getattr(self.down_proj, "device_packed", None)
-                if packed is not None and one_row and self.down_proj.bias is None:
-                    from worker.device.kernels.quant_matmul import gated_takes, qgemv
-
-                    if gated_takes(packed):  # the quantized GEMV, the activation in its loads
-                        return qgemv(gate, packed, up=up, act=GATED_ACTIVATIONS[self.act_name])
                 out: torch.Tensor = self.down_proj(gated_act_triton(gate, up, self.act_name))
                 return out
         out = self.down_proj(self.act(gate) * up)

@@ -59,7 +59,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from worker.device.kernels.rmsnorm import gated_activation
 from worker.layers.quant import INT4, QuantizedWeight, unpack_nibbles
 
 GEMV_MAX_ROWS = 1
@@ -353,11 +352,10 @@ def _gemv_store(y_ptr, acc, offs_c, mask_c, N, p: tl.constexpr, P: tl.constexpr)
 
 
 @triton.jit
-def _gemv_row(w_ptr, x_ptr, u_ptr, g, row, mask_g, mask_c, offs_c, C, GROUP: tl.constexpr,
-              ACT: tl.constexpr):  # fmt: skip
+def _gemv_row(w_ptr, x_ptr, g, row, mask_g, mask_c, offs_c, C, GROUP: tl.constexpr):
     """Row ``row`` of each warp's group g: the words [WARPS, BLOCK_C] and x [WARPS] (fp32)."""
     return _gemv_words(w_ptr, g, row, mask_g, mask_c, offs_c, C, GROUP), _gemv_x(
-        x_ptr, u_ptr, g, row, mask_g, GROUP, ACT
+        x_ptr, g, row, mask_g, GROUP
     )
 
 
@@ -368,15 +366,8 @@ def _gemv_words(w_ptr, g, row, mask_g, mask_c, offs_c, C, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _gemv_x(x_ptr, u_ptr, g, row, mask_g, GROUP: tl.constexpr, ACT: tl.constexpr):
-    """x at K index g * GROUP + row (fp32); ACT >= 0: x is act(gate) * up of the gate at x_ptr
-    and the up at u_ptr, rounded as `rmsnorm.gated_activation` (the gated activation's kernel
-    folded into the down matrix's loads)."""
-    x = tl.load(x_ptr + g * GROUP + row, mask=mask_g, other=0.0)
-    if ACT >= 0:
-        u = tl.load(u_ptr + g * GROUP + row, mask=mask_g, other=0.0).to(tl.float32)
-        x = gated_activation(x.to(tl.float32), u, ACT, x_ptr.dtype.element_ty)
-    return x.to(tl.float32)
+def _gemv_x(x_ptr, g, row, mask_g, GROUP: tl.constexpr):
+    return tl.load(x_ptr + g * GROUP + row, mask=mask_g, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -468,7 +459,7 @@ def _qgemv_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, y_ptr, count_ptr, N, C, K,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
     WARPS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
-    BW: tl.constexpr = 0, u_ptr=None, ACT: tl.constexpr = -1,
+    BW: tl.constexpr = 0,
 ):  # fmt: skip
     """y = x @ W^T for one row of x. Program (i, s): word columns [i * BLOCK_C, ...) over the
     groups of K split s, which its WARPS tile rows share out (row w takes groups w, w + WARPS,
@@ -510,15 +501,15 @@ def _qgemv_kernel(
         w7 = _gemv_words(w_ptr, g, 7, mask_g, mask_c, words_at, RS, GROUP)
     if PDL:
         tl.extra.cuda.gdc_wait()  # x (and the outputs' memory) belong to the kernels before
-    x0 = _gemv_x(x_ptr, u_ptr, g, 0, mask_g, GROUP, ACT)
-    x1 = _gemv_x(x_ptr, u_ptr, g, 1, mask_g, GROUP, ACT)
-    x2 = _gemv_x(x_ptr, u_ptr, g, 2, mask_g, GROUP, ACT)
-    x3 = _gemv_x(x_ptr, u_ptr, g, 3, mask_g, GROUP, ACT)
+    x0 = _gemv_x(x_ptr, g, 0, mask_g, GROUP)
+    x1 = _gemv_x(x_ptr, g, 1, mask_g, GROUP)
+    x2 = _gemv_x(x_ptr, g, 2, mask_g, GROUP)
+    x3 = _gemv_x(x_ptr, g, 3, mask_g, GROUP)
     if ROWS == 8:
-        x4 = _gemv_x(x_ptr, u_ptr, g, 4, mask_g, GROUP, ACT)
-        x5 = _gemv_x(x_ptr, u_ptr, g, 5, mask_g, GROUP, ACT)
-        x6 = _gemv_x(x_ptr, u_ptr, g, 6, mask_g, GROUP, ACT)
-        x7 = _gemv_x(x_ptr, u_ptr, g, 7, mask_g, GROUP, ACT)
+        x4 = _gemv_x(x_ptr, g, 4, mask_g, GROUP)
+        x5 = _gemv_x(x_ptr, g, 5, mask_g, GROUP)
+        x6 = _gemv_x(x_ptr, g, 6, mask_g, GROUP)
+        x7 = _gemv_x(x_ptr, g, 7, mask_g, GROUP)
     a0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
     a1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
     a2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
@@ -569,29 +560,15 @@ def _qgemv_kernel(
                 ng = g + WARPS
             nm = ng < last
             r0 = ((sub + 1) % SUB) * ROWS
-            n0, y0 = _gemv_row(w_ptr, x_ptr, u_ptr, ng, r0, nm, mask_c, words_at, RS, GROUP, ACT)
-            n1, y1 = _gemv_row(
-                w_ptr, x_ptr, u_ptr, ng, r0 + 1, nm, mask_c, words_at, RS, GROUP, ACT
-            )
-            n2, y2 = _gemv_row(
-                w_ptr, x_ptr, u_ptr, ng, r0 + 2, nm, mask_c, words_at, RS, GROUP, ACT
-            )
-            n3, y3 = _gemv_row(
-                w_ptr, x_ptr, u_ptr, ng, r0 + 3, nm, mask_c, words_at, RS, GROUP, ACT
-            )
+            n0, y0 = _gemv_row(w_ptr, x_ptr, ng, r0, nm, mask_c, words_at, RS, GROUP)
+            n1, y1 = _gemv_row(w_ptr, x_ptr, ng, r0 + 1, nm, mask_c, words_at, RS, GROUP)
+            n2, y2 = _gemv_row(w_ptr, x_ptr, ng, r0 + 2, nm, mask_c, words_at, RS, GROUP)
+            n3, y3 = _gemv_row(w_ptr, x_ptr, ng, r0 + 3, nm, mask_c, words_at, RS, GROUP)
             if ROWS == 8:
-                n4, y4 = _gemv_row(
-                    w_ptr, x_ptr, u_ptr, ng, r0 + 4, nm, mask_c, words_at, RS, GROUP, ACT
-                )
-                n5, y5 = _gemv_row(
-                    w_ptr, x_ptr, u_ptr, ng, r0 + 5, nm, mask_c, words_at, RS, GROUP, ACT
-                )
-                n6, y6 = _gemv_row(
-                    w_ptr, x_ptr, u_ptr, ng, r0 + 6, nm, mask_c, words_at, RS, GROUP, ACT
-                )
-                n7, y7 = _gemv_row(
-                    w_ptr, x_ptr, u_ptr, ng, r0 + 7, nm, mask_c, words_at, RS, GROUP, ACT
-                )
+                n4, y4 = _gemv_row(w_ptr, x_ptr, ng, r0 + 4, nm, mask_c, words_at, RS, GROUP)
+                n5, y5 = _gemv_row(w_ptr, x_ptr, ng, r0 + 5, nm, mask_c, words_at, RS, GROUP)
+                n6, y6 = _gemv_row(w_ptr, x_ptr, ng, r0 + 6, nm, mask_c, words_at, RS, GROUP)
+                n7, y7 = _gemv_row(w_ptr, x_ptr, ng, r0 + 7, nm, mask_c, words_at, RS, GROUP)
             d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
                 d0, d1, d2, d3, d4, d5, d6, d7, xs, w0, x0, INT4_KIND)  # fmt: skip
             d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
@@ -676,7 +653,7 @@ def _qgemv_staged_kernel(
         d7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
         xs = tl.zeros([WARPS], dtype=tl.float32)
         for r in tl.static_range(GROUP):
-            word, x = _gemv_row(w_ptr, x_ptr, x_ptr, g, r, mask_g, mask_c, words_at, RS, GROUP, -1)
+            word, x = _gemv_row(w_ptr, x_ptr, g, r, mask_g, mask_c, words_at, RS, GROUP)
             d0, d1, d2, d3, d4, d5, d6, d7, xs = _gemv_dot_row(
                 d0, d1, d2, d3, d4, d5, d6, d7, xs, word, x, INT4_KIND)  # fmt: skip
         xsum = xs[:, None]
@@ -1048,21 +1025,15 @@ def split_for(columns: int, groups: int, block_c: int, programs: int, warps: int
 
 def qgemv(
     x: torch.Tensor, packed: KMajorWeight, config: tuple[int, ...] | None = None,
-    split: int | None = None, up: torch.Tensor | None = None, act: int = -1,
+    split: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [1, K] @ W^T -> [1, N] in x's dtype; ``split`` K-splits (None: ``split_for`` the
-    config's program count), added in fp32 by the last program of each column block.
-    ``up`` [1, K] and ``act`` (a value of `rmsnorm.GATED_ACTIVATIONS`): the input is
-    act(x) * up, made in the GEMV's loads (`gated_takes`: where the config allows)."""
+    config's program count), added in fp32 by the last program of each column block."""
     _check(x, packed)
     if x.shape[0] != 1:
         raise ValueError(f"qgemv serves one row, got {x.shape[0]}")
     n, k = packed.shape
     block_c, programs, num_warps, rows, *more = config or packed.gemv_config or GEMV_CONFIG
-    if up is not None:
-        _check(up, packed)
-        if rows < 0:
-            raise ValueError("the gated input needs the register GEMV (rows >= 0)")
     slots = more[0] if more else num_warps
     prefetch = more[1] if len(more) > 1 and not _interpreting() else 0
     groups = k // packed.group_size
@@ -1088,19 +1059,9 @@ def qgemv(
         _qgemv_kernel[(blocks, split)](
             *args, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
             ROWS=rows, WARPS=slots, SPLIT=split > 1, PDL=pdl, PREFETCH=prefetch, BW=packed.block,
-            u_ptr=x if up is None else up, ACT=act if up is not None else -1,
             num_warps=num_warps, launch_pdl=pdl,
         )  # fmt: skip
     return y
-
-
-def gated_takes(packed: KMajorWeight) -> bool:
-    """`qgemv` can make its input act(gate) * up in its loads with this weight's decode tile
-    (the register GEMV; TOKENPIPE_GATED_GEMV=0: never, the activation a kernel of its own)."""
-    if os.environ.get("TOKENPIPE_GATED_GEMV", "1") == "0":
-        return False
-    config = packed.gemv_config or GEMV_CONFIG
-    return config[3] >= 0
 
 
 def qgemm(
