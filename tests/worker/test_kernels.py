@@ -451,6 +451,29 @@ def test_small_kernels_launch_dependent_where_the_gemvs_do(monkeypatch: pytest.M
     assert not kernels.dependent_small("cuda:0") and not kernels.dependent_launch("cuda:0")
 
 
+def test_a_model_can_keep_its_small_kernels_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loaded model's ``small_kernel_dependents`` (set by cuda_setup; Qwen3.5-MoE's hybrid
+    step: False) decides ``dependent_small`` unless TOKENPIPE_PDL_SMALL says 0 or 1."""
+    from worker.device import kernels
+    from worker.models.causal_lm import CausalLM
+    from worker.models.qwen3_5_moe import Qwen35MoeForCausalLM
+
+    assert CausalLM.small_kernel_dependents and not Qwen35MoeForCausalLM.small_kernel_dependents
+    monkeypatch.setattr(kernels, "_dependent_launch_supported", lambda d: d.startswith("cuda"))
+    monkeypatch.setattr(kernels, "_small_dependents", [True])
+    monkeypatch.delenv("TOKENPIPE_QUANT_PDL", raising=False)
+    monkeypatch.delenv("TOKENPIPE_PDL_SMALL", raising=False)
+    kernels.prefer_small_dependents(False)
+    assert kernels.dependent_launch("cuda:0") and not kernels.dependent_small("cuda:0")
+    monkeypatch.setenv("TOKENPIPE_PDL_SMALL", "1")
+    assert kernels.dependent_small("cuda:0")
+    monkeypatch.setenv("TOKENPIPE_PDL_SMALL", "0")
+    kernels.prefer_small_dependents(True)
+    assert not kernels.dependent_small("cuda:0")
+    monkeypatch.delenv("TOKENPIPE_PDL_SMALL")
+    assert kernels.dependent_small("cuda:0")
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu", "sigmoid"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -65,6 +65,9 @@ def prepare_model_for_device(
     family = getattr(getattr(inner, "config", None), "family", None)
     if family in CPU_ONLY_FAMILIES:
         raise ValueError(f"{family}: the CUDA path is not implemented yet; use --device cpu")
+    from worker.device.kernels import prefer_small_dependents
+
+    prefer_small_dependents(bool(getattr(inner, "small_kernel_dependents", True)))
     if os.environ.get("TOKENPIPE_NO_FUSE") != "1" and hasattr(inner, "fuse_projections"):
         with clock.step("cuda_setup: merged projections"):
             merged = inner.fuse_projections()

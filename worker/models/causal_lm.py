@@ -76,6 +76,9 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
+    # on CUDA, the decode step's small kernels as dependent launches (``kernels.dependent_small``)
+    small_kernel_dependents = True
+
     def __init__(
         self,
         config: ModelConfig,

@@ -95,6 +95,11 @@ class Qwen35MoeDecoderLayer(nn.Module):
 class Qwen35MoeForCausalLM(CausalLM):
     """The shared CausalLM with a hybrid cache, partial rotary tables and expert loading."""
 
+    # the decode step's small kernels as plain launches: between them run DeltaNet, routing
+    # and the MoE kernels, which are not dependent launches; with them dependent, batch 1 lost
+    # 0.9% in two A/B pairs on an H200 (BENCHMARKS "Backlog from session 16, measured")
+    small_kernel_dependents = False
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         def make_layer(cfg: ModelConfig, i: int) -> Qwen35MoeDecoderLayer:
             return Qwen35MoeDecoderLayer(cfg, i, dtype)

@@ -47,9 +47,22 @@ def dependent_small(device: object) -> bool:
     (~0.45-0.65 us a kernel boundary on an H200, BENCHMARKS "session 16")."""
     import os
 
-    if os.environ.get("TOKENPIPE_PDL_SMALL", "1") == "0":
+    setting = os.environ.get("TOKENPIPE_PDL_SMALL", "")
+    if setting == "0" or (setting != "1" and not _small_dependents[0]):
         return False
     return dependent_launch(device)
+
+
+# the loaded model's preference (``prefer_small_dependents``); TOKENPIPE_PDL_SMALL=0/1 overrides
+_small_dependents = [True]
+
+
+def prefer_small_dependents(on: bool) -> None:
+    """The model's choice for ``dependent_small`` (process-wide: a worker holds one model),
+    set before its kernels are first launched or captured. A hybrid model whose steps run
+    plain launches between the small kernels can lose by them (Qwen3.5-MoE, BENCHMARKS
+    "session 18"); TOKENPIPE_PDL_SMALL=1 or 0 overrides it."""
+    _small_dependents[0] = on
 
 
 @functools.cache
