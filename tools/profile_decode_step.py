@@ -2,7 +2,7 @@
 by default, any model with --model: a dense one has no expert or DeltaNet bytes).
 
     python tools/profile_decode_step.py [--model examples/qwen3_5_moe] [--sizes 1,32]
-        [--quantize none,int4-experts] [--replays 30] [--profiled 10]
+        [--quantize none,int4-experts] [--replays 30] [--profiled 10] [--kernels DIR]
 
 For each ``--quantize`` recipe (one engine after the other, in one process): builds the engine
 as `tokenpipe run --random-weights` does (``worker.main.build_engine``, via
@@ -134,6 +134,16 @@ def replay_profile(engine: Any, size: int, args: argparse.Namespace, vocab: int,
         for _ in range(args.profiled):
             graph.replay()
         torch.cuda.synchronize()
+    if args.kernels:  # every kernel of the profiled replays: name, start, end (us)
+        kernels = sorted(
+            (e.name, e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if str(getattr(e, "device_type", "")).endswith("CUDA")
+        )
+        out = Path(args.kernels) / f"kernels_{size}_{int(time.time())}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(sorted(kernels, key=lambda k: k[1])))
+        log(f"size {size}: {len(kernels)} kernels written to {out}")
     rows = []
     for a in prof.key_averages():
         us = float(getattr(a, "self_device_time_total", 0) or getattr(a, "self_cuda_time_total", 0))
@@ -186,6 +196,8 @@ def main() -> int:
     p.add_argument("--profiled", type=int, default=10)
     p.add_argument("--engine-rate", action="store_true", default=True)
     p.add_argument("--no-engine-rate", dest="engine_rate", action="store_false")
+    p.add_argument("--kernels", default="", help="a folder: each profiled kernel's name, "
+                   "start and end (us) as JSON, for a timeline")  # fmt: skip
     p.add_argument("--variant", action="append", default=[],
                    help="RECIPE:ENV=VALUE: that recipe's graphs captured again with the "
                    "variable set, then measured and profiled again (repeatable)")  # fmt: skip

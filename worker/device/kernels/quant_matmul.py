@@ -75,10 +75,6 @@ GEMM_MAX_ROWS = 64
 # store and its tiles of session 7
 GEMM_JOINED = os.environ.get("TOKENPIPE_QUANT_GEMM_JOINED", "1") != "0"
 GEMV_CONFIG = (32, 264, 8, 8)
-# TOKENPIPE_QUANT_GEMV_HEAD = "bulk:G" or "line:G": before it waits for the kernel before, each
-# GEMV program asks L2 for the first G groups of its K range (`_gemv_head`); an experiment
-_head = os.environ.get("TOKENPIPE_QUANT_GEMV_HEAD", "")
-_GEMV_HEAD = (int(_head.split(":")[1]), int(_head.startswith("bulk"))) if ":" in _head else (0, 0)
 GEMM_CONFIG: tuple[int, ...] = (32, 32, 2, 3, 1, 528) if GEMM_JOINED else (64, 32, 4, 3)
 # rows a GEMM program takes at most: 33-64 rows run as two row tiles (the tiles' 8
 # accumulators of 64 rows spill; BENCHMARKS "Gemma 4 31B int4 on one H200, session 13")
@@ -388,63 +384,6 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _bulk_prefetch_l2(ptrs, nbytes, mask):
-    """A hint: the bulk copy unit brings ``nbytes`` (a multiple of 16) from each of ``ptrs``
-    (16-byte aligned, where ``mask``) into L2 (PTX ``cp.async.bulk.prefetch.L2``, sm_90+)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs.to(tl.int64), nbytes, mask.to(tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _gemv_head(w_ptr, s_ptr, o_ptr, pid, first, last, C, K, GROUP: tl.constexpr,
-               BLOCK_C: tl.constexpr, BW: tl.constexpr, P: tl.constexpr, HEAD: tl.constexpr,
-               HEAD_BULK: tl.constexpr, THREADS: tl.constexpr,
-               INT4_KIND: tl.constexpr):  # fmt: skip
-    """Before the wait for the kernel before (PDL): ask L2 for the first HEAD groups of this
-    program's K range, words and scales (offsets), blocked layout. HEAD_BULK: one bulk
-    prefetch a group and block (`_bulk_prefetch_l2`); else a line hint a 128 bytes."""
-    NBLK: tl.constexpr = BLOCK_C // BW
-    META: tl.constexpr = P * BW * 2  # fp16 / bf16 scales of one group of one block
-    if HEAD_BULK:
-        t = tl.arange(0, THREADS)
-        b = t % NBLK
-        i = t // NBLK
-        blk = pid * NBLK + b
-        g = first + i
-        ok = (i < HEAD) & (g < last) & (blk * BW < C)
-        words = w_ptr + (blk.to(tl.int64) * K + g * GROUP) * BW
-        _bulk_prefetch_l2(words, GROUP * BW * 4 + t * 0, ok)
-        meta = (blk.to(tl.int64) * (K // GROUP) + g) * (P * BW)
-        _bulk_prefetch_l2(s_ptr + meta, META + t * 0, ok)
-        if INT4_KIND:
-            _bulk_prefetch_l2(o_ptr + meta, META + t * 0, ok)
-    else:
-        LINES: tl.constexpr = GROUP * BW * 4 // 128  # of one group of one block
-        t = tl.arange(0, HEAD * NBLK * LINES)
-        i = t // (NBLK * LINES)
-        b = (t // LINES) % NBLK
-        line = t % LINES
-        blk = pid * NBLK + b
-        g = first + i
-        ok = (g < last) & (blk * BW < C)
-        words = w_ptr + (blk.to(tl.int64) * K + g * GROUP) * BW + line * 32
-        _prefetch_l2(words, ok)
-        m = tl.arange(0, HEAD * NBLK)
-        mb = pid * NBLK + m % NBLK
-        mg = first + m // NBLK
-        mok = (mg < last) & (mb * BW < C)
-        meta = (mb.to(tl.int64) * (K // GROUP) + mg) * (P * BW)
-        for half in tl.static_range(0, META // 128):
-            _prefetch_l2(s_ptr + meta + half * 64, mok)
-            if INT4_KIND:
-                _prefetch_l2(o_ptr + meta + half * 64, mok)
-
-
-@triton.jit
 def _gemv_prefetch(w_ptr, g0, last, row, pid, C, K, GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
                    ROWS: tl.constexpr, WARPS: tl.constexpr, BW: tl.constexpr = 0):  # fmt: skip
     """Prefetch into L2 the words of one pipeline step: rows row .. row + ROWS - 1 of groups
@@ -520,8 +459,7 @@ def _qgemv_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, y_ptr, count_ptr, N, C, K,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
     WARPS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
-    BW: tl.constexpr = 0, HEAD: tl.constexpr = 0, HEAD_BULK: tl.constexpr = 0,
-    THREADS: tl.constexpr = 256,
+    BW: tl.constexpr = 0,
 ):  # fmt: skip
     """y = x @ W^T for one row of x. Program (i, s): word columns [i * BLOCK_C, ...) over the
     groups of K split s, which its WARPS tile rows share out (row w takes groups w, w + WARPS,
@@ -561,9 +499,6 @@ def _qgemv_kernel(
         w5 = _gemv_words(w_ptr, g, 5, mask_g, mask_c, words_at, RS, GROUP)
         w6 = _gemv_words(w_ptr, g, 6, mask_g, mask_c, words_at, RS, GROUP)
         w7 = _gemv_words(w_ptr, g, 7, mask_g, mask_c, words_at, RS, GROUP)
-    if HEAD > 0:  # more of the weights asked for while the kernel before ends (PDL)
-        _gemv_head(w_ptr, s_ptr, o_ptr, pid, first, last, C, K, GROUP, BLOCK_C, BW, P, HEAD,
-                   HEAD_BULK, THREADS, INT4_KIND)  # fmt: skip
     if PDL:
         tl.extra.cuda.gdc_wait()  # x (and the outputs' memory) belong to the kernels before
     x0 = _gemv_x(x_ptr, g, 0, mask_g, GROUP)
@@ -1108,7 +1043,6 @@ def qgemv(
         split = split_for(packed.columns, groups, block_c, programs, slots)
     blocks = triton.cdiv(packed.columns, block_c)
     pdl = _pdl(x) and not stages
-    head, head_bulk = _GEMV_HEAD if pdl and packed.block and block_c % packed.block == 0 else (0, 0)
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
     part = y
     if split > 1:
@@ -1125,8 +1059,7 @@ def qgemv(
         _qgemv_kernel[(blocks, split)](
             *args, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
             ROWS=rows, WARPS=slots, SPLIT=split > 1, PDL=pdl, PREFETCH=prefetch, BW=packed.block,
-            HEAD=head, HEAD_BULK=head_bulk, THREADS=32 * num_warps, num_warps=num_warps,
-            launch_pdl=pdl,
+            num_warps=num_warps, launch_pdl=pdl,
         )  # fmt: skip
     return y
 

@@ -25,17 +25,11 @@ The torch references are in `worker.device.kernels.reference`-style helpers of
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from worker.device.kernels import dependent_launch, dependent_small
-
-# TOKENPIPE_PDL_EARLY=1: the small kernels let their dependent launch before they wait (an
-# experiment: the chain up to the next GEMV launches at once, so its head prefetch starts early)
-_TRIGGER_FIRST = tl.constexpr(os.environ.get("TOKENPIPE_PDL_EARLY") == "1")
 
 
 @triton.jit
@@ -44,11 +38,9 @@ def dependent_start(WAIT: tl.constexpr, TRIGGER: tl.constexpr):
     as a dependent, ``kernels.dependent_small``) first waits for the kernel before to finish,
     its writes visible, before any memory access; TRIGGER then lets the next kernel launch (a
     GEMV to load its first weights, a small kernel to be resident when this one ends)."""
-    if TRIGGER and _TRIGGER_FIRST:
-        tl.extra.cuda.gdc_launch_dependents()
     if WAIT:
         tl.extra.cuda.gdc_wait()
-    if TRIGGER and not _TRIGGER_FIRST:
+    if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 
 
