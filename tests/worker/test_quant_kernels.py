@@ -236,49 +236,6 @@ def test_gemm_joined_store_equals_the_per_position_store(
                 torch.testing.assert_close(one_tile, joined, rtol=0, atol=0)
 
 
-def _spy_gemm_splits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The K splits (the grid's third side) of each `_qgemm_kernel` launch from now on."""
-    from worker.device.kernels import quant_matmul as qm
-
-    splits: list[int] = []
-    kernel = qm._qgemm_kernel
-
-    class Spy:
-        def __getitem__(self, grid: tuple[int, int, int]) -> object:
-            def launch(*args: object, **kwargs: object) -> None:
-                splits.append(grid[2])
-                kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(qm, "_qgemm_kernel", Spy())
-    return splits
-
-
-@pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_gemm_sums_its_k_splits_in_the_kernel_as_the_reduce_kernel_does(
-    kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A K-split GEMM's last program of each tile adds the splits' partials
-    (``_gemm_sum_splits``): the same bits as the separate ``_reduce_kernel``, for one and two
-    row tiles and a partial last tile; the counters are back at zero after each call."""
-    from worker.device.kernels import quant_matmul as qm
-
-    qw = _qw(kind, 32, n=75, k=224, seed=9)
-    packed = qm.KMajorWeight.pack(qw)
-    monkeypatch.setattr(qm, "GEMM_BLOCK_M", 16)
-    for rows in (3, 20):
-        x = torch.randn(rows, 224, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
-        for split in (2, 3, 7):
-            monkeypatch.setattr(qm, "GEMM_SUM_IN_KERNEL", False)
-            want = qm.qgemm(x, packed, (8, 32, 4, 2, 1), split=split)
-            monkeypatch.setattr(qm, "GEMM_SUM_IN_KERNEL", True)
-            got = qm.qgemm(x, packed, (8, 32, 4, 2, 1), split=split)
-            assert torch.equal(got, want), (rows, split)
-            assert not packed.counters(1).any()
-    torch.testing.assert_close(got, x @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
-
-
 def test_gemm_config_field_6_sets_the_k_split_program_target(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -289,7 +246,18 @@ def test_gemm_config_field_6_sets_the_k_split_program_target(
     qw = _qw("int4", 32, n=75, k=128, seed=6)
     packed = qm.KMajorWeight.pack(qw)
     x = torch.randn(20, 128, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    splits = _spy_gemm_splits(monkeypatch)
+    splits: list[int] = []
+    reduce = qm._reduce_kernel
+
+    class Spy:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kwargs: object) -> None:
+                splits.append(int(kwargs["SPLIT"]))  # type: ignore[call-overload]
+                reduce[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(qm, "_reduce_kernel", Spy())
     got = qm.qgemm(x, packed, (8, 32, 4, 2, 1, 6))
     assert splits == [3]
     torch.testing.assert_close(got, x @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
@@ -306,14 +274,25 @@ def test_gemm_row_tiles_that_fill_the_grid_get_a_program_target_each(
 
     qw = _qw("int4", 32, n=75, k=128, seed=6)
     packed = qm.KMajorWeight.pack(qw)
-    splits = _spy_gemm_splits(monkeypatch)
+    splits: list[int] = []
+    reduce = qm._reduce_kernel
+
+    class Spy:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kwargs: object) -> None:
+                splits.append(int(kwargs["SPLIT"]))  # type: ignore[call-overload]
+                reduce[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(qm, "_reduce_kernel", Spy())
     monkeypatch.setattr(qm, "GEMM_BLOCK_M", 32)
     for rows, per_row_tile, want in [(40, True, [3]), (20, True, [3]), (40, False, [])]:
         monkeypatch.setattr(qm, "GEMM_PROGRAMS_PER_ROW_TILE", per_row_tile)
         splits.clear()
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
         got = qm.qgemm(x, packed, (8, 32, 4, 2, 1, 6))
-        assert splits == (want or [1])
+        assert splits == want
         torch.testing.assert_close(got, x @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
 
 

@@ -88,10 +88,6 @@ GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
 # (176 us), split 3 ways 134 us; 48-64 sessions +8-10% through the worker (BENCHMARKS "Gemma
 # 4 31B int4 on one H200, session 14"). TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS=0: the old split
 GEMM_PROGRAMS_PER_ROW_TILE = os.environ.get("TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS", "1") != "0"
-# K-split GEMMs add their partials in the kernel (the last program of a tile to arrive,
-# ``_gemm_sum_splits``) instead of a ``_reduce_kernel`` launch after each;
-# TOKENPIPE_QUANT_GEMM_SUM_IN_KERNEL=0: the separate kernel
-GEMM_SUM_IN_KERNEL = os.environ.get("TOKENPIPE_QUANT_GEMM_SUM_IN_KERNEL", "1") != "0"
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 # word columns a block of the blocked layout (``KMajorWeight.block``): a column block's K rows of
 # 32 words (128 bytes) lie one after another, so a warp's run of rows in the GEMV is one
@@ -125,14 +121,9 @@ class KMajorWeight:
 
     def counters(self, blocks: int) -> torch.Tensor:
         """At least ``blocks`` zeroed counters of this weight's own (made by ``pack``, before
-        any CUDA graph capture, enough for the GEMV's column blocks and the GEMM's tiles of up
-        to 64 rows in tiles of 16 by 16 word columns; a weight is used on one stream at a
-        time)."""
+        any CUDA graph capture; a weight is used on one stream at a time)."""
         if self.arrivals is None or self.arrivals.numel() < blocks:
-            if self.arrivals is not None and self.words.is_cuda:
-                # a graph captured before holds the old counters' address
-                assert not torch.cuda.is_current_stream_capturing(), "counters grown in capture"
-            self.arrivals = torch.zeros(max(blocks, 4 * triton.cdiv(self.columns, 16)),
+            self.arrivals = torch.zeros(max(blocks, triton.cdiv(self.columns, 8)),
                                         dtype=torch.int32, device=self.words.device)  # fmt: skip
         return self.arrivals
 
@@ -824,7 +815,6 @@ def _qgemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
     JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0, BW: tl.constexpr = 0,
-    SUM: tl.constexpr = False, count_ptr=None, sum_ptr=None, stride_sm=0,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
@@ -833,13 +823,9 @@ def _qgemm_kernel(
     group's scales. JOINED: the P accumulators are interleaved into consecutive outputs before
     the store (``_gemm_store_joined``), else each is stored on its own, P outputs apart.
     PREFETCH = D > 0: at each K step the words, scales and offsets D steps ahead are
-    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory).
-    K split: y holds the fp32 partials [splits, M, N]; SUM: the last program of a tile to
-    arrive (a counter per tile, reset by it) adds them in split order into sum_ptr (x's dtype,
-    rows stride_sm apart), else ``_reduce_kernel`` does, after."""
+    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory)."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
-    part_ptr = y_ptr
     pid_m = tl.program_id(0)  # the row tiles of a column tile side by side: one reads the
     pid_c = tl.program_id(1)  # weights from HBM, the others mostly from L2
     split = tl.program_id(2)  # K split: partial sums into y[split] (fp32), added by _reduce_kernel
@@ -923,38 +909,6 @@ def _qgemm_kernel(
             _gemm_store(y_cols, acc5, offs_c, mask_m, mask_c, N, 5, P)
             _gemm_store(y_cols, acc6, offs_c, mask_m, mask_c, N, 6, P)
             _gemm_store(y_cols, acc7, offs_c, mask_m, mask_c, N, 7, P)
-    if SUM:
-        _gemm_sum_splits(part_ptr, sum_ptr, count_ptr, pid_m, pid_c, M, N, stride_sm, BLOCK_C,
-                         BLOCK_M, P)  # fmt: skip
-
-
-@triton.jit
-def _gemm_sum_splits(part_ptr, sum_ptr, count_ptr, pid_m, pid_c, M, N, stride_sm,
-                     BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr):  # fmt: skip
-    """After a K split's partial tile is stored: the last program of the tile to arrive adds
-    every split's partials in split order (``_reduce_kernel``'s order: the same bits) and
-    stores the sum, then resets the tile's counter."""
-    splits = tl.num_programs(2)
-    # every thread's partials are stored (barrier) before one thread's acq_rel add publishes
-    # them; the last to arrive reads all (bypassing L1)
-    tl.debug_barrier()
-    counter = count_ptr + pid_m * tl.num_programs(1) + pid_c
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == splits - 1:
-        # ROWS rows at a time: a whole [BLOCK_C * P, BLOCK_M] tile in registers here raised
-        # the kernel's registers from 211 to 255 and cost 14% at 32 rows (s18r3)
-        ROWS: tl.constexpr = 4 if BLOCK_M >= 4 else BLOCK_M
-        outs = pid_c * (BLOCK_C * P) + tl.arange(0, BLOCK_C * P)
-        for r in tl.static_range(0, BLOCK_M, ROWS):
-            rows = pid_m * BLOCK_M + r + tl.arange(0, ROWS)
-            mask = (outs < N)[:, None] & (rows < M)[None, :]
-            parts = part_ptr + rows[None, :].to(tl.int64) * N + outs[:, None]
-            total = tl.zeros([BLOCK_C * P, ROWS], dtype=tl.float32)
-            for s in range(splits):
-                total += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            out = sum_ptr + rows[None, :].to(tl.int64) * stride_sm + outs[:, None]
-            tl.store(out, total.to(sum_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -1138,7 +1092,6 @@ def qgemm(
         split = max(1, min(triton.cdiv(k, block_k), split))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    in_kernel = split > 1 and GEMM_SUM_IN_KERNEL
     _qgemm_kernel[(*tiles, split)](
         x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
         x.stride(0), n if split > 1 else y.stride(0),
@@ -1147,10 +1100,9 @@ def qgemm(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         BF16_PAIRS=packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs(),
         ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch, BW=packed.block,
-        SUM=in_kernel, count_ptr=packed.counters(tiles[0] * tiles[1]) if in_kernel else None,
-        sum_ptr=y, stride_sm=y.stride(0), num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if split > 1 and not in_kernel:
+    if split > 1:
         block = 256
         count = m * n
         _reduce_kernel[(triton.cdiv(count, block),)](
