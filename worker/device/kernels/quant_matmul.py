@@ -88,9 +88,11 @@ GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
 # (176 us), split 3 ways 134 us; 48-64 sessions +8-10% through the worker (BENCHMARKS "Gemma
 # 4 31B int4 on one H200, session 14"). TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS=0: the old split
 GEMM_PROGRAMS_PER_ROW_TILE = os.environ.get("TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS", "1") != "0"
-# the GEMM and its split sum as dependent launches where the GEMV is one (``_pdl``): each
-# launches while the kernel before ends and waits for it; TOKENPIPE_QUANT_GEMM_PDL=0: plain
-GEMM_PDL = os.environ.get("TOKENPIPE_QUANT_GEMM_PDL", "1") != "0"
+# TOKENPIPE_QUANT_GEMM_PDL=1: the GEMM and its split sum as dependent launches where the GEMV
+# is one (``_pdl``): each launches while the kernel before ends and waits for it. Off until
+# measured on a GPU: session 18 ran out of device time; offline for sm_90 it compiles, the
+# (32, 32, 2, 3) tile at 246 registers instead of 211
+GEMM_PDL = os.environ.get("TOKENPIPE_QUANT_GEMM_PDL", "0") == "1"
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 # word columns a block of the blocked layout (``KMajorWeight.block``): a column block's K rows of
 # 32 words (128 bytes) lie one after another, so a warp's run of rows in the GEMV is one
