@@ -323,3 +323,17 @@ def test_norm_chain_only_where_every_layer_can(
     monkeypatch.delenv("TOKENPIPE_NORM_CHAIN")
     monkeypatch.setattr(gemma.model.norm, "eps", gemma.model.norm.eps * 2)
     assert norm_chain(gemma.model.layers, gemma.model.norm, x) is None
+
+
+def test_profile_tool_charges_an_early_launch_only_after_the_kernel_before() -> None:
+    """tools/profile_decode_step.py --kernels: a dependent launch that starts while the
+    kernel before runs is charged from that kernel's end; a gap is charged to nobody."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from profile_decode_step import effective_times
+
+    kernels = [("gemv", 0.0, 20.0), ("norm", 18.0, 23.0), ("gemv", 21.0, 40.0),
+               ("act", 45.0, 46.0)]  # fmt: skip
+    assert effective_times(kernels) == {"gemv": (2, 37.0), "norm": (1, 3.0), "act": (1, 1.0)}
