@@ -9,7 +9,10 @@ sizes are multiples of 16), then the cubin is read with the ``cuobjdump`` Triton
 per kernel and tile: registers, the SASS instructions of the main loop (the longest backward
 branch), the weights one thread handles in that loop pass, and the ratio (instructions per
 weight; the AND + FMA floor of the K-major layout is 2). ``--triton`` puts another Triton
-install first on the path (the H200 runs Triton 3.6).
+install first on the path (the H200 runs Triton 3.6: ``pip install --no-deps --target
+/tmp/t36 triton==3.6.0``, then ``--triton /tmp/t36``; the dev box's Triton 3.9 cannot compile
+these kernels offline). Arguments a kernel takes with a default (PREFETCH, BW) are given here
+explicitly: ``ASTSource`` does not fill them in.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def gemv(qm, int4: bool, block_c: int, warps: int, split: bool, dump, slots: int
     sig = dict(GEMV_SIG, part_ptr="*fp32" if split else "*bf16")
     slots = slots or warps  # the tile's group rows (groups in flight); the kernel's WARPS
     const = dict(GROUP=32, INT4_KIND=int4, BLOCK_C=block_c, ROWS=8, WARPS=slots, SPLIT=split,
-                 PDL=True)  # fmt: skip
+                 PDL=True, PREFETCH=0, BW=qm.BLOCK_WORDS)  # fmt: skip
     sig.update({k: "constexpr" for k in const})
     k = compile_sm90(qm._qgemv_kernel, sig, const, warps, div16=("N", "C", "K"))
     per_pass = slots * 32 * block_c * p  # a group (32 rows) per tile row
@@ -110,7 +113,7 @@ def gemm(qm, int4: bool, config, dump) -> None:  # type: ignore[no-untyped-def]
            "stride_xm": "i32", "stride_ym": "i32"}  # fmt: skip
     const = dict(GROUP=32, INT4_KIND=int4, BLOCK_M=32, BLOCK_C=block_c, BLOCK_K=block_k,
                  PRECISION="tf32", EVEN_K=True, BF16_PAIRS=int4, ASM=True,
-                 JOINED=joined, PREFETCH=0)  # fmt: skip
+                 JOINED=joined, PREFETCH=0, BW=qm.BLOCK_WORDS)  # fmt: skip
     sig.update({k: "constexpr" for k in const})
     k = compile_sm90(qm._qgemm_kernel, sig, const, warps, num_stages=stages,
                      div16=("N", "C", "K", "stride_xm", "stride_ym"))  # fmt: skip
