@@ -149,6 +149,50 @@ def test_triton_decode_attention_matches_reference(triton_kernels: ModuleType, c
             assert torch.equal(got[row].float().cpu(), torch.zeros(q_heads, dim))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_split_attention_writes_what_the_combine_would(
+    triton_kernels: ModuleType, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one split the split kernel stores the output itself (``ONE_SPLIT_DIRECT``) and no
+    combine kernel runs: the same values as split + combine, empty rows zero; a GQA group
+    padded to BLOCK_G (3 q heads a KV head) and the 31B sliding head_dim."""
+    from worker.device.kernels import decode_attention as da
+
+    device = _device()
+    for q_heads, kv_heads, dim, lens in ((6, 2, 16, [0, 1, 17, 48]), (2, 1, 256, [33, 1])):
+        gen = torch.Generator().manual_seed(dim + q_heads)
+        batch, capacity = len(lens), 48
+        q = torch.randn(batch, q_heads, dim, generator=gen).to(device, dtype)
+        k = torch.randn(batch + 1, capacity, kv_heads, dim, generator=gen).to(device, dtype)
+        v = torch.randn(batch + 1, capacity, kv_heads, dim, generator=gen).to(device, dtype)
+        slots = torch.where(torch.tensor(lens) == 0, -1, torch.arange(batch)).to(device)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+        outs = []
+        for direct in (False, True):
+            monkeypatch.setattr(da, "ONE_SPLIT_DIRECT", direct)
+            combines = []
+            combine = da._decode_combine_kernel
+
+            class Spy:
+                def __init__(self, seen: list[object], kernel: object) -> None:
+                    self.seen, self.kernel = seen, kernel
+
+                def __getitem__(self, grid: object) -> object:
+                    self.seen.append(grid)
+                    return self.kernel[grid]  # type: ignore[index]
+
+            monkeypatch.setattr(da, "_decode_combine_kernel", Spy(combines, combine))
+            outs.append(da.decode_attention_triton(
+                q, k.transpose(1, 2), v.transpose(1, 2), slots, lens_t, sm_scale=dim**-0.5,
+                num_splits=1,
+            ))  # fmt: skip
+            monkeypatch.setattr(da, "_decode_combine_kernel", combine)
+            assert len(combines) == (0 if direct else 1)
+        assert outs[1].dtype == dtype and torch.equal(outs[1], outs[0])
+        empty = torch.tensor(lens, device=device) == 0
+        assert not outs[1][empty].any() and outs[1][~empty].abs().sum() > 0
+
+
 def test_triton_store_kv_matches_reference(triton_kernels: ModuleType) -> None:
     device = _device()
     gen = torch.Generator().manual_seed(7)

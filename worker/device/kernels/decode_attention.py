@@ -20,6 +20,8 @@ This module imports Triton: import it only after `worker.device.kernels.triton_a
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -80,7 +82,11 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
+    out_ptr=None, stride_ob=0, stride_oh=0, DIRECT: tl.constexpr = False,
 ):  # fmt: skip
+    """One split of a (row, KV head)'s positions: its normalised partial output and log-sum-
+    exp for `_decode_combine_kernel`; DIRECT (one split): the output itself, in out's dtype
+    (what the combine would make of one split: the same values), and no combine kernel."""
     dependent_start(WAIT, TRIGGER)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,11 +139,16 @@ def _decode_split_kernel(
 
     has_any = l_i > 0.0
     out = tl.where(has_any[:, None], acc / tl.where(has_any, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(has_any, m_i + tl.log(tl.where(has_any, l_i, 1.0)), float("-inf"))
-    # part_out: [B, Hq, num_splits, D] float32 contiguous; part_lse: [B, Hq, num_splits]
-    base = (row * q_heads + heads) * num_splits + split  # [BLOCK_G]
-    tl.store(part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_g[:, None])
-    tl.store(part_lse_ptr + base, lse, mask=mask_g)
+    if DIRECT:
+        dest = out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dest, out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+    else:
+        lse = tl.where(has_any, m_i + tl.log(tl.where(has_any, l_i, 1.0)), float("-inf"))
+        # part_out: [B, Hq, num_splits, D] float32 contiguous; part_lse: [B, Hq, num_splits]
+        base = (row * q_heads + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(part_out_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=mask_g[:, None])  # fmt: skip
+        tl.store(part_lse_ptr + base, lse, mask=mask_g)
 
 
 @triton.jit
@@ -168,6 +179,12 @@ def _decode_combine_kernel(
     tl.store(
         out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty)
     )
+
+
+# one split per (row, KV head) (the 31B sliding layers from 17 rows up on an H200): the split
+# kernel writes the output and no combine kernel runs; TOKENPIPE_ATTN_ONE_SPLIT_DIRECT=0: the
+# combine runs for one split too
+ONE_SPLIT_DIRECT = os.environ.get("TOKENPIPE_ATTN_ONE_SPLIT_DIRECT", "1") != "0"
 
 
 def choose_num_splits(batch: int, kv_heads: int, capacity: int, sm_count: int) -> int:
@@ -211,11 +228,14 @@ def decode_attention_triton(
             torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         )
         num_splits = choose_num_splits(batch, kv_heads, capacity, sm_count)
-    part_out = torch.empty(
-        (batch, q_heads, num_splits, head_dim), device=q.device, dtype=torch.float32
-    )
-    part_lse = torch.empty((batch, q_heads, num_splits), device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
+    direct = num_splits == 1 and ONE_SPLIT_DIRECT
+    part_out = part_lse = out  # unused when direct
+    if not direct:
+        part_out = torch.empty(
+            (batch, q_heads, num_splits, head_dim), device=q.device, dtype=torch.float32
+        )
+        part_lse = torch.empty((batch, q_heads, num_splits), device=q.device, dtype=torch.float32)
     block_g = max(16, triton.next_power_of_2(group))
     num_warps = 8 if head_dim >= 512 else 4
     _decode_split_kernel[(batch, kv_heads, num_splits)](
@@ -229,8 +249,11 @@ def decode_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=bool(triton.knobs.runtime.interpret),
         TRIGGER=dependent_launch(q.device), WAIT=dependent_small(q.device),
+        out_ptr=out, stride_ob=out.stride(0), stride_oh=out.stride(1), DIRECT=direct,
         launch_pdl=dependent_small(q.device), num_warps=num_warps, num_stages=2,
     )  # fmt: skip
+    if direct:
+        return out
     _decode_combine_kernel[(batch, q_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
