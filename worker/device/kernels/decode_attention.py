@@ -87,15 +87,17 @@ def _decode_split_kernel(
     """One split of a (row, KV head)'s positions: its normalised partial output and log-sum-
     exp for `_decode_combine_kernel`; DIRECT (one split): the output itself, in out's dtype
     (what the combine would make of one split: the same values), and no combine kernel."""
-    dependent_start(WAIT, TRIGGER)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     q_heads = tl.num_programs(1) * GROUP
 
+    # the step's lengths and slots come from its start, not from the kernel before (which
+    # writes q and this token's K/V): loaded before the wait, off the K loads' critical path
     length = tl.load(lens_ptr + row).to(tl.int32)
     slot = tl.load(slots_ptr + row).to(tl.int64)
+    dependent_start(WAIT, TRIGGER)
     length = tl.where(slot < 0, 0, length)
     n_valid = tl.minimum(length, capacity)
     per_split = (n_valid + num_splits - 1) // num_splits

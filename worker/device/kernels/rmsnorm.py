@@ -37,7 +37,10 @@ def dependent_start(WAIT: tl.constexpr, TRIGGER: tl.constexpr):
     """The start of a kernel in the decode step's chain of dependent launches: WAIT (launched
     as a dependent, ``kernels.dependent_small``) first waits for the kernel before to finish,
     its writes visible, before any memory access; TRIGGER then lets the next kernel launch (a
-    GEMV to load its first weights, a small kernel to be resident when this one ends)."""
+    GEMV to load its first weights, a small kernel to be resident when this one ends).
+    Every kernel of the chain waits before it triggers, so when one starts, all kernels but
+    the one right before it have ended: a kernel may read, before it waits, what those wrote
+    (the step's inputs, the KV cache's older entries, as attention's split kernel does)."""
     if WAIT:
         tl.extra.cuda.gdc_wait()
     if TRIGGER:
