@@ -275,8 +275,12 @@ def _qkv_norm_rope_store_kernel(
     """Program (t, h): q head h (h < heads) normed and rotated into q_out; or KV head
     h - heads, its key normed and rotated and its value normed (V_NORM), both written into
     the caches at entry positions[t] % capacity of slots[t] (a negative slot: nothing)."""
-    dependent_start(WAIT, TRIGGER)
     t, hd = tl.program_id(0), tl.program_id(1)
+    # the step's slots and positions, before the wait (from the step's start, not from the
+    # kernel before: `dependent_start`); the KV programs then branch without a round trip
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    entry = tl.load(positions_ptr + t).to(tl.int64) % capacity
+    dependent_start(WAIT, TRIGGER)
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
     dt = q_out_ptr.dtype.element_ty
@@ -289,9 +293,7 @@ def _qkv_norm_rope_store_kernel(
         tl.store(out + half + offs, y2.to(dt), mask=mask)
     else:
         j = hd - heads
-        slot = tl.load(slots_ptr + t).to(tl.int64)
         if slot >= 0:
-            entry = tl.load(positions_ptr + t).to(tl.int64) % capacity
             y1, y2 = _norm_rope_row(k_ptr + t * stride_k0 + j * stride_k1, w_k_ptr, cos_ptr,
                                     sin_ptr, t, stride_c, half, eps, offset, NORM, HAS_W,
                                     ROUND_FIRST, BLOCK_HALF, dt)  # fmt: skip
