@@ -153,13 +153,16 @@ def replay_profile(engine: Any, size: int, args: argparse.Namespace, vocab: int,
         torch.cuda.synchronize()
     if args.kernels:  # every kernel of the profiled replays: name, start, end (us)
         kernels = sorted(
-            (e.name, e.time_range.start, e.time_range.end)
-            for e in prof.events()
-            if str(getattr(e, "device_type", "")).endswith("CUDA")
+            (
+                (e.name, e.time_range.start, e.time_range.end)
+                for e in prof.events()
+                if str(getattr(e, "device_type", "")).endswith("CUDA")
+            ),
+            key=lambda k: k[1],
         )
         out = Path(args.kernels) / f"kernels_{size}_{int(time.time())}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(sorted(kernels, key=lambda k: k[1])))
+        out.write_text(json.dumps(kernels))
         log(f"size {size}: {len(kernels)} kernels written to {out}")
         print(f"size {size}: each kernel's time once the kernel before it ended (a dependent "
               "launch starts early and waits: its own span overlaps the one before)")  # fmt: skip

@@ -97,7 +97,8 @@ class Qwen35MoeForCausalLM(CausalLM):
 
     # the decode step's small kernels as plain launches: between them run DeltaNet, routing
     # and the MoE kernels, which are not dependent launches; with them dependent, batch 1 lost
-    # 0.9% in two A/B pairs on an H200 (BENCHMARKS "Backlog from session 16, measured")
+    # 0.4-0.9% in three A/B pairs on an H200 (BENCHMARKS "Backlog from session 16, measured",
+    # "session 18")
     small_kernel_dependents = False
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
