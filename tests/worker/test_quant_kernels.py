@@ -541,33 +541,3 @@ def test_cuda_refuses_groups_its_kernels_cannot_take() -> None:
         begin_load(model, QuantizeOptions("int4", 48), None, torch.device("cuda"), torch.float32)
     model = build_model(config, "meta", torch.float32)  # the CPU takes group 48
     assert begin_load(model, QuantizeOptions("int4", 48), None, torch.device("cpu"), torch.float32)
-
-
-def test_gemm_launches_as_a_dependent_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TOKENPIPE_QUANT_GEMM_PDL=1 (``GEMM_PDL``), where the GEMV's dependent launch holds: the
-    GEMM and its split sum are launched with ``launch_pdl`` and wait in the kernel (``PDL``);
-    otherwise both are plain launches."""
-    from worker.device.kernels import quant_matmul as qm
-
-    packed = qm.KMajorWeight.pack(_qw("int4", 32, n=75, k=128, seed=6))
-    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    seen: list[tuple[str, object, object]] = []
-
-    class Spy:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def __getitem__(self, grid: object) -> object:
-            def launch(*args: object, **kwargs: object) -> None:
-                seen.append((self.name, kwargs["PDL"], kwargs["launch_pdl"]))
-
-            return launch
-
-    monkeypatch.setattr(qm, "_qgemm_kernel", Spy("gemm"))
-    monkeypatch.setattr(qm, "_reduce_kernel", Spy("sum"))
-    monkeypatch.setattr(qm, "_pdl", lambda x: True)
-    for on in (True, False):
-        monkeypatch.setattr(qm, "GEMM_PDL", on)
-        seen.clear()
-        qm.qgemm(x, packed, (8, 32, 4, 2, 1), split=3)
-        assert seen == [("gemm", on, on), ("sum", on, on)]

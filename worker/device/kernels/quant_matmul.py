@@ -88,11 +88,6 @@ GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
 # (176 us), split 3 ways 134 us; 48-64 sessions +8-10% through the worker (BENCHMARKS "Gemma
 # 4 31B int4 on one H200, session 14"). TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS=0: the old split
 GEMM_PROGRAMS_PER_ROW_TILE = os.environ.get("TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS", "1") != "0"
-# TOKENPIPE_QUANT_GEMM_PDL=1: the GEMM and its split sum as dependent launches where the GEMV
-# is one (``_pdl``): each launches while the kernel before ends and waits for it. Off until
-# measured on a GPU: session 18 ran out of device time; offline for sm_90 it compiles, the
-# (32, 32, 2, 3) tile at 246 registers instead of 211
-GEMM_PDL = os.environ.get("TOKENPIPE_QUANT_GEMM_PDL", "0") == "1"
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 # word columns a block of the blocked layout (``KMajorWeight.block``): a column block's K rows of
 # 32 words (128 bytes) lie one after another, so a warp's run of rows in the GEMV is one
@@ -676,12 +671,8 @@ def _qgemv_staged_kernel(
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, y_ptr, count, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr = False):  # fmt: skip
+def _reduce_kernel(part_ptr, y_ptr, count, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """y[i] = the sum over s of part[s, i] in fp32, in a fixed order (deterministic)."""
-    if PDL:  # launched while the GEMM ends: wait for its partials, let the next kernel launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < count
     total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -824,7 +815,6 @@ def _qgemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
     JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0, BW: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
@@ -833,13 +823,9 @@ def _qgemm_kernel(
     group's scales. JOINED: the P accumulators are interleaved into consecutive outputs before
     the store (``_gemm_store_joined``), else each is stored on its own, P outputs apart.
     PREFETCH = D > 0: at each K step the words, scales and offsets D steps ahead are
-    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory).
-    PDL: launched as a dependent of the kernel before, it waits for it before any load and
-    lets the kernel after (the split sum, or the next small kernel) launch after its loop."""
+    prefetched into L2 (beyond the stages Triton's pipeliner keeps in shared memory)."""
     P: tl.constexpr = 8 if INT4_KIND else 4
     PER_ROW: tl.constexpr = BLOCK_K > GROUP
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     pid_m = tl.program_id(0)  # the row tiles of a column tile side by side: one reads the
     pid_c = tl.program_id(1)  # weights from HBM, the others mostly from L2
     split = tl.program_id(2)  # K split: partial sums into y[split] (fp32), added by _reduce_kernel
@@ -909,8 +895,6 @@ def _qgemm_kernel(
                 acc6 += tl.dot(w.to(ty), x, input_precision=PRECISION)
                 w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, RS, INT4_KIND)
                 acc7 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     y_cols = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym
     if JOINED:
         _gemm_store_joined(y_cols, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, pid_c, mask_m,
@@ -1108,7 +1092,6 @@ def qgemm(
         split = max(1, min(triton.cdiv(k, block_k), split))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    pdl = GEMM_PDL and _pdl(x)
     _qgemm_kernel[(*tiles, split)](
         x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
         x.stride(0), n if split > 1 else y.stride(0),
@@ -1116,14 +1099,14 @@ def qgemm(
         BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         BF16_PAIRS=packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs(),
-        ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch, BW=packed.block, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch, BW=packed.block,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
         block = 256
         count = m * n
         _reduce_kernel[(triton.cdiv(count, block),)](
-            out, y, count, SPLIT=split, BLOCK=block, PDL=pdl, num_warps=2, launch_pdl=pdl
+            out, y, count, SPLIT=split, BLOCK=block, num_warps=2
         )
     return y
 
