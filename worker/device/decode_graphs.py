@@ -66,6 +66,7 @@ class FusedDecodePlan:
             q.contiguous(), cache.k, cache.v, self.slots, self.lens, float(scale), cache.window or 0
         )
 
+
     def attend_raw(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms: Any, v_eps: float | None,
         cos: torch.Tensor, sin: torch.Tensor, cache: Any, scale: float,
