@@ -475,61 +475,6 @@ def test_qkv_norm_rope_store_kernel_equals_its_four_kernels(
     assert not torch.equal(got_k, caches[0]) and torch.equal(got_k[:, :, 1], caches[0][:, :, 1])
 
 
-@pytest.mark.parametrize("case", ["gemma4", "k_eq_v", "llama", "rope_only"])
-@pytest.mark.parametrize("splits,preload", [(1, True), (3, True), (3, False)])
-def test_fused_decode_attention_equals_the_store_then_attention(
-    fused: ModuleType, triton_kernels: ModuleType, case: str, splits: int, preload: bool,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """`decode_attention_fused_triton` (q/k norms, rotary, V norm, KV store and attention in
-    one launch) gives the cache and the output of `qkv_norm_rope_store_triton` followed by
-    `decode_attention_triton`: rows on a fresh slot, a full ring, a wrapped sliding ring,
-    and a padding row (nothing written, a zero output), one and several splits (some
-    empty), the first block loaded before the wait (``PRELOAD``) or in the loop."""
-    from worker.device.kernels import decode_attention as da
-    from worker.layers.rope import Rotary
-    from worker.models.config import RopeSpec
-
-    monkeypatch.setattr(da, "PRELOAD", preload)
-    dim, heads, kv_heads, capacity, dtype = 32, 6, 2, 16, torch.bfloat16
-    norm = _torch_norm(dim, "llama" if case == "llama" else "gemma4", dtype)
-    k_norm = _torch_norm(dim, "llama" if case == "llama" else "gemma4", dtype)
-    with torch.no_grad():
-        k_norm.weight.mul_(-0.5)
-    positions = torch.tensor([0, 15, 40, 7, 3], device=_device())
-    slots = torch.tensor([3, 1, 0, -1, 2], device=_device())
-    rows = len(slots)
-    cos, sin = Rotary(RopeSpec(theta=10000.0), dim, 512).cos_sin(positions, dtype)
-    gen = torch.Generator().manual_seed(17)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype).to(_device())
-    q = qkv[:, : heads * dim].view(rows, heads, dim)
-    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
-    v = k if case == "k_eq_v" else qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
-    norms = None
-    if case != "rope_only":
-        norms = (norm.weight, k_norm.weight, norm.eps, norm.style.offset, norm.round_first)
-    v_eps = 1e-6 if case in ("gemma4", "k_eq_v") else None
-    caches = [torch.randn(4, kv_heads, capacity, dim, generator=gen).to(dtype).to(_device())
-              for _ in range(2)]  # fmt: skip
-    lens = torch.where(slots >= 0, positions + 1, 0)
-    window = 6 if case == "gemma4" else 0
-    want_k, want_v = caches[0].clone(), caches[1].clone()
-    q_in = fused.qkv_norm_rope_store_triton(q, k, v, norms, v_eps, cos, sin, want_k, want_v,
-                                            slots, positions)  # fmt: skip
-    want = da.decode_attention_triton(q_in, want_k, want_v, slots, lens, sm_scale=dim**-0.5,
-                                      window=window, num_splits=splits)  # fmt: skip
-    got_k, got_v = caches[0].clone(), caches[1].clone()
-    got = da.decode_attention_fused_triton(
-        q, k, v, norms, v_eps, cos, sin, got_k, got_v, slots, lens, sm_scale=dim**-0.5,
-        window=window, num_splits=splits,
-    )  # fmt: skip
-    torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
-    torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert not got[3].any() and got[[0, 1, 2, 4]].abs().sum(dim=(1, 2)).gt(0).all()
-    assert torch.equal(got_k[:, :, 5], caches[0][:, :, 5])  # no row's entry: untouched
-
-
 # the interpreter computes sigmoid(x) as 1 / (1 + exp(-x)) in numpy: exp overflows to inf
 # for large negative x and warns, and the result (0) is right
 def test_small_kernels_launch_dependent_where_the_gemvs_do(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -67,21 +67,6 @@ class FusedDecodePlan:
         )
 
 
-    def attend_raw(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms: Any, v_eps: float | None,
-        cos: torch.Tensor, sin: torch.Tensor, cache: Any, scale: float,
-    ) -> torch.Tensor:  # fmt: skip
-        """`attend` from the qkv projection's raw q, k, v: their norms and rotary (``norms``,
-        ``v_eps``: `rmsnorm.qkv_norm_rope_store_triton`'s), the KV store and the attention in
-        one kernel (`decode_attention.decode_attention_fused_triton`)."""
-        from worker.device.kernels.decode_attention import decode_attention_fused_triton
-
-        return decode_attention_fused_triton(
-            q, k, v, norms, v_eps, cos, sin, cache.k, cache.v, self.slots, self.lens,
-            sm_scale=float(scale), window=cache.window or 0,
-        )  # fmt: skip
-
-
 def attend_with_fused_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, plan: Any, scale: float
 ) -> torch.Tensor:

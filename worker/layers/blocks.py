@@ -297,10 +297,7 @@ class Attention(nn.Module):
         if self.cpu_kernel and _on_cpu_kernel(x):
             q, k, v = self._norm_rope_cpu(q, k, v, cos, sin)
         elif use_triton(x):
-            if hasattr(plan, "attend_raw") and _attention_fused():
-                norms, v_eps = self._decode_norms()
-                o = plan.attend_raw(q, k, v, norms, v_eps, cos, sin, cache, self.scale)
-            elif hasattr(plan, "attend_stored") and _qkv_store_fused():
+            if hasattr(plan, "attend_stored") and _qkv_store_fused():
                 o = plan.attend_stored(self._norm_rope_store(q, k, v, cos, sin, cache, plan),
                                        cache, self.scale)  # fmt: skip
             else:
@@ -366,28 +363,14 @@ class Attention(nn.Module):
         in one launch -> q, normed and rotated (the plan then attends without storing)."""
         from worker.device.kernels.rmsnorm import qkv_norm_rope_store_triton
 
-        norms, v_eps = self._decode_norms()
-        return qkv_norm_rope_store_triton(q, k, v, norms, v_eps, cos, sin, cache.k, cache.v,
-                                          plan.slots, plan.positions)  # fmt: skip
-
-    def _decode_norms(
-        self,
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor, float, float, bool] | None, float | None]:
-        """The fused decode kernels' q/k norms (q weight, k weight, eps, offset, round_first;
-        None: rotary alone) and V norm eps (None: no V norm)."""
         norms = None
         if self.q_norm is not None and self.k_norm is not None:
             q_norm, k_norm = self.q_norm, self.k_norm
             norms = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.style.offset,
                      q_norm.round_first)  # fmt: skip
-        return norms, self.v_norm.eps if self.v_norm is not None else None
-
-
-def _attention_fused() -> bool:
-    """Decode's q/k norms, rotary, V norm, KV store and attention as one kernel where the
-    attention plan allows it (`decode_graphs.FusedDecodePlan.attend_raw`);
-    TOKENPIPE_ATTN_FUSED=0 keeps the store kernel apart (`_qkv_store_fused`)."""
-    return os.environ.get("TOKENPIPE_ATTN_FUSED", "1") != "0"
+        v_eps = self.v_norm.eps if self.v_norm is not None else None
+        return qkv_norm_rope_store_triton(q, k, v, norms, v_eps, cos, sin, cache.k, cache.v,
+                                          plan.slots, plan.positions)  # fmt: skip
 
 
 def _qkv_store_fused() -> bool:

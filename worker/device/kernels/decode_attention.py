@@ -31,33 +31,22 @@ from worker.device.kernels.rmsnorm import dependent_start
 
 
 @triton.jit
-def _kv_tile(base, offs_n, mask_n, stride_r, HEAD_DIM: tl.constexpr):
-    """Entries offs_n [BLOCK_N] of one (slot, KV head)'s keys or values -> [BLOCK_N, D]."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    return tl.load(base + offs_n[:, None] * stride_r + offs_d[None, :], mask=mask_n[:, None],
-                   other=0.0)  # fmt: skip
-
-
-@triton.jit
 def _attend_block(
     q, k_base, v_base, block_start, end, last, m_i, l_i, acc,
-    stride_kr, stride_vr, sm_scale, capacity, window, new_entry, k_new, v_new, k_pre, v_pre,
+    stride_kr, stride_vr, sm_scale, capacity, window,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, PATCH: tl.constexpr, LOADED: tl.constexpr = False,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over entries [block_start, block_start + BLOCK_N) ∩ [.., end).
-    q: [BLOCK_G, D]; m_i, l_i: [BLOCK_G]; acc: [BLOCK_G, D] float32. PATCH: entry
-    ``new_entry`` (this step's token; -1: none here) takes k_new / v_new [D] from registers
-    instead of the cache (`_decode_fused_kernel` stores them there for later steps).
-    LOADED: the block's tiles are k_pre / v_pre (loaded earlier by the caller)."""
+    q: [BLOCK_G, D]; m_i, l_i: [BLOCK_G]; acc: [BLOCK_G, D] float32."""
+    offs_d = tl.arange(0, HEAD_DIM)
     offs_n = block_start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
-    if LOADED:
-        k = k_pre
-    else:
-        k = _kv_tile(k_base, offs_n, mask_n, stride_kr, HEAD_DIM)  # [BLOCK_N, D]
-    if PATCH:
-        k = tl.where((offs_n == new_entry)[:, None], k_new[None, :], k)
+    k = tl.load(
+        k_base + offs_n[:, None] * stride_kr + offs_d[None, :],
+        mask=mask_n[:, None],
+        other=0.0,
+    )  # [BLOCK_N, D]
     if INTERPRET:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
@@ -72,12 +61,11 @@ def _attend_block(
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if LOADED:
-        v = v_pre
-    else:
-        v = _kv_tile(v_base, offs_n, mask_n, stride_vr, HEAD_DIM)  # [BLOCK_N, D]
-    if PATCH:
-        v = tl.where((offs_n == new_entry)[:, None], v_new[None, :], v)
+    v = tl.load(
+        v_base + offs_n[:, None] * stride_vr + offs_d[None, :],
+        mask=mask_n[:, None],
+        other=0.0,
+    )  # [BLOCK_N, D]
     if INTERPRET:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -110,7 +98,12 @@ def _decode_split_kernel(
     length = tl.load(lens_ptr + row).to(tl.int32)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     dependent_start(WAIT, TRIGGER)
-    length, start, end = _split_range(length, slot, capacity, split, num_splits, BLOCK_N)
+    length = tl.where(slot < 0, 0, length)
+    n_valid = tl.minimum(length, capacity)
+    per_split = (n_valid + num_splits - 1) // num_splits
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_valid)
     last = length - 1  # position of the query token
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -126,68 +119,26 @@ def _decode_split_kernel(
     k_base = k_ptr + safe_slot * stride_ks + kv_head * stride_kh
     v_base = v_ptr + safe_slot * stride_vs + kv_head * stride_vh
 
-    m_i, l_i, acc = _softmax_start(BLOCK_G, HEAD_DIM)
-    m_i, l_i, acc = _attend_range(
-        q, k_base, v_base, start, end, last, stride_kr, stride_vr, sm_scale, capacity, window,
-        0, 0, 0, m_i, l_i, acc, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET, False,
-    )  # fmt: skip
-    _split_output(m_i, l_i, acc, part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, row,
-                  heads, mask_g, offs_d, q_heads, split, num_splits, HEAD_DIM, DIRECT)  # fmt: skip
-
-
-@triton.jit
-def _split_range(length, slot, capacity, split, num_splits, BLOCK_N: tl.constexpr):
-    """(length, 0 for a padding row; the split's entries [start, end)): the min(length,
-    capacity) valid entries in ``num_splits`` chunks of whole BLOCK_N blocks."""
-    length = tl.where(slot < 0, 0, length)
-    n_valid = tl.minimum(length, capacity)
-    per_split = (n_valid + num_splits - 1) // num_splits
-    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * chunk
-    return length, start, tl.minimum(start + chunk, n_valid)
-
-
-@triton.jit
-def _softmax_start(BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The online softmax's (m_i, l_i, acc) before any entry."""
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    return m_i, tl.zeros([BLOCK_G], dtype=tl.float32), tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-
-
-@triton.jit
-def _attend_range(
-    q, k_base, v_base, start, end, last, stride_kr, stride_vr, sm_scale, capacity, window,
-    new_entry, k_new, v_new, m_i, l_i, acc, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-    PATCH: tl.constexpr,
-):  # fmt: skip
-    """Online softmax over entries [start, end) from (m_i, l_i, acc) (`_attend_block`)."""
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     if INTERPRET:  # Triton's CPU interpreter: no tensor bounds in range(), no bf16 dot
         block_start = start
         while block_start < end:
             m_i, l_i, acc = _attend_block(
                 q, k_base, v_base, block_start, end, last, m_i, l_i, acc,
-                stride_kr, stride_vr, sm_scale, capacity, window, new_entry, k_new, v_new, 0, 0,
-                HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET, PATCH,
+                stride_kr, stride_vr, sm_scale, capacity, window,
+                HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
             )  # fmt: skip
             block_start += BLOCK_N
     else:
         for block_start in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 q, k_base, v_base, block_start, end, last, m_i, l_i, acc,
-                stride_kr, stride_vr, sm_scale, capacity, window, new_entry, k_new, v_new, 0, 0,
-                HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET, PATCH,
+                stride_kr, stride_vr, sm_scale, capacity, window,
+                HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
             )  # fmt: skip
-    return m_i, l_i, acc
 
-
-@triton.jit
-def _split_output(
-    m_i, l_i, acc, part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, row, heads,
-    mask_g, offs_d, q_heads, split, num_splits, HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr,
-):  # fmt: skip
-    """A split's normalised partial output and log-sum-exp for the combine, or (DIRECT, one
-    split) the output itself in out's dtype."""
     has_any = l_i > 0.0
     out = tl.where(has_any[:, None], acc / tl.where(has_any, l_i, 1.0)[:, None], 0.0)
     if DIRECT:
@@ -232,133 +183,10 @@ def _decode_combine_kernel(
     )
 
 
-@triton.jit
-def _norm_rope_full(x_ptrs, partner_ptrs, mask, w_ptr, cos_row, sin_row, offs_d, partner, eps,
-                    offset, NORM: tl.constexpr, HAS_W: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, dt: tl.constexpr):  # fmt: skip
-    """Rows of D values ([D] or [G, D] pointers; ``partner_ptrs`` the same rows at the other
-    half's columns): each row's norm (NORM, as `rmsnorm._norm_rope_row`, rounded to dt), then
-    the rotate-half rotary -> float32 (the caller rounds). The whole row at once, so it lands
-    in the layout the attention's dot takes."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        ms = tl.sum(x * x, axis=-1, keep_dims=True) / HEAD_DIM
-        inv = 1.0 / tl.sqrt(ms + eps)
-        x, xp = x * inv, xp * inv
-        if HAS_W:
-            w = tl.load(w_ptr + offs_d)
-            wp = tl.load(w_ptr + partner)
-            if ROUND_FIRST:
-                x = x.to(dt).to(tl.float32) * (w + offset).to(dt).to(tl.float32)
-                xp = xp.to(dt).to(tl.float32) * (wp + offset).to(dt).to(tl.float32)
-            else:
-                x = x * (w.to(tl.float32) + offset)
-                xp = xp * (wp.to(tl.float32) + offset)
-        x, xp = x.to(dt).to(tl.float32), xp.to(dt).to(tl.float32)
-    c = tl.load(cos_row + offs_d).to(tl.float32)
-    s = tl.load(sin_row + offs_d).to(tl.float32)
-    sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)  # rotate_half: [-x2, x1]
-    return x * c + (xp * sign) * s
-
-
-@triton.jit
-def _decode_fused_kernel(
-    q_ptr, k_ptr, v_ptr, w_q_ptr, w_k_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
-    slots_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_c,
-    stride_ks, stride_kch, stride_kr, stride_vs, stride_vch, stride_vr, stride_ob, stride_oh,
-    sm_scale, capacity, window, eps, v_eps, offset,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, NORM: tl.constexpr,
-    HAS_W: tl.constexpr, V_NORM: tl.constexpr, ROUND_FIRST: tl.constexpr,
-    TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False, DIRECT: tl.constexpr = False,
-    PRELOAD: tl.constexpr = False,
-):  # fmt: skip
-    """`_decode_split_kernel` on the qkv projection's raw q, k, v of this step's token: each
-    program norms and rotates its q heads itself (`rmsnorm._qkv_norm_rope_store_kernel`'s
-    values), and this token's key and value too; the one program whose entries hold the
-    token's (position % capacity) stores them into the cache for later steps and attends to
-    them from registers, so no program reads an entry written in this launch.
-    PRELOAD: the first block of keys and values is loaded before the wait for the kernel
-    before (the qkv projection, which writes no cache entry; the entries were written by
-    earlier steps, which have ended: `dependent_start`), so those loads overlap its tail."""
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
-    q_heads = tl.num_programs(1) * GROUP
-    # the step's lengths and slots (from its start, `_decode_split_kernel`) and, PRELOAD, the
-    # first block of the cache, before the wait
-    length = tl.load(lens_ptr + row).to(tl.int32)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    length, start, end = _split_range(length, slot, capacity, split, num_splits, BLOCK_N)
-    safe_slot = tl.maximum(slot, 0)
-    k_base = k_cache_ptr + safe_slot * stride_ks + kv_head * stride_kch
-    v_base = v_cache_ptr + safe_slot * stride_vs + kv_head * stride_vch
-    k_first = 0
-    v_first = 0
-    if PRELOAD:
-        offs_n = start + tl.arange(0, BLOCK_N)
-        k_first = _kv_tile(k_base, offs_n, offs_n < end, stride_kr, HEAD_DIM)
-        v_first = _kv_tile(v_base, offs_n, offs_n < end, stride_vr, HEAD_DIM)
-    dependent_start(WAIT, TRIGGER)
-    last = length - 1
-    new_entry = last % capacity  # this token's entry (length > 0)
-    owner = (length > 0) & (new_entry >= start) & (new_entry < end)
-
-    dt = out_ptr.dtype.element_ty
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
-    partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
-    mask_g = offs_g < GROUP
-    heads = kv_head * GROUP + offs_g
-    cos_row = cos_ptr + row * stride_c
-    sin_row = sin_ptr + row * stride_c
-    q_rows = q_ptr + row * stride_qb + heads[:, None] * stride_qh
-    q = _norm_rope_full(q_rows + offs_d[None, :], q_rows + partner[None, :], mask_g[:, None],
-                        w_q_ptr, cos_row, sin_row, offs_d, partner, eps, offset, NORM, HAS_W,
-                        ROUND_FIRST, HEAD_DIM, dt).to(dt)  # fmt: skip
-    k_row = k_ptr + row * stride_kb + kv_head * stride_kh
-    k_new = _norm_rope_full(k_row + offs_d, k_row + partner, offs_d >= 0, w_k_ptr, cos_row,
-                            sin_row, offs_d, partner, eps, offset, NORM, HAS_W, ROUND_FIRST,
-                            HEAD_DIM, dt)  # fmt: skip
-    v_new = tl.load(v_ptr + row * stride_vb + kv_head * stride_vh + offs_d).to(tl.float32)
-    if V_NORM:
-        v_ms = tl.sum(v_new * v_new, axis=0) / HEAD_DIM
-        v_new = v_new * (1.0 / tl.sqrt(v_ms + v_eps))
-    ct = k_cache_ptr.dtype.element_ty
-    k_new = k_new.to(dt).to(ct)
-    v_new = v_new.to(dt).to(v_cache_ptr.dtype.element_ty)
-    store = offs_d < tl.where(owner, HEAD_DIM, 0)
-    tl.store(k_base + new_entry * stride_kr + offs_d, k_new, mask=store)
-    tl.store(v_base + new_entry * stride_vr + offs_d, v_new, mask=store)
-    patch = tl.where(owner, new_entry, -1)
-    m_i, l_i, acc = _softmax_start(BLOCK_G, HEAD_DIM)
-    if PRELOAD:  # the first block from its tiles (an empty split's: all masked, no change)
-        m_i, l_i, acc = _attend_block(
-            q, k_base, v_base, start, end, last, m_i, l_i, acc, stride_kr, stride_vr, sm_scale,
-            capacity, window, patch, k_new, v_new, k_first, v_first, HEAD_DIM, BLOCK_N,
-            DOT_PRECISION, INTERPRET, True, True,
-        )  # fmt: skip
-        start += BLOCK_N
-    m_i, l_i, acc = _attend_range(
-        q, k_base, v_base, start, end, last, stride_kr, stride_vr, sm_scale, capacity, window,
-        patch, k_new, v_new, m_i, l_i, acc, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET, True,
-    )  # fmt: skip
-    _split_output(m_i, l_i, acc, part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, row,
-                  heads, mask_g, offs_d, q_heads, split, num_splits, HEAD_DIM, DIRECT)  # fmt: skip
-
-
 # one split per (row, KV head) (the 31B sliding layers from 17 rows up on an H200): the split
 # kernel writes the output and no combine kernel runs; TOKENPIPE_ATTN_ONE_SPLIT_DIRECT=0: the
 # combine runs for one split too
 ONE_SPLIT_DIRECT = os.environ.get("TOKENPIPE_ATTN_ONE_SPLIT_DIRECT", "1") != "0"
-
-
-# the fused decode attention loads its first block of keys and values before it waits for the
-# qkv projection (`_decode_fused_kernel`); TOKENPIPE_ATTN_PRELOAD=0: after
-PRELOAD = os.environ.get("TOKENPIPE_ATTN_PRELOAD", "1") != "0"
 
 
 def choose_num_splits(batch: int, kv_heads: int, capacity: int, sm_count: int) -> int:
@@ -372,46 +200,6 @@ def choose_num_splits(batch: int, kv_heads: int, capacity: int, sm_count: int) -
 
 def _block_n(head_dim: int) -> int:
     return 32 if head_dim >= 256 else 64
-
-
-def _group(q_heads: int, kv_heads: int, head_dim: int) -> int:
-    """Query heads a KV head serves (GQA); raises for a shape the kernels do not take."""
-    if q_heads % kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"unsupported shape: Hq={q_heads}, Hkv={kv_heads}, D={head_dim}")
-    return q_heads // kv_heads
-
-
-def _splits(
-    out: torch.Tensor, kv_heads: int, capacity: int, num_splits: int | None
-) -> tuple[int, bool, torch.Tensor, torch.Tensor]:
-    """(splits, direct: one split stores the output itself, the partial output and log-sum-exp
-    buffers for `_decode_combine_kernel`: ``out`` itself when direct, unused)."""
-    batch, q_heads, head_dim = out.shape
-    if num_splits is None:
-        sm_count = (
-            torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 1
-        )
-        num_splits = choose_num_splits(batch, kv_heads, capacity, sm_count)
-    direct = num_splits == 1 and ONE_SPLIT_DIRECT
-    if direct:
-        return num_splits, True, out, out
-    part_out = torch.empty(
-        (batch, q_heads, num_splits, head_dim), device=out.device, dtype=torch.float32
-    )
-    part_lse = torch.empty((batch, q_heads, num_splits), device=out.device, dtype=torch.float32)
-    return num_splits, False, part_out, part_lse
-
-
-def _combine(
-    part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int
-) -> None:
-    batch, q_heads, head_dim = out.shape
-    _decode_combine_kernel[(batch, q_heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        TRIGGER=dependent_launch(out.device), WAIT=dependent_small(out.device),
-        launch_pdl=dependent_small(out.device), num_warps=4,
-    )  # fmt: skip
 
 
 def decode_attention_triton(
@@ -432,11 +220,24 @@ def decode_attention_triton(
     """
     batch, q_heads, head_dim = q.shape
     _, kv_heads, capacity, _ = k_cache.shape
-    group = _group(q_heads, kv_heads, head_dim)
+    group = q_heads // kv_heads
+    if q_heads % kv_heads or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"unsupported shape: Hq={q_heads}, Hkv={kv_heads}, D={head_dim}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, k_cache and v_cache need a contiguous last dim")
+    if num_splits is None:
+        sm_count = (
+            torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        )
+        num_splits = choose_num_splits(batch, kv_heads, capacity, sm_count)
     out = torch.empty_like(q)
-    num_splits, direct, part_out, part_lse = _splits(out, kv_heads, capacity, num_splits)
+    direct = num_splits == 1 and ONE_SPLIT_DIRECT
+    part_out = part_lse = out  # unused when direct
+    if not direct:
+        part_out = torch.empty(
+            (batch, q_heads, num_splits, head_dim), device=q.device, dtype=torch.float32
+        )
+        part_lse = torch.empty((batch, q_heads, num_splits), device=q.device, dtype=torch.float32)
     block_g = max(16, triton.next_power_of_2(group))
     num_warps = 8 if head_dim >= 512 else 4
     _decode_split_kernel[(batch, kv_heads, num_splits)](
@@ -453,63 +254,14 @@ def decode_attention_triton(
         out_ptr=out, stride_ob=out.stride(0), stride_oh=out.stride(1), DIRECT=direct,
         launch_pdl=dependent_small(q.device), num_warps=num_warps, num_stages=2,
     )  # fmt: skip
-    if not direct:
-        _combine(part_out, part_lse, out, num_splits)
-    return out
-
-
-def decode_attention_fused_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    norms: tuple[torch.Tensor | None, torch.Tensor | None, float, float, bool] | None,
-    v_eps: float | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    lens: torch.Tensor,
-    *,
-    sm_scale: float,
-    window: int = 0,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """A decode step's attention from the qkv projection's raw q [B, Hq, D], k, v [B, Hkv, D]
-    (views with a contiguous last dim): `rmsnorm.qkv_norm_rope_store_triton` (``norms``,
-    ``v_eps``, cos/sin [B, D] as there; this token's k and v written at entry (lens - 1) % R
-    of ``slots``) and then `decode_attention_triton` over ``lens`` in one kernel launch, the
-    same values. ``lens``: positions + 1, 0 for a padding row (slot < 0)."""
-    batch, q_heads, head_dim = q.shape
-    _, kv_heads, capacity, _ = k_cache.shape
-    group = _group(q_heads, kv_heads, head_dim)
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache need a contiguous last dim")
-    cos, sin = cos.contiguous(), sin.contiguous()
-    w_q, w_k, eps, offset, round_first = norms or (None, None, 0.0, 0.0, False)
-    out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
-    num_splits, direct, part_out, part_lse = _splits(out, kv_heads, capacity, num_splits)
-    _decode_fused_kernel[(batch, kv_heads, num_splits)](
-        q, k, v, w_q if w_q is not None else q, w_k if w_k is not None else q, cos, sin,
-        k_cache, v_cache, slots, lens, part_out, part_lse, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        float(sm_scale), capacity, window, float(eps), float(v_eps or 0.0), float(offset),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=_block_n(head_dim),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRET=bool(triton.knobs.runtime.interpret), NORM=norms is not None,
-        HAS_W=w_q is not None, V_NORM=v_eps is not None, ROUND_FIRST=round_first,
-        TRIGGER=dependent_launch(q.device), WAIT=dependent_small(q.device), DIRECT=direct,
-        PRELOAD=PRELOAD, launch_pdl=dependent_small(q.device),
-        num_warps=8 if head_dim >= 512 else 4, num_stages=2,
+    if direct:
+        return out
+    _decode_combine_kernel[(batch, q_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        TRIGGER=dependent_launch(out.device), WAIT=dependent_small(out.device),
+        launch_pdl=dependent_small(out.device), num_warps=4,
     )  # fmt: skip
-    if not direct:
-        _combine(part_out, part_lse, out, num_splits)
     return out
 
 
