@@ -158,6 +158,7 @@ def test_int4_gemm_with_bf16_inputs_makes_bf16_pair_weights(
     TOKENPIPE_QUANT_BF16_PAIRS=0 is the fp32 dequantization again."""
     from worker.device.kernels import quant_matmul as qm
 
+    monkeypatch.setattr(qm, "PARTIALS_BF16", False)  # the K split's own rounding: next test
     qw = _qw("int4", group, n=72, k=group * 4, seed=2)
     packed = qm.KMajorWeight.pack(qw)
     x = torch.randn(5, group * 4, generator=torch.Generator().manual_seed(4)).to(DEVICE)
@@ -174,6 +175,42 @@ def test_int4_gemm_with_bf16_inputs_makes_bf16_pair_weights(
     monkeypatch.setenv("TOKENPIPE_QUANT_BF16_PAIRS", "0")
     once = qm.qgemm(x.float(), packed, (16, 32, 4, 2))  # fp32: the reference arithmetic
     torch.testing.assert_close(once, exact, rtol=1e-4, atol=1e-4)
+
+
+def test_k_split_partials_are_bf16_for_bf16_x(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A K-split GEMM with bf16 x stores its partial sums in bf16 (``PARTIALS_BF16``; summed
+    in fp32 by `_reduce_kernel`): unsplit, the same bits as fp32 partials; split 8 ways,
+    within a few bf16 steps of them and no further from the exact product (rms); fp32 x
+    keeps fp32 partials; TOKENPIPE_QUANT_PARTIALS=fp32 turns it off at import."""
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw("int4", 32, n=64, k=32 * 16, seed=12)
+    packed = qm.KMajorWeight.pack(qw, torch.bfloat16)
+    x = torch.randn(20, 32 * 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    half = x.to(torch.bfloat16)
+    exact = half.float() @ qw.dequantize().T
+    tile = (8, 32, 2, 2, 1)
+    got: dict[tuple[bool, int], torch.Tensor] = {}
+    for on in (False, True):
+        monkeypatch.setattr(qm, "PARTIALS_BF16", on)
+        for split in (1, 8):
+            got[on, split] = qm.qgemm(half, packed, tile, split=split).float()
+        if on:  # fp32 x: fp32 partials whatever the switch
+            fp32 = qm.qgemm(x, qm.KMajorWeight.pack(qw), tile, split=8)
+            torch.testing.assert_close(fp32, x @ qw.dequantize().T, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[True, 1], got[False, 1])
+    assert not torch.equal(got[True, 8], got[False, 8])  # the partials' rounding shows
+    scale = exact.abs().max()
+    assert (got[True, 8] - got[False, 8]).abs().max() < 4 * 2**-8 * scale
+
+    def rms(y: torch.Tensor) -> float:
+        return float((y - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt())
+
+    assert rms(got[True, 8]) < 2.5 * rms(got[False, 8]) < 0.05
+    monkeypatch.delenv("TOKENPIPE_QUANT_PARTIALS", raising=False)
+    assert qm._partials_bf16()
+    monkeypatch.setenv("TOKENPIPE_QUANT_PARTIALS", "fp32")
+    assert not qm._partials_bf16()
 
 
 def test_int4_scales_kept_as_bf16_for_a_bf16_model(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,6 +88,19 @@ GEMM_PROGRAMS = int(os.environ.get("TOKENPIPE_QUANT_GEMM_PROGRAMS", "132"))
 # (176 us), split 3 ways 134 us; 48-64 sessions +8-10% through the worker (BENCHMARKS "Gemma
 # 4 31B int4 on one H200, session 14"). TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS=0: the old split
 GEMM_PROGRAMS_PER_ROW_TILE = os.environ.get("TOKENPIPE_QUANT_GEMM_ROW_TILE_PROGRAMS", "1") != "0"
+
+
+# the K-split GEMM's partial sums, for bf16 x, stored in bf16: half the bytes written and read
+# again by `_reduce_kernel` (32 rows of o / down: 25 splits, 17 MB of fp32 partials a call),
+# 32 sessions +4.2% through the worker (BENCHMARKS "session 19"); the sum stays fp32. On the
+# H200, o at 32 rows split 8 or 25 ways: rms error against the float64 product 0.166% ->
+# 0.235% of the output (the output's own bf16 rounding is the 0.166%), max 0.23% -> 0.33%.
+# TOKENPIPE_QUANT_PARTIALS=fp32: fp32 partials
+def _partials_bf16() -> bool:
+    return os.environ.get("TOKENPIPE_QUANT_PARTIALS", "bf16") != "fp32"
+
+
+PARTIALS_BF16 = _partials_bf16()
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 # word columns a block of the blocked layout (``KMajorWeight.block``): a column block's K rows of
 # 32 words (128 bytes) lie one after another, so a warp's run of rows in the GEMV is one
@@ -1091,7 +1104,8 @@ def qgemm(
             split = programs // tiles[1]  # the target per row tile
         split = max(1, min(triton.cdiv(k, block_k), split))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    partial = x.dtype if PARTIALS_BF16 and x.dtype == torch.bfloat16 else torch.float32
+    out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=partial)
     _qgemm_kernel[(*tiles, split)](
         x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
         x.stride(0), n if split > 1 else y.stride(0),
