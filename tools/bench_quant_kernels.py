@@ -32,6 +32,8 @@ from worker.device.kernels.gemv import graph_seconds as graph_time  # noqa: E402
 from worker.layers import quant as Q  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# the error table (--partials-error) also runs on the CPU, in Triton's interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # GEMV (BLOCK_C words, programs wanted, num_warps, rows unrolled); GEMM (BLOCK_C, BLOCK_K,
 # num_warps, num_stages): quant_matmul's config tuples
 GEMV_SWEEP = [
@@ -280,6 +282,36 @@ def bench_gemm_rows(
     torch.cuda.empty_cache()
 
 
+def partials_error(name: str, n: int, k: int, group: int, rows: int) -> None:
+    """The K-split GEMM's error with fp32 and with bf16 partials (``PARTIALS_BF16``): rms and
+    max of (y - the float64 product of the same bf16-pair weights) relative to the product's
+    rms and max, at 1, 8 and 25 splits (the tile of the 32-row default)."""
+    from worker.device.kernels import quant_matmul as qm
+    from worker.layers import quant as Q
+
+    gen = torch.Generator().manual_seed(0)
+    qw = Q.quantize(torch.randn(n, k, generator=gen) * 0.02, Q.QuantFormat("int4", group),
+                    search=False).to(DEVICE)  # fmt: skip
+    packed = qm.KMajorWeight.pack(qw, torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, torch.bfloat16)
+    codes = Q.unpack_nibbles(qw.qdata).double()
+    scales = qw.scales.to(torch.bfloat16).double().repeat_interleave(group, dim=1)
+    offsets = qw.offsets.to(torch.bfloat16).double().repeat_interleave(group, dim=1)
+    want = x.double() @ (codes * scales + offsets).to(torch.bfloat16).double().T
+    kept = qm.PARTIALS_BF16
+    try:
+        for split in (1, 8, 25):
+            cells = []
+            for bf16 in (False, True):
+                qm.PARTIALS_BF16 = bf16
+                err = qm.qgemm(x, packed, (32, 32, 2, 3, 1), split=split).double() - want
+                rms = err.pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
+                cells.append(f"{100 * rms:.3f}% / {100 * err.abs().max() / want.abs().max():.3f}%")
+            print(f"| {name} [{n}, {k}] x {rows} | {split} | {cells[0]} | {cells[1]} |")
+    finally:
+        qm.PARTIALS_BF16 = kept
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(REPO / "examples" / "gemma4_31b" / "config.json"))
@@ -298,8 +330,20 @@ def main(argv: list[str] | None = None) -> int:
     list_help = "with --gemm: tiles to time, as 'c,k,w,s[,j,programs,ahead];...'"
     p.add_argument("--gemm-list", default="", help=list_help)
     p.add_argument("--warm", action="store_true", help="with --gemm: compile only, no timing")
+    errors_help = "rows: the K-split GEMM's error with fp32 and bf16 partials (with --only)"
+    p.add_argument("--partials-error", type=int, default=0, help=errors_help)
     args = p.parse_args(argv)
     torch.manual_seed(0)
+    if args.partials_error:
+        only = set(args.only.split(",")) if args.only else {"o_proj"}
+        print("| matrix x rows | split | fp32 partials: rms / max | bf16 partials: rms / max |")
+        print("| --- | --- | --- | --- |")
+        seen = set()
+        for name, n, k, _ in model_shapes(Path(args.model)):
+            if name in only and name not in seen:
+                partials_error(name, n, k, args.group, args.partials_error)
+            seen.add(name)
+        return 0
     if args.gemm:  # each name's first matrix (the sliding layers' o and qkv), no head
         only = set(args.only.split(",")) if args.only else None
         rows = [int(r) for r in args.gemm.split(",")]
