@@ -101,6 +101,10 @@ def _partials_bf16() -> bool:
 
 
 PARTIALS_BF16 = _partials_bf16()
+# outputs a `_reduce_kernel` program sums (two warps): 256 gives each lane 16-byte loads of
+# fp32 partials, 8-byte loads of bf16 ones; TOKENPIPE_QUANT_REDUCE_BLOCK=512 for 16-byte bf16
+# loads (not yet measured on a GPU)
+REDUCE_BLOCK = int(os.environ.get("TOKENPIPE_QUANT_REDUCE_BLOCK", "256"))
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 # word columns a block of the blocked layout (``KMajorWeight.block``): a column block's K rows of
 # 32 words (128 bytes) lie one after another, so a warp's run of rows in the GEMV is one
@@ -1117,7 +1121,7 @@ def qgemm(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
-        block = 256
+        block = REDUCE_BLOCK
         count = m * n
         _reduce_kernel[(triton.cdiv(count, block),)](
             out, y, count, SPLIT=split, BLOCK=block, num_warps=2
