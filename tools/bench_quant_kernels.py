@@ -286,9 +286,6 @@ def partials_error(name: str, n: int, k: int, group: int, rows: int) -> None:
     """The K-split GEMM's error with fp32 and with bf16 partials (``PARTIALS_BF16``): rms and
     max of (y - the float64 product of the same bf16-pair weights) relative to the product's
     rms and max, at 1, 8 and 25 splits (the tile of the 32-row default)."""
-    from worker.device.kernels import quant_matmul as qm
-    from worker.layers import quant as Q
-
     gen = torch.Generator().manual_seed(0)
     qw = Q.quantize(torch.randn(n, k, generator=gen) * 0.02, Q.QuantFormat("int4", group),
                     search=False).to(DEVICE)  # fmt: skip
