@@ -76,10 +76,14 @@ def report(name: str, kernel, weights_per_thread: float, dump: str | None) -> No
             f.write(sass)
         with open(os.path.join(dump, f"{name}.ttgir"), "w") as f:
             f.write(kernel.asm["ttgir"])
+        with open(os.path.join(dump, f"{name}.ptx"), "w") as f:
+            f.write(kernel.asm["ptx"])
     loop = loop_count(sass)
     layout = [ln for ln in kernel.asm["ttgir"].splitlines() if ln.startswith("#blocked")][:2]
+    mmas = sass.count("HGMMA.")
+    serial = f", {sass.count('DEPBAR.LE gsb0, 0x0')} full waits for {mmas} wgmma" if mmas else ""
     print(f"{name}: regs {registers(cubin)}, loop {loop} instrs, {weights_per_thread:g} weights"
-          f"/thread/pass, {loop / weights_per_thread:.2f} per weight")  # fmt: skip
+          f"/thread/pass, {loop / weights_per_thread:.2f} per weight{serial}")  # fmt: skip
     for ln in layout:
         print("   ", ln.split("= ", 1)[-1])
 
@@ -113,7 +117,9 @@ def gemm(qm, int4: bool, config, dump) -> None:  # type: ignore[no-untyped-def]
            "stride_xm": "i32", "stride_ym": "i32"}  # fmt: skip
     const = dict(GROUP=32, INT4_KIND=int4, BLOCK_M=32, BLOCK_C=block_c, BLOCK_K=block_k,
                  PRECISION="tf32", EVEN_K=True, BF16_PAIRS=int4, ASM=True,
-                 JOINED=joined, PREFETCH=0, BW=qm.BLOCK_WORDS)  # fmt: skip
+                 JOINED=joined, PREFETCH=0, BW=qm.BLOCK_WORDS,
+                 DRAIN=warps % 4 == 0 and os.environ.get("TOKENPIPE_QUANT_GEMM_DRAIN") != "0",
+                 )  # fmt: skip
     sig.update({k: "constexpr" for k in const})
     k = compile_sm90(qm._qgemm_kernel, sig, const, warps, num_stages=stages,
                      div16=("N", "C", "K", "stride_xm", "stride_ym"))  # fmt: skip

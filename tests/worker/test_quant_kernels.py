@@ -177,6 +177,27 @@ def test_int4_gemm_with_bf16_inputs_makes_bf16_pair_weights(
     torch.testing.assert_close(once, exact, rtol=1e-4, atol=1e-4)
 
 
+def test_gemm_drains_its_wgmma_only_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The K step's ``wgmma.wait_group 0`` (``_wgmma_drain``) is compiled in only where wgmma
+    exists (sm_90) and only for tiles of whole warpgroups; TOKENPIPE_QUANT_GEMM_DRAIN=0 turns
+    it off. (Its effect, the MMAs no longer serialized by ptxas, shows in the SASS:
+    tools/sass_quant_kernels.py --only gemm prints the full waits a loop makes.)"""
+    from worker.device.kernels import quant_matmul as qm
+
+    cuda = torch.device("cuda", 0)
+    for capability, want in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
+        qm._wgmma_drain_on.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=capability: c)
+        assert qm._wgmma_drain_on(cuda) is want, capability
+    qm._wgmma_drain_on.cache_clear()
+    monkeypatch.setenv("TOKENPIPE_QUANT_GEMM_DRAIN", "0")
+    assert not qm._wgmma_drain_on(cuda)
+    qm._wgmma_drain_on.cache_clear()
+    monkeypatch.delenv("TOKENPIPE_QUANT_GEMM_DRAIN")
+    assert not qm._wgmma_drain_on(torch.device("cpu"))
+    qm._wgmma_drain_on.cache_clear()
+
+
 def test_k_split_partials_are_bf16_for_bf16_x(monkeypatch: pytest.MonkeyPatch) -> None:
     """A K-split GEMM with bf16 x stores its partial sums in bf16 (``PARTIALS_BF16``; summed
     in fp32 by `_reduce_kernel`): unsplit, the same bits as fp32 partials; split 8 ways,

@@ -47,6 +47,7 @@ Every weight is ``code * scale (+ offset)`` in fp32 as in the reference
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -801,6 +802,20 @@ def _int4_bf16_weights(word, s_ptr, o_ptr, meta, mask, C, ASM: tl.constexpr):
 
 
 @triton.jit
+def _wgmma_drain(k):
+    """Wait for every warpgroup MMA in flight (PTX ``wgmma.wait_group 0``) at the end of a K
+    step. Triton leaves the step's last MMAs in flight across the loop's back edge, where the
+    accumulators' initial values also enter; ptxas then serializes every MMA of the loop
+    (C7515: each waited for before the next dequantization). Closing the step here lets the
+    step's 16 MMAs overlap one another and the dequantization between them. ``k`` is a dummy
+    operand (an inline asm needs one); the 0 returned is unused."""
+    return tl.inline_asm_elementwise(
+        "{ wgmma.wait_group.sync.aligned 0; mov.b32 $0, 0; }", "=r,r", [k], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _bf16_dot(acc, w, x, ASM: tl.constexpr):
     """acc += w @ x for bf16 tiles; without ASM (Triton's interpreter, whose bf16 dot is
     wrong) as an exact fp32 dot of the same values."""
@@ -832,6 +847,7 @@ def _qgemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BF16_PAIRS: tl.constexpr, ASM: tl.constexpr,
     JOINED: tl.constexpr = False, PREFETCH: tl.constexpr = 0, BW: tl.constexpr = 0,
+    DRAIN: tl.constexpr = False,
 ):  # fmt: skip
     """y [M, N] = x @ W^T, computed transposed: per code position p, tl.dot of the
     [BLOCK_C, BLOCK_K] weights of outputs P*c + p (dequantized in registers, the large side
@@ -893,6 +909,8 @@ def _qgemm_kernel(
             acc5 = _bf16_dot(acc5, w5, x, ASM)
             acc6 = _bf16_dot(acc6, w6, x, ASM)
             acc7 = _bf16_dot(acc7, w7, x, ASM)
+            if ASM and DRAIN:
+                _wgmma_drain(k0)
         else:
             ty = x.dtype
             w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, RS, INT4_KIND)
@@ -912,6 +930,8 @@ def _qgemm_kernel(
                 acc6 += tl.dot(w.to(ty), x, input_precision=PRECISION)
                 w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, RS, INT4_KIND)
                 acc7 += tl.dot(w.to(ty), x, input_precision=PRECISION)
+            if ASM and DRAIN:
+                _wgmma_drain(k0)
     y_cols = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym
     if JOINED:
         _gemm_store_joined(y_cols, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, pid_c, mask_m,
@@ -1118,6 +1138,7 @@ def qgemm(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
         BF16_PAIRS=packed.kind == INT4 and x.dtype == torch.bfloat16 and _bf16_pairs(),
         ASM=not _interpreting(), JOINED=joined, PREFETCH=prefetch, BW=packed.block,
+        DRAIN=num_warps % 4 == 0 and _wgmma_drain_on(x.device),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
@@ -1136,6 +1157,16 @@ def _pdl(x: torch.Tensor) -> bool:
     from worker.device.kernels import dependent_launch
 
     return dependent_launch(x.device)
+
+
+@functools.cache
+def _wgmma_drain_on(device: torch.device) -> bool:
+    """Whether the GEMM closes each K step's warpgroup MMAs (``_wgmma_drain``): on Hopper
+    (sm_90, the only GPUs with wgmma; a tile of whole warpgroups), unless
+    TOKENPIPE_QUANT_GEMM_DRAIN=0."""
+    if os.environ.get("TOKENPIPE_QUANT_GEMM_DRAIN", "1") == "0" or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _interpreting() -> bool:
