@@ -189,21 +189,14 @@ def _decode_combine_kernel(
 ONE_SPLIT_DIRECT = os.environ.get("TOKENPIPE_ATTN_ONE_SPLIT_DIRECT", "1") != "0"
 
 
-# the split rule's two numbers (for A/B runs): programs an SM the splits aim at, and the fewest
-# cache entries a split covers at full capacity. On an H200 (BENCHMARKS, session 20) 4 or 8
-# programs an SM lost 1% at 32 sessions, and 128 / 512 / 1,040 entries 8.5% / 0.5% / 0.5% at
-# batch 1 (31B int4)
-SPLIT_PROGRAMS_PER_SM = int(os.environ.get("TOKENPIPE_ATTN_PROGRAMS_PER_SM", "2"))
-SPLIT_MIN_ENTRIES = int(os.environ.get("TOKENPIPE_ATTN_MIN_SPLIT", "256"))
-
-
 def choose_num_splits(batch: int, kv_heads: int, capacity: int, sm_count: int) -> int:
-    """Splits per (row, KV head) so the grid has about ``SPLIT_PROGRAMS_PER_SM`` (2) programs
-    per SM, each with at least ``SPLIT_MIN_ENTRIES`` (256) entries of work at full capacity
-    (pure: static shapes only)."""
+    """Splits per (row, KV head) so the grid has about two programs per SM, each with at
+    least 256 entries of work at full capacity (pure: static shapes only). On an H200
+    (BENCHMARKS, session 20; 31B int4) 4 or 8 programs an SM lost 1% at 32 sessions, and 128
+    / 512 / 1,040 entries 8.5% / 0.5% / 0.5% at batch 1."""
     programs = batch * kv_heads
-    want = max(1, -(-SPLIT_PROGRAMS_PER_SM * sm_count // programs))
-    most = max(1, capacity // SPLIT_MIN_ENTRIES)
+    want = max(1, -(-2 * sm_count // programs))
+    most = max(1, capacity // 256)
     return int(min(want, most, 64))
 
 

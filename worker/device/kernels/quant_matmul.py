@@ -102,10 +102,9 @@ def _partials_bf16() -> bool:
 
 
 PARTIALS_BF16 = _partials_bf16()
-# outputs a `_reduce_kernel` program sums (two warps): 256 gives each lane 16-byte loads of
-# fp32 partials, 8-byte loads of bf16 ones; TOKENPIPE_QUANT_REDUCE_BLOCK=512 for 16-byte bf16
-# loads (not yet measured on a GPU)
-REDUCE_BLOCK = int(os.environ.get("TOKENPIPE_QUANT_REDUCE_BLOCK", "256"))
+# outputs a `_reduce_kernel` program sums (two warps): 16-byte loads of fp32 partials, 8-byte
+# loads of bf16 ones; 512 (16-byte bf16 loads) was 0.3% slower at 32 sessions (session 20)
+REDUCE_BLOCK = 256
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 # word columns a block of the blocked layout (``KMajorWeight.block``): a column block's K rows of
 # 32 words (128 bytes) lie one after another, so a warp's run of rows in the GEMV is one
@@ -909,8 +908,6 @@ def _qgemm_kernel(
             acc5 = _bf16_dot(acc5, w5, x, ASM)
             acc6 = _bf16_dot(acc6, w6, x, ASM)
             acc7 = _bf16_dot(acc7, w7, x, ASM)
-            if ASM and DRAIN:
-                _wgmma_drain(k0)
         else:
             ty = x.dtype
             w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 0, RS, INT4_KIND)
@@ -930,8 +927,8 @@ def _qgemm_kernel(
                 acc6 += tl.dot(w.to(ty), x, input_precision=PRECISION)
                 w = _weights(word, s_ptr, o_ptr, meta, meta_mask, 7, RS, INT4_KIND)
                 acc7 += tl.dot(w.to(ty), x, input_precision=PRECISION)
-            if ASM and DRAIN:
-                _wgmma_drain(k0)
+        if ASM and DRAIN:  # the K step's MMAs closed before the loop's back edge
+            _wgmma_drain(k0)
     y_cols = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym
     if JOINED:
         _gemm_store_joined(y_cols, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, pid_c, mask_m,
