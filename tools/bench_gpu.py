@@ -549,6 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--sessions", default="1,8,32,64")
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--decode-prompt", type=int, default=32,
+                   help="prompt tokens of each decoding session (the context decode starts at)",
+                   )  # fmt: skip
     p.add_argument("--sampling", default="greedy",
                    help=f"decode cases, of {','.join(SAMPLING_CASES)}")  # fmt: skip
     p.add_argument("--no-ttft", action="store_true", help="skip the TTFT measurement")
@@ -652,8 +655,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in small:
             for case in cases:
                 key = f"decode_{s}" + ("" if case == "greedy" else f"_{case}")
-                results[key] = decode_rate(w, s, 32, args.decode_tokens, vocab, args.timeout,
-                                           SAMPLING_CASES[case])  # fmt: skip
+                results[key] = decode_rate(w, s, args.decode_prompt, args.decode_tokens, vocab,
+                                           args.timeout, SAMPLING_CASES[case])  # fmt: skip
                 ahead = w.ask({"op": "stats"}).get("stats", {}).get("decode_ahead")
                 log(f"decode x{s} {case}: {results[key]}; decode ahead so far: {ahead}")
         if not args.no_ttft:
@@ -675,8 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             w.wait_ready(args.timeout * 3)
             for s in big:
-                results[f"decode_{s}"] = decode_rate(w, s, 32, args.decode_tokens, vocab,
-                                                     args.timeout)  # fmt: skip
+                results[f"decode_{s}"] = decode_rate(w, s, args.decode_prompt, args.decode_tokens,
+                                                     vocab, args.timeout)  # fmt: skip
                 log(f"decode x{s}: {results[f'decode_{s}']}")
         finally:
             w.close()
@@ -714,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
             if ours and greedy and case != "greedy":
                 vs = f"; {100 * ours / greedy:.1f}% of greedy"
             label = "" if case == "greedy" else f", {case} {SAMPLING_CASES[case]}"
+            if args.decode_prompt != 32:
+                label += f", {args.decode_prompt}-token prompts"
             res.add(f"decode, {s} session{'s' if s > 1 else ''}{label}", ours,
                     min(s * bw / weight_bytes, compute_limit), hf.get(f"decode_b{s}"), "tok/s",
                     f"per request {fmt(r.get('mean_request_decode_tok_s'))}{vs}")  # fmt: skip

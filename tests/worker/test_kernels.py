@@ -107,6 +107,7 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+_SIXTEEN_LENS = [0, 1, 17, 40, 55, 3, 39, 41, 80, 2, 33, 64, 5, 40, 12, 71]
 CASES = [
     # q_heads, kv_heads, dim, capacity, window, lens, num_splits, dtype
     (4, 2, 16, 48, 0, [0, 1, 17, 48], 1, torch.float32),
@@ -115,6 +116,8 @@ CASES = [
     (2, 2, 32, 16, 16, [40, 16, 9], 4, torch.bfloat16),  # ring R == W, MHA
     (2, 1, 256, 40, 0, [33, 1], 2, torch.bfloat16),  # the 31B sliding head_dim
     (8, 1, 512, 24, 0, [24, 7], 2, torch.bfloat16),  # the 31B full head_dim
+    # 16 rows of the sliding head_dim: the split kernel's config for big batches, ring wrapped
+    (2, 1, 256, 40, 32, _SIXTEEN_LENS, 1, torch.bfloat16),
 ]
 
 

@@ -47,9 +47,16 @@ def _attend_block(
         mask=mask_n[:, None],
         other=0.0,
     )  # [BLOCK_N, D]
+    # V's load is issued with K's, ahead of the scores (the configs below were timed so)
+    v = tl.load(
+        v_base + offs_n[:, None] * stride_vr + offs_d[None, :],
+        mask=mask_n[:, None],
+        other=0.0,
+    )  # [BLOCK_N, D]
     if INTERPRET:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
+        v = v.to(tl.float32)
     # scores: [BLOCK_G, BLOCK_N]
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
     # entry j < n_valid holds position last - (last - j) % R  (last - j >= 0 here)
@@ -61,13 +68,6 @@ def _attend_block(
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(
-        v_base + offs_n[:, None] * stride_vr + offs_d[None, :],
-        mask=mask_n[:, None],
-        other=0.0,
-    )  # [BLOCK_N, D]
-    if INTERPRET:
-        v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -200,8 +200,20 @@ def choose_num_splits(batch: int, kv_heads: int, capacity: int, sm_count: int) -
     return int(min(want, most, 64))
 
 
-def _block_n(head_dim: int) -> int:
-    return 32 if head_dim >= 256 else 64
+def _split_config(head_dim: int, batch: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel for a head size and batch (static
+    shapes only: a graph's rows may be at any length). On an H200 (BENCHMARKS, session 21;
+    31B int4 through `tokenpipe run`) against (32, 4, 2) for 256 and (32, 8, 2) for 512:
+    900-token prompts decode 3% faster at 1 session and 5% at 32; 32-token prompts at 32
+    sessions 1.3% slower (every config tried off (32, 4, 2) lost 1.2-1.9% there, which the
+    kernel alone does not show). Kernel alone at 1 and 32 rows, ~90 / 512 / 1,000 entries:
+    head size 512 with four warps 9-16% less time everywhere; 256 with more stages 15-33%
+    less from ~500 entries up."""
+    if head_dim >= 512:
+        return 32, 4, 2
+    if head_dim >= 256:
+        return (16, 4, 3) if batch >= 16 else (32, 4, 4)
+    return 64, 4, 2
 
 
 def decode_attention_triton(
@@ -241,7 +253,7 @@ def decode_attention_triton(
         )
         part_lse = torch.empty((batch, q_heads, num_splits), device=q.device, dtype=torch.float32)
     block_g = max(16, triton.next_power_of_2(group))
-    num_warps = 8 if head_dim >= 512 else 4
+    block_n, num_warps, num_stages = _split_config(head_dim, batch)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, slots, lens, part_out, part_lse,
         q.stride(0), q.stride(1),
@@ -249,12 +261,12 @@ def decode_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         float(sm_scale), capacity, window,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
-        BLOCK_N=_block_n(head_dim),
+        BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=bool(triton.knobs.runtime.interpret),
         TRIGGER=dependent_launch(q.device), WAIT=dependent_small(q.device),
         out_ptr=out, stride_ob=out.stride(0), stride_oh=out.stride(1), DIRECT=direct,
-        launch_pdl=dependent_small(q.device), num_warps=num_warps, num_stages=2,
+        launch_pdl=dependent_small(q.device), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if direct:
         return out
