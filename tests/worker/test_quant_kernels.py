@@ -599,3 +599,65 @@ def test_cuda_refuses_groups_its_kernels_cannot_take() -> None:
         begin_load(model, QuantizeOptions("int4", 48), None, torch.device("cuda"), torch.float32)
     model = build_model(config, "meta", torch.float32)  # the CPU takes group 48
     assert begin_load(model, QuantizeOptions("int4", 48), None, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_split_sum_and_activation_in_one_kernel(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``qgemm_gated`` (the K-split partials summed and act(gate) * up made in one kernel)
+    gives the bits of ``qgemm`` then ``gated_act_triton``, split or not; the layer asks for it
+    only with ``GATED_SUM`` on and rows that take the GEMM; and a quantized GatedMLP's output
+    keeps its bits either way."""
+    from tiny_models import tiny_config
+
+    from worker.device.kernels import quant_matmul as qm
+    from worker.device.kernels.rmsnorm import gated_act_triton
+    from worker.layers.blocks import GatedMLP
+    from worker.models.config import ModelConfig
+
+    qw = _qw("int4", 32, n=2 * 40, k=32 * 4, seed=9)
+    packed = qm.KMajorWeight.pack(qw)
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    for act in ("silu", "gelu_pytorch_tanh"):
+        for split in (1, 3):
+            y = qm.qgemm(x, packed, (8, 32, 4, 2, 1), split=split)
+            want = gated_act_triton(y[:, :40], y[:, 40:], act)
+            got = qm.qgemm_gated(x, packed, act, (8, 32, 4, 2, 1), split=split)
+            assert got.shape == (20, 40) and got.dtype == dtype
+            assert torch.equal(got, want), (act, split)
+    monkeypatch.setattr(qm, "GATED_SUM", False)
+    assert qm.quant_linear_gated(x, packed, "silu") is None
+    monkeypatch.setattr(qm, "GATED_SUM", True)
+    assert qm.quant_linear_gated(x[:1], packed, "silu") is None  # one row: the GEMV's
+    assert qm.quant_linear_gated(x, packed, "relu") is None  # no fused activation
+    y = qm.quant_linear(x, packed)
+    fused = qm.quant_linear_gated(x, packed, "silu")
+    assert fused is not None and torch.equal(fused, gated_act_triton(y[:, :40], y[:, 40:], "silu"))
+
+    # the layer: gate and up quantized and fused into one gate_up, down in float
+    monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")  # the unfused path's activation in Triton
+    config = ModelConfig.from_hf(tiny_config("llama", 300, hidden_size=128, intermediate_size=64))
+    mlp = GatedMLP(config).to(DEVICE, dtype)
+    gen = torch.Generator().manual_seed(4)
+    for name in ("gate_proj", "up_proj"):
+        weight = torch.randn(64, 128, generator=gen) * 0.05
+        part = Q.quantize(weight, Q.QuantFormat("int4", 32), search=False).to(DEVICE)
+        setattr(mlp, name, Q.QuantLinear.from_weight(part))
+    mlp.fuse_projections()
+    assert isinstance(mlp.gate_up_proj, Q.QuantLinear) and mlp.gate_up_proj.quantized is not None
+    mlp.gate_up_proj.device_packed = qm.KMajorWeight.pack(mlp.gate_up_proj.quantized)
+    calls: list[int] = []
+    gated = qm.qgemm_gated
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return gated(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(qm, "qgemm_gated", counted)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(qm, "GATED_SUM", on)
+        outs.append(mlp(x))
+        assert len(calls) == int(on)
+    assert torch.equal(outs[0], outs[1])

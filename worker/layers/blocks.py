@@ -159,6 +159,11 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self._down(self.gate_proj(x), self.up_proj(x), x)
+        if isinstance(self.gate_up_proj, QuantLinear) and not self.cpu_kernel:
+            gated = self.gate_up_proj.gated(x, self.act_name)  # the split sum + activation fused
+            if gated is not None:
+                out: torch.Tensor = self.down_proj(gated)
+                return out
         return self.down_from_gate_up(self.gate_up_proj(x), x)
 
     def down_from_gate_up(self, gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -411,6 +411,16 @@ class QuantLinear(nn.Module):
         assert self.quantized is not None, f"{self.name}: weight not loaded"
         return F.linear(x, self.quantized.dequantize(x.dtype), self.bias)
 
+    def gated(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """act(gate) * up of this gate_up layer's output (gate outputs first) in one fused
+        path where the CUDA kernels have one for x (``quant_matmul.quant_linear_gated``),
+        else None: the caller runs forward, then the activation."""
+        if self.device_packed is None or self.bias is not None:
+            return None
+        from worker.device.kernels.quant_matmul import quant_linear_gated
+
+        return quant_linear_gated(x, self.device_packed, act)  # type: ignore[arg-type]
+
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.format.describe()}"
 

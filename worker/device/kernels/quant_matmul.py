@@ -60,6 +60,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from worker.device.kernels.rmsnorm import GATED_ACTIVATIONS, gated_activation
 from worker.layers.quant import INT4, QuantizedWeight, unpack_nibbles
 
 GEMV_MAX_ROWS = 1
@@ -105,6 +106,10 @@ PARTIALS_BF16 = _partials_bf16()
 # outputs a `_reduce_kernel` program sums (two warps): 16-byte loads of fp32 partials, 8-byte
 # loads of bf16 ones; 512 (16-byte bf16 loads) was 0.3% slower at 32 sessions (session 20)
 REDUCE_BLOCK = 256
+# a gate_up matrix on the GEMM (2-64 rows): its split sum and the gated activation in one
+# kernel (`qgemm_gated`; the same bits, one launch a layer fewer). Not yet timed on a GPU
+# (session 21 had no device time left): off unless TOKENPIPE_QUANT_GATED_SUM=1
+GATED_SUM = os.environ.get("TOKENPIPE_QUANT_GATED_SUM", "0") == "1"
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 # word columns a block of the blocked layout (``KMajorWeight.block``): a column block's K rows of
 # 32 words (128 bytes) lie one after another, so a warp's run of rows in the GEMV is one
@@ -699,6 +704,26 @@ def _reduce_kernel(part_ptr, y_ptr, count, SPLIT: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
+def _reduce_gated_kernel(part_ptr, y_ptr, count, N, INNER, SPLIT: tl.constexpr,
+                         ACT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """y[row, j] = act(gate) * up of a gate_up matrix's K-split partials [SPLIT, rows, N]:
+    gate the sum of column j, up of column INNER + j, each summed in fp32 in split order and
+    rounded to y's dtype first (as ``_reduce_kernel`` stores them for the gated activation)."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < INNER
+    at = row * N + offs
+    gate = tl.zeros([BLOCK], dtype=tl.float32)
+    up = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        gate += tl.load(part_ptr + s * count + at, mask=mask, other=0.0)
+        up += tl.load(part_ptr + s * count + at + INNER, mask=mask, other=0.0)
+    dt = y_ptr.dtype.element_ty
+    gated = gated_activation(gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32), ACT, dt)
+    tl.store(y_ptr + row * INNER + offs, gated, mask=mask)
+
+
+@triton.jit
 def _weights(word, scale_ptr, offset_ptr, meta, mask, p: tl.constexpr, C, INT4_KIND: tl.constexpr):
     """The fp32 weights of code position p for a [rows, BLOCK_C] tile of words: the code
     into the mantissa of 2^23 (codes above bit 19 / 15 shifted down first), 2^23 taken off,
@@ -1106,6 +1131,44 @@ def qgemm(
     over ``split`` programs (None: enough for about ``programs`` programs), summed in fp32.
     ``config``: (BLOCK_C, BLOCK_K, num_warps, num_stages[, joined store: 1[, programs]]);
     programs left out: GEMM_PROGRAMS."""
+    y, out, split = _qgemm_launch(x, packed, config, split)
+    if split > 1:
+        block = REDUCE_BLOCK
+        count = y.numel()
+        _reduce_kernel[(triton.cdiv(count, block),)](
+            out, y, count, SPLIT=split, BLOCK=block, num_warps=2
+        )
+    return y
+
+
+def qgemm_gated(
+    x: torch.Tensor, packed: KMajorWeight, act: str, config: tuple[int, ...] | None = None,
+    split: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """act(gate) * up [M, N / 2] of a gate_up matrix (gate outputs first): ``qgemm``, with
+    its split sum and the gated activation in one kernel (``_reduce_gated_kernel``), the same
+    bits as ``qgemm`` then ``rmsnorm.gated_act_triton``. ``act``: a GATED_ACTIVATIONS key."""
+    from worker.device.kernels.rmsnorm import gated_act_triton
+
+    y, out, split = _qgemm_launch(x, packed, config, split)
+    m, n = y.shape
+    inner = n // 2
+    if split == 1:
+        return gated_act_triton(y[:, :inner], y[:, inner:], act)
+    gated = torch.empty((m, inner), device=x.device, dtype=x.dtype)
+    block = REDUCE_BLOCK
+    _reduce_gated_kernel[(m, triton.cdiv(inner, block))](
+        out, gated, m * n, n, inner, SPLIT=split, ACT=GATED_ACTIVATIONS[act], BLOCK=block,
+        num_warps=2,
+    )  # fmt: skip
+    return gated
+
+
+def _qgemm_launch(
+    x: torch.Tensor, packed: KMajorWeight, config: tuple[int, ...] | None, split: int | None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The GEMM kernel of ``qgemm``: (y [M, N] allocated, what the kernel wrote to (y itself,
+    or the [split, M, N] partials), split)."""
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
@@ -1138,13 +1201,7 @@ def qgemm(
         DRAIN=num_warps % 4 == 0 and _wgmma_drain_on(x.device),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if split > 1:
-        block = REDUCE_BLOCK
-        count = m * n
-        _reduce_kernel[(triton.cdiv(count, block),)](
-            out, y, count, SPLIT=split, BLOCK=block, num_warps=2
-        )
-    return y
+    return y, out, split
 
 
 def _pdl(x: torch.Tensor) -> bool:
@@ -1189,6 +1246,18 @@ def dequantize_triton(packed: KMajorWeight, dtype: torch.dtype) -> torch.Tensor:
         BLOCK_K=block_k, BW=packed.block, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def quant_linear_gated(x: torch.Tensor, packed: KMajorWeight, act: str) -> torch.Tensor | None:
+    """act(gate) * up of a gate_up matrix (gate outputs first) for x [M, K] by
+    ``qgemm_gated``, where x's rows take the GEMM and ``GATED_SUM`` is on; else None (the
+    caller runs the matrix, then the activation)."""
+    m = x.shape[0]
+    if not GATED_SUM or x.dim() != 2 or not GEMV_MAX_ROWS < m <= GEMM_MAX_ROWS:
+        return None
+    if act not in GATED_ACTIVATIONS or packed.shape[0] % 2:
+        return None
+    return qgemm_gated(x if x.stride(-1) == 1 else x.contiguous(), packed, act)
 
 
 def quant_linear(
