@@ -165,10 +165,12 @@ PROGRAMS = 528  # four an SM of an H200
 MAXNREG = 128
 
 
-def stacked_gemm(x: Any, packed: Any, split: int | None = None) -> Any:
+def stacked_gemm(
+    x: Any, packed: Any, split: int | None = None, programs: int = PROGRAMS, maxnreg: int = MAXNREG
+) -> Any:
     """x [M <= 32, K] bf16 @ W^T -> [M, N] bf16 for an int4 g32 ``KMajorWeight`` with bf16
     scales and offsets; K split for about PROGRAMS programs, partials summed by
-    ``quant_matmul._reduce_kernel``."""
+    ``quant_matmul._reduce_kernel``; ``maxnreg`` 0: no register cap."""
     import torch
     import triton
 
@@ -180,13 +182,13 @@ def stacked_gemm(x: Any, packed: Any, split: int | None = None) -> Any:
     assert packed.group_size == 32 and packed.scales.dtype == torch.bfloat16
     tiles = triton.cdiv(packed.columns, BLOCK_W)
     if split is None:
-        split = max(1, min(k // 32, PROGRAMS // tiles))
+        split = max(1, min(k // 32, programs // tiles))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _stacked_gemm_kernel[(tiles, split)](
         x, packed.words, packed.scales, packed.offsets, out, m, n, packed.columns, k,
         x.stride(0), BLOCK_W=BLOCK_W, BLOCK_K=32, BLOCK_M=32, BW=packed.block, num_warps=4,
-        maxnreg=MAXNREG,
+        maxnreg=maxnreg or None,
     )  # fmt: skip
     if split > 1:
         count = m * n
@@ -225,7 +227,7 @@ def offline(dump: str | None) -> None:
                               if "spill" in ln or "Used" in ln))  # fmt: skip
 
 
-def on_gpu(only: set[str] | None, rows: int, model: Path) -> None:
+def on_gpu(only: set[str] | None, rows: int, model: Path, variants: list[tuple[int, int]]) -> None:
     import torch
     import torch.nn.functional as F
     from bench_quant_kernels import model_shapes, rotated
@@ -235,9 +237,11 @@ def on_gpu(only: set[str] | None, rows: int, model: Path) -> None:
 
     dev = torch.device("cuda")
     today = (64, 32, 4, 4, 1, 264)  # the start-up's pick for the 31B matrices (session 20)
-    print(f"# {torch.cuda.get_device_name()}, {rows} rows; us a call, weights past L2")
-    print("| matrix | today's GEMM | Gluon stacked | speed-up | max error vs qgemm | vs torch |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"# {torch.cuda.get_device_name()}, {rows} rows; us a call, weights past L2; "
+          "Gluon variants (programs, maxnreg)")  # fmt: skip
+    print("| matrix | today's GEMM | Gluon variant | Gluon | speed-up | max error vs qgemm "
+          "| vs torch |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     seen = {"lm_head"}
     for name, n, k, _ in model_shapes(model):
         if name in seen or (only is not None and name not in only):
@@ -251,14 +255,21 @@ def on_gpu(only: set[str] | None, rows: int, model: Path) -> None:
         x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
         want = qm.qgemm(x, packed, today).float()
         ref = F.linear(x.float(), qw.dequantize(torch.float32)).float()
-        got = stacked_gemm(x, packed).float()
         scale = want.abs().max().item()
-        err = (got - want).abs().max().item() / scale
-        err_ref = (got - ref).abs().max().item() / scale
         t_today = rotated(lambda w, x=x: qm.qgemm(x, w, today), copies) * 1e6
-        t_ours = rotated(lambda w, x=x: stacked_gemm(x, w), copies) * 1e6
-        print(f"| {name} [{n}, {k}] | {t_today:.1f} | {t_ours:.1f} | {t_today / t_ours:.2f}x | "
-              f"{err:.2e} | {err_ref:.2e} |", flush=True)  # fmt: skip
+        for programs, maxnreg in variants:
+            got = stacked_gemm(x, packed, programs=programs, maxnreg=maxnreg).float()
+            err = (got - want).abs().max().item() / scale
+            err_ref = (got - ref).abs().max().item() / scale
+            t_ours = (
+                rotated(
+                    lambda w, x=x, p=programs, r=maxnreg: stacked_gemm(x, w, programs=p, maxnreg=r),
+                    copies,
+                )
+                * 1e6
+            )
+            print(f"| {name} [{n}, {k}] | {t_today:.1f} | {programs}, {maxnreg} | {t_ours:.1f} | "
+                  f"{t_today / t_ours:.2f}x | {err:.2e} | {err_ref:.2e} |", flush=True)  # fmt: skip
         del copies, packed
         torch.cuda.empty_cache()
 
@@ -270,13 +281,19 @@ def main() -> None:
     p.add_argument("--dump", default=None, help="offline: write SASS / PTX / TTGIR here")
     p.add_argument("--only", default="", help="matrix names (qkv_proj,o_proj,...)")
     p.add_argument("--rows", type=int, default=32)
+    p.add_argument(
+        "--variants",
+        default=f"{PROGRAMS},{MAXNREG};396,{MAXNREG};{PROGRAMS},0",
+        help="Gluon variants to time: programs,maxnreg;... (maxnreg 0: no cap)",
+    )
     p.add_argument("--model", default=str(TOOLS.parent / "examples" / "gemma4_31b"))
     args = p.parse_args()
     if args.offline:
         offline(args.dump)
         return
     only = set(args.only.split(",")) if args.only else None
-    on_gpu(only, args.rows, Path(args.model))
+    variants = [tuple(int(v) for v in t.split(",")) for t in args.variants.split(";")]
+    on_gpu(only, args.rows, Path(args.model), variants)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
