@@ -661,3 +661,50 @@ def test_gate_up_split_sum_and_activation_in_one_kernel(
         outs.append(mlp(x))
         assert len(calls) == int(on)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_gluon_gemm_takes_only_the_matmuls_it_was_built_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``GLUON_GEMM`` on, ``quant_linear`` sends 17-32 rows of bf16 x over int4 g32
+    weights with bf16 scales in the blocked layout, on a Hopper GPU, to the Gluon GEMM (a fake
+    here: the kernel needs that GPU), and nothing else; ``quant_linear_gated`` then leaves
+    the activation to the layer."""
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw("int4", 32, n=64, k=64, seed=2)
+    packed = qm.KMajorWeight.pack(qw, torch.bfloat16, 32)
+    wide = torch.randn(40, 128, generator=torch.Generator().manual_seed(5))
+    wide = wide.to(DEVICE, torch.bfloat16)
+    x = wide[:, :64].contiguous()
+    calls: list[int] = []
+
+    def fake(rows: torch.Tensor, weight: object) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return qm.qgemm(rows, weight)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(qm, "_gluon_gemm", fake)
+    monkeypatch.setattr(qm, "_gluon_device", lambda device: True)
+    monkeypatch.setattr(qm, "GLUON_GEMM", False)
+    qm.quant_linear(x[:20], packed)
+    assert calls == []
+    monkeypatch.setattr(qm, "GLUON_GEMM", True)
+    for rows in (1, 16, 17, 32, 33):
+        qm.quant_linear(x[:rows], packed)
+    assert calls == [17, 32]
+    calls.clear()
+    qm.quant_linear(x[:20].float(), qm.KMajorWeight.pack(qw, torch.float32, 32))
+    for other in (
+        qm.KMajorWeight.pack(_qw("int8", 32, n=64, k=64), torch.bfloat16, 32),
+        qm.KMajorWeight.pack(_qw("int4", 64, n=64, k=128), torch.bfloat16, 32),
+        qm.KMajorWeight.pack(qw, torch.float16, 32),
+        qm.KMajorWeight.pack(qw, torch.bfloat16, 0),
+    ):
+        qm.quant_linear(wide[:20, : other.shape[1]].contiguous(), other)
+    assert calls == []
+    monkeypatch.setattr(qm, "_gluon_device", lambda device: False)  # not Hopper
+    qm.quant_linear(x[:20], packed)
+    assert calls == []
+    monkeypatch.setattr(qm, "_gluon_device", lambda device: True)
+    monkeypatch.setattr(qm, "GATED_SUM", True)
+    assert qm.quant_linear_gated(x[:20], packed, "silu") is None
