@@ -165,7 +165,8 @@ def stacked_gemm(
     if split is None:
         split = max(1, min(k // 32, programs // tiles))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    partial = torch.bfloat16 if qm.PARTIALS_BF16 else torch.float32  # as qgemm's
+    out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=partial)
     _stacked_gemm_kernel[(tiles, split)](
         x, packed.words, packed.scales, packed.offsets, out, m, n, packed.columns, k,
         x.stride(0), BLOCK_W=BLOCK_W, BLOCK_K=32, BLOCK_M=32, BW=packed.block, num_warps=4,
