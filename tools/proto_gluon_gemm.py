@@ -51,7 +51,7 @@ def offline(dump: str | None) -> None:
 
     for bw, maxnreg in ((32, None), (32, MAXNREG), (0, MAXNREG)):
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "o_ptr": "*bf16",
-               "y_ptr": "*fp32", "M": "i32", "N": "i32", "C": "i32", "K": "i32",
+               "y_ptr": "*bf16", "M": "i32", "N": "i32", "C": "i32", "K": "i32",
                "stride_xm": "i32"}  # fmt: skip
         const = {"BLOCK_W": BLOCK_W, "BLOCK_K": 32, "BLOCK_M": 32, "BW": bw}
         sig.update({key: "constexpr" for key in const})
