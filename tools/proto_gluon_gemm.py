@@ -34,7 +34,6 @@ def _early_triton() -> None:
 _early_triton()
 
 from worker.device.kernels.quant_gluon import (  # noqa: E402
-    BLOCK_W,
     MAXNREG,
     PROGRAMS,
     _stacked_gemm_kernel,
@@ -49,11 +48,12 @@ def offline(dump: str | None) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    for bw, maxnreg in ((32, None), (32, MAXNREG), (0, MAXNREG)):
+    for block_w, bw, maxnreg in ((32, 32, None), (32, 32, MAXNREG), (32, 0, MAXNREG),
+                                 (16, 32, None), (16, 32, 104), (16, 32, MAXNREG)):  # fmt: skip
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "o_ptr": "*bf16",
                "y_ptr": "*bf16", "M": "i32", "N": "i32", "C": "i32", "K": "i32",
                "stride_xm": "i32"}  # fmt: skip
-        const = {"BLOCK_W": BLOCK_W, "BLOCK_K": 32, "BLOCK_M": 32, "BW": bw}
+        const = {"BLOCK_W": block_w, "BLOCK_K": 32, "BLOCK_M": 32, "BW": bw}
         sig.update({key: "constexpr" for key in const})
         attrs = {(i,): [["tt.divisibility", 16]] for i, (arg, ty) in enumerate(sig.items())
                  if ty.startswith("*") or arg in ("N", "C", "K", "stride_xm")}  # fmt: skip
@@ -61,8 +61,8 @@ def offline(dump: str | None) -> None:
                                 attrs=attrs)  # fmt: skip
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": 4, "maxnreg": maxnreg})  # fmt: skip
-        name = f"gluon_stacked_w{BLOCK_W}_bw{bw}_maxnreg{maxnreg}"
-        sq.report(name, kernel, 2 * BLOCK_W * 32 * 4 / 128, dump)
+        name = f"gluon_stacked_w{block_w}_bw{bw}_maxnreg{maxnreg}"
+        sq.report(name, kernel, 64 * 32 * (8 * block_w // 64) / 128, dump)  # a pass's weights
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
         with open(f"/tmp/{name}.ptx", "w") as f:
             f.write(kernel.asm["ptx"])
@@ -72,7 +72,9 @@ def offline(dump: str | None) -> None:
                               if "spill" in ln or "Used" in ln))  # fmt: skip
 
 
-def on_gpu(only: set[str] | None, rows: int, model: Path, variants: list[tuple[int, int]]) -> None:
+def on_gpu(
+    only: set[str] | None, rows: int, model: Path, variants: list[tuple[int, int, int]]
+) -> None:
     import torch
     import torch.nn.functional as F
     from bench_quant_kernels import model_shapes, rotated
@@ -83,7 +85,7 @@ def on_gpu(only: set[str] | None, rows: int, model: Path, variants: list[tuple[i
     dev = torch.device("cuda")
     today = (64, 32, 4, 4, 1, 264)  # the start-up's pick for the 31B matrices (session 20)
     print(f"# {torch.cuda.get_device_name()}, {rows} rows; us a call, weights past L2; "
-          "Gluon variants (programs, maxnreg)")  # fmt: skip
+          "Gluon variants (programs, maxnreg, block_w)")  # fmt: skip
     print("| matrix | today's GEMM | Gluon variant | Gluon | speed-up | max error vs qgemm "
           "| vs torch |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -102,18 +104,19 @@ def on_gpu(only: set[str] | None, rows: int, model: Path, variants: list[tuple[i
         ref = F.linear(x.float(), qw.dequantize(torch.float32)).float()
         scale = want.abs().max().item()
         t_today = rotated(lambda w, x=x: qm.qgemm(x, w, today), copies) * 1e6
-        for programs, maxnreg in variants:
-            got = stacked_gemm(x, packed, programs=programs, maxnreg=maxnreg).float()
+        for programs, maxnreg, block_w in variants:
+            got = stacked_gemm(x, packed, programs=programs, maxnreg=maxnreg,
+                               block_w=block_w).float()  # fmt: skip
             err = (got - want).abs().max().item() / scale
             err_ref = (got - ref).abs().max().item() / scale
-            t_ours = (
-                rotated(
-                    lambda w, x=x, p=programs, r=maxnreg: stacked_gemm(x, w, programs=p, maxnreg=r),
-                    copies,
-                )
-                * 1e6
-            )
-            print(f"| {name} [{n}, {k}] | {t_today:.1f} | {programs}, {maxnreg} | {t_ours:.1f} | "
+
+            def ours(w: object, x: object = x, p: int = programs, r: int = maxnreg,
+                     b: int = block_w) -> object:  # fmt: skip
+                return stacked_gemm(x, w, programs=p, maxnreg=r, block_w=b)
+
+            t_ours = rotated(ours, copies) * 1e6
+            print(f"| {name} [{n}, {k}] | {t_today:.1f} | {programs}, {maxnreg}, {block_w} | "
+                  f"{t_ours:.1f} | "
                   f"{t_today / t_ours:.2f}x | {err:.2e} | {err_ref:.2e} |", flush=True)  # fmt: skip
         del copies, packed
         torch.cuda.empty_cache()
@@ -128,8 +131,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument(
         "--variants",
-        default=f"{PROGRAMS},{MAXNREG};396,{MAXNREG};{PROGRAMS},0",
-        help="Gluon variants to time: programs,maxnreg;... (maxnreg 0: no cap)",
+        default=f"{PROGRAMS},{MAXNREG},32;396,{MAXNREG},32;{PROGRAMS},0,32;660,104,16;528,128,16",
+        help="Gluon variants to time: programs,maxnreg,block_w;... (maxnreg 0: no cap; block_w "
+        "32: two positions a tile, 16: four)",
     )
     p.add_argument("--model", default=str(TOOLS.parent / "examples" / "gemma4_31b"))
     args = p.parse_args()

@@ -14,7 +14,9 @@ AND/OR into 128 + code, a bf16x2 subtract and FMA; odd positions from the words 
 by one, 128 + 8 code, with the scale / 8). A program: 4 warps, 256 outputs x 32 rows, 4
 accumulators of [64, 32] fp32 = 64 registers a thread, so at 128 registers four programs (16
 warps) fit an SM. Offline (Triton 3.6, sm_90a): 128 registers, ~4.3 SASS instructions a weight
-(today's tile: 255 and 3.64).
+(today's tile: 255 and 3.64). BLOCK_W 16 stacks four positions of 16 words a tile instead (2
+accumulators, 32 registers; each warp's byte of a word then comes from a register selector):
+104 registers at ~5.75 instructions a weight, five programs an SM.
 
 Needs Triton with Gluon and a Hopper GPU; import it only then.
 """
@@ -48,6 +50,17 @@ def pair_asm(j: int) -> str:
     )
 
 
+# the same with the byte selector in a register ($9, $10): four positions a tile (BLOCK_W 16),
+# where a warp's byte of the word depends on its position
+PAIR_ASM_SELECT = gl.constexpr(
+    "{ .reg .b32 t, base; mov.b32 base, 0x43004300; "
+    "prmt.b32 t, $1, $2, $9; "
+    "lop3.b32 t, t, $3, base, 0xEA; "
+    "sub.bf16x2 t, t, base; "
+    "fma.rn.bf16x2 $0, t, $5, $7; }"
+)
+
+
 @gluon.jit
 def _stacked_gemm_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr, y_ptr, M, N, C, K, stride_xm,
@@ -71,10 +84,13 @@ def _stacked_gemm_kernel(
     k_last = gl.minimum((split + 1) * span, tiles) * BLOCK_K
     y_ptr += split * M * N
 
-    rows = gl.arange(0, 2 * BLOCK_W, layout=gl.SliceLayout(1, A))  # the stacked tile's rows
+    STACK: gl.constexpr = 64 // BLOCK_W  # code positions a [64, K step] tile stacks: 2 or 4
+    TILES: gl.constexpr = P // STACK
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, A))  # the stacked tile's rows
     ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, A))
     col = pid_c * BLOCK_W + rows % BLOCK_W  # each row's word column
-    half = rows // BLOCK_W  # 0: a pair's even position, 1: its odd one
+    sub = rows // BLOCK_W  # the row's position within the tile's STACK
+    half = sub % 2  # 0: an even position (low nibble), 1: an odd one
     if BW == 0:
         words_at = col.to(gl.int64)
         meta_at = col
@@ -90,10 +106,10 @@ def _stacked_gemm_kernel(
     x_mask = (xm < M)[:, None]
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_K], XS)
 
-    acc0 = gl.zeros([2 * BLOCK_W, BLOCK_M], gl.float32, MMA)
-    acc1 = gl.zeros([2 * BLOCK_W, BLOCK_M], gl.float32, MMA)
-    acc2 = gl.zeros([2 * BLOCK_W, BLOCK_M], gl.float32, MMA)
-    acc3 = gl.zeros([2 * BLOCK_W, BLOCK_M], gl.float32, MMA)
+    acc0 = gl.zeros([64, BLOCK_M], gl.float32, MMA)
+    acc1 = gl.zeros([64, BLOCK_M], gl.float32, MMA)
+    acc2 = gl.zeros([64, BLOCK_M], gl.float32, MMA)
+    acc3 = gl.zeros([64, BLOCK_M], gl.float32, MMA)
     for k0 in range(k_first, k_last, BLOCK_K):
         words = gl.load(w_ptr + (k0 + ks)[None, :].to(gl.int64) * RS + words_at[:, None])
         # odd positions: the words shifted right by one put each byte's high nibble in bits
@@ -105,8 +121,8 @@ def _stacked_gemm_kernel(
         fence_async_shared()
         b = x_smem.permute((1, 0))  # [BLOCK_K, BLOCK_M]
         meta = (k0 // BLOCK_K) * (P * RS) + meta_at
-        for j in gl.static_range(4):
-            p = 2 * j + half
+        for j in gl.static_range(TILES):
+            p = STACK * j + sub
             scale = gl.load(s_ptr + meta + p * RS).to(gl.float32)
             scale = (scale * gl.where(half == 1, 0.125, 1.0)).to(gl.bfloat16)
             offset = gl.load(o_ptr + meta + p * RS)
@@ -115,8 +131,16 @@ def _stacked_gemm_kernel(
             sc, _ = gl.broadcast((sb | (sb << 16))[:, None], words)
             of, _ = gl.broadcast((ob | (ob << 16))[:, None], words)
             mask, _ = gl.broadcast(gl.where(half == 1, 0x00780078, 0x000F000F)[:, None], words)
-            w = gl.inline_asm_elementwise(pair_asm(j), "=r,r,r,r,r,r,r,r,r", [words, mask, sc, of],
-                                          dtype=gl.bfloat16, is_pure=True, pack=2)  # fmt: skip
+            if STACK == 2:  # byte j of every word
+                w = gl.inline_asm_elementwise(pair_asm(j), "=r,r,r,r,r,r,r,r,r",
+                                              [words, mask, sc, of], dtype=gl.bfloat16,
+                                              is_pure=True, pack=2)  # fmt: skip
+            else:  # byte p // 2, by warp
+                byte = p // 2
+                sel, _ = gl.broadcast((byte | (byte + 4) << 8)[:, None], words)
+                w = gl.inline_asm_elementwise(PAIR_ASM_SELECT, "=r,r,r,r,r,r,r,r,r,r,r",
+                                              [words, mask, sc, of, sel], dtype=gl.bfloat16,
+                                              is_pure=True, pack=2)  # fmt: skip
             if j == 0:
                 acc0 = warpgroup_mma(w, b, acc0, is_async=True)
             elif j == 1:
@@ -126,16 +150,19 @@ def _stacked_gemm_kernel(
             else:
                 acc3 = warpgroup_mma(w, b, acc3, is_async=True)
         # the step's MMAs done before x's tile is replaced
-        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
+        if TILES == 4:
+            acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
+        else:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
 
-    # row r of tile j is output (column * 8 + 2 j + r // BLOCK_W); column n is x's row n
-    orow = gl.arange(0, 2 * BLOCK_W, layout=gl.SliceLayout(1, MMA))
+    # row r of tile j is output (column * 8 + STACK j + r // BLOCK_W); column n is x's row n
+    orow = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     ocol = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     first = (pid_c * BLOCK_W + orow % BLOCK_W) * P + orow // BLOCK_W
     base = y_ptr + ocol[None, :].to(gl.int64) * N
     ty = y_ptr.dtype.element_ty
-    for j in gl.static_range(4):
-        out = first + 2 * j
+    for j in gl.static_range(TILES):
+        out = first + STACK * j
         mask = (out < N)[:, None] & (ocol < M)[None, :]
         acc = acc0 if j == 0 else (acc1 if j == 1 else (acc2 if j == 2 else acc3))
         gl.store(base + out[:, None], acc.to(ty), mask=mask)
@@ -147,11 +174,13 @@ MAXNREG = 128
 
 
 def stacked_gemm(
-    x: Any, packed: Any, split: int | None = None, programs: int = PROGRAMS, maxnreg: int = MAXNREG
-) -> Any:
+    x: Any, packed: Any, split: int | None = None, programs: int = PROGRAMS,
+    maxnreg: int = MAXNREG, block_w: int = BLOCK_W,
+) -> Any:  # fmt: skip
     """x [M <= 32, K] bf16 @ W^T -> [M, N] bf16 for an int4 g32 ``KMajorWeight`` with bf16
     scales and offsets; K split for about PROGRAMS programs, partials summed by
-    ``quant_matmul._reduce_kernel``; ``maxnreg`` 0: no register cap."""
+    ``quant_matmul._reduce_kernel``; ``maxnreg`` 0: no register cap; ``block_w`` 32 (two
+    positions a tile) or 16 (four)."""
     import torch
     import triton
 
@@ -161,7 +190,7 @@ def stacked_gemm(
     n = packed.shape[0]
     assert m <= 32 and x.dtype == torch.bfloat16 and packed.kind == qm.INT4
     assert packed.group_size == 32 and packed.scales.dtype == torch.bfloat16
-    tiles = triton.cdiv(packed.columns, BLOCK_W)
+    tiles = triton.cdiv(packed.columns, block_w)
     if split is None:
         split = max(1, min(k // 32, programs // tiles))
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
@@ -169,7 +198,7 @@ def stacked_gemm(
     out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=partial)
     _stacked_gemm_kernel[(tiles, split)](
         x, packed.words, packed.scales, packed.offsets, out, m, n, packed.columns, k,
-        x.stride(0), BLOCK_W=BLOCK_W, BLOCK_K=32, BLOCK_M=32, BW=packed.block, num_warps=4,
+        x.stride(0), BLOCK_W=block_w, BLOCK_K=32, BLOCK_M=32, BW=packed.block, num_warps=4,
         maxnreg=maxnreg or None,
     )  # fmt: skip
     if split > 1:
