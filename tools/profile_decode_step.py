@@ -13,6 +13,9 @@ random token ids (so the rows route to different experts, as real sessions do):
 - back to back (``--replays``): the GPU's time per step, no host turn;
 - under torch.profiler (``--profiled`` replays): each kernel's calls and time per step, grouped
   (routed experts, routing, dense matmuls, DeltaNet, attention, norms, ...);
+- ``--graph-events``: the engine's decode again with a CUDA event around each graph's replay
+  (no profiler, whose host cost makes a decode look host-bound): GPU time a graph, the GPU's
+  idle time between graphs, the host's time to launch one;
 - ``--variant RECIPE:ENV=VALUE``: after that, the same engine's graphs captured again with
   the variable set (a kernel path chosen at trace time), measured and profiled again;
 - the bytes a step must read: the routed experts hit (``E * (1 - (1 - k/E)^T)`` of E per layer
@@ -209,6 +212,60 @@ def replay_profile(engine: Any, size: int, args: argparse.Namespace, vocab: int,
     sys.stdout.flush()
 
 
+def graph_events(engine: Any, driver: Any, size: int, vocab: int) -> None:
+    """The engine's own decode of ``size`` sessions (bench_gpu's measure) with a CUDA event
+    before and after each decode graph's replay (no profiler: its host cost distorts the
+    picture): each graph's GPU time, the GPU's idle time between graphs, the host's time to
+    launch one. The middle half of the biggest bucket's graphs."""
+    import torch
+    from profile_qwen_resume import decode
+
+    lanes = getattr(engine.model, "_lanes", None)
+    if not lanes:
+        log(f"x{size}: no decode graph runners (CUDA graphs off)")
+        return
+    marks: list[tuple[int, Any, Any, float, float]] = []
+
+    def timed_run(run: Any) -> Any:
+        def wrapped(bucket: int, sample: bool) -> Any:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            out = run(bucket, sample)
+            end.record()
+            marks.append((bucket, start, end, t0, time.perf_counter()))
+            return out
+
+        return wrapped
+
+    originals = [lane._run for lane in lanes]
+    for lane in lanes:
+        lane._run = timed_run(lane._run)
+    try:
+        decode(driver, size, 64, vocab)
+        torch.cuda.synchronize()
+    finally:
+        for lane, run in zip(lanes, originals, strict=True):
+            lane._run = run
+    biggest = max(m[0] for m in marks)
+    kept = [m for m in marks if m[0] == biggest]
+    first = kept[0][1]
+    spans = sorted(
+        (first.elapsed_time(a), first.elapsed_time(b), t0, t1) for _, a, b, t0, t1 in kept
+    )
+    spans = spans[len(spans) // 4 : len(spans) * 3 // 4]
+    if len(spans) < 2:
+        log(f"x{size}: too few graphs of bucket {biggest} to measure")
+        return
+    gpu = [b - a for a, b, _, _ in spans]
+    idle = [spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)]
+    launch = [1e3 * (t1 - t0) for _, _, t0, t1 in spans]
+    print(f"== x{size} graph events (bucket {biggest}, {len(spans)} graphs): GPU a graph "
+          f"{sum(gpu) / len(gpu):.3f} ms (min {min(gpu):.3f}); GPU idle between graphs "
+          f"{sum(idle) / len(idle):.3f} ms (max {max(idle):.3f}); host launch "
+          f"{sum(launch) / len(launch):.3f} ms", flush=True)  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(REPO / "examples" / "qwen3_5_moe"))
@@ -223,6 +280,9 @@ def main() -> int:
     p.add_argument("--no-engine-rate", dest="engine_rate", action="store_false")
     p.add_argument("--kernels", default="", help="a folder: each profiled kernel's name, "
                    "start and end (us) as JSON, for a timeline")  # fmt: skip
+    p.add_argument("--graph-events", action="store_true",
+                   help="the engine's decode with CUDA events around each graph: GPU time a "
+                   "graph, GPU idle between graphs, host launch time (no profiler)")  # fmt: skip
     p.add_argument("--variant", action="append", default=[],
                    help="RECIPE:ENV=VALUE: that recipe's graphs captured again with the "
                    "variable set, then measured and profiled again (repeatable)")  # fmt: skip
@@ -255,6 +315,9 @@ def main() -> int:
         if args.engine_rate:
             for s in sizes:
                 decode(driver, s, 64, vocab)
+        if args.graph_events and on_cuda:
+            for s in sizes:
+                graph_events(engine, driver, s, vocab)
         model = getattr(engine.model, "inner", engine.model)
         for s in sizes:
             need = step_bytes(model, config, s)
