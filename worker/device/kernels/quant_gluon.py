@@ -193,16 +193,12 @@ def stacked_gemm(
     tiles = triton.cdiv(packed.columns, block_w)
     if split is None:
         split = max(1, min(k // 32, programs // tiles))
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     partial = torch.bfloat16 if qm.PARTIALS_BF16 else torch.float32  # as qgemm's
-    out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=partial)
+    out = torch.empty((m, n) if split == 1 else (split, m, n), device=x.device,
+                      dtype=x.dtype if split == 1 else partial)  # fmt: skip
     _stacked_gemm_kernel[(tiles, split)](
         x, packed.words, packed.scales, packed.offsets, out, m, n, packed.columns, k,
         x.stride(0), BLOCK_W=block_w, BLOCK_K=32, BLOCK_M=32, BW=packed.block, num_warps=4,
         maxnreg=maxnreg or None,
     )  # fmt: skip
-    if split > 1:
-        count = m * n
-        qm._reduce_kernel[(triton.cdiv(count, 256),)](out, y, count, SPLIT=split, BLOCK=256,
-                                                      num_warps=2)  # fmt: skip
-    return y
+    return out if split == 1 else qm.sum_splits(out, x.dtype)

@@ -1135,13 +1135,19 @@ def qgemm(
     over ``split`` programs (None: enough for about ``programs`` programs), summed in fp32.
     ``config``: (BLOCK_C, BLOCK_K, num_warps, num_stages[, joined store: 1[, programs]]);
     programs left out: GEMM_PROGRAMS."""
-    y, out, split = _qgemm_launch(x, packed, config, split)
-    if split > 1:
-        block = REDUCE_BLOCK
-        count = y.numel()
-        _reduce_kernel[(triton.cdiv(count, block),)](
-            out, y, count, SPLIT=split, BLOCK=block, num_warps=2
-        )
+    out = _qgemm_launch(x, packed, config, split)
+    return out if out.dim() == 2 else sum_splits(out, x.dtype)
+
+
+def sum_splits(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[split, M, N] K-split partials -> their sum [M, N] in ``dtype``, added in fp32 in split
+    order by ``_reduce_kernel``."""
+    split, m, n = partials.shape
+    y = torch.empty((m, n), device=partials.device, dtype=dtype)
+    count = m * n
+    _reduce_kernel[(triton.cdiv(count, REDUCE_BLOCK),)](
+        partials, y, count, SPLIT=split, BLOCK=REDUCE_BLOCK, num_warps=2
+    )
     return y
 
 
@@ -1154,15 +1160,14 @@ def qgemm_gated(
     bits as ``qgemm`` then ``rmsnorm.gated_act_triton``. ``act``: a GATED_ACTIVATIONS key."""
     from worker.device.kernels.rmsnorm import gated_act_triton
 
-    y, out, split = _qgemm_launch(x, packed, config, split)
-    m, n = y.shape
-    inner = n // 2
-    if split == 1:
-        return gated_act_triton(y[:, :inner], y[:, inner:], act)
+    out = _qgemm_launch(x, packed, config, split)
+    inner = out.shape[-1] // 2
+    if out.dim() == 2:  # not split
+        return gated_act_triton(out[:, :inner], out[:, inner:], act)
+    split, m, n = out.shape
     gated = torch.empty((m, inner), device=x.device, dtype=x.dtype)
-    block = REDUCE_BLOCK
-    _reduce_gated_kernel[(m, triton.cdiv(inner, block))](
-        out, gated, m * n, n, inner, SPLIT=split, ACT=GATED_ACTIVATIONS[act], BLOCK=block,
+    _reduce_gated_kernel[(m, triton.cdiv(inner, REDUCE_BLOCK))](
+        out, gated, m * n, n, inner, SPLIT=split, ACT=GATED_ACTIVATIONS[act], BLOCK=REDUCE_BLOCK,
         num_warps=2,
     )  # fmt: skip
     return gated
@@ -1170,9 +1175,9 @@ def qgemm_gated(
 
 def _qgemm_launch(
     x: torch.Tensor, packed: KMajorWeight, config: tuple[int, ...] | None, split: int | None
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The GEMM kernel of ``qgemm``: (y [M, N] allocated, what the kernel wrote to (y itself,
-    or the [split, M, N] partials), split)."""
+) -> torch.Tensor:
+    """The GEMM kernel of ``qgemm``: what it wrote, y [M, N] itself, or K-split partials
+    [split, M, N] (bf16 for bf16 x, ``PARTIALS_BF16``; else fp32)."""
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
@@ -1191,12 +1196,14 @@ def _qgemm_launch(
         if split < 2 and GEMM_PROGRAMS_PER_ROW_TILE:  # row tiles fill the grid unsplit
             split = programs // tiles[1]  # the target per row tile
         split = max(1, min(triton.cdiv(k, block_k), split))
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     partial = x.dtype if PARTIALS_BF16 and x.dtype == torch.bfloat16 else torch.float32
-    out = y if split == 1 else torch.empty((split, m, n), device=x.device, dtype=partial)
+    if split == 1:
+        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    else:
+        out = torch.empty((split, m, n), device=x.device, dtype=partial)
     _qgemm_kernel[(*tiles, split)](
         x, packed.words, packed.scales, _offsets(packed), out, m, n, packed.columns, k,
-        x.stride(0), n if split > 1 else y.stride(0),
+        x.stride(0), n,
         GROUP=group, INT4_KIND=packed.kind == INT4,
         BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % block_k == 0,
@@ -1205,7 +1212,7 @@ def _qgemm_launch(
         DRAIN=num_warps % 4 == 0 and _wgmma_drain_on(x.device),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return y, out, split
+    return out
 
 
 def _pdl(x: torch.Tensor) -> bool:
