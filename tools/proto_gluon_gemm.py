@@ -135,7 +135,7 @@ def main() -> None:
         help="Gluon variants to time: programs,maxnreg,block_w;... (maxnreg 0: no cap; block_w "
         "32: two positions a tile, 16: four)",
     )
-    p.add_argument("--model", default=str(TOOLS.parent / "examples" / "gemma4_31b"))
+    p.add_argument("--model", default=str(TOOLS.parent / "examples" / "gemma4_31b" / "config.json"))
     args = p.parse_args()
     if args.offline:
         offline(args.dump)
