@@ -107,13 +107,10 @@ PARTIALS_BF16 = _partials_bf16()
 # loads of bf16 ones; 512 (16-byte bf16 loads) was 0.3% slower at 32 sessions (session 20)
 REDUCE_BLOCK = 256
 # a gate_up matrix on the GEMM (2-64 rows): its split sum and the gated activation in one
-# kernel (`qgemm_gated`; the same bits, one launch a layer fewer). Not yet timed on a GPU
-# (session 21 had no device time left): off unless TOKENPIPE_QUANT_GATED_SUM=1
-GATED_SUM = os.environ.get("TOKENPIPE_QUANT_GATED_SUM", "0") == "1"
-# 17-32 rows of bf16 x over int4 g32 weights (bf16 scales, blocked words) on Hopper by the
-# Gluon GEMM (`quant_gluon.stacked_gemm`: two code positions a wgmma tile, 16 warps an SM).
-# Compiled offline only so far (session 21): off unless TOKENPIPE_QUANT_GLUON_GEMM=1
-GLUON_GEMM = os.environ.get("TOKENPIPE_QUANT_GLUON_GEMM", "0") == "1"
+# kernel (`qgemm_gated`; the same bits, one launch a layer fewer). 31B int4 at 32 sessions on
+# an H200, one tile cache, alternating arms: 2,767 / 2,770 -> 2,832 / 2,827 tok/s (+2.2%,
+# session 22). TOKENPIPE_QUANT_GATED_SUM=0: the split sum, then the activation
+GATED_SUM = os.environ.get("TOKENPIPE_QUANT_GATED_SUM", "1") != "0"
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 # word columns a block of the blocked layout (``KMajorWeight.block``): a column block's K rows of
 # 32 words (128 bytes) lie one after another, so a warp's run of rows in the GEMV is one
@@ -1234,36 +1231,6 @@ def _wgmma_drain_on(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _gluon_gemm_applies(x: torch.Tensor, packed: KMajorWeight) -> bool:
-    """Whether ``quant_linear`` runs x [M, K] through the Gluon GEMM (``GLUON_GEMM``)."""
-    if not GLUON_GEMM or x.dtype != torch.bfloat16 or not 16 < x.shape[0] <= 32:
-        return False
-    if packed.kind != INT4 or packed.group_size != 32 or packed.offsets is None:
-        return False
-    if packed.scales.dtype != torch.bfloat16 or not packed.block or packed.block % 32:
-        return False
-    return _gluon_device(x.device)
-
-
-@functools.cache
-def _gluon_device(device: torch.device) -> bool:
-    """A Hopper GPU and a Triton with Gluon's Hopper ops."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    try:
-        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _gluon_gemm(x: torch.Tensor, packed: KMajorWeight) -> torch.Tensor:
-    from worker.device.kernels.quant_gluon import stacked_gemm
-
-    y: torch.Tensor = stacked_gemm(x, packed)
-    return y
-
-
 def _interpreting() -> bool:
     """Triton's interpreter (CPU tests) runs no PTX: the L2 prefetch hints are left out."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -1296,8 +1263,6 @@ def quant_linear_gated(x: torch.Tensor, packed: KMajorWeight, act: str) -> torch
     m = x.shape[0]
     if not GATED_SUM or x.dim() != 2 or not GEMV_MAX_ROWS < m <= GEMM_MAX_ROWS:
         return None
-    if _gluon_gemm_applies(x, packed):
-        return None  # the Gluon GEMM, then the activation
     if act not in GATED_ACTIVATIONS or packed.shape[0] % 2:
         return None
     return qgemm_gated(x if x.stride(-1) == 1 else x.contiguous(), packed, act)
@@ -1317,7 +1282,7 @@ def quant_linear(
     elif m <= GEMV_MAX_ROWS:
         y = qgemv(flat, packed)
     elif m <= GEMM_MAX_ROWS:
-        y = _gluon_gemm(flat, packed) if _gluon_gemm_applies(flat, packed) else qgemm(flat, packed)
+        y = qgemm(flat, packed)
     else:
         y = F.linear(flat, dequantize_triton(packed, flat.dtype).t())
     if bias is not None:
