@@ -466,12 +466,10 @@ def test_transient_targets_need_a_device(tiny_checkpoint_factory) -> None:
     assert not any(t.is_meta for t in loaded.values())
 
 
-def test_tiles_chosen_per_matrix_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiles_chosen_per_matrix_shape() -> None:
     """choose_configs keeps the fastest candidate by the timer (a fake one here: the CUDA
     graph timer needs a GPU) on every weight of a shape, each shape timed once."""
     from worker.device.kernels import quant_matmul as qm
-
-    monkeypatch.setattr(qm, "TILE_ROUNDS", 1)
 
     weights = [qm.KMajorWeight.pack(_qw("int4", 32, n=40, k=256, seed=s)) for s in (0, 1)]
     other = qm.KMajorWeight.pack(_qw("int8", 32, n=24, k=128))
@@ -519,7 +517,6 @@ def test_tiles_are_timed_over_the_models_matrices_of_a_shape(
     monkeypatch.setattr(qm, "qgemm", spy(gemm))
     monkeypatch.setattr(qm, "GEMV_CANDIDATES", qm.GEMV_CANDIDATES[:1])
     monkeypatch.setattr(qm, "GEMM_CANDIDATES", qm.GEMM_CANDIDATES[:1])
-    monkeypatch.setattr(qm, "TILE_ROUNDS", 1)
 
     def timer(fn: object) -> float:
         calls.clear()
@@ -558,28 +555,6 @@ def test_l2_prefetch_fields_leave_the_results_as_they_were(kind: str, group: int
         for ahead in (4, 9):
             got = qm.qgemm(many, packed, (8, 32, 4, 2, 1, 0, ahead), split=split)
             torch.testing.assert_close(got, plain, rtol=0, atol=0)
-
-
-def test_tile_candidates_timed_in_rounds_keep_their_best(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each candidate is timed ``TILE_ROUNDS`` times, all of them in turn within a round, and
-    counted by its best round; one that fails is dropped; ties go to the earlier candidate."""
-    from worker.device.kernels import quant_matmul as qm
-
-    monkeypatch.setattr(qm, "TILE_ROUNDS", 3)
-    times = {"a": [5.0, 1.0, 6.0], "b": [2.0, 2.0, 2.0], "c": [0.5], "d": [3.0, 1.0, 9.0]}
-    order: list[str] = []
-
-    def timer(fn: object) -> float:
-        name = fn()  # type: ignore[operator]
-        if name == "c" and order.count("c"):
-            raise RuntimeError("out of shared memory")  # fails from its second round on
-        order.append(name)
-        return times[name][order.count(name) - 1]
-
-    assert qm._fastest(lambda c: c, ["a", "b", "c", "d"], timer) == "a"  # 1.0, before d's
-    assert order == ["a", "b", "c", "d", "a", "b", "d", "a", "b", "d"]
-    assert qm._fastest(lambda c: c, ["b"], lambda fn: 1.0) == "b"
-    assert qm._fastest(lambda c: c, ["x"], lambda fn: 1 / 0) is None
 
 
 def test_tile_choices_are_remembered(tmp_path: Path) -> None:

@@ -1333,12 +1333,6 @@ if os.environ.get("TOKENPIPE_QUANT_PREFETCH", "1") != "0" and not BLOCK_WORDS:  
     GEMM_CANDIDATES = GEMM_CANDIDATES + PREFETCH_GEMM_CANDIDATES
 
 
-# rounds of timing each tile candidate gets at start-up (``_fastest``: its best round). One
-# round picked tiles that moved 32-session decode of the 31B int4 model by 2.5% from one fresh
-# tile cache to the next on the same H200 (sessions 21-22)
-TILE_ROUNDS = 3
-
-
 def choose_configs(
     weights: list[KMajorWeight],
     dtype: torch.dtype,
@@ -1402,7 +1396,7 @@ def _past_l2(same: list[KMajorWeight], enough: int = 200_000_000) -> list[KMajor
 
 def _choice_key(device_name: str, packed: KMajorWeight, dtype: torch.dtype) -> str:
     n, k = packed.shape
-    candidates = repr((GEMV_CANDIDATES, GEMM_CANDIDATES, "timed past L2", TILE_ROUNDS))
+    candidates = repr((GEMV_CANDIDATES, GEMM_CANDIDATES, "timed past L2"))
     digest = hashlib.sha256(candidates.encode()).hexdigest()[:8]
     meta = "" if packed.scales.dtype == torch.float16 else f"|{packed.scales.dtype}"
     meta += f"|blocks of {packed.block}" if packed.block else ""
@@ -1439,20 +1433,12 @@ def tiles_cache() -> Path:
 
 
 def _fastest(run, candidates, timer):  # type: ignore[no-untyped-def]
-    """The candidate with the least time, each timed ``TILE_ROUNDS`` times, the candidates in
-    turn within a round (a drift in clock or heat spreads over all of them), its best round
-    counted; one that fails (e.g. out of shared memory on this GPU) is dropped."""
-    best: dict[int, float] = {}
-    alive = list(range(len(candidates)))
-    for _ in range(TILE_ROUNDS):
-        for i in list(alive):
-            try:
-                seconds = timer(lambda c=candidates[i]: run(c))
-            except Exception:  # noqa: BLE001
-                alive.remove(i)
-                best.pop(i, None)
-                continue
-            best[i] = min(seconds, best.get(i, seconds))
-    if not best:
-        return None
-    return candidates[min(best, key=lambda i: (best[i], i))]
+    best = None
+    for config in candidates:
+        try:
+            seconds = timer(lambda c=config: run(c))
+        except Exception:  # noqa: BLE001 - e.g. out of shared memory on this GPU
+            continue
+        if best is None or seconds < best[0]:
+            best = (seconds, config)
+    return None if best is None else best[1]
