@@ -107,9 +107,12 @@ PARTIALS_BF16 = _partials_bf16()
 # loads of bf16 ones; 512 (16-byte bf16 loads) was 0.3% slower at 32 sessions (session 20)
 REDUCE_BLOCK = 256
 # a gate_up matrix on the GEMM (2-64 rows): its split sum and the gated activation in one
-# kernel (`qgemm_gated`; the same bits, one launch a layer fewer). 31B int4 at 32 sessions on
-# an H200, one tile cache, alternating arms: 2,767 / 2,770 -> 2,832 / 2,827 tok/s (+2.2%,
-# session 22). TOKENPIPE_QUANT_GATED_SUM=0: the split sum, then the activation
+# kernel (`qgemm_gated`; the same bits, one launch a layer fewer). 31B int4 at 32 sessions,
+# one tile cache, alternating arms (session 22): 2,767 / 2,770 -> 2,832 / 2,827 tok/s (+2.2%)
+# on one H200, 2,638 / 2,645 -> 2,678 / 2,679 (+1.4%) on another. Folding o's, down's or
+# qkv's split sum into the kernel that reads them next (the add + norm, the qkv store) was
+# neutral (-0.3% to +0.8%): their readers have fewer programs than the sum's own kernel.
+# TOKENPIPE_QUANT_GATED_SUM=0: the split sum, then the activation
 GATED_SUM = os.environ.get("TOKENPIPE_QUANT_GATED_SUM", "1") != "0"
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
 # word columns a block of the blocked layout (``KMajorWeight.block``): a column block's K rows of
