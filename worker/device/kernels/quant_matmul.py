@@ -111,7 +111,8 @@ REDUCE_BLOCK = 256
 # one tile cache, alternating arms (session 22): 2,767 / 2,770 -> 2,832 / 2,827 tok/s (+2.2%)
 # on one H200, 2,638 / 2,645 -> 2,678 / 2,679 (+1.4%) on another. Folding o's, down's or
 # qkv's split sum into the kernel that reads them next (the add + norm, the qkv store) was
-# neutral (-0.3% to +0.8%): their readers have fewer programs than the sum's own kernel.
+# neutral (-0.3% to +0.8%): the launch saved went to the reader loading every split (the
+# norm kernel with one program a row).
 # TOKENPIPE_QUANT_GATED_SUM=0: the split sum, then the activation
 GATED_SUM = os.environ.get("TOKENPIPE_QUANT_GATED_SUM", "1") != "0"
 PACK_ROWS = 4096  # outputs repacked at a time: bounds the int32 temporaries
