@@ -154,7 +154,9 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[key]}.weight"
 
 
-def write_tiny_llama_gguf(path: Path, quantize_ffn: bool = True, arch: str = "llama") -> dict:
+def write_tiny_llama_gguf(
+    path: Path, quantize_ffn: bool = True, arch: str = "llama", ffn_type: str = "Q8_0"
+) -> dict:
     tokens, scores, types = tiny_vocab()
     weights = hf_tiny_weights(len(tokens))
     writer = gguf.GGUFWriter(str(path), arch)
@@ -183,7 +185,7 @@ def write_tiny_llama_gguf(path: Path, quantize_ffn: bool = True, arch: str = "ll
         elif ".k_proj." in name:
             stored = llama_cpp_permute(value, TINY["kv_heads"])
         if quantize_ffn and ".mlp." in name:
-            kind = gguf.GGMLQuantizationType.Q8_0
+            kind = gguf.GGMLQuantizationType[ffn_type]
             writer.add_tensor(
                 gguf_name(name),
                 gguf.quants.quantize(stored, kind),
@@ -287,6 +289,40 @@ def test_tiny_llama_matches_transformers(tiny_gguf, cache: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The cache
+
+
+@pytest.mark.parametrize("ffn_type", ["Q4_0", "Q4_1"])
+def test_tiny_llama_q4_0_and_q4_1_stay_int4(tmp_path: Path, cache: Path, ffn_type: str) -> None:
+    """A GGUF whose MLP is Q4_0 (the format of Google's QAT Gemma files) or Q4_1 loads, by
+    default, with those matmuls int4 g32 (not dequantized to float), and its logits are the
+    float path's (``--quantize none``: the gguf package's dequantization): the repack is
+    exact, so only the kernels' summation order differs."""
+    from worker.device.cuda_setup import prepare_model_for_device
+    from worker.layers.quant import INT4, QuantFormat, QuantLinear
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+    from worker.models.step import StepInput
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(path, ffn_type=ffn_type)
+
+    def run(mode: str) -> tuple[list[torch.Tensor], list[QuantLinear]]:
+        loaded = load_model(path, "cpu", torch.float32, progress=False,
+                            quantize=QuantizeOptions(mode))  # fmt: skip
+        model = prepare_model_for_device(loaded, "cpu", cuda_graphs=False)
+        kv = model.make_kv_cache(1, 64)
+        prompt = StepInput.single(list(range(3, 20)), 0, 0, device="cpu")
+        one = StepInput.single([7], 0, 17, device="cpu")
+        logits = [model(prompt, kv), model(one, kv)]
+        return logits, [m for m in model.modules() if isinstance(m, QuantLinear)]
+
+    kept, quantized = run("auto")
+    assert len(quantized) == 3 * TINY["layers"]  # gate, up and down of each layer
+    assert all(m.format == QuantFormat(INT4, 32) for m in quantized)
+    floats, none = run("none")
+    assert not none
+    for got, want in zip(kept, floats, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_cache_is_reused_and_keyed_by_identity(tiny_gguf, cache: Path) -> None:

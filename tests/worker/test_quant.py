@@ -73,14 +73,15 @@ def _blocks(type_name: str, rows: int, k: int) -> np.ndarray:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     rng = np.random.default_rng(7)
     raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
-    halves = {"Q4_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "Q5_0": [0]}[type_name]
+    halves = {"Q4_K": [0, 2], "Q6_K": [208], "Q8_0": [0], "Q5_0": [0], "Q4_0": [0],
+              "Q4_1": [0, 2]}[type_name]  # fmt: skip
     for at in halves:
         scale = rng.uniform(1e-3, 2e-2, len(raw)).astype(np.float16)
         raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1"])
 def test_gguf_repack_matches_gguf_dequantize(type_name: str) -> None:
     pytest.importorskip("gguf")
     from gguf import GGMLQuantizationType
@@ -93,8 +94,10 @@ def test_gguf_repack_matches_gguf_dequantize(type_name: str) -> None:
     qw = repack(type_name, raw, (16, 512))
     assert qw.format == KEPT_FORMATS[type_name]
     got = Q.dequantize(qw)
-    if type_name in ("Q8_0", "Q5_0"):
-        assert torch.equal(got, expected)  # d * q: d is fp16 already, exact
+    if type_name in ("Q8_0", "Q5_0", "Q4_0", "Q4_1"):
+        # d * q (+ m): d and m are fp16 already and -8 d is exact, so the one fp32 rounding
+        # of the sum is the gguf package's own
+        assert torch.equal(got, expected)
     else:  # d * sc (and dmin * m) rounded to fp16: 2^-11 relative per product
         assert torch.allclose(got, expected, rtol=0, atol=float(expected.abs().max()) * 2**-10)
 

@@ -78,14 +78,15 @@ def test_int4_input_scales_on_cuda_equal_cpu(tiny_checkpoint_factory, tmp_path: 
         assert float((got.float() - ref).norm() / ref.norm()) < 3e-2
 
 
+@pytest.mark.parametrize("ffn_type", ["Q8_0", "Q4_0"])
 def test_gguf_kept_quantized_on_cuda_equals_cpu(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ffn_type: str
 ) -> None:
     from test_gguf import write_tiny_llama_gguf
 
     monkeypatch.setenv("TOKENPIPE_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny.gguf"
-    write_tiny_llama_gguf(path)  # the MLP in Q8_0: kept as int8 g32 by auto
+    write_tiny_llama_gguf(path, ffn_type=ffn_type)  # the MLP kept by auto: int8 g32 / int4 g32
     for got, want in zip(_logits(path, "cuda", "auto"), _logits(path, "cpu", "auto"), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 

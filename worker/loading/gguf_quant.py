@@ -2,6 +2,9 @@
 
     Q4_K  (256-weight super-blocks, 8 sub-blocks of 32: d * sc * q - dmin * m, q 4-bit)
           -> int4 g32: scale = d * sc, offset = -dmin * m (fp16 roundings of those products)
+    Q4_0  (32 weights: d * (q - 8), q 4-bit)      -> int4 g32: scale = d, offset = -8 d, exact
+          (Google's QAT checkpoints of Gemma ship as Q4_0 GGUFs)
+    Q4_1  (32 weights: d * q + m, q 4-bit)        -> int4 g32: scale = d, offset = m, exact
     Q8_0  (32 weights: d * q, q int8)             -> int8 g32, exact
     Q5_0  (32 weights: d * (q - 16), q 5-bit)     -> int8 g32, exact
     Q6_K  (256-weight super-blocks, 16 sub-blocks of 16: d * sc * (q - 32), q 6-bit)
@@ -32,6 +35,8 @@ from worker.loading.gguf_convert import hf_tensor_name, hf_tensor_values, unperm
 FLOAT_TYPES = ("F32", "F16", "BF16")
 KEPT_FORMATS = {
     "Q4_K": QuantFormat(INT4, 32),
+    "Q4_0": QuantFormat(INT4, 32),
+    "Q4_1": QuantFormat(INT4, 32),
     "Q8_0": QuantFormat(INT8, 32),
     "Q5_0": QuantFormat(INT8, 32),
     "Q6_K": QuantFormat(INT8, 16),
@@ -59,6 +64,24 @@ def repack_q5_0(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     nibbles = np.concatenate([low & 0x0F, low >> 4], axis=1)  # weights 0-15, then 16-31
     q = (nibbles | (bits.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
     return torch.from_numpy(q), d
+
+
+def _nibbles_32(qs: np.ndarray) -> torch.Tensor:
+    """[B, 16] bytes of a 32-weight block -> q uint8 [B, 32]: weights 0-15 are the low nibbles,
+    16-31 the high ones."""
+    return torch.from_numpy(np.concatenate([qs & 0x0F, qs >> 4], axis=1))
+
+
+def repack_q4_0(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, 18] (d, 16 bytes of nibbles) -> q uint8 [B, 32] in [0, 15], scale d, offset -8 d
+    (fp32 [B]; -8 d is exact in fp16 too)."""
+    d = _half(blocks[:, 0:2])
+    return _nibbles_32(blocks[:, 2:18]), d, -8.0 * d
+
+
+def repack_q4_1(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, 20] (d, m, 16 bytes of nibbles) -> q uint8 [B, 32] in [0, 15], scale d, offset m."""
+    return _nibbles_32(blocks[:, 4:20]), _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
 
 
 def repack_q4_k(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,7 +112,7 @@ def repack_q6_k(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q), d.unsqueeze(1) * torch.from_numpy(scales)
 
 
-BLOCK_BYTES = {"Q4_K": 144, "Q8_0": 34, "Q5_0": 22, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_K": 144, "Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q6_K": 210}
 
 
 def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
@@ -99,8 +122,10 @@ def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized
     fmt = KEPT_FORMATS[type_name]
     blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[type_name])
     groups = k // fmt.group_size
-    if type_name == "Q4_K":
-        q, scale, offset = repack_q4_k(blocks)
+    if type_name in ("Q4_K", "Q4_0", "Q4_1"):
+        q, scale, offset = {"Q4_K": repack_q4_k, "Q4_0": repack_q4_0, "Q4_1": repack_q4_1}[
+            type_name
+        ](blocks)
         return QuantizedWeight(
             INT4, (n, k), 32, pack_nibbles(q.reshape(n, k)),
             scale.reshape(n, groups).half(), offset.reshape(n, groups).half(),

@@ -1,8 +1,8 @@
 """``--quantize {auto,none,int8,int4,int4-mixed,int4-experts}``, ``--group-size``: which layers
 load quantized.
 
-    auto  keep what the file has: a GGUF's Q4_K/Q8_0/Q5_0/Q6_K tensors stay quantized
-          (``worker.loading.gguf_quant``), float checkpoints stay float
+    auto  keep what the file has: a GGUF's Q4_K/Q4_0/Q4_1/Q8_0/Q5_0/Q6_K tensors stay
+          quantized (``worker.loading.gguf_quant``), float checkpoints stay float
     none  every weight float (today's path: a GGUF is read from its dequantized cache)
     int8  every decoder matmul int8, symmetric, g``--group-size`` (default 32; the row
           length gives one scale per output channel)
