@@ -55,33 +55,32 @@ def repack_q8_0(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return q, d
 
 
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """[B, 16] bytes of a 32-weight block -> uint8 [B, 32]: weights 0-15 are the low nibbles,
+    16-31 the high ones (Q4_0, Q4_1, Q5_0's low bits)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
 def repack_q5_0(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, 22] (d, 32 high bits, 16 bytes of low nibbles) -> q int8 [B, 32] in [-16, 15], d."""
     d = _half(blocks[:, 0:2])
     high = np.ascontiguousarray(blocks[:, 2:6]).view("<u4")  # [B, 1]: bit i is weight i's bit 4
     bits = (high >> np.arange(32, dtype=np.uint32)) & 1  # [B, 32]
-    low = blocks[:, 6:22]
-    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=1)  # weights 0-15, then 16-31
-    q = (nibbles | (bits.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    q = (_nibbles_32(blocks[:, 6:22]) | (bits.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
     return torch.from_numpy(q), d
-
-
-def _nibbles_32(qs: np.ndarray) -> torch.Tensor:
-    """[B, 16] bytes of a 32-weight block -> q uint8 [B, 32]: weights 0-15 are the low nibbles,
-    16-31 the high ones."""
-    return torch.from_numpy(np.concatenate([qs & 0x0F, qs >> 4], axis=1))
 
 
 def repack_q4_0(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[B, 18] (d, 16 bytes of nibbles) -> q uint8 [B, 32] in [0, 15], scale d, offset -8 d
     (fp32 [B]; -8 d is exact in fp16 too)."""
     d = _half(blocks[:, 0:2])
-    return _nibbles_32(blocks[:, 2:18]), d, -8.0 * d
+    return torch.from_numpy(_nibbles_32(blocks[:, 2:18])), d, -8.0 * d
 
 
 def repack_q4_1(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[B, 20] (d, m, 16 bytes of nibbles) -> q uint8 [B, 32] in [0, 15], scale d, offset m."""
-    return _nibbles_32(blocks[:, 4:20]), _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
+    q = torch.from_numpy(_nibbles_32(blocks[:, 4:20]))
+    return q, _half(blocks[:, 0:2]), _half(blocks[:, 2:4])
 
 
 def repack_q4_k(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,6 +112,11 @@ def repack_q6_k(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 BLOCK_BYTES = {"Q4_K": 144, "Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q6_K": 210}
+# each kept type's block repacker: (q, scale, offset) for int4, (q, scale) for int8
+REPACKERS: dict[str, Any] = {
+    "Q4_K": repack_q4_k, "Q4_0": repack_q4_0, "Q4_1": repack_q4_1,
+    "Q8_0": repack_q8_0, "Q5_0": repack_q5_0, "Q6_K": repack_q6_k,
+}  # fmt: skip
 
 
 def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
@@ -122,20 +126,14 @@ def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized
     fmt = KEPT_FORMATS[type_name]
     blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[type_name])
     groups = k // fmt.group_size
-    if type_name in ("Q4_K", "Q4_0", "Q4_1"):
-        q, scale, offset = {"Q4_K": repack_q4_k, "Q4_0": repack_q4_0, "Q4_1": repack_q4_1}[
-            type_name
-        ](blocks)
+    parts = REPACKERS[type_name](blocks)
+    if fmt.kind == INT4:
+        q, scale, offset = parts
         return QuantizedWeight(
             INT4, (n, k), 32, pack_nibbles(q.reshape(n, k)),
             scale.reshape(n, groups).half(), offset.reshape(n, groups).half(),
         )  # fmt: skip
-    if type_name == "Q6_K":
-        q, scale = repack_q6_k(blocks)
-    elif type_name == "Q5_0":
-        q, scale = repack_q5_0(blocks)
-    else:
-        q, scale = repack_q8_0(blocks)
+    q, scale = parts
     return QuantizedWeight(INT8, (n, k), fmt.group_size, q.reshape(n, k).contiguous(),
                            scale.reshape(n, groups).half())  # fmt: skip
 
