@@ -1,7 +1,8 @@
 # ruff: noqa  (a prototype kept in history only: removed in the next commit)
 """Session 24: the int4 GEMV chain (a layer's four matrices, 8 copies, one CUDA graph) with the
 dependent launch triggered early (TOKENPIPE_QUANT_PDL_EARLY) and/or D steps prefetched into L2
-before gdc_wait (TOKENPIPE_QUANT_GEMV_PRO=D)."""
+before gdc_wait (TOKENPIPE_QUANT_GEMV_PRO=D). Needs tools/proto_pdl_early.patch applied to
+the kernel (git apply; the switches were measured neutral and are not in the tree)."""
 
 import os
 import sys
