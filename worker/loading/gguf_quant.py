@@ -111,11 +111,11 @@ def repack_q6_k(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q), d.unsqueeze(1) * torch.from_numpy(scales)
 
 
-BLOCK_BYTES = {"Q4_K": 144, "Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q6_K": 210}
-# each kept type's block repacker: (q, scale, offset) for int4, (q, scale) for int8
-REPACKERS: dict[str, Any] = {
-    "Q4_K": repack_q4_k, "Q4_0": repack_q4_0, "Q4_1": repack_q4_1,
-    "Q8_0": repack_q8_0, "Q5_0": repack_q5_0, "Q6_K": repack_q6_k,
+# each kept type's block size in bytes and its block repacker: (q, scale, offset) for int4,
+# (q, scale) for int8
+REPACKERS: dict[str, tuple[int, Any]] = {
+    "Q4_K": (144, repack_q4_k), "Q4_0": (18, repack_q4_0), "Q4_1": (20, repack_q4_1),
+    "Q8_0": (34, repack_q8_0), "Q5_0": (22, repack_q5_0), "Q6_K": (210, repack_q6_k),
 }  # fmt: skip
 
 
@@ -124,9 +124,10 @@ def repack(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Quantized
     QuantizedWeight of an HF [N, K] weight."""
     n, k = shape
     fmt = KEPT_FORMATS[type_name]
-    blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[type_name])
+    block_bytes, repack_blocks = REPACKERS[type_name]
+    blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)
     groups = k // fmt.group_size
-    parts = REPACKERS[type_name](blocks)
+    parts = repack_blocks(blocks)
     if fmt.kind == INT4:
         q, scale, offset = parts
         return QuantizedWeight(
