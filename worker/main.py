@@ -11,9 +11,11 @@ the drop-in for the ExecuTorch llm_server control plane (`WORKER_BIN --model_pat
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -139,7 +141,6 @@ def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int
     (80% of free device memory on CUDA; on the CPU `CPU_KV_BUDGET`, or what
     `CPU_MIN_CONTEXT` tokens need if more, and at most half the available RAM)."""
     import psutil
-    import torch
 
     probe_len = 256
     device = next(iter(model.parameters())).device
@@ -154,7 +155,9 @@ def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int
         fixed = 0
         del probe
     if device.type == "cuda":  # less what the prefix cache may take (`reserved`)
-        budget = max(torch.cuda.mem_get_info(device)[0] * 0.8 - reserved, 0)
+        from worker.device import memory
+
+        budget = max(memory.free_bytes(device) * 0.8 - reserved, 0)
     else:
         floor = sessions * (fixed + per_token * CPU_MIN_CONTEXT)
         budget = min(psutil.virtual_memory().available * 0.5, max(CPU_KV_BUDGET, floor))
@@ -167,11 +170,27 @@ def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int
 
 def _default_prefix_cache_gb(device: Any) -> float:
     """The shared-prefix pool on CUDA: 8 GiB (a 9k-token prefix of Gemma 4 31B, 0.9 MB of
-    KV a position), at most 15% of the device memory the weights left free."""
-    import torch
+    KV a position), at most 15% of the device memory the weights left free (under
+    --gpu-memory-gb, of what the limit leaves)."""
+    if device.type != "cuda":
+        return 0.0
+    from worker.device import memory
 
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-    return min(8.0, 0.15 * free / (1 << 30))
+    return min(8.0, 0.15 * memory.free_bytes(device) / (1 << 30))
+
+
+@contextlib.contextmanager
+def _explained(device: Any, what: str) -> Iterator[None]:
+    """Out of device memory while doing `what`: say which limit and what to try."""
+    from worker.device import memory
+
+    try:
+        yield
+    except Exception as exc:
+        explained = memory.explain_out_of_memory(exc, device, what)
+        if explained is exc:
+            raise
+        raise explained from exc
 
 
 def _parse_prefix_ids(value: str | None) -> tuple[int, ...] | None:
@@ -207,6 +226,7 @@ def build_engine(
     host_cache_gb: float = 4.0,
     session_dir: str | None = None,
     prefix_cache_gb: float | None = None,
+    gpu_memory_gb: float | None = None,
     group: Any = None,
 ) -> object:
     """Load the model and build the engine (load progress on stderr). With `group` (a
@@ -237,6 +257,10 @@ def build_engine(
         dtype_name
     ]
     torch.manual_seed(seed)
+    from worker.device import memory
+
+    if gpu_memory_gb is not None:  # before anything is allocated on the device
+        memory.apply(torch_device, gpu_memory_gb, log)
     clock = StartupClock(log)
     compiles = None
     if torch_device.type == "cuda" and group is None:
@@ -244,7 +268,7 @@ def build_engine(
 
         compiles = start_compile_pool()  # its processes start up while the weights load
     log(f"loading {model or 'the default model'} on {torch_device} as {dtype_name}")
-    with clock.step("loaded"):
+    with clock.step("loaded"), _explained(torch_device, "loading the weights"):
         loaded = load_model(
             model,
             torch_device,
@@ -295,7 +319,8 @@ def build_engine(
         prefix_cache_bytes=prefix_bytes,
     )
     with clock.step("KV cache and CUDA graphs" if torch_device.type == "cuda" else "KV cache"):
-        engine = Engine(loaded, config, torch_device, log=log)
+        with _explained(torch_device, "building the KV cache and CUDA graphs"):
+            engine = Engine(loaded, config, torch_device, log=log)
     if compiles is not None:
         compiles.close()
     log(
@@ -419,6 +444,14 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
             help="Quantization group size (default 32; 64, 128 or the row length also work).",
         ),
         click.option(
+            "--gpu-memory-gb",
+            type=click.FloatRange(min=0, min_open=True),
+            default=None,
+            help="Device memory this worker may hold, the CUDA context included, as if the "
+            "card had that much (default: all of it); the default context and the prefix "
+            "cache are sized within it.",
+        ),
+        click.option(
             "--quant-importance",
             default=None,
             help="int4 fit weighted by input channel: a file of tools/quant_importance.py "
@@ -454,6 +487,7 @@ def command(
     host_cache_gb: float,
     session_dir: str | None,
     prefix_cache_gb: float | None,
+    gpu_memory_gb: float | None,
 ) -> None:
     """Run one worker process: JSONL requests on stdin, JSONL events on stdout."""
     build = dict(
@@ -477,6 +511,7 @@ def command(
         host_cache_gb=host_cache_gb,
         session_dir=session_dir,
         prefix_cache_gb=prefix_cache_gb,
+        gpu_memory_gb=gpu_memory_gb,
     )
     group = None
     try:

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import click
 
+QUANTIZE_MODES = ("auto", "none", "int8", "int4", "int4-mixed", "int4-experts")
+"""The worker's --quantize choices (`worker/loading/quantize.py` holds their meaning)."""
+
 
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
@@ -106,6 +109,19 @@ import click
     help="Per worker: host memory for idle sessions' caches (worker default: 4).",
 )
 @click.option(
+    "--quantize",
+    default=None,
+    type=click.Choice(QUANTIZE_MODES),
+    help="Per worker: the weights' format (worker default: auto, which keeps a GGUF's).",
+)
+@click.option("--group-size", default=None, type=click.IntRange(2), help="Quantization group size.")
+@click.option(
+    "--gpu-memory-gb",
+    default=None,
+    type=click.FloatRange(0, min_open=True),
+    help="Per worker: device memory it may hold, as on a card that size.",
+)
+@click.option(
     "--session-dir",
     default=None,
     type=click.Path(file_okay=False, path_type=Path),
@@ -147,6 +163,9 @@ def command(
     max_queue: int,
     max_resident: int | None,
     host_cache_gb: float | None,
+    quantize: str | None,
+    group_size: int | None,
+    gpu_memory_gb: float | None,
     session_dir: Path | None,
     worker_args: tuple[str, ...],
     log_level: str,
@@ -176,7 +195,9 @@ def command(
             max_sessions=max_sessions,
             max_context=max_context,
             max_queue=max_queue,
-            worker_args=tiers_args(max_resident, host_cache_gb) + tuple(worker_args),
+            worker_args=tiers_args(max_resident, host_cache_gb)
+            + weights_args(quantize, group_size, gpu_memory_gb)
+            + tuple(worker_args),
             session_dir=str(session_dir) if session_dir is not None else None,
             tensor_parallel=tensor_parallel,
         )
@@ -222,6 +243,20 @@ def tiers_args(max_resident: int | None, host_cache_gb: float | None) -> tuple[s
         args += ("--max-resident", str(max_resident))
     if host_cache_gb is not None:
         args += ("--host-cache-gb", str(host_cache_gb))
+    return args
+
+
+def weights_args(
+    quantize: str | None, group_size: int | None, gpu_memory_gb: float | None
+) -> tuple[str, ...]:
+    """The worker flags of the weights' format and the device memory limit."""
+    args: tuple[str, ...] = ()
+    if quantize is not None:
+        args += ("--quantize", quantize)
+    if group_size is not None:
+        args += ("--group-size", str(group_size))
+    if gpu_memory_gb is not None:
+        args += ("--gpu-memory-gb", str(gpu_memory_gb))
     return args
 
 

@@ -9,6 +9,8 @@ import threading
 
 import click
 
+from supervisor.openai.cli import QUANTIZE_MODES
+
 RAY_MISSING = "tokenpipe ray needs Ray Serve: pip install -e '.[ray]'"
 
 
@@ -44,6 +46,19 @@ def command() -> None:
 @click.option("--max-sessions", default=None, type=click.IntRange(1), help="Per worker.")
 @click.option("--max-context", default=None, type=click.IntRange(1), help="Context per session.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--quantize",
+    default=None,
+    type=click.Choice(QUANTIZE_MODES),
+    help="The weights' format (worker default: auto, which keeps a GGUF's).",
+)
+@click.option("--group-size", default=None, type=click.IntRange(2), help="Quantization group size.")
+@click.option(
+    "--gpu-memory-gb",
+    default=None,
+    type=click.FloatRange(0, min_open=True),
+    help="Device memory each worker may hold, as on a card that size.",
+)
 @click.option("--worker-arg", "worker_args", multiple=True, help="An extra worker flag.")
 @click.option(
     "--session-dir",
@@ -79,6 +94,9 @@ def up_command(
     max_sessions: int | None,
     max_context: int | None,
     max_queue: int,
+    quantize: str | None,
+    group_size: int | None,
+    gpu_memory_gb: float | None,
     worker_args: tuple[str, ...],
     session_dir: str | None,
     api_key: str | None,
@@ -92,6 +110,7 @@ def up_command(
     _require_ray()
     from supervisor.core import SupervisorConfig
     from supervisor.openai.app import ServerConfig
+    from supervisor.openai.cli import weights_args
 
     from .app import Deployment, connect, deploy
 
@@ -106,7 +125,7 @@ def up_command(
                 max_sessions=max_sessions,
                 max_context=max_context,
                 max_queue=max_queue,
-                worker_args=worker_args,
+                worker_args=weights_args(quantize, group_size, gpu_memory_gb) + worker_args,
                 session_dir=session_dir,
             ),
             server=ServerConfig(

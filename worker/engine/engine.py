@@ -995,11 +995,11 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         import psutil
 
-        device_memory: dict[str, Any] = (
-            {"device_memory_allocated": torch.cuda.memory_allocated(self.device)}
-            if self.device.type == "cuda"
-            else {}
-        )
+        device_memory: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            from worker.device import memory
+
+            device_memory.update(memory.figures(self.device))
         graph_stats = getattr(self.model, "graph_stats", None)  # GraphedCausalLM (CUDA)
         if self.device.type == "cpu":
             from worker.device import cpu_gemv

@@ -1,0 +1,180 @@
+"""``--gpu-memory-gb`` (worker/device/memory.py): the allocator's cap, what the sizing sees
+under it, the out-of-memory message, and the flag through `serve`, `ray up` and a worker
+process. The CUDA calls are faked here; BENCHMARKS.md has the run on an H200 held to 24 GiB."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import torch
+from click.testing import CliRunner
+
+from worker.device import memory
+
+GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
+TOKENPIPE = (
+    sys.executable,
+    "-c",
+    "import sys; sys.argv[0] = 'tokenpipe'; from supervisor.cli import main; main()",
+)
+
+
+class FakeCuda:
+    """torch.cuda's memory calls on one 141 GiB card: `held` GiB by others and the context."""
+
+    def __init__(self, card: float = 141, held: float = 0.5, reserved: float = 0) -> None:
+        self.card, self.held, self.reserved = int(card * GIB), int(held * GIB), int(reserved * GIB)
+        self.fractions: list[tuple[float, str]] = []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda d=None: (self.free, self.card))
+        monkeypatch.setattr(cuda, "memory_reserved", lambda d=None: self.reserved)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda d=None: self.reserved // 2)
+        monkeypatch.setattr(cuda, "max_memory_reserved", lambda d=None: self.reserved)
+        monkeypatch.setattr(
+            cuda, "set_per_process_memory_fraction", lambda f, d=None: self.fractions.append((f, d))
+        )
+        monkeypatch.setattr(memory, "_LIMITS", {})
+        return self
+
+    @property
+    def free(self) -> int:
+        return self.card - self.held - self.reserved
+
+
+def test_limit_takes_what_is_held_outside_torch_off_the_top(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cuda = FakeCuda(held=0.5).install(monkeypatch)
+    lines: list[str] = []
+    limit = memory.apply("cuda", 24, lines.append)
+    assert limit is not None and limit.total == 24 * GIB and limit.outside == GIB // 2
+    ((fraction, device),) = cuda.fractions
+    assert device == "cuda:0" and fraction * cuda.card == pytest.approx(23.5 * GIB)
+    assert "24 GiB" in lines[0] and "0.50 GiB held outside" in lines[0]
+    assert memory.limit_for("cuda:0") == limit
+
+    # what the sizing sees: the limit's room, not the card's 140 GiB free
+    assert memory.free_bytes("cuda:0") == 23.5 * GIB
+    cuda.reserved = 20 * GIB
+    assert memory.free_bytes("cuda:0") == 3.5 * GIB
+    cuda.reserved = 30 * GIB  # past it (cannot happen under the real cap): nothing, not < 0
+    assert memory.free_bytes("cuda:0") == 0
+    figures = memory.figures("cuda:0")
+    assert figures["device_memory_limit"] == 24 * GIB
+    assert figures["device_memory_used"] == 30.5 * GIB
+    assert figures["device_memory_peak_reserved"] == 30 * GIB
+
+
+def test_no_limit_when_the_card_is_no_bigger(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = FakeCuda(card=23.6).install(monkeypatch)
+    lines: list[str] = []
+    assert memory.apply("cuda:0", 24, lines.append) is None
+    assert cuda.fractions == [] and "no limit" in lines[0]
+    assert memory.free_bytes("cuda:0") == cuda.free  # the card's own free memory
+    assert memory.figures("cuda:0")["device_memory_limit"] == cuda.card
+
+
+def test_bad_limits_are_clear_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = FakeCuda(held=2).install(monkeypatch)
+    with pytest.raises(ValueError, match=r"already hold 2\.00 GiB of cuda:0"):
+        memory.apply("cuda", 1.5)
+    with pytest.raises(ValueError, match="needs a CUDA device, not cpu"):
+        memory.apply("cpu", 24)
+    with pytest.raises(ValueError, match="above 0"):
+        memory.apply("cuda", 0)
+    assert cuda.fractions == [] and memory.limit_for("cuda:0") is None
+
+
+def test_out_of_memory_names_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeCuda().install(monkeypatch)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    plain = memory.explain_out_of_memory(oom, "cuda:0", "loading the weights")
+    assert isinstance(plain, MemoryError)
+    assert "while loading the weights (141.0 GiB on cuda:0)" in str(plain)
+    memory.apply("cuda:0", 24)
+    limited = memory.explain_out_of_memory(oom, "cuda:0", "building the KV cache")
+    assert "the --gpu-memory-gb limit of 24.0 GiB on cuda:0" in str(limited)
+    assert "tokenpipe info" in str(limited) and "--max-context" in str(limited)
+    other = ValueError("not memory")
+    assert memory.explain_out_of_memory(other, "cuda:0", "loading") is other
+    assert memory.explain_out_of_memory(oom, "cpu", "loading") is oom
+
+
+def test_default_context_is_sized_within_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.main import _default_prefix_cache_gb, _memory_capped_context
+
+    class Model:  # 1 MiB of KV a token, no sliding rings, parameters on "cuda"
+        def parameters(self) -> Any:
+            yield torch.empty(0, device="meta").as_subclass(torch.Tensor)
+
+        def make_kv_cache(self, slots: int, context: int, device: Any = None) -> Any:
+            return type("KV", (), {"bytes_per_slot": context << 20})()
+
+    cuda = FakeCuda(card=141, held=0.5, reserved=18.5).install(monkeypatch)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda:0")))
+    free_card = _memory_capped_context(Model(), 2, 32768)
+    assert free_card == 32768  # 122 GiB free: the full context
+    memory.apply("cuda:0", 24)  # 24 - 0.5 - 18.5 = 5 GiB left, 80% of it for 2 sessions
+    assert _memory_capped_context(Model(), 2, 32768) == 2048
+    assert _default_prefix_cache_gb(torch.device("cuda:0")) == pytest.approx(0.15 * 5)
+    assert cuda.fractions
+
+
+def test_serve_and_ray_pass_the_flags_to_their_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from supervisor.openai import cli
+    from worker.loading.quantize import MODES
+
+    assert cli.QUANTIZE_MODES == MODES  # the front ends offer what the worker takes
+    assert cli.weights_args("int4", 64, 23.5) == (
+        "--quantize", "int4", "--group-size", "64", "--gpu-memory-gb", "23.5",
+    )  # fmt: skip
+    assert cli.weights_args(None, None, None) == ()
+    seen: dict[str, Any] = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(**kwargs: Any) -> Any:
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr("supervisor.core.SupervisorConfig", capture)
+    result = CliRunner().invoke(
+        cli.command, ["--quantize", "int4", "--gpu-memory-gb", "24", "--max-resident", "2"]
+    )
+    assert isinstance(result.exception, Stop), result.output
+    assert seen["worker_args"] == (
+        "--max-resident",
+        "2",
+        "--quantize",
+        "int4",
+        "--gpu-memory-gb",
+        "24.0",
+    )
+    bad = CliRunner().invoke(cli.command, ["--quantize", "int3"])
+    assert bad.exit_code == 2 and "int3" in bad.output
+
+
+def test_worker_on_the_cpu_refuses_the_flag_before_loading() -> None:
+    result = subprocess.run(
+        [*TOKENPIPE, "worker", "--device", "cpu", "--gpu-memory-gb", "8"],
+        input=b"",
+        capture_output=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 1
+    (line,) = [orjson.loads(x) for x in result.stdout.splitlines() if x.strip()]
+    assert line["event"] == "error" and "needs a CUDA device" in line["error"]
+    assert "loading" not in result.stderr.decode()  # refused before the model

@@ -1,0 +1,132 @@
+"""Does a model fit a smaller card? The real worker, started as `tokenpipe run` starts one, held
+to `--gpu-memory-gb` (what a 24 GB card would let it hold), fills each of `--sessions` named
+sessions to `--context` tokens and decodes in each, then reports the `stats` event's device
+memory figures and the rates. Then, with `--too-small GB`, a second worker under a limit the
+weights cannot fit shows the start-up error users get.
+
+    python tools/bench_card_fit.py --model examples/gemma4_31b --quantize int4 \
+        --gpu-memory-gb 23.5 --sessions 2 --context 8192 --too-small 16
+    python tools/bench_card_fit.py --tiny --device cpu --context 256   # a dry run, no limit
+
+Random weights (the config's shape) and random prompt ids, as tools/bench_gpu.py uses. Prints a
+table and writes OUT/bench_card_fit.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import REPO, WorkerProcess, log, make_model_dir, random_ids  # noqa: E402
+
+GIB = 1 << 30
+
+
+def fill_and_decode(worker: WorkerProcess, sid: str, prompt: list[int], new: int) -> dict:
+    """Open `sid`, prefill `prompt`, decode `new` tokens: the prefill and decode rates."""
+    worker.ask({"op": "open", "session_id": sid})
+    request = {"session_id": sid, "prompt_segments": [{"ids": prompt}], "max_new_tokens": new}
+    t0, lines = worker.generate([request], timeout=900)
+    (got,) = lines.values()
+    tokens = [line for line in got if line.msg.get("event") == "token"]
+    first, last = tokens[0].t, got[-1].t
+    return {
+        "session": sid,
+        "prompt_tokens": len(prompt),
+        "new_tokens": len(tokens),
+        "prefill_tok_s": len(prompt) / (first - t0),
+        "decode_tok_s": (len(tokens) - 1) / (last - first) if len(tokens) > 1 else None,
+    }
+
+
+def worker_args(model_dir: Path, args: argparse.Namespace, limit: float | None) -> list[str]:
+    flags = [
+        "--model", str(model_dir), "--random-weights", "--device", args.device,
+        "--max-sessions", str(args.sessions + 1), "--max-context", str(args.context),
+    ]  # fmt: skip
+    if args.quantize:
+        flags += ["--quantize", args.quantize]
+    if limit is not None:
+        flags += ["--gpu-memory-gb", str(limit)]
+    return flags
+
+
+def too_small(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """A worker under a limit the weights cannot fit: its one error line and exit code."""
+    worker = WorkerProcess(worker_args(model_dir, args, args.too_small))
+    try:
+        line = worker.next_line(timeout=1800).msg
+    finally:
+        worker.close()
+    log(f"under {args.too_small} GiB: {line}")
+    return {"limit_gib": args.too_small, "line": line, "exit_code": worker.proc.returncode}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(REPO / "examples" / "gemma4_31b"))
+    p.add_argument("--tiny", action="store_true", help="shrink the config (CPU dry run)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quantize", default=None)
+    p.add_argument("--gpu-memory-gb", type=float, default=None)
+    p.add_argument("--sessions", type=int, default=1, help="named sessions filled to --context")
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--new", type=int, default=64, help="tokens decoded in each session")
+    p.add_argument("--too-small", type=float, default=None, help="GiB the weights cannot fit")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = p.parse_args(argv)
+
+    config_path = Path(args.model)
+    if config_path.is_dir():
+        config_path = config_path / "config.json"
+    model_dir = make_model_dir(config_path, args.tiny, Path(tempfile.mkdtemp()) / "model")
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    result: dict[str, Any] = {
+        "model": args.model, "quantize": args.quantize, "gpu_memory_gb": args.gpu_memory_gb,
+        "sessions": args.sessions, "context": args.context,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }  # fmt: skip
+    worker = WorkerProcess(worker_args(model_dir, args, args.gpu_memory_gb))
+    try:
+        worker.wait_ready(timeout=1800)
+        result["ready_s"] = worker.ready_s
+        result["after_start"] = worker.ask({"op": "stats"})["stats"]
+        prompt_len = args.context - args.new - 1  # the last decoded token ends at the context
+        result["runs"] = [
+            fill_and_decode(worker, f"s{i}", random_ids(prompt_len, vocab, i), args.new)
+            for i in range(args.sessions)
+        ]
+        result["after_runs"] = worker.ask({"op": "stats"})["stats"]
+    finally:
+        worker.close()
+    if args.too_small is not None:
+        result["too_small"] = too_small(model_dir, args)
+
+    stats = result["after_runs"]
+    print(f"\n{args.model}, --quantize {args.quantize}, --gpu-memory-gb {args.gpu_memory_gb}:")
+    print("| session | prompt | prefill tok/s | decode tok/s |\n| --- | --- | --- | --- |")
+    for run in result["runs"]:
+        decode = f"{run['decode_tok_s']:.1f}" if run["decode_tok_s"] else "-"
+        print(f"| {run['session']} | {run['prompt_tokens']} | {run['prefill_tok_s']:.0f} | "
+              f"{decode} |")  # fmt: skip
+    for key in ("allocated", "reserved", "peak_reserved", "used", "limit"):
+        value = stats.get(f"device_memory_{key}")
+        if value is not None:
+            print(f"device_memory_{key}: {value / GIB:.2f} GiB")
+    if "too_small" in result:
+        print(f"under {args.too_small} GiB: {result['too_small']['line'].get('error')}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_card_fit.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

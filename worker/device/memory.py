@@ -1,0 +1,133 @@
+"""``--gpu-memory-gb``: hold a worker to a card's worth of device memory.
+
+A worker on an 80-141 GB GPU can be told to behave as on a 24 GB card (to check that a model
+and its sessions fit before buying one, or to leave the rest of a shared GPU to others). The
+limit counts everything the process holds on the device: what the CUDA context and any other
+process hold when it is set comes off the top, and torch's caching allocator gets the rest
+(``torch.cuda.set_per_process_memory_fraction``), CUDA graphs' pools included. The default
+context and the prefix cache are then sized from what is left under the limit, not from the
+card's free memory, and running out while loading or building the cache says which limit.
+
+What the limit cannot see: memory CUDA takes outside the allocator after it is set (kernel
+code as modules load, a graph's own launch data), tens of MB here, so a limit a little under
+the card's size is the faithful one (a "24 GB" card reports about 23.6-24 GiB in total).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """A device's limit: ``total`` bytes for the process, of which ``outside`` were held
+    outside torch's allocator when it was set, so the allocator may reserve ``allocator``."""
+
+    device: Any
+    total: int
+    outside: int
+
+    @property
+    def allocator(self) -> int:
+        return self.total - self.outside
+
+
+_LIMITS: dict[str, MemoryLimit] = {}
+
+
+def _key(device: Any) -> str:
+    import torch
+
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index}"
+
+
+def apply(device: Any, gib: float, log: Any = None) -> MemoryLimit | None:
+    """Cap the process's memory on `device` (CUDA) at `gib` GiB. None (and a log line) when
+    the card has no more than that anyway; ValueError when the context and other processes
+    already hold it."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"--gpu-memory-gb needs a CUDA device, not {device}")
+    if gib <= 0:
+        raise ValueError(f"--gpu-memory-gb must be above 0, got {gib}")
+    key = _key(device)
+    free, card = torch.cuda.mem_get_info(key)
+    limit = int(gib * GIB)
+    if limit >= card:
+        if log is not None:
+            log(f"--gpu-memory-gb {gib:g}: {key} has {card / GIB:.1f} GiB, so no limit")
+        return None
+    outside = card - free - torch.cuda.memory_reserved(key)  # the context, other processes
+    if outside >= limit:
+        raise ValueError(
+            f"--gpu-memory-gb {gib:g}: the CUDA context and other processes already hold "
+            f"{outside / GIB:.2f} GiB of {key}"
+        )
+    torch.cuda.set_per_process_memory_fraction((limit - outside) / card, key)
+    _LIMITS[key] = MemoryLimit(key, limit, outside)
+    if log is not None:
+        log(
+            f"device memory limited to {gib:g} GiB of {key}'s {card / GIB:.1f} "
+            f"({outside / GIB:.2f} GiB held outside torch at start)"
+        )
+    return _LIMITS[key]
+
+
+def limit_for(device: Any) -> MemoryLimit | None:
+    return _LIMITS.get(_key(device)) if _LIMITS else None
+
+
+def free_bytes(device: Any) -> int:
+    """Device memory still free for this process: the card's free memory, and under a
+    limit at most what the allocator may still reserve."""
+    import torch
+
+    key = _key(device)
+    free = torch.cuda.mem_get_info(key)[0]
+    limit = _LIMITS.get(key)
+    if limit is None:
+        return int(free)
+    return int(max(0, min(free, limit.allocator - torch.cuda.memory_reserved(key))))
+
+
+def figures(device: Any) -> dict[str, int]:
+    """The `stats` event's device memory figures (bytes)."""
+    import torch
+
+    key = _key(device)
+    free, card = torch.cuda.mem_get_info(key)
+    limit = _LIMITS.get(key)
+    return {
+        "device_memory_allocated": torch.cuda.memory_allocated(key),
+        "device_memory_reserved": torch.cuda.memory_reserved(key),
+        "device_memory_peak_reserved": torch.cuda.max_memory_reserved(key),
+        "device_memory_used": card - free,  # every process on the card, the context included
+        "device_memory_limit": limit.total if limit is not None else card,
+    }
+
+
+def explain_out_of_memory(exc: BaseException, device: Any, what: str) -> BaseException:
+    """`exc` as the worker reports it when `what` (loading, the KV cache) ran out of device
+    memory: which limit, and what to try; other exceptions unchanged."""
+    import torch
+
+    if not isinstance(exc, torch.OutOfMemoryError) or torch.device(device).type != "cuda":
+        return exc
+    limit = limit_for(device)
+    held = (
+        f"the --gpu-memory-gb limit of {limit.total / GIB:.1f} GiB"
+        if limit is not None
+        else f"{torch.cuda.mem_get_info(_key(device))[1] / GIB:.1f} GiB"
+    )
+    return MemoryError(
+        f"out of device memory while {what} ({held} on {_key(device)}): "
+        "`tokenpipe info --model M --quantize Q --context N` shows what the weights and a "
+        "session need; try --quantize int4, fewer --max-sessions or a shorter --max-context"
+    )
