@@ -9,7 +9,7 @@ weights cannot fit shows the start-up error users get.
     python tools/bench_card_fit.py --tiny --device cpu --context 256   # a dry run, no limit
 
 Random weights (the config's shape) and random prompt ids, as tools/bench_gpu.py uses. Prints a
-table and writes OUT/bench_card_fit.json.
+table and writes OUT/bench_card_fit_<sessions>x<context>.json.
 """
 
 from __future__ import annotations
@@ -95,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     worker = WorkerProcess(worker_args(model_dir, args, args.gpu_memory_gb))
     try:
-        worker.wait_ready(timeout=1800)
+        try:
+            worker.wait_ready(timeout=1800)
+        except RuntimeError as exc:  # it did not fit: the error line users get
+            print(f"the worker did not start: {exc}")
+            result["start_error"] = str(exc)
+            write(result, args.out)
+            return 1
         result["ready_s"] = worker.ready_s
         result["after_start"] = worker.ask({"op": "stats"})["stats"]
         prompt_len = args.context - args.new - 1  # the last decoded token ends at the context
@@ -122,10 +128,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"device_memory_{key}: {value / GIB:.2f} GiB")
     if "too_small" in result:
         print(f"under {args.too_small} GiB: {result['too_small']['line'].get('error')}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_card_fit.json").write_text(json.dumps(result, indent=1, default=str))
+    write(result, args.out)
     return 0
+
+
+def write(result: dict[str, Any], out: str) -> None:
+    name = f"bench_card_fit_{result['sessions']}x{result['context']}.json"
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / name).write_text(json.dumps(result, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -303,10 +303,11 @@ def build_engine(
         from worker.device.cuda_setup import prepare_model_for_device
 
         # merged projections, fused kernels, decode steps replayed from CUDA graphs
-        loaded.model = prepare_model_for_device(
-            loaded, torch_device, random_weights, seed, cuda_graphs=cuda_graphs, clock=clock,
-            compiles=compiles,
-        )  # fmt: skip
+        with _explained(torch_device, "packing the weights for the GPU kernels"):
+            loaded.model = prepare_model_for_device(
+                loaded, torch_device, random_weights, seed, cuda_graphs=cuda_graphs,
+                clock=clock, compiles=compiles,
+            )  # fmt: skip
     config = EngineConfig(
         max_sessions=max_sessions,
         max_context=min(max_context or default_context, model_context),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -382,6 +383,36 @@ def test_pack_for_device_routes_layers_and_shares_a_tied_table(
     torch.testing.assert_close(embed(torch.tensor([3, 1]).to(DEVICE)), want_rows)
     model["odd"](torch.randn(2, 48).to(DEVICE))  # the reference: no kernel call
     assert len(calls) == 1
+
+
+def test_pack_for_device_drops_each_canonical_copy_before_the_next_pack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Packing holds one weight in two layouts at a time, never the model: int4 Gemma 4 31B
+    (19.8 GB) packed with every canonical copy kept until the end needed 2 x its weights and
+    ran out under a 24 GiB limit on the H200 (BENCHMARKS, session 27)."""
+    from worker.device.kernels import quant_matmul as qm
+
+    shared = _qw("int8", 32, n=40, k=64)
+    model = torch.nn.ModuleDict({
+        "embed": Q.QuantEmbedding(40, 64, Q.QuantFormat("int8", 32), torch.float32),
+        "a": Q.QuantLinear.from_weight(_qw("int4", 32, n=16, k=64)),
+        "b": Q.QuantLinear.from_weight(_qw("int4", 32, n=24, k=64)),
+        "head": Q.QuantLinear.from_weight(shared),
+    })  # fmt: skip
+    model["embed"].quantized = shared
+    alive: list[int] = []
+    real = qm.KMajorWeight.pack
+
+    def pack(qw: Any, *args: Any) -> Any:  # canonical weights held when each pack starts
+        alive.append(len({id(m.quantized) for m in model.values() if m.quantized is not None}))
+        return real(qw, *args)
+
+    monkeypatch.setattr(qm.KMajorWeight, "pack", staticmethod(pack))
+    assert Q.pack_for_device(model) == (3, 0)
+    assert alive == [3, 2, 1]  # the tied table counted once, each weight gone once packed
+    assert all(m.quantized is None and m.device_packed is not None for m in model.values())
+    assert model["embed"].device_packed is model["head"].device_packed
 
 
 def test_quantized_model_logits_kernels_equal_reference() -> None:

@@ -465,31 +465,30 @@ class QuantEmbedding(nn.Module):
 def pack_for_device(model: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """Every quantized linear of ``model`` (computing in ``dtype``) into the GPU kernels'
     K-major layout (``worker.device.kernels.quant_matmul.KMajorWeight``, scales in
-    ``meta_dtype_for``), its canonical copy dropped; an embedding whose table a packed LM head
-    shares gathers its rows from the packed table (one copy). Weights whose group the kernels
-    cannot take stay canonical (the torch reference).
+    ``meta_dtype_for``), its canonical copy dropped as soon as it is packed, so the model never
+    needs two copies of its weights (one int4 31B does not fit a 24 GB card twice); an
+    embedding whose table a packed LM head shares gathers its rows from the packed table (one
+    copy). Weights whose group the kernels cannot take stay canonical (the torch reference).
     Returns (packed, left canonical). Imports Triton."""
     from worker.device.kernels.quant_matmul import KMajorWeight, meta_dtype_for
 
-    packed: dict[int, KMajorWeight] = {}
-    left = 0
+    users: dict[int, list[QuantLinear | QuantEmbedding]] = {}  # modules sharing a weight
     for module in model.modules():
-        if not isinstance(module, QuantLinear) or module.quantized is None:
-            continue
-        if not KMajorWeight.supports(module.quantized):
+        if isinstance(module, (QuantLinear, QuantEmbedding)) and module.quantized is not None:
+            users.setdefault(id(module.quantized), []).append(module)
+    packed = left = 0
+    for sharing in users.values():
+        qw = sharing[0].quantized
+        assert qw is not None
+        if not any(isinstance(m, QuantLinear) for m in sharing):
+            continue  # an embedding alone: rows gathered from its canonical table
+        if not KMajorWeight.supports(qw):
             left += 1
             continue
-        key = id(module.quantized)
-        if key not in packed:
-            qw = module.quantized
-            packed[key] = KMajorWeight.pack(qw, meta_dtype_for(qw.kind, dtype))
-        module.device_packed = packed[key]
-    for module in model.modules():
-        if isinstance(module, QuantEmbedding) and module.quantized is not None:
-            shared = packed.get(id(module.quantized))
-            if shared is not None:
-                module.device_packed = shared
-    for module in model.modules():
-        if isinstance(module, (QuantLinear, QuantEmbedding)) and module.device_packed is not None:
-            module.quantized = None
-    return len(packed), left
+        device_packed = KMajorWeight.pack(qw, meta_dtype_for(qw.kind, dtype))
+        for module in sharing:
+            module.device_packed = device_packed
+            module.quantized = None  # the canonical copy goes before the next weight packs
+        del qw
+        packed += 1
+    return packed, left
