@@ -9,7 +9,7 @@ weights cannot fit shows the start-up error users get.
     python tools/bench_card_fit.py --tiny --device cpu --context 256   # a dry run, no limit
 
 Random weights (the config's shape) and random prompt ids, as tools/bench_gpu.py uses. Prints a
-table and writes OUT/bench_card_fit_<sessions>x<context>.json.
+table and writes OUT/bench_card_fit_<sessions>x<context>_<tag>.json.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def worker_args(model_dir: Path, args: argparse.Namespace, limit: float | None) 
         flags += ["--quantize", args.quantize]
     if limit is not None:
         flags += ["--gpu-memory-gb", str(limit)]
-    return flags
+    return flags + args.worker_arg
 
 
 def too_small(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=1, help="named sessions filled to --context")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--new", type=int, default=64, help="tokens decoded in each session")
+    p.add_argument("--tag", default="run", help="names the JSON file")
     p.add_argument("--too-small", type=float, default=None, help="GiB the weights cannot fit")
+    p.add_argument("--worker-arg", action="append", default=[], help="another worker flag")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
 
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "model": args.model, "quantize": args.quantize, "gpu_memory_gb": args.gpu_memory_gb,
         "sessions": args.sessions, "context": args.context,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "worker_args": args.worker_arg,
+        "tag": args.tag,
     }  # fmt: skip
     worker = WorkerProcess(worker_args(model_dir, args, args.gpu_memory_gb))
     try:
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(result: dict[str, Any], out: str) -> None:
-    name = f"bench_card_fit_{result['sessions']}x{result['context']}.json"
+    name = f"bench_card_fit_{result['sessions']}x{result['context']}_{result['tag']}.json"
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / name).write_text(json.dumps(result, indent=1, default=str))
 

@@ -320,8 +320,12 @@ def build_engine(
         prefix_cache_bytes=prefix_bytes,
     )
     with clock.step("KV cache and CUDA graphs" if torch_device.type == "cuda" else "KV cache"):
+        if torch_device.type == "cuda":
+            log(f"device memory: {memory.summary(torch_device)} with the weights")
         with _explained(torch_device, "building the KV cache and CUDA graphs"):
             engine = Engine(loaded, config, torch_device, log=log)
+        if torch_device.type == "cuda":
+            log(f"device memory: {memory.summary(torch_device)} with the caches and graphs")
     if compiles is not None:
         compiles.close()
     log(

@@ -73,6 +73,9 @@ def test_limit_takes_what_is_held_outside_torch_off_the_top(
     assert figures["device_memory_limit"] == 24 * GIB
     assert figures["device_memory_used"] == 30.5 * GIB
     assert figures["device_memory_peak_reserved"] == 30 * GIB
+    assert memory.summary("cuda:0") == (
+        "15.00 GiB allocated, 30.00 reserved (peak 30.00) of 24.0"
+    )  # fmt: skip
 
 
 def test_no_limit_when_the_card_is_no_bigger(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,7 +103,10 @@ def test_out_of_memory_names_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     plain = memory.explain_out_of_memory(oom, "cuda:0", "loading the weights")
     assert isinstance(plain, MemoryError)
-    assert "while loading the weights (141.0 GiB on cuda:0)" in str(plain)
+    assert (
+        "while loading the weights (141.0 GiB on cuda:0; 0.00 GiB allocated, "
+        "tried to allocate 2.00 GiB)" in str(plain)
+    )
     memory.apply("cuda:0", 24)
     limited = memory.explain_out_of_memory(oom, "cuda:0", "building the KV cache")
     assert "the --gpu-memory-gb limit of 24.0 GiB on cuda:0" in str(limited)

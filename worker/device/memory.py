@@ -113,6 +113,16 @@ def figures(device: Any) -> dict[str, int]:
     }
 
 
+def summary(device: Any) -> str:
+    """A start-up log line's figures: allocated, reserved, their peak, and the limit."""
+    f = figures(device)
+    return (
+        f"{f['device_memory_allocated'] / GIB:.2f} GiB allocated, "
+        f"{f['device_memory_reserved'] / GIB:.2f} reserved (peak "
+        f"{f['device_memory_peak_reserved'] / GIB:.2f}) of {f['device_memory_limit'] / GIB:.1f}"
+    )
+
+
 def explain_out_of_memory(exc: BaseException, device: Any, what: str) -> BaseException:
     """`exc` as the worker reports it when `what` (loading, the KV cache) ran out of device
     memory: which limit, and what to try; other exceptions unchanged."""
@@ -126,8 +136,11 @@ def explain_out_of_memory(exc: BaseException, device: Any, what: str) -> BaseExc
         if limit is not None
         else f"{torch.cuda.mem_get_info(_key(device))[1] / GIB:.1f} GiB"
     )
+    tried = str(exc).split(". GPU")[0].removeprefix("CUDA out of memory. ")  # "Tried to ..."
+    allocated = torch.cuda.memory_allocated(_key(device)) / GIB
     return MemoryError(
-        f"out of device memory while {what} ({held} on {_key(device)}): "
+        f"out of device memory while {what} ({held} on {_key(device)}; {allocated:.2f} GiB "
+        f"allocated, {tried[:1].lower() + tried[1:]}): "
         "`tokenpipe info --model M --quantize Q --context N` shows what the weights and a "
         "session need; try --quantize int4, fewer --max-sessions or a shorter --max-context"
     )
