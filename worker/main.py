@@ -168,15 +168,16 @@ def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int
     return capped
 
 
-def _default_prefix_cache_gb(device: Any) -> float:
+def _default_prefix_cache_gb(device: Any, taken: int = 0) -> float:
     """The shared-prefix pool on CUDA: 8 GiB (a 9k-token prefix of Gemma 4 31B, 0.9 MB of
     KV a position), at most 15% of the device memory the weights left free (under
-    --gpu-memory-gb, of what the limit leaves)."""
+    --gpu-memory-gb, of what the limit leaves), less `taken` (the sessions' KV when
+    --max-context fixes it: on a 24 GB card the sessions asked for come first)."""
     if device.type != "cuda":
         return 0.0
     from worker.device import memory
 
-    return min(8.0, 0.15 * memory.free_bytes(device) / (1 << 30))
+    return min(8.0, 0.15 * max(0, memory.free_bytes(device) - taken) / (1 << 30))
 
 
 @contextlib.contextmanager
@@ -284,8 +285,16 @@ def build_engine(
     if max_resident is not None and max_resident > max_sessions:
         raise ValueError(f"--max-resident {max_resident} is above --max-sessions {max_sessions}")
     resident = max_resident or max_sessions
-    if prefix_cache_gb is None:
-        prefix_cache_gb = 0.25 if on_cpu else _default_prefix_cache_gb(torch_device)
+    if prefix_cache_gb is None and on_cpu:
+        prefix_cache_gb = 0.25
+    elif prefix_cache_gb is None:
+        taken = 0
+        if max_context is not None:
+            try:
+                taken = resident * _session_kv_bytes(loaded.model, max_context)
+            except (AttributeError, TypeError, RuntimeError):  # no meta layout: as before
+                taken = 0
+        prefix_cache_gb = _default_prefix_cache_gb(torch_device, taken)
     prefix_bytes = int(prefix_cache_gb * (1 << 30))
     if max_context is None:
         default_context = _memory_capped_context(
@@ -326,6 +335,7 @@ def build_engine(
             engine = Engine(loaded, config, torch_device, log=log)
         if torch_device.type == "cuda":
             log(f"device memory: {memory.summary(torch_device)} with the caches and graphs")
+            torch.cuda.reset_peak_memory_stats(torch_device)  # `stats`' peaks: while serving
     if compiles is not None:
         compiles.close()
     log(

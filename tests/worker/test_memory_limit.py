@@ -40,6 +40,7 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "memory_reserved", lambda d=None: self.reserved)
         monkeypatch.setattr(cuda, "memory_allocated", lambda d=None: self.reserved // 2)
         monkeypatch.setattr(cuda, "max_memory_reserved", lambda d=None: self.reserved)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda d=None: self.reserved // 2)
         monkeypatch.setattr(
             cuda, "set_per_process_memory_fraction", lambda f, d=None: self.fractions.append((f, d))
         )
@@ -133,6 +134,9 @@ def test_default_context_is_sized_within_the_limit(monkeypatch: pytest.MonkeyPat
     memory.apply("cuda:0", 24)  # 24 - 0.5 - 18.5 = 5 GiB left, 80% of it for 2 sessions
     assert _memory_capped_context(Model(), 2, 32768) == 2048
     assert _default_prefix_cache_gb(torch.device("cuda:0")) == pytest.approx(0.15 * 5)
+    # --max-context given: the sessions' KV first, the prefix cache from what it leaves
+    assert _default_prefix_cache_gb(torch.device("cuda:0"), 4 * GIB) == pytest.approx(0.15)
+    assert _default_prefix_cache_gb(torch.device("cuda:0"), 6 * GIB) == 0
     assert cuda.fractions
 
 

@@ -122,6 +122,35 @@ def test_gemv_k_splits_pipeline_steps_and_arrival_counters(kind: str, group: int
     torch.testing.assert_close(again, qm.qgemv(x, packed, (8, 1, 2, 4), split=3), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("kind", "block"), [("int4", 0), ("int4", 16), ("int8", 16)])
+def test_prefill_scratch_a_range_of_outputs_at_a_time(
+    kind: str, block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill path's dequantized scratch, held to ``SCRATCH_BYTES``: any range of
+    outputs dequantizes to the whole weight's columns, and the matmul a range at a time (the
+    last one short, N not a whole number of words) gives the whole scratch's result."""
+    from worker.device.kernels import quant_matmul as qm
+
+    qw = _qw(kind, 16, n=203, k=16 * 6, seed=5)
+    packed = qm.KMajorWeight.pack(qw, block=block)
+    whole = qm.dequantize_triton(packed, torch.float32)
+    for start, end in [(0, 203), (8, 72), (64, 203), (200, 203) if kind == "int4" else (196, 203)]:
+        got = qm.dequantize_triton(packed, torch.float32, (start, end))
+        assert torch.equal(got, whole[:, start:end]), (start, end)
+    with pytest.raises(AssertionError):
+        qm.dequantize_triton(packed, torch.float32, (3, 10))  # not a word's first output
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    want = x @ whole
+    monkeypatch.setattr(qm, "SCRATCH_BYTES", 96 * 4 * 64)  # 64 outputs a range: 4 ranges
+    calls: list[tuple[int, int] | None] = []
+    real = qm.dequantize_triton
+    monkeypatch.setattr(
+        qm, "dequantize_triton", lambda p, d, o=None: calls.append(o) or real(p, d, o)
+    )
+    torch.testing.assert_close(qm.quant_linear(x, packed), want, rtol=1e-5, atol=1e-4)
+    assert calls == [(0, 64), (64, 128), (128, 192), (192, 203)]
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_blocked_layout_gives_the_plain_layouts_bits(kind: str) -> None:
     """The blocked layout (``KMajorWeight.block``) changes only where the kernels read: the

@@ -107,6 +107,7 @@ def figures(device: Any) -> dict[str, int]:
     return {
         "device_memory_allocated": torch.cuda.memory_allocated(key),
         "device_memory_reserved": torch.cuda.memory_reserved(key),
+        "device_memory_peak_allocated": torch.cuda.max_memory_allocated(key),
         "device_memory_peak_reserved": torch.cuda.max_memory_reserved(key),
         "device_memory_used": card - free,  # every process on the card, the context included
         "device_memory_limit": limit.total if limit is not None else card,

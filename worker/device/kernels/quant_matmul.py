@@ -1025,13 +1025,14 @@ def _gemm_store_joined(y_cols, a0, a1, a2, a3, a4, a5, a6, a7, pid_c, mask_m, N,
 
 @triton.jit
 def _dequant_kernel(
-    w_ptr, s_ptr, o_ptr, out_ptr, N, C, K,
+    w_ptr, s_ptr, o_ptr, out_ptr, N, C, K, C0,
     GROUP: tl.constexpr, INT4_KIND: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     BW: tl.constexpr = 0,
 ):  # fmt: skip
-    """out [K, N] (x's dtype) = the dequantized weight, transposed."""
+    """out [K, N] (x's dtype) = the dequantized weight's outputs from word column C0 on,
+    transposed (N: the outputs out holds; the grid covers its word columns)."""
     P: tl.constexpr = 8 if INT4_KIND else 4
-    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_c = C0 + tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_k < K)[:, None] & (offs_c < C)[None, :]
     words_at, meta_at, RS = _layout(offs_c, C, K, GROUP, P, BW)
@@ -1246,18 +1247,49 @@ def _bf16_pairs() -> bool:
     return os.environ.get("TOKENPIPE_QUANT_BF16_PAIRS", "1") != "0"
 
 
-def dequantize_triton(packed: KMajorWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The whole weight, transposed: [K, N] in ``dtype`` (the prefill path's scratch)."""
+def dequantize_triton(
+    packed: KMajorWeight, dtype: torch.dtype, outputs: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """The weight, transposed: [K, N] in ``dtype`` (the prefill path's scratch); with
+    ``outputs`` = (start, end), only those outputs ([K, end - start]; start a multiple of the
+    outputs a word holds)."""
     n, k = packed.shape
-    out = torch.empty((k, n), device=packed.words.device, dtype=dtype)
+    start, end = outputs if outputs is not None else (0, n)
+    per_word = packed.per_word
+    assert start % per_word == 0 and 0 <= start < end <= n, (start, end, n)
+    out = torch.empty((k, end - start), device=packed.words.device, dtype=dtype)
     block_c, block_k = 32, 32
-    grid = (triton.cdiv(packed.columns, block_c), triton.cdiv(k, block_k))
+    words = triton.cdiv(end, per_word) - start // per_word
+    grid = (triton.cdiv(words, block_c), triton.cdiv(k, block_k))
     _dequant_kernel[grid](
-        packed.words, packed.scales, _offsets(packed), out, n, packed.columns, k,
-        GROUP=packed.group_size, INT4_KIND=packed.kind == INT4, BLOCK_C=block_c,
-        BLOCK_K=block_k, BW=packed.block, num_warps=4,
+        packed.words, packed.scales, _offsets(packed), out, end - start, packed.columns, k,
+        start // per_word, GROUP=packed.group_size, INT4_KIND=packed.kind == INT4,
+        BLOCK_C=block_c, BLOCK_K=block_k, BW=packed.block, num_warps=4,
     )  # fmt: skip
     return out
+
+
+SCRATCH_BYTES = int(float(os.environ.get("TOKENPIPE_QUANT_SCRATCH_MB", "64")) * (1 << 20))
+"""The prefill path's dequantized scratch holds at most this many bytes: a longer weight is
+dequantized and multiplied a range of outputs at a time (cuBLAS per range; each output's sum
+is the same computation, so the result is the whole weight's, up to cuBLAS's choice of kernel
+for the narrower shape). The whole gate_up of Gemma 4 31B in bf16 is 441 MiB, once in the
+eager prefill and once in the prefill graphs' pool: too much next to a 24 GB card's KV."""
+
+
+def _dequantized_linear(flat: torch.Tensor, packed: KMajorWeight) -> torch.Tensor:
+    """x [M, K] @ W^T through a scratch of at most ``SCRATCH_BYTES``."""
+    n, k = packed.shape
+    per_word = packed.per_word
+    budget = SCRATCH_BYTES // (k * flat.element_size())  # outputs a range may hold
+    width = budget // 256 * 256 if budget >= 256 else max(per_word, budget // per_word * per_word)
+    if width >= n:
+        return F.linear(flat, dequantize_triton(packed, flat.dtype).t())
+    y = flat.new_empty((flat.shape[0], n))
+    for start in range(0, n, width):
+        end = min(n, start + width)
+        torch.mm(flat, dequantize_triton(packed, flat.dtype, (start, end)), out=y[:, start:end])
+    return y
 
 
 def quant_linear_gated(x: torch.Tensor, packed: KMajorWeight, act: str) -> torch.Tensor | None:
@@ -1288,7 +1320,7 @@ def quant_linear(
     elif m <= GEMM_MAX_ROWS:
         y = qgemm(flat, packed)
     else:
-        y = F.linear(flat, dequantize_triton(packed, flat.dtype).t())
+        y = _dequantized_linear(flat, packed)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, packed.shape[0])
