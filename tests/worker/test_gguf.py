@@ -346,7 +346,7 @@ def test_cache_is_reused_and_keyed_by_identity(tiny_gguf, cache: Path) -> None:
 def test_failed_conversion_leaves_no_cache_directory(tmp_path: Path, cache: Path) -> None:
     path = tmp_path / "tiny-other.gguf"
     write_tiny_llama_gguf(path, arch="mamba")
-    with pytest.raises(ModelLoadError, match="'mamba' is not supported; supported: gemma3, llama"):
+    with pytest.raises(ModelLoadError, match="'mamba' is not supported; supported: gemma3, gemma4, llama"):
         convert_gguf(path, progress=False)
     assert not any(p.is_dir() for p in cache.iterdir())
 

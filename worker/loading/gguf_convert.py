@@ -44,7 +44,7 @@ from worker.loading.checkpoint import TORCH_TO_SAFETENSORS, ModelLoadError
 CONVERTER_VERSION = 3
 HEADER_HASH_BYTES = 16 * 1024 * 1024
 MAX_SHARD_BYTES = 4 * 1024**3
-SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama")
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "gemma4", "llama")
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
@@ -244,6 +244,138 @@ def gemma3_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any
     return config
 
 
+def _per_layer(meta: dict[str, Any], key: str, layers: int, default: Any) -> list[Any]:
+    """A GGUF hyperparameter that may be one value or one per layer, as a per-layer list."""
+    value = meta.get(key, default)
+    if isinstance(value, list):
+        if len(value) != layers:
+            raise ModelLoadError(f"GGUF key {key!r} has {len(value)} entries for {layers} layers")
+        return value
+    return [value] * layers
+
+
+def _one_value(values: list[Any], what: str) -> Any:
+    if len(set(values)) > 1:
+        raise ModelLoadError(
+            f"GGUF file: {what} differ from layer to layer ({sorted(set(values))})"
+        )
+    return values[0]
+
+
+def gemma4_config(
+    meta: dict[str, Any], tensor_names: set[str], small_tensor: SmallTensorReader
+) -> dict[str, Any]:
+    """Gemma4ForCausalLM's config.json for a gemma4 GGUF (text stack only), as llama.cpp's
+    converter writes one: per-layer sliding pattern and KV head counts, the full layers' head
+    size in ``key_length`` and the sliding layers' in ``key_length_swa``, no ``attn_v`` on full
+    layers whose V is their K (``attention_k_eq_v``), and the full layers' proportional partial
+    RoPE as a ``rope_freqs`` tensor (1 for a rotated pair of dimensions, 1e30 for one left alone).
+    Features of the other Gemma 4 sizes are refused here, before any tensor is converted."""
+    arch = "gemma4"
+    layers = int(require(meta, f"{arch}.block_count"))
+    hidden = int(require(meta, f"{arch}.embedding_length"))
+    if int(meta.get(f"{arch}.embedding_length_per_layer_input", 0) or 0):
+        raise ModelLoadError(
+            "gemma4 GGUF: per-layer input embeddings (the E2B/E4B sizes) are not supported"
+        )
+    if int(meta.get(f"{arch}.attention.shared_kv_layers", 0) or 0):
+        raise ModelLoadError("gemma4 GGUF: KV sharing across layers is not supported")
+    if int(meta.get(f"{arch}.expert_count", 0) or 0):
+        raise ModelLoadError(
+            "gemma4 GGUF: mixture-of-experts blocks (the 26B A4B size) are not supported"
+        )
+    heads = int(
+        _one_value(
+            _per_layer(meta, f"{arch}.attention.head_count", layers, None), "attention head counts"
+        )
+    )
+    ffn = int(
+        _one_value(
+            _per_layer(meta, f"{arch}.feed_forward_length", layers, None),
+            "feed-forward widths (use_double_wide_mlp)",
+        )
+    )
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [
+            bool(x)
+            for x in _per_layer(meta, f"{arch}.attention.sliding_window_pattern", layers, None)
+        ]
+    else:
+        period = int(pattern or 6)
+        sliding = [(index + 1) % period != 0 for index in range(layers)]
+    layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    full_layers = [i for i, s in enumerate(sliding) if not s]
+    sliding_layers = [i for i, s in enumerate(sliding) if s]
+
+    full_head_dim = int(meta.get(f"{arch}.attention.key_length", 512))
+    head_dim = int(meta.get(f"{arch}.attention.key_length_swa", full_head_dim))
+    kv = [int(x) for x in _per_layer(meta, f"{arch}.attention.head_count_kv", layers, heads)]
+    without_v = [i for i in full_layers if f"blk.{i}.attn_v.weight" not in tensor_names]
+    if any(f"blk.{i}.attn_v.weight" not in tensor_names for i in sliding_layers):
+        raise ModelLoadError("gemma4 GGUF: a sliding layer has no attn_v tensor")
+    if without_v and len(without_v) != len(full_layers):
+        raise ModelLoadError("gemma4 GGUF: only some full-attention layers have an attn_v tensor")
+    k_eq_v = bool(without_v)
+    kv_sliding = _one_value([kv[i] for i in sliding_layers] or [kv[0]], "KV head counts")
+    kv_full = _one_value([kv[i] for i in full_layers] or [kv_sliding], "KV head counts")
+    if kv_full != kv_sliding and not k_eq_v:
+        raise ModelLoadError(
+            "gemma4 GGUF: full layers with their own KV head count must take V from K "
+            "(attention_k_eq_v), as Gemma 4's config ties the two"
+        )
+
+    rotated_swa = int(meta.get(f"{arch}.rope.dimension_count_swa", head_dim))
+    sliding_rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base_swa", 10_000.0)),
+    }
+    if rotated_swa != head_dim:
+        sliding_rope["partial_rotary_factor"] = rotated_swa / head_dim
+    freqs = small_tensor("rope_freqs.weight")
+    if freqs is not None:  # 1 rotates a pair of dimensions, 1e30 leaves it alone
+        partial = 2 * int(np.count_nonzero(freqs < 1e10)) / full_head_dim
+    else:
+        partial = int(meta.get(f"{arch}.rope.dimension_count", full_head_dim)) / full_head_dim
+    full_rope = {
+        "rope_type": "proportional",
+        "partial_rotary_factor": partial,
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 1_000_000.0)),
+    }
+    softcap = meta.get(f"{arch}.final_logit_softcapping")
+    config: dict[str, Any] = {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": vocab_size_of(meta, arch),
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_sliding,
+        "num_global_key_value_heads": kv_full if k_eq_v else None,
+        "head_dim": head_dim,
+        "global_head_dim": full_head_dim,
+        "attention_k_eq_v": k_eq_v,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "enable_moe_block": False,
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 262_144)),
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "rope_parameters": {"sliding_attention": sliding_rope, "full_attention": full_rope},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "sliding_window": int(meta.get(f"{arch}.attention.sliding_window", 1024)),
+        "layer_types": layer_types,
+        "final_logit_softcapping": float(softcap) if softcap else None,
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    config.update(special_ids(meta))
+    return config
+
+
 def llama_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     """LlamaForCausalLM's config.json for a llama GGUF."""
     arch = "llama"
@@ -282,9 +414,13 @@ def llama_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
     return config
 
 
-CONFIG_BUILDERS: dict[str, Callable[[dict[str, Any], set[str]], dict[str, Any]]] = {
-    "gemma3": gemma3_config,
-    "llama": llama_config,
+SmallTensorReader = Callable[[str], "np.ndarray | None"]
+CONFIG_BUILDERS: dict[
+    str, Callable[[dict[str, Any], set[str], SmallTensorReader], dict[str, Any]]
+] = {
+    "gemma3": lambda meta, names, _: gemma3_config(meta, names),
+    "gemma4": gemma4_config,
+    "llama": lambda meta, names, _: llama_config(meta, names),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -307,15 +443,19 @@ BLOCK_NAMES_COMMON = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+GEMMA_SANDWICH_NAMES = {
+    **BLOCK_NAMES_COMMON,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 BLOCK_NAMES = {
     "llama": {**BLOCK_NAMES_COMMON, "ffn_norm": "post_attention_layernorm"},
-    "gemma3": {
-        **BLOCK_NAMES_COMMON,
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    "gemma3": GEMMA_SANDWICH_NAMES,
+    "gemma4": GEMMA_SANDWICH_NAMES,
 }
+# a block tensor whose HF counterpart is a bare buffer, not a module's ".weight"
+BLOCK_BUFFERS = {"gemma4": {"layer_output_scale": "layer_scalar"}}
 SKIPPED_TENSORS = ("rope_freqs.weight",)  # llama 3 RoPE factors: not an HF parameter
 
 
@@ -327,6 +467,9 @@ def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
         return GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+        buffer = BLOCK_BUFFERS.get(arch, {}).get(parts[2])
+        if buffer is not None and parts[3] == "weight":
+            return f"model.layers.{parts[1]}.{buffer}"
         target = BLOCK_NAMES[arch].get(parts[2])
         if target is not None:
             return f"model.layers.{parts[1]}.{target}.{parts[3]}"
@@ -349,7 +492,7 @@ def hf_tensor_values(
 ) -> np.ndarray:
     """Turn a dequantized GGUF tensor's values into the HF parameter's values."""
     if arch == "gemma3" and gguf_name.endswith("norm.weight"):
-        return values - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w)
+        return values - np.float32(1.0)  # llama.cpp stores Gemma 3's (1 + w); Gemma 4's is w
     if arch == "llama" and ".attn_q." in gguf_name and values.ndim >= 1:
         return unpermute_rows(values, config["num_attention_heads"])
     if arch == "llama" and ".attn_k." in gguf_name and values.ndim >= 1:
@@ -489,8 +632,13 @@ def convert_into(gguf_path: Path, out_dir: Path, dtype: torch.dtype, progress: b
             f"{gguf_path}: GGUF architecture {arch!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    tensor_names = {t.name for t in reader.tensors}
-    config = CONFIG_BUILDERS[arch](meta, tensor_names)
+    by_name = {t.name: t for t in reader.tensors}
+
+    def small_tensor(name: str) -> np.ndarray | None:
+        tensor = by_name.get(name)
+        return None if tensor is None else dequantized(tensor)
+
+    config = CONFIG_BUILDERS[arch](meta, set(by_name), small_tensor)
     config["torch_dtype"] = dtype_name(dtype)
 
     planned = [

@@ -364,7 +364,8 @@ class Tokenizer:
 
 # GGUF token types (llama.cpp's llama_token_type)
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
-GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3", "gemma4")
+GEMMA4_STOPS = ("<turn|>", "<|tool_response>")
 
 # Pre-tokenizer split patterns of byte-level vocabularies, by `tokenizer.ggml.pre`.
 LLAMA3_SPLIT = (
@@ -463,6 +464,43 @@ def sentencepiece_bpe(
     return backend
 
 
+def split_merge(merge: str) -> tuple[str, str]:
+    """A GGUF merge "left right" as its pair; the separating space is the first one after the
+    first character, so a left piece that is itself a space survives."""
+    cut = merge.find(" ", 1)
+    if cut < 0:
+        raise TokenizerError(f"GGUF merge {merge!r} has no space between its two pieces")
+    return merge[:cut], merge[cut + 1 :]
+
+
+def gemma4_bpe(tokens: list[str], merges: list[str], unk: str | None) -> tokenizers.Tokenizer:
+    """Gemma 4's tokenizer (`tokenizer.ggml.model == "gemma4"`): BPE with the file's merges over
+    raw UTF-8 characters (no byte-to-unicode table), spaces written as '▁' first, bytes that no
+    piece covers as `<0xXX>` tokens. As llama.cpp does, the text is cut into runs of newlines
+    and runs of everything else before merging, so no merge crosses a line break."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    if not merges:
+        raise TokenizerError("the gemma4 GGUF tokenizer has no merges (tokenizer.ggml.merges)")
+    tokens = [SPACE_MARK * len(t) if " " in t and not t.strip() else t for t in tokens]
+    model = BPE(
+        vocab={token: index for index, token in enumerate(tokens)},
+        merges=[split_merge(m) for m in merges],
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+        dropout=None,
+    )
+    backend = tokenizers.Tokenizer(model)
+    backend.normalizer = normalizers.Replace(" ", SPACE_MARK)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend
+
+
 def byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
     """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`): tokens already in GPT-2's alphabet."""
     from tokenizers import Regex, decoders, pre_tokenizers
@@ -516,6 +554,10 @@ def build_gguf_tokenizer(meta: dict[str, Any], architecture: str) -> GgufTokeniz
         backend = sentencepiece_bpe(tokens, scores, unk, gemma, add_space_prefix and not gemma)
         default_add_bos = True
         tokenizer_class = "GemmaTokenizer" if gemma else "LlamaTokenizer"
+    elif model_kind == "gemma4":
+        backend = gemma4_bpe(tokens, list(meta.get("tokenizer.ggml.merges") or []), unk)
+        default_add_bos = True
+        tokenizer_class = "GemmaTokenizer"
     elif model_kind == "gpt2":
         backend = byte_level_bpe(
             tokens,
@@ -526,7 +568,7 @@ def build_gguf_tokenizer(meta: dict[str, Any], architecture: str) -> GgufTokeniz
         tokenizer_class = "PreTrainedTokenizerFast"
     else:
         raise TokenizerError(
-            f"GGUF tokenizer model {model_kind!r} is not supported (supported: llama, gpt2)"
+            f"GGUF tokenizer model {model_kind!r} is not supported (supported: llama, gemma4, gpt2)"
         )
     # Control tokens stay whole and are special; user-defined ones stay whole and are text.
     control = [
@@ -561,10 +603,12 @@ def build_gguf_tokenizer(meta: dict[str, Any], architecture: str) -> GgufTokeniz
         )
 
     eos_ids = [i for i in (eos_id, eot_id, eom_id) if i is not None]
-    if gemma:
-        turn_end = backend.token_to_id("<end_of_turn>")
-        if turn_end is not None:
-            eos_ids.append(turn_end)
+    if gemma:  # a chat turn's end: Gemma 3's <end_of_turn>; Gemma 4's <turn|>, and the
+        # <|tool_response> its tool calls end with (the release's generation_config stops there)
+        for name in ("<end_of_turn>",) if architecture != "gemma4" else GEMMA4_STOPS:
+            turn_end = backend.token_to_id(name)
+            if turn_end is not None:
+                eos_ids.append(turn_end)
     tokenizer_config: dict[str, Any] = {
         "tokenizer_class": tokenizer_class,
         "bos_token": bos,
