@@ -155,7 +155,11 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_llama_gguf(
-    path: Path, quantize_ffn: bool = True, arch: str = "llama", ffn_type: str = "Q8_0"
+    path: Path,
+    quantize_ffn: bool = True,
+    arch: str = "llama",
+    ffn_type: str = "Q8_0",
+    inter_override: int | None = None,
 ) -> dict:
     tokens, scores, types = tiny_vocab()
     weights = hf_tiny_weights(len(tokens))
@@ -164,7 +168,7 @@ def write_tiny_llama_gguf(
     writer.add_context_length(256)
     writer.add_embedding_length(TINY["hidden"])
     writer.add_block_count(TINY["layers"])
-    writer.add_feed_forward_length(TINY["inter"])
+    writer.add_feed_forward_length(inter_override or TINY["inter"])
     writer.add_head_count(TINY["heads"])
     writer.add_head_count_kv(TINY["kv_heads"])
     writer.add_rope_dimension_count(TINY["hidden"] // TINY["heads"])
@@ -325,6 +329,48 @@ def test_tiny_llama_q4_0_and_q4_1_stay_int4(tmp_path: Path, cache: Path, ffn_typ
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_kept_quantized_load_writes_no_dequantized_copy(tmp_path: Path, cache: Path) -> None:
+    """A GGUF kept quantized (``--quantize auto``) reads every tensor from the file: its cache
+    directory holds the config and tokenizer only (for 31B, the dequantized copy was 62 GB of
+    bf16). `info` needs no weights either. A float load (``--quantize none``) converts as before,
+    and a later kept-quantized load reuses that directory."""
+    from worker.info import describe
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(path, ffn_type="Q4_0")
+
+    def weight_files() -> list[str]:
+        return sorted(p.name for p in cache.glob("*/*.safetensors"))
+
+    described = describe(str(path), 64, torch.float32, progress=False)
+    assert described["parameters"] > 0 and described["quantize"] == "auto"
+    assert weight_files() == []
+    kept = load_model(path, "cpu", torch.float32, progress=False, quantize=QuantizeOptions("auto"))
+    assert weight_files() == []
+    (meta_dir,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert meta_dir.name.endswith("-meta")
+    assert {"config.json", "tokenizer.json", "gguf_source.json"} <= {
+        p.name for p in meta_dir.iterdir()
+    }
+    assert json.loads((meta_dir / "gguf_source.json").read_text())["weights"] is False
+    assert kept.meta["checkpoint_dir"] == str(meta_dir)
+
+    floats = load_model(
+        path, "cpu", torch.float32, progress=False, quantize=QuantizeOptions("none")
+    )
+    assert weight_files() == ["model.safetensors"]
+    again = load_model(path, "cpu", torch.float32, progress=False, quantize=QuantizeOptions("auto"))
+    assert again.meta["checkpoint_dir"] == floats.meta["checkpoint_dir"] != str(meta_dir)
+
+    # a tensor whose shape disagrees with the header's config fails before any weight is read
+    bad = tmp_path / "bad.gguf"
+    write_tiny_llama_gguf(bad, ffn_type="Q4_0", inter_override=96)
+    with pytest.raises(ModelLoadError, match="config does not match the weights"):
+        load_model(bad, "cpu", torch.float32, progress=False, quantize=QuantizeOptions("auto"))
+
+
 def test_cache_is_reused_and_keyed_by_identity(tiny_gguf, cache: Path) -> None:
     path, _ = tiny_gguf
     first = convert_gguf(path, progress=False)
@@ -346,7 +392,9 @@ def test_cache_is_reused_and_keyed_by_identity(tiny_gguf, cache: Path) -> None:
 def test_failed_conversion_leaves_no_cache_directory(tmp_path: Path, cache: Path) -> None:
     path = tmp_path / "tiny-other.gguf"
     write_tiny_llama_gguf(path, arch="mamba")
-    with pytest.raises(ModelLoadError, match="'mamba' is not supported; supported: gemma3, gemma4, llama"):
+    with pytest.raises(
+        ModelLoadError, match="'mamba' is not supported; supported: gemma3, gemma4, llama"
+    ):
         convert_gguf(path, progress=False)
     assert not any(p.is_dir() for p in cache.iterdir())
 

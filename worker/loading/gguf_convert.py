@@ -81,10 +81,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cached_dir_for(path: Path, dtype: torch.dtype, root: Path | None = None) -> Path:
-    """The cache directory this GGUF file converts to (it may not exist yet)."""
+def cached_dir_for(
+    path: Path, dtype: torch.dtype, root: Path | None = None, weights: bool = True
+) -> Path:
+    """The cache directory this GGUF file converts to (it may not exist yet): with the weights
+    dequantized into `dtype`, or (``weights=False``) its config and tokenizer only."""
     root = cache_root() if root is None else root
-    return root / f"{path.stem}-{gguf_identity_key(path)}-{dtype_name(dtype)}"
+    suffix = dtype_name(dtype) if weights else "meta"
+    return root / f"{path.stem}-{gguf_identity_key(path)}-{suffix}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -614,16 +618,17 @@ def write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def convert_into(gguf_path: Path, out_dir: Path, dtype: torch.dtype, progress: bool) -> None:
-    """Convert `gguf_path` into `out_dir` (an empty directory)."""
+def convert_into(
+    gguf_path: Path, out_dir: Path, dtype: torch.dtype, progress: bool, weights: bool = True
+) -> None:
+    """Convert `gguf_path` into `out_dir` (an empty directory); without `weights`, only its
+    config, tokenizer and source (what a load that reads the tensors from the GGUF needs)."""
     from worker.loading.tokenizer import build_gguf_tokenizer, write_token_bytes_sidecar
 
     if progress:
-        print(
-            f"reading {gguf_path} (first use: converting it once into {out_dir.parent})",
-            file=sys.stderr,
-            flush=True,
-        )
+        what = "converting it once" if weights else "reading its config and tokenizer once"
+        print(f"reading {gguf_path} (first use: {what} into {out_dir.parent})",
+              file=sys.stderr, flush=True)  # fmt: skip
     reader = open_reader(gguf_path)
     meta = metadata(reader)
     arch = str(meta.get("general.architecture", ""))
@@ -646,6 +651,9 @@ def convert_into(gguf_path: Path, out_dir: Path, dtype: torch.dtype, progress: b
         for t in reader.tensors
         if (name := hf_tensor_name(arch, t.name)) is not None
     ]
+    if not weights:
+        config.pop("torch_dtype", None)  # no weights here: they stay in the GGUF
+        planned = []
     shards = plan_shards(planned, MAX_SHARD_BYTES)
     bar = Progress(f"converting {gguf_path.name}", len(planned) + 1, progress)
 
@@ -693,7 +701,8 @@ def convert_into(gguf_path: Path, out_dir: Path, dtype: torch.dtype, progress: b
             "name": meta.get("general.name"),
             "file_type": meta.get("general.file_type"),
             "converter_version": CONVERTER_VERSION,
-            "dtype": dtype_name(dtype),
+            "dtype": dtype_name(dtype) if weights else None,
+            "weights": weights,
         },
     )
     bar.close()
@@ -715,15 +724,21 @@ def convert_gguf(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     root: Path | None = None,
+    weights: bool = True,
 ) -> Path:
     """The cached HF-layout directory of a GGUF file, converting it on first use.
 
+    Without `weights` the directory holds the config and tokenizer only (seconds, a few MB):
+    enough for a load that reads every tensor from the GGUF itself (``--quantize auto``) and for
+    `info`. A directory with the weights in `dtype`, made earlier, serves such a call too.
     Thread/process safe: concurrent callers wait on a lock and reuse one conversion.
     """
     path = Path(gguf_path).expanduser()
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
-    target = cached_dir_for(path, dtype, root)
+    if not weights and cached_dir_for(path, dtype, root).is_dir():
+        return cached_dir_for(path, dtype, root)
+    target = cached_dir_for(path, dtype, root, weights)
     if target.is_dir():
         return target
     with file_lock(target.parent / f".{target.name}.lock"):
@@ -732,7 +747,7 @@ def convert_gguf(
         scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         os.chmod(scratch, 0o755)
         try:
-            convert_into(path, scratch, dtype, progress)
+            convert_into(path, scratch, dtype, progress, weights)
             try:
                 os.rename(scratch, target)
             except OSError:

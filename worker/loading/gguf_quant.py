@@ -17,6 +17,7 @@ load plans its layers (and rejects a tensor type it cannot read) before any weig
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import sys
@@ -158,8 +159,20 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 def read_index(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     """(scalar metadata, tensors) from a GGUF header. Arrays are skipped (their lengths kept as
     ``range`` objects): the ``gguf`` reader parses all 262k vocabulary strings (~8 s) where this
-    needs ~0.2 s."""
+    needs ~0.2 s. A load asks several times; the file is parsed once while it is unchanged.
+    Callers must not modify what it returns."""
+    stat = Path(path).stat()
+    return _read_index(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_index(
+    path_name: str, size: int, mtime_ns: int
+) -> tuple[dict[str, Any], list[TensorInfo]]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    del size, mtime_ns  # the cache key: a changed file is parsed again
+    path = Path(path_name)
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
     view = memoryview(data)  # type: ignore[arg-type]
@@ -227,6 +240,31 @@ def read_index(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
         if start + offset + nbytes > len(data):
             raise ModelLoadError(f"{path}: truncated GGUF file: tensor {name!r} ends past the end")
     return meta, tensors
+
+
+@dataclass(frozen=True)
+class GgufTensorEntry:
+    """Where one tensor lies in a GGUF file, shaped like a safetensors entry (HF-order shape,
+    ``end - begin`` its stored bytes) for the loader's shape check and byte count."""
+
+    file: Path
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def gguf_tensor_entries(path: Path) -> dict[str, GgufTensorEntry]:
+    """HF name -> where its tensor lies in the GGUF (from the header only)."""
+    meta, tensors = read_index(path)
+    arch = str(meta.get("general.architecture", ""))
+    entries = {}
+    for info in tensors:
+        name = hf_tensor_name(arch, info.name)
+        if name is not None:
+            entries[name] = GgufTensorEntry(
+                path, info.shape, info.offset, info.offset + info.nbytes
+            )
+    return entries
 
 
 def _raw(path: Path, info: TensorInfo) -> np.ndarray:

@@ -47,9 +47,14 @@ def cache_dtype_for(dtype: torch.dtype) -> torch.dtype:
 
 
 def resolve_checkpoint_dir(
-    path: str | os.PathLike[str] | None, dtype: torch.dtype = torch.float32, progress: bool = True
+    path: str | os.PathLike[str] | None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    gguf_weights: bool = True,
 ) -> tuple[Path, Path | None]:
-    """(HF checkpoint directory, the GGUF file it came from or None) for a `--model` value."""
+    """(HF checkpoint directory, the GGUF file it came from or None) for a `--model` value.
+    A GGUF's directory holds its weights dequantized only with `gguf_weights`; a load that
+    reads them from the GGUF itself (kept quantized) needs its config and tokenizer alone."""
     if path is None:
         from worker.loading.default_model import default_model_path
 
@@ -62,7 +67,10 @@ def resolve_checkpoint_dir(
     if source.suffix.lower() == ".gguf" or (source.is_file() and _is_gguf(source)):
         if not source.is_file():
             raise ModelLoadError(f"GGUF file {source} does not exist")
-        return convert_gguf(source, cache_dtype_for(dtype), progress=progress), source
+        directory = convert_gguf(
+            source, cache_dtype_for(dtype), progress=progress, weights=gguf_weights
+        )
+        return directory, source
     return source, None
 
 
@@ -80,13 +88,18 @@ def open_model_files(
     require_weights: bool = True,
     tokenizer_path: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    gguf_weights: bool | None = None,
 ) -> tuple[Checkpoint, Any, Tokenizer, Path | None]:
-    """Everything but the weights: (checkpoint, ModelConfig, Tokenizer, GGUF source or None)."""
+    """Everything but the weights: (checkpoint, ModelConfig, Tokenizer, GGUF source or None).
+    A GGUF is dequantized into the cache only when `gguf_weights` (default: `require_weights`)."""
     from worker.models.config import ModelConfig
     from worker.models.registry import SUPPORTED_ARCHITECTURES
 
-    directory, gguf_source = resolve_checkpoint_dir(path, dtype, progress)
-    checkpoint = open_checkpoint(directory, require_weights=require_weights)
+    gguf_weights = require_weights if gguf_weights is None else gguf_weights
+    directory, gguf_source = resolve_checkpoint_dir(path, dtype, progress, gguf_weights)
+    checkpoint = open_checkpoint(
+        directory, require_weights=require_weights and (gguf_source is None or gguf_weights)
+    )
     try:
         config = ModelConfig.from_hf(checkpoint.config)
     except (ValueError, KeyError, TypeError) as exc:
@@ -123,12 +136,13 @@ def open_model_files(
     return checkpoint, config, tokenizer, gguf_source
 
 
-def check_shapes(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
-    """Fail before reading any weight if a tensor's shape disagrees with the config."""
+def check_shapes(tensors: dict[str, Any], model: torch.nn.Module) -> None:
+    """Fail before reading any weight if a tensor's shape disagrees with the config
+    (`tensors`: HF name -> an entry with `.shape` and `.file`)."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
-    for name, entry in checkpoint.text_tensors().items():
+    for name, entry in tensors.items():
         shape = expected.get(name)
-        if shape is not None and shape != entry.shape:
+        if shape is not None and shape != tuple(entry.shape):
             raise ModelLoadError(
                 f"config does not match the weights: tensor {name!r} has shape "
                 f"{list(entry.shape)} in {entry.file.name} but config.json implies {list(shape)}"
@@ -186,12 +200,16 @@ def load_model(
 
     started = time.monotonic()
     phases: dict[str, float] = {}
+    # a GGUF kept quantized (`--quantize auto`) is read tensor by tensor from the file itself:
+    # its cache directory then holds no dequantized copy (62 GB for 31B in bf16)
+    kept = quantize is not None and getattr(quantize, "mode", None) == "auto"
     checkpoint, config, tokenizer, gguf_source = open_model_files(
         path,
         dtype,
         require_weights=not random_weights,
         tokenizer_path=tokenizer_path,
         progress=progress,
+        gguf_weights=not random_weights and not kept,
     )
     device = torch.device(device)
     if shard is not None:
@@ -200,8 +218,13 @@ def load_model(
     # on the meta device first: the quantized modules go in before any storage is given, so
     # a planned weight never has a float copy on the device (a 31B model into 24 GB)
     model = build_model(config if shard is None else shard.config(), "meta", dtype)
+    stored_tensors = checkpoint.text_tensors()
+    if gguf_source is not None and not random_weights and not stored_tensors:
+        from worker.loading.gguf_quant import gguf_tensor_entries
+
+        stored_tensors = gguf_tensor_entries(gguf_source)
     if not random_weights and shard is None:
-        check_shapes(checkpoint, model)
+        check_shapes(stored_tensors, model)
     # `quantize` (a QuantizeOptions): quantized layers planned and installed here, before
     # any weight is read; a GGUF kept quantized is its own tensor source
     quantized = begin_load(model, quantize, None if random_weights else gguf_source, device, dtype)
@@ -232,8 +255,8 @@ def load_model(
             pairs = checkpoint.iter_tensors(device=device, dtype=dtype, targets=targets)
         if shard is not None:
             pairs = shard.tensors(pairs, device)
-        total = len(checkpoint.text_tensors())
-        label = f"loading {checkpoint.path.name}"
+        total = len(stored_tensors)
+        label = f"loading {(gguf_source or checkpoint.path).name}"
         try:
             model.load_weights(_with_progress(pairs, total, label, progress and total > 0))
         except ValueError as exc:
@@ -272,7 +295,7 @@ def load_model(
         "load_phases": {name: round(seconds, 3) for name, seconds in phases.items()},
     }
     if progress and not random_weights:
-        stored = sum(e.end - e.begin for e in checkpoint.text_tensors().values())
+        stored = sum(e.end - e.begin for e in stored_tensors.values())
         rate = stored / max(weights_seconds, 1e-9) / 1e9
         print(
             f"read {stored / 1e9:.2f} GB of weights in {weights_seconds:.1f}s ({rate:.2f} GB/s)",
