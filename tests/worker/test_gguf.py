@@ -329,11 +329,11 @@ def test_tiny_llama_q4_0_and_q4_1_stay_int4(tmp_path: Path, cache: Path, ffn_typ
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_kept_quantized_load_writes_no_dequantized_copy(tmp_path: Path, cache: Path) -> None:
-    """A GGUF kept quantized (``--quantize auto``) reads every tensor from the file: its cache
-    directory holds the config and tokenizer only (for 31B, the dequantized copy was 62 GB of
-    bf16). `info` needs no weights either. A float load (``--quantize none``) converts as before,
-    and a later kept-quantized load reuses that directory."""
+def test_loads_write_no_dequantized_copy(tmp_path: Path, cache: Path) -> None:
+    """A GGUF's tensors are read from the file itself, whether kept quantized (``--quantize
+    auto``) or dequantized as they stream (``none``, ``int8``, ``int4``): its cache directory
+    holds the config and tokenizer only (for 31B, the dequantized copy was 62 GB of bf16), and
+    `info` needs no weights either."""
     from worker.info import describe
     from worker.loading.loader import load_model
     from worker.loading.quantize import QuantizeOptions
@@ -347,22 +347,17 @@ def test_kept_quantized_load_writes_no_dequantized_copy(tmp_path: Path, cache: P
     described = describe(str(path), 64, torch.float32, progress=False)
     assert described["parameters"] > 0 and described["quantize"] == "auto"
     assert weight_files() == []
-    kept = load_model(path, "cpu", torch.float32, progress=False, quantize=QuantizeOptions("auto"))
-    assert weight_files() == []
     (meta_dir,) = [p for p in cache.iterdir() if p.is_dir()]
     assert meta_dir.name.endswith("-meta")
-    assert {"config.json", "tokenizer.json", "gguf_source.json"} <= {
-        p.name for p in meta_dir.iterdir()
-    }
+    names = {p.name for p in meta_dir.iterdir()}
+    assert {"config.json", "tokenizer.json", "gguf_source.json"} <= names
     assert json.loads((meta_dir / "gguf_source.json").read_text())["weights"] is False
-    assert kept.meta["checkpoint_dir"] == str(meta_dir)
-
-    floats = load_model(
-        path, "cpu", torch.float32, progress=False, quantize=QuantizeOptions("none")
-    )
-    assert weight_files() == ["model.safetensors"]
-    again = load_model(path, "cpu", torch.float32, progress=False, quantize=QuantizeOptions("auto"))
-    assert again.meta["checkpoint_dir"] == floats.meta["checkpoint_dir"] != str(meta_dir)
+    for mode in ("auto", "none", "int8", "int4"):
+        loaded = load_model(path, "cpu", torch.float32, progress=False,
+                            quantize=QuantizeOptions(mode))  # fmt: skip
+        assert loaded.meta["checkpoint_dir"] == str(meta_dir), mode
+    assert weight_files() == []
+    assert [p for p in cache.iterdir() if p.is_dir()] == [meta_dir]
 
     # a tensor whose shape disagrees with the header's config fails before any weight is read
     bad = tmp_path / "bad.gguf"

@@ -308,10 +308,11 @@ def _float_values(path: Path, info: TensorInfo) -> np.ndarray:
 
 
 def iter_gguf_tensors(
-    path: Path, dtype: torch.dtype, keep: dict[str, QuantFormat | None]
+    path: Path, dtype: torch.dtype, keep: dict[str, QuantFormat | None], warn: bool = True
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(HF name, value) of every tensor: a QuantizedWeight where ``keep`` names a format, else
-    a float tensor in ``dtype`` (types not kept are dequantized, with one warning naming them)."""
+    a float tensor in ``dtype`` (with ``warn``, types not kept are named in one warning each:
+    a load that asked to keep the file quantized could not)."""
     meta, tensors = read_index(path)
     arch = str(meta.get("general.architecture", ""))
     config = {
@@ -340,7 +341,7 @@ def iter_gguf_tensors(
                 f"{path}: cannot read GGUF tensor {info.name!r} ({info.type_name}): {exc}"
             ) from exc
         yield name, torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
-    for type_name, names in dequantized_types.items():
+    for type_name, names in dequantized_types.items() if warn else ():
         more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
         print(
             f"warning: {path.name}: GGUF type {type_name} is not kept quantized; dequantized "

@@ -200,16 +200,16 @@ def load_model(
 
     started = time.monotonic()
     phases: dict[str, float] = {}
-    # a GGUF kept quantized (`--quantize auto`) is read tensor by tensor from the file itself:
-    # its cache directory then holds no dequantized copy (62 GB for 31B in bf16)
-    kept = quantize is not None and getattr(quantize, "mode", None) == "auto"
+    # a GGUF's tensors are read from the file itself, kept quantized or dequantized on the host
+    # as they stream: its cache directory holds the config and tokenizer only, never a
+    # dequantized copy (62 GB for 31B in bf16)
     checkpoint, config, tokenizer, gguf_source = open_model_files(
         path,
         dtype,
         require_weights=not random_weights,
         tokenizer_path=tokenizer_path,
         progress=progress,
-        gguf_weights=not random_weights and not kept,
+        gguf_weights=False,
     )
     device = torch.device(device)
     if shard is not None:
@@ -218,8 +218,8 @@ def load_model(
     # on the meta device first: the quantized modules go in before any storage is given, so
     # a planned weight never has a float copy on the device (a 31B model into 24 GB)
     model = build_model(config if shard is None else shard.config(), "meta", dtype)
-    stored_tensors = checkpoint.text_tensors()
-    if gguf_source is not None and not random_weights and not stored_tensors:
+    stored_tensors: dict[str, Any] = checkpoint.text_tensors()
+    if gguf_source is not None and not random_weights:
         from worker.loading.gguf_quant import gguf_tensor_entries
 
         stored_tensors = gguf_tensor_entries(gguf_source)
@@ -242,6 +242,10 @@ def load_model(
         pairs: Iterable[tuple[str, Any]]
         if quantized is not None and quantized.pairs is not None:
             pairs = quantized.pairs
+        elif gguf_source is not None:  # read as floats (`--quantize none|int8|int4`)
+            from worker.loading.gguf_quant import iter_gguf_tensors
+
+            pairs = iter_gguf_tensors(gguf_source, dtype, {}, warn=False)
         elif shard is not None:  # whole tensors read on the host, the rank's slice moved
             pairs = checkpoint.iter_tensors(dtype=dtype, targets=targets)
         elif device.type == "cuda":
