@@ -39,7 +39,7 @@ def _load_tokenizer() -> object:
     from worker.loading.gguf_convert import convert_gguf
     from worker.loading.tokenizer import Tokenizer
 
-    directory = convert_gguf(default_model_path(), torch.float32, progress=False)
+    directory = convert_gguf(default_model_path(), torch.float32, progress=False, weights=False)
     return Tokenizer.from_file(directory / "tokenizer.json")
 
 

@@ -308,7 +308,9 @@ def main(
         "new_tokens": len(turn_ids),
     }
     for dtype_name in dtypes:
-        checkpoint_dir, _ = resolve_checkpoint_dir(None, getattr(torch, dtype_name), False)
+        checkpoint_dir, _ = resolve_checkpoint_dir(
+            None, getattr(torch, dtype_name), False, gguf_weights=True
+        )  # transformers reads the weights from it
         dtype_bytes = torch.empty(0, dtype=getattr(torch, dtype_name)).element_size()
         weight_bytes = weight_bytes_per_token(checkpoint_dir, dtype_bytes)
         argv = [

@@ -140,26 +140,41 @@ class QuantExperts(nn.Module):
             self._store(matrix, slice(first, last), slice(0, n), value[first:last])
 
     @torch.no_grad()
-    def load_rows(self, matrix: str, expert: int, first_row: int, value: torch.Tensor) -> None:
-        """Rows [first_row, first_row + R) of one expert's matrix from a float [R, K]."""
+    def load_rows(
+        self, matrix: str, expert: int, first_row: int, value: torch.Tensor | QuantizedWeight
+    ) -> None:
+        """Rows [first_row, first_row + R) of one expert's matrix from a float [R, K], or from
+        a QuantizedWeight (a GGUF's blocks, repacked): stored as it is when it has this
+        matrix's format, else dequantized and quantized again."""
         n, k = self.shapes[matrix]
         rows = value.shape[0]
-        if value.dim() != 2 or value.shape[1] != k or first_row + rows > n:
+        if len(value.shape) != 2 or value.shape[1] != k or first_row + rows > n:
             raise ValueError(
                 f"tensor {self.name}.{expert}.{matrix!r}: shape {tuple(value.shape)} does not "
                 f"fit rows {first_row}..{first_row + rows} of [{n}, {k}]"
             )
-        self._store(matrix, slice(expert, expert + 1), slice(first_row, first_row + rows),
-                    value.unsqueeze(0), search=True)  # fmt: skip
+        experts, lines = slice(expert, expert + 1), slice(first_row, first_row + rows)
+        if isinstance(value, QuantizedWeight):
+            if value.format == self.format(matrix):
+                self._write(matrix, experts, lines, value.to(self.matrix(matrix).words.device))
+                return
+            value = value.dequantize()
+        self._store(matrix, experts, lines, value.unsqueeze(0), search=True)
 
     def _store(
         self, matrix: str, experts: slice, rows: slice, value: torch.Tensor, search: bool = True
     ) -> None:
         """value float [e, r, K] -> the stores of experts ``experts``, rows ``rows``."""
+        e, r, k = value.shape
+        value = value.to(self.matrix(matrix).words.device)
+        self._write(matrix, experts, rows, quantize(value.reshape(e * r, k), self.format(matrix),
+                                                    search=search))  # fmt: skip
+
+    def _write(self, matrix: str, experts: slice, rows: slice, qw: QuantizedWeight) -> None:
+        """A QuantizedWeight [e * r, K] in this matrix's format -> experts ``experts``, rows
+        ``rows`` of the stores."""
         store = self.matrix(matrix)
-        count, (e, r, k) = experts.stop - experts.start, value.shape
-        value = value.to(store.words.device)
-        qw = quantize(value.reshape(e * r, k), self.format(matrix), search=search)
+        count, r = experts.stop - experts.start, rows.stop - rows.start
         words = kmajor_words(qw).view(count, r, -1)  # [e, r, K / P]
         store.words[experts, :, rows] = words.transpose(1, 2)
         store.scales[experts, :, rows] = qw.scales.view(count, r, -1).transpose(1, 2)

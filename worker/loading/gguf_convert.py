@@ -44,7 +44,7 @@ from worker.loading.checkpoint import TORCH_TO_SAFETENSORS, ModelLoadError
 CONVERTER_VERSION = 3
 HEADER_HASH_BYTES = 16 * 1024 * 1024
 MAX_SHARD_BYTES = 4 * 1024**3
-SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "gemma4", "llama")
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "gemma4", "llama", "qwen35moe")
 
 # GGUF token types (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
@@ -110,7 +110,7 @@ class Progress:
         if self.enabled and (now - self.last_draw > 0.2 or self.done >= self.total):
             self.last_draw = now
             width = 30
-            filled = width * self.done // self.total
+            filled = min(width, width * self.done // self.total)
             bar = "#" * filled + "-" * (width - filled)
             sys.stderr.write(
                 f"\r{self.label} [{bar}] {self.done}/{self.total} {now - self.started:5.1f}s"
@@ -380,6 +380,71 @@ def gemma4_config(
     return config
 
 
+def text_layers(meta: dict[str, Any], arch: str) -> int | None:
+    """The text model's layer count: llama.cpp appends multi-token-prediction blocks after it
+    (``nextn_predict_layers`` of them), which the model does not use."""
+    blocks = meta.get(f"{arch}.block_count")
+    if blocks is None:
+        return None
+    return int(blocks) - int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
+
+
+def qwen35moe_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """Qwen3_5MoeForCausalLM's config.json for a qwen35moe GGUF (text stack only), as llama.cpp's
+    converter writes one: the Gated DeltaNet sizes under ``ssm.*`` (group count = key heads,
+    time-step rank = value heads, state size = key head size, inner size = value heads x value
+    head size), the full-attention layers those with an ``attn_q`` tensor, the rotary share as
+    ``rope.dimension_count`` / head size, MTP blocks after the text layers."""
+    arch = "qwen35moe"
+    layers = text_layers(meta, arch)
+    if layers is None:
+        raise ModelLoadError(f"GGUF file lacks the metadata key '{arch}.block_count'")
+    heads = int(require(meta, f"{arch}.attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", 256))
+    value_heads = int(require(meta, f"{arch}.ssm.time_step_rank"))
+    inner = int(require(meta, f"{arch}.ssm.inner_size"))
+    rotated = int(meta.get(f"{arch}.rope.dimension_count", head_dim // 4))
+    layer_types = [
+        "full_attention" if f"blk.{i}.attn_q.weight" in tensor_names else "linear_attention"
+        for i in range(layers)
+    ]
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": vocab_size_of(meta, arch),
+        "hidden_size": int(require(meta, f"{arch}.embedding_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "layer_types": layer_types,
+        "linear_conv_kernel_dim": int(require(meta, f"{arch}.ssm.conv_kernel")),
+        "linear_key_head_dim": int(require(meta, f"{arch}.ssm.state_size")),
+        "linear_num_key_heads": int(require(meta, f"{arch}.ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": inner // value_heads,
+        "num_experts": int(require(meta, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(require(meta, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(require(meta, f"{arch}.expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(
+            require(meta, f"{arch}.expert_shared_feed_forward_length")
+        ),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 262_144)),
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10_000_000.0)),
+            "partial_rotary_factor": rotated / head_dim,
+        },
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": False,
+        "use_cache": True,
+    }
+    config.update(special_ids(meta))
+    return config
+
+
 def llama_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     """LlamaForCausalLM's config.json for a llama GGUF."""
     arch = "llama"
@@ -425,6 +490,7 @@ CONFIG_BUILDERS: dict[
     "gemma3": lambda meta, names, _: gemma3_config(meta, names),
     "gemma4": gemma4_config,
     "llama": lambda meta, names, _: llama_config(meta, names),
+    "qwen35moe": lambda meta, names, _: qwen35moe_config(meta, names),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -457,22 +523,54 @@ BLOCK_NAMES = {
     "llama": {**BLOCK_NAMES_COMMON, "ffn_norm": "post_attention_layernorm"},
     "gemma3": GEMMA_SANDWICH_NAMES,
     "gemma4": GEMMA_SANDWICH_NAMES,
+    "qwen35moe": {
+        **BLOCK_NAMES_COMMON,
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_alpha": "linear_attn.in_proj_a",
+        "ssm_out": "linear_attn.out_proj",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_conv1d": "linear_attn.conv1d",
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    },
 }
-# a block tensor whose HF counterpart is a bare buffer, not a module's ".weight"
-BLOCK_BUFFERS = {"gemma4": {"layer_output_scale": "layer_scalar"}}
+# a block tensor whose HF counterpart is a bare parameter or buffer, not a module's ".weight".
+# qwen35moe's ffn_gate_exps / ffn_up_exps ([E, I, H] each) are the halves of the fused
+# gate_up_proj; they are handed on one expert at a time (`expert_pieces`).
+BLOCK_BUFFERS = {
+    "gemma4": {"layer_output_scale": "layer_scalar"},
+    "qwen35moe": {
+        "ssm_a": "linear_attn.A_log",
+        "ssm_dt": "linear_attn.dt_bias",
+        "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+        "ffn_down_exps": "mlp.experts.down_proj",
+        "ffn_gate_exps": "mlp.experts.gate_proj",
+        "ffn_up_exps": "mlp.experts.up_proj",
+    },
+}
 SKIPPED_TENSORS = ("rope_freqs.weight",)  # llama 3 RoPE factors: not an HF parameter
 
 
-def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor, or None when it has no HF counterpart."""
+def hf_tensor_name(arch: str, gguf_name: str, layers: int | None = None) -> str | None:
+    """The HF parameter name of a GGUF tensor, or None when it has no HF counterpart (blocks
+    from `layers` on are llama.cpp's multi-token-prediction head: skipped)."""
     if gguf_name in SKIPPED_TENSORS:
         return None
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+    is_block = len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit()
+    if is_block and layers is not None and int(parts[1]) >= layers:
+        return None
+    if is_block and len(parts) in (3, 4):
         buffer = BLOCK_BUFFERS.get(arch, {}).get(parts[2])
-        if buffer is not None and parts[3] == "weight":
+        if buffer is not None and (len(parts) == 3 or parts[3] in ("weight", "bias")):
             return f"model.layers.{parts[1]}.{buffer}"
         target = BLOCK_NAMES[arch].get(parts[2])
         if target is not None:
@@ -491,10 +589,102 @@ def unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(weight.shape)
 
 
+def untile_v_heads(values: np.ndarray, axis: int, config: dict[str, Any], head_dim: int) -> Any:
+    """Undo llama.cpp's order of Gated DeltaNet value heads along `axis`: it stores them tiled
+    over the key heads ([per key head][key head][head_dim]); HF groups them by key head
+    ([key head][per key head][head_dim]). A no-op when there are as many of each."""
+    keys, per_key = config["linear_num_key_heads"], config["linear_per_key"]
+    if per_key == 1:
+        return values
+    moved = np.moveaxis(values, axis, 0)
+    rest = moved.shape[1:]
+    grouped = moved.reshape(per_key, keys, head_dim, *rest).swapaxes(0, 1)
+    return np.moveaxis(grouped.reshape(-1, *rest), 0, axis)
+
+
+def qwen35_row_order(gguf_name: str, rows: int, config: dict[str, Any]) -> np.ndarray | None:
+    """The HF order of a qwen35moe matrix's rows (indices into the GGUF's), or None when
+    llama.cpp kept them in HF order."""
+    parts = gguf_name.split(".")
+    kind = parts[2] if len(parts) > 2 and parts[0] == "blk" else ""
+    value_dim = config["linear_value_head_dim"]
+    if kind == "attn_qkv":  # q and k rows, then the value heads
+        qk = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
+        v = untile_v_heads(np.arange(qk, rows), 0, config, value_dim)
+        return np.concatenate([np.arange(qk), v])
+    if kind == "attn_gate":
+        return untile_v_heads(np.arange(rows), 0, config, value_dim)
+    if kind in ("ssm_alpha", "ssm_beta"):
+        return untile_v_heads(np.arange(rows), 0, config, 1)
+    return None
+
+
+def qwen35_values(gguf_name: str, values: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's qwen35moe changes undone: norms stored as 1 + w (except the DeltaNet
+    output norm), ssm_a = -exp(A_log), conv1d squeezed to [C, K], value heads tiled."""
+    kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else gguf_name
+    if gguf_name.endswith("norm.weight") and kind != "ssm_norm":
+        return values - np.float32(1.0)
+    if kind == "ssm_a":
+        return np.log(-untile_v_heads(values, 0, config, 1))
+    if kind == "ssm_dt":
+        return untile_v_heads(values, 0, config, 1)
+    if kind == "ssm_conv1d":  # [C, K]: q and k channels, then the value heads'
+        qk = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
+        v = untile_v_heads(values[qk:], 0, config, config["linear_value_head_dim"])
+        return np.concatenate([values[:qk], v])[:, None, :]
+    if kind == "ssm_out":  # columns: the value heads
+        return untile_v_heads(values, 1, config, config["linear_value_head_dim"])
+    order = qwen35_row_order(gguf_name, values.shape[0], config) if values.ndim == 2 else None
+    return values if order is None else values[order]
+
+
+def gguf_layout(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The sizes the value changes need, from the GGUF's metadata."""
+    heads = meta.get(f"{arch}.attention.head_count")
+    layout: dict[str, Any] = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+    }
+    if arch == "qwen35moe":
+        keys = int(require(meta, f"{arch}.ssm.group_count"))
+        values = int(require(meta, f"{arch}.ssm.time_step_rank"))
+        layout.update(
+            linear_num_key_heads=keys,
+            linear_per_key=values // keys,
+            linear_key_head_dim=int(require(meta, f"{arch}.ssm.state_size")),
+            linear_value_head_dim=int(require(meta, f"{arch}.ssm.inner_size")) // values,
+        )
+    return layout
+
+
+def expert_pieces(
+    name: str, values: Any, take: Callable[[int, int, int], Any] | None = None
+) -> Iterator[tuple[str, Any]]:
+    """A stacked-experts tensor (``mlp.experts.gate_proj`` / ``up_proj`` [E, I, H], the fused
+    ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) as the per-expert tensors the model's
+    loader takes, one expert's rows at a time; any other tensor as it is. ``take(expert,
+    first_row, end_row)`` cuts a piece (default: ``values[expert, first_row:end_row]``)."""
+    prefix, _, kind = name.rpartition(".")
+    if not prefix.endswith(".mlp.experts"):
+        yield name, values
+        return
+    count, rows = values.shape[0], values.shape[1]
+    cut = take or (lambda expert, first, end: values[expert, first:end])
+    for expert in range(count):
+        if kind == "gate_up_proj":
+            yield f"{prefix}.{expert}.gate_proj.weight", cut(expert, 0, rows // 2)
+            yield f"{prefix}.{expert}.up_proj.weight", cut(expert, rows // 2, rows)
+        else:
+            yield f"{prefix}.{expert}.{kind}.weight", cut(expert, 0, rows)
+
+
 def hf_tensor_values(
     arch: str, gguf_name: str, values: np.ndarray, config: dict[str, Any]
 ) -> np.ndarray:
     """Turn a dequantized GGUF tensor's values into the HF parameter's values."""
+    if arch == "qwen35moe":
+        return qwen35_values(gguf_name, values, config)
     if arch == "gemma3" and gguf_name.endswith("norm.weight"):
         return values - np.float32(1.0)  # llama.cpp stores Gemma 3's (1 + w); Gemma 4's is w
     if arch == "llama" and ".attn_q." in gguf_name and values.ndim >= 1:
@@ -590,8 +780,9 @@ def dequantized(tensor: Any) -> np.ndarray:
 def iter_hf_tensors(
     reader: Any, arch: str, config: dict[str, Any]
 ) -> Iterator[tuple[str, np.ndarray]]:
+    layers = int(config["num_hidden_layers"])
     for tensor in reader.tensors:
-        name = hf_tensor_name(arch, tensor.name)
+        name = hf_tensor_name(arch, tensor.name, layers)
         if name is None:
             continue
         try:
@@ -646,10 +837,14 @@ def convert_into(
     config = CONFIG_BUILDERS[arch](meta, set(by_name), small_tensor)
     config["torch_dtype"] = dtype_name(dtype)
 
+    if weights and arch == "qwen35moe":
+        raise ModelLoadError(
+            f"{gguf_path}: a qwen35moe GGUF is read in place; no dequantized copy is written"
+        )
     planned = [
         PlannedTensor(name, tuple(int(d) for d in reversed(t.shape.tolist())), dtype)
         for t in reader.tensors
-        if (name := hf_tensor_name(arch, t.name)) is not None
+        if (name := hf_tensor_name(arch, t.name, text_layers(meta, arch))) is not None
     ]
     if not weights:
         config.pop("torch_dtype", None)  # no weights here: they stay in the GGUF

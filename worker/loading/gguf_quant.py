@@ -31,7 +31,16 @@ import torch
 
 from worker.layers.quant import INT4, INT8, QuantFormat, QuantizedWeight, pack_nibbles
 from worker.loading.checkpoint import ModelLoadError
-from worker.loading.gguf_convert import hf_tensor_name, hf_tensor_values, unpermute_rows
+from worker.loading.gguf_convert import (
+    expert_pieces,
+    gguf_layout,
+    hf_tensor_name,
+    hf_tensor_values,
+    qwen35_row_order,
+    text_layers,
+    unpermute_rows,
+    untile_v_heads,
+)
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 KEPT_FORMATS = {
@@ -257,13 +266,15 @@ def gguf_tensor_entries(path: Path) -> dict[str, GgufTensorEntry]:
     """HF name -> where its tensor lies in the GGUF (from the header only)."""
     meta, tensors = read_index(path)
     arch = str(meta.get("general.architecture", ""))
+    layers = text_layers(meta, arch)
     entries = {}
     for info in tensors:
-        name = hf_tensor_name(arch, info.name)
+        name = hf_tensor_name(arch, info.name, layers)
         if name is not None:
-            entries[name] = GgufTensorEntry(
-                path, info.shape, info.offset, info.offset + info.nbytes
-            )
+            shape = info.shape
+            if arch == "qwen35moe" and ".ssm_conv1d." in info.name:
+                shape = (shape[0], 1, *shape[1:])  # llama.cpp squeezed [C, 1, K] to [C, K]
+            entries[name] = GgufTensorEntry(path, shape, info.offset, info.offset + info.nbytes)
     return entries
 
 
@@ -279,9 +290,10 @@ def gguf_formats(path: Path) -> dict[str, QuantFormat | None]:
 
     meta, tensors = read_index(path)
     arch = str(meta.get("general.architecture", ""))
+    layers = text_layers(meta, arch)
     formats: dict[str, QuantFormat | None] = {}
     for info in tensors:
-        name = hf_tensor_name(arch, info.name)
+        name = hf_tensor_name(arch, info.name, layers)
         if name is None:
             continue
         readable = info.type_name in FLOAT_TYPES or info.type_name in KEPT_FORMATS
@@ -290,9 +302,16 @@ def gguf_formats(path: Path) -> dict[str, QuantFormat | None]:
                 f"{path}: GGUF tensor {info.name!r} has type {info.type_name}, which this "
                 "version of the gguf package cannot read"
             )
-        keep = info.type_name in KEPT_FORMATS and len(info.shape) == 2
+        # stacked experts [E, N, K] are kept in the format their blocks repack to, by
+        # quantizing their dequantized values again (`plan_for_gguf`)
+        keep = info.type_name in KEPT_FORMATS and (len(info.shape) == 2 or is_experts(name))
         formats[name] = KEPT_FORMATS[info.type_name] if keep else None
     return formats
+
+
+def is_experts(name: str) -> bool:
+    """Whether an HF name is a stacked-experts tensor ("model.layers.3.mlp.experts.down_proj")."""
+    return name.rpartition(".")[0].endswith(".mlp.experts")
 
 
 def _float_values(path: Path, info: TensorInfo) -> np.ndarray:
@@ -315,23 +334,28 @@ def iter_gguf_tensors(
     a load that asked to keep the file quantized could not)."""
     meta, tensors = read_index(path)
     arch = str(meta.get("general.architecture", ""))
-    config = {
-        "num_attention_heads": meta.get(f"{arch}.attention.head_count"),
-        "num_key_value_heads": meta.get(
-            f"{arch}.attention.head_count_kv", meta.get(f"{arch}.attention.head_count")
-        ),
-    }
+    layers = text_layers(meta, arch)
+    config = gguf_layout(meta, arch)
     dequantized_types: dict[str, list[str]] = {}
     for info in tensors:
-        name = hf_tensor_name(arch, info.name)
+        name = hf_tensor_name(arch, info.name, layers)
         if name is None:
             continue
         try:
-            if keep.get(name) is not None:
+            if keep.get(name) is not None and len(info.shape) == 2:
                 qw = repack(info.type_name, _raw(path, info), (info.shape[0], info.shape[1]))
                 yield name, _hf_rows(arch, info.name, qw, config)
                 continue
-            if info.type_name not in FLOAT_TYPES:
+            if keep.get(name) is not None and len(info.shape) == 3:  # stacked experts
+                experts, rows, cols = info.shape
+                qw = repack(info.type_name, _raw(path, info), (experts * rows, cols))
+
+                def take(expert: int, first: int, end: int, qw: Any = qw, rows: int = rows) -> Any:
+                    return qw.rows(torch.arange(expert * rows + first, expert * rows + end))
+
+                yield from expert_pieces(name, torch.empty(info.shape, device="meta"), take)
+                continue
+            if info.type_name not in FLOAT_TYPES and keep.get(name) is None:
                 dequantized_types.setdefault(info.type_name, []).append(info.name)
             values = hf_tensor_values(arch, info.name, _float_values(path, info), config)
         except ModelLoadError:
@@ -340,7 +364,7 @@ def iter_gguf_tensors(
             raise ModelLoadError(
                 f"{path}: cannot read GGUF tensor {info.name!r} ({info.type_name}): {exc}"
             ) from exc
-        yield name, torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        yield from expert_pieces(name, torch.from_numpy(np.ascontiguousarray(values)).to(dtype))
     for type_name, names in dequantized_types.items() if warn else ():
         more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
         print(
@@ -351,7 +375,15 @@ def iter_gguf_tensors(
 
 
 def _hf_rows(arch: str, gguf_name: str, qw: QuantizedWeight, config: dict[str, Any]) -> Any:
-    """llama.cpp's Q/K row permutation undone on a quantized weight (rows move whole)."""
+    """llama.cpp's row (and qwen35moe's column) orders undone on a quantized weight: rows move
+    whole, columns in whole value heads (a multiple of the group)."""
+    if arch == "qwen35moe":
+        if ".ssm_out." in gguf_name:
+            return _value_head_columns(qw, config)
+        order = qwen35_row_order(gguf_name, qw.shape[0], config)
+        if order is None:
+            return qw
+        return qw.rows(torch.from_numpy(np.ascontiguousarray(order)))
     heads = None
     if arch == "llama" and ".attn_q." in gguf_name:
         heads = config["num_attention_heads"]
@@ -361,3 +393,28 @@ def _hf_rows(arch: str, gguf_name: str, qw: QuantizedWeight, config: dict[str, A
         return qw
     order = unpermute_rows(np.arange(qw.shape[0]), heads)
     return qw.rows(torch.from_numpy(np.ascontiguousarray(order)))
+
+
+def _value_head_columns(qw: QuantizedWeight, config: dict[str, Any]) -> QuantizedWeight:
+    """ssm_out [H, value heads x head size] with its columns' value heads back in HF order:
+    each head's columns move as a block, codes and their groups' scales and offsets alike."""
+    head = config["linear_value_head_dim"]
+    if config["linear_per_key"] == 1:
+        return qw
+    if head % qw.group_size or head % 2:
+        raise ModelLoadError(
+            f"ssm_out: value head size {head} is not a multiple of the group {qw.group_size}"
+        )
+    n, k = qw.shape
+    order = torch.from_numpy(
+        np.ascontiguousarray(untile_v_heads(np.arange(k // head), 0, config, 1))
+    )
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:
+        per = t.shape[1] // (k // head)
+        return t.reshape(n, k // head, per)[:, order].reshape(t.shape)
+
+    offsets = None if qw.offsets is None else blocks(qw.offsets)
+    return QuantizedWeight(
+        qw.kind, qw.shape, qw.group_size, blocks(qw.qdata), blocks(qw.scales), offsets
+    )

@@ -50,11 +50,12 @@ def resolve_checkpoint_dir(
     path: str | os.PathLike[str] | None,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
-    gguf_weights: bool = True,
+    gguf_weights: bool = False,
 ) -> tuple[Path, Path | None]:
     """(HF checkpoint directory, the GGUF file it came from or None) for a `--model` value.
-    A GGUF's directory holds its weights dequantized only with `gguf_weights`; a load that
-    reads them from the GGUF itself (kept quantized) needs its config and tokenizer alone."""
+    A GGUF's directory holds its config and tokenizer (loads read the tensors from the file
+    itself), and its weights dequantized only with `gguf_weights` (for tools that hand the
+    directory to transformers)."""
     if path is None:
         from worker.loading.default_model import default_model_path
 
@@ -88,14 +89,13 @@ def open_model_files(
     require_weights: bool = True,
     tokenizer_path: str | os.PathLike[str] | None = None,
     progress: bool = True,
-    gguf_weights: bool | None = None,
+    gguf_weights: bool = False,
 ) -> tuple[Checkpoint, Any, Tokenizer, Path | None]:
     """Everything but the weights: (checkpoint, ModelConfig, Tokenizer, GGUF source or None).
-    A GGUF is dequantized into the cache only when `gguf_weights` (default: `require_weights`)."""
+    A GGUF is dequantized into the cache only with `gguf_weights`."""
     from worker.models.config import ModelConfig
     from worker.models.registry import SUPPORTED_ARCHITECTURES
 
-    gguf_weights = require_weights if gguf_weights is None else gguf_weights
     directory, gguf_source = resolve_checkpoint_dir(path, dtype, progress, gguf_weights)
     checkpoint = open_checkpoint(
         directory, require_weights=require_weights and (gguf_source is None or gguf_weights)
@@ -209,7 +209,6 @@ def load_model(
         require_weights=not random_weights,
         tokenizer_path=tokenizer_path,
         progress=progress,
-        gguf_weights=False,
     )
     device = torch.device(device)
     if shard is not None:

@@ -170,12 +170,19 @@ def keeps_int8(name: str, layers: int) -> bool:
 
 def plan_for_gguf(path: Path) -> Plan:
     """auto on a GGUF file: the formats its tensors are kept in (header only)."""
-    from worker.loading.gguf_quant import gguf_formats
+    from worker.loading.gguf_quant import gguf_formats, is_experts
 
-    plan = {}
+    plan: Plan = {}
     for name, fmt in gguf_formats(path).items():
         if fmt is not None and name.endswith(".weight"):
             plan[name.removesuffix(".weight")] = fmt
+        elif fmt is not None and is_experts(name):
+            # one format for a layer's experts: int4 g32 if the file has any of them in 4 bits
+            # (Q4_K repacks to int4 g32, so requantizing its values finds them again), else
+            # int8 g32
+            experts = name.rpartition(".")[0]
+            kind = INT4 if INT4 in (fmt.kind, getattr(plan.get(experts), "kind", None)) else INT8
+            plan[experts] = QuantFormat(kind, 32)
     if EMBEDDING in plan and "lm_head.weight" not in gguf_formats(path):
         plan[HEAD] = plan[EMBEDDING]  # tied: the head shares the embedding's table
     return plan

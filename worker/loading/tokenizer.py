@@ -376,6 +376,10 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+QWEN35_SPLIT = (  # qwen2's, with combining marks (\p{M}) kept in their word
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 BYTE_LEVEL_SPLITS = {
     "llama3": LLAMA3_SPLIT,
     "llama-v3": LLAMA3_SPLIT,
@@ -383,6 +387,7 @@ BYTE_LEVEL_SPLITS = {
     "smaug-bpe": LLAMA3_SPLIT,
     "dbrx": LLAMA3_SPLIT,
     "qwen2": QWEN2_SPLIT,
+    "qwen35": QWEN35_SPLIT,
     "deepseek-r1-qwen": QWEN2_SPLIT,
 }
 

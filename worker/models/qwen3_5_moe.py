@@ -37,6 +37,7 @@ from worker.layers.gated_attention import GatedAttention
 from worker.layers.hybrid_cache import DEFAULT_SNAPSHOTS, HybridCache
 from worker.layers.kv import DEFAULT_RING_SLACK
 from worker.layers.moe import SparseMoE
+from worker.layers.quant import QuantizedWeight
 from worker.layers.quant_experts import QuantExperts
 from worker.layers.rope import Rotary
 from worker.models.causal_lm import CausalLM, LoadReport
@@ -244,6 +245,8 @@ class Qwen35MoeForCausalLM(CausalLM):
                     f"tensor {raw_name!r}: checkpoint shape {tuple(tensor.shape)} does not "
                     f"match model shape {tuple(target.shape)}"
                 )
+            if isinstance(tensor, QuantizedWeight):  # a GGUF's blocks, float experts
+                tensor = tensor.dequantize()
             with torch.no_grad():
                 target.copy_(tensor)
             pieces.setdefault(prefix, set()).add((expert, kind))
