@@ -11,10 +11,13 @@ shapes run (zero weights: the numbers are the kernels', the text is nonsense).
 
 Schemes follow llama.cpp's type choices (src/llama-quant.cpp, `llama_tensor_get_type`):
   q4_k_m  Q4_K for the matmuls; Q6_K for the output / tied embedding, and for attn_v and
-          ffn_down in the layers `use_more_bits` picks (the first and last eighth, every third
-          between); F32 for norms and small vectors.
-  q8_0    Q8_0 for every matrix; F32 for norms and small vectors.
-Only the gemma4 architecture (Gemma 4 31B's dense text layout) is written.
+          ffn_down (experts' and shared expert's too) in the layers `use_more_bits` picks (the
+          first and last eighth, every third between); Q5_K for a fused attn_qkv; F32 for
+          norms, small vectors and the MoE router.
+  q8_0    Q8_0 for every matrix; F32 for norms, small vectors and the router.
+Architectures: gemma4 (Gemma 4 31B's dense text layout) and qwen35moe (Qwen3.5-35B-A3B's).
+Published files may mix types their own way (imatrix "dynamic" quants); the stub is llama.cpp's
+default mix.
 """
 
 from __future__ import annotations
@@ -84,6 +87,113 @@ def tensor_plan(cfg: dict[str, Any], scheme: str) -> list[tuple[str, tuple[int, 
     return plan
 
 
+def qwen_plan(cfg: dict[str, Any], scheme: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """qwen35moe: (GGUF name, HF-order shape, type) of every tensor (no MTP block)."""
+    hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim, layers = cfg["head_dim"], cfg["num_hidden_layers"]
+    keys, values = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    key_dim, value_dim = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    experts, inner = cfg["num_experts"], cfg["moe_intermediate_size"]
+    shared = cfg["shared_expert_intermediate_size"]
+    interval = cfg.get("full_attention_interval", 4)
+    full = [(i + 1) % interval == 0 for i in range(layers)]
+    count_v = sum(full)
+
+    def matrix(kind: str) -> str:
+        return "Q8_0" if scheme == "q8_0" else kind
+
+    plan: list[tuple[str, tuple[int, ...], str]] = [
+        ("token_embd.weight", (cfg["vocab_size"], hidden), matrix("Q4_K")),
+    ]
+    index_v = 0
+    for i in range(layers):
+        p = f"blk.{i}."
+        down = matrix("Q6_K" if use_more_bits(i, layers) else "Q4_K")
+        plan.append((p + "attn_norm.weight", (hidden,), "F32"))
+        if full[i]:
+            more = use_more_bits(index_v, count_v)
+            index_v += 1
+            plan += [
+                (p + "attn_q.weight", (2 * heads * head_dim, hidden), matrix("Q4_K")),
+                (p + "attn_k.weight", (kv * head_dim, hidden), matrix("Q4_K")),
+                (p + "attn_v.weight", (kv * head_dim, hidden), matrix("Q6_K" if more else "Q4_K")),
+                (p + "attn_output.weight", (hidden, heads * head_dim), matrix("Q4_K")),
+                (p + "attn_q_norm.weight", (head_dim,), "F32"),
+                (p + "attn_k_norm.weight", (head_dim,), "F32"),
+            ]
+        else:
+            qkv = 2 * keys * key_dim + values * value_dim
+            plan += [
+                (p + "attn_qkv.weight", (qkv, hidden), matrix("Q5_K")),
+                (p + "attn_gate.weight", (values * value_dim, hidden), matrix("Q4_K")),
+                (p + "ssm_beta.weight", (values, hidden), matrix("Q4_K")),
+                (p + "ssm_alpha.weight", (values, hidden), matrix("Q4_K")),
+                (p + "ssm_a", (values,), "F32"),
+                (p + "ssm_dt.bias", (values,), "F32"),
+                (p + "ssm_conv1d.weight", (qkv, cfg["linear_conv_kernel_dim"]), "F32"),
+                (p + "ssm_norm.weight", (value_dim,), "F32"),
+                (p + "ssm_out.weight", (hidden, values * value_dim), matrix("Q4_K")),
+            ]
+        plan += [
+            (p + "post_attention_norm.weight", (hidden,), "F32"),
+            (p + "ffn_gate_inp.weight", (experts, hidden), "F32"),
+            (p + "ffn_gate_exps.weight", (experts, inner, hidden), matrix("Q4_K")),
+            (p + "ffn_up_exps.weight", (experts, inner, hidden), matrix("Q4_K")),
+            (p + "ffn_down_exps.weight", (experts, hidden, inner), down),
+            (p + "ffn_gate_inp_shexp.weight", (1, hidden), "F32"),
+            (p + "ffn_gate_shexp.weight", (shared, hidden), matrix("Q4_K")),
+            (p + "ffn_up_shexp.weight", (shared, hidden), matrix("Q4_K")),
+            (p + "ffn_down_shexp.weight", (hidden, shared), down),
+        ]
+    plan += [
+        ("output_norm.weight", (hidden,), "F32"),
+        ("output.weight", (cfg["vocab_size"], hidden), matrix("Q6_K")),
+    ]
+    return plan
+
+
+def write_qwen_metadata(writer: Any, cfg: dict[str, Any]) -> None:
+    rope = cfg.get("rope_parameters") or {}
+    head_dim = cfg["head_dim"]
+    writer.add_context_length(cfg.get("max_position_embeddings", 262144))
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg.get("intermediate_size", cfg["moe_intermediate_size"]))
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(rope.get("rope_theta", 10_000_000.0))
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    writer.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
+    writer.add_expert_count(cfg["num_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    writer.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(cfg["linear_key_head_dim"])
+    writer.add_ssm_group_count(cfg["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    writer.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    writer.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+
+
+def byte_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
+    """A byte-level (gpt2) vocabulary of `size` tokens: the byte alphabet, a few merges,
+    <|im_start|> / <|im_end|> / <|endoftext|>, unused fillers."""
+    from worker.loading.tokenizer import byte_level_decoder
+
+    order = byte_level_decoder()
+    alphabet = sorted(order, key=lambda c: order[c])
+    merges = [f"{a} {b}" for a in alphabet[65:91] for b in alphabet[65:91]][:600]
+    tokens = alphabet + [m.replace(" ", "") for m in merges]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    filler = size - len(tokens) - len(specials)
+    tokens += [f"<|unused{i}|>" for i in range(filler)] + specials
+    return tokens, [1] * (size - len(specials)) + [3] * len(specials), merges
+
+
 def stub_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
     """A gemma4-style vocabulary of `size` tokens: specials, byte tokens, '▁' and letters, their
     pairwise merges, then unused fillers (real files have as many tokens, not these)."""
@@ -111,8 +221,10 @@ def stub_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
 def write_stub(cfg: dict[str, Any], scheme: str, out: Path) -> int:
     import gguf
 
+    if cfg.get("model_type") in ("qwen3_5_moe_text", "qwen3_5_moe"):
+        return write_qwen_stub(cfg, scheme, out)
     if cfg.get("model_type") not in ("gemma4_text", "gemma4"):
-        raise SystemExit("gguf_stub: only gemma4 configs are written")
+        raise SystemExit("gguf_stub: only gemma4 and qwen3_5_moe configs are written")
     types = cfg["layer_types"]
     sliding = [t == "sliding_attention" for t in types]
     kv, full_kv = cfg["num_key_value_heads"], cfg.get("num_global_key_value_heads")
@@ -155,8 +267,33 @@ def write_stub(cfg: dict[str, Any], scheme: str, out: Path) -> int:
     writer.add_unk_token_id(3)
     writer.add_add_bos_token(True)
     writer.add_add_space_prefix(False)
+    return write_tensors(writer, tensor_plan(cfg, scheme), out)
+
+
+def write_qwen_stub(cfg: dict[str, Any], scheme: str, out: Path) -> int:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(out), "qwen35moe")
+    writer.add_name(f"stub of Qwen3_5MoeForCausalLM ({scheme})")
+    write_qwen_metadata(writer, cfg)
+    tokens, token_types, merges = byte_vocab(cfg["vocab_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen35")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    return write_tensors(writer, qwen_plan(cfg, scheme), out)
+
+
+def write_tensors(writer: Any, plan: list[tuple[str, tuple[int, ...], str]], out: Path) -> int:
+    """The tensor index of `plan`, then the data as a sparse hole; the file's size."""
+    import gguf
+
     total = 0
-    for name, shape, kind in tensor_plan(cfg, scheme):
+    for name, shape, kind in plan:
         qtype = gguf.GGMLQuantizationType[kind]
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(shape)) // block * size

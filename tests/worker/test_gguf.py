@@ -329,6 +329,39 @@ def test_tiny_llama_q4_0_and_q4_1_stay_int4(tmp_path: Path, cache: Path, ffn_typ
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_other_quantized_types_are_quantized_again(
+    tmp_path: Path, cache: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A matrix of a type that does not repack as it is (Q5_1 here; Q5_K in llama.cpp's Q4_K_M
+    mixes) loads as int8 g32 quantized again from its values, not as a float copy; one notice
+    names them; the logits stay those of the dequantized file within int8's rounding."""
+    from worker.device.cuda_setup import prepare_model_for_device
+    from worker.layers.quant import INT8, QuantFormat, QuantLinear
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+    from worker.models.step import StepInput
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(path, ffn_type="Q5_1")
+
+    def run(mode: str) -> tuple[torch.Tensor, list[QuantLinear]]:
+        loaded = load_model(path, "cpu", torch.float32, progress=False,
+                            quantize=QuantizeOptions(mode))  # fmt: skip
+        model = prepare_model_for_device(loaded, "cpu", cuda_graphs=False)
+        kv = model.make_kv_cache(1, 64)
+        logits = model(StepInput.single(list(range(3, 20)), 0, 0, device="cpu"), kv)
+        return logits, [m for m in model.modules() if isinstance(m, QuantLinear)]
+
+    kept, quantized = run("auto")
+    assert len(quantized) == 3 * TINY["layers"]
+    assert all(m.format == QuantFormat(INT8, 32) for m in quantized)
+    notice = capfd.readouterr().err
+    assert "GGUF type Q5_1 is quantized again as int8 g32: blk.0.ffn_" in notice
+    assert "warning" not in notice
+    floats, _ = run("none")
+    assert float((kept - floats).norm() / floats.norm()) < 1e-2
+
+
 def test_loads_write_no_dequantized_copy(tmp_path: Path, cache: Path) -> None:
     """A GGUF's tensors are read from the file itself, whether kept quantized (``--quantize
     auto``) or dequantized as they stream (``none``, ``int8``, ``int4``): its cache directory

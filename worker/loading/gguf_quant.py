@@ -10,9 +10,15 @@
     Q6_K  (256-weight super-blocks, 16 sub-blocks of 16: d * sc * (q - 32), q 6-bit)
           -> int8 g16: scale = d * sc (the fp16 rounding of the product)
 
-F32/F16/BF16 tensors stay float; any other type is dequantized (by the gguf package) with a
-warning naming it. ``gguf_formats`` says what each tensor becomes without reading the data, so a
-load plans its layers (and rejects a tensor type it cannot read) before any weight is read.
+F32/F16/BF16 tensors stay float. A matrix of another quantized type (Q5_K and Q5_1, which
+llama.cpp's Q4_K_M and Q5_K_M mixes use; the 2-3 bit K-quants and IQ types) is dequantized by
+the gguf package and quantized again as it loads, into int8 g32 from 5 bits and more, else
+int4 g32: it stays about its own size (a bf16 copy would be 2-4x) at an error well under its own
+grid's, and one notice names the tensors. Anything else of such a type is dequantized, with a
+warning. (Issue 14 asked for every other type dequantized; a Qwen3.5-35B-A3B Q4_K_M's Q5_K
+DeltaNet projections would then take 1 GB of bf16.) ``gguf_formats`` says what each tensor
+becomes without reading the data, so a load plans its layers (and rejects a tensor type it
+cannot read) before any weight is read.
 """
 
 from __future__ import annotations
@@ -51,6 +57,15 @@ KEPT_FORMATS = {
     "Q5_0": QuantFormat(INT8, 32),
     "Q6_K": QuantFormat(INT8, 16),
 }
+# quantized again from their dequantized values (not repacked): the format by their bits
+REQUANTIZED_FORMATS = {
+    **dict.fromkeys(("Q5_1", "Q5_K", "Q8_1", "Q8_K"), QuantFormat(INT8, 32)),
+    **dict.fromkeys(
+        ("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+         "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4", "Q1_0"),
+        QuantFormat(INT4, 32),
+    ),
+}  # fmt: skip
 
 
 def _half(raw: np.ndarray) -> torch.Tensor:
@@ -302,10 +317,11 @@ def gguf_formats(path: Path) -> dict[str, QuantFormat | None]:
                 f"{path}: GGUF tensor {info.name!r} has type {info.type_name}, which this "
                 "version of the gguf package cannot read"
             )
-        # stacked experts [E, N, K] are kept in the format their blocks repack to, by
-        # quantizing their dequantized values again (`plan_for_gguf`)
-        keep = info.type_name in KEPT_FORMATS and (len(info.shape) == 2 or is_experts(name))
-        formats[name] = KEPT_FORMATS[info.type_name] if keep else None
+        fmt = KEPT_FORMATS.get(info.type_name)
+        if fmt is None and info.shape[-1] % 32 == 0:
+            fmt = REQUANTIZED_FORMATS.get(info.type_name)
+        keep = len(info.shape) == 2 or is_experts(name)  # matrices and stacked experts
+        formats[name] = fmt if keep else None
     return formats
 
 
@@ -337,16 +353,18 @@ def iter_gguf_tensors(
     layers = text_layers(meta, arch)
     config = gguf_layout(meta, arch)
     dequantized_types: dict[str, list[str]] = {}
+    requantized: dict[str, list[str]] = {}
     for info in tensors:
         name = hf_tensor_name(arch, info.name, layers)
         if name is None:
             continue
         try:
-            if keep.get(name) is not None and len(info.shape) == 2:
+            repackable = keep.get(name) is not None and info.type_name in KEPT_FORMATS
+            if repackable and len(info.shape) == 2:
                 qw = repack(info.type_name, _raw(path, info), (info.shape[0], info.shape[1]))
                 yield name, _hf_rows(arch, info.name, qw, config)
                 continue
-            if keep.get(name) is not None and len(info.shape) == 3:  # stacked experts
+            if repackable and len(info.shape) == 3:  # stacked experts
                 experts, rows, cols = info.shape
                 qw = repack(info.type_name, _raw(path, info), (experts * rows, cols))
 
@@ -357,6 +375,10 @@ def iter_gguf_tensors(
                 continue
             if info.type_name not in FLOAT_TYPES and keep.get(name) is None:
                 dequantized_types.setdefault(info.type_name, []).append(info.name)
+            elif info.type_name not in FLOAT_TYPES and not repackable and not is_experts(name):
+                requantized.setdefault(f"{info.type_name} -> {keep[name].describe()}", []).append(
+                    info.name
+                )
             values = hf_tensor_values(arch, info.name, _float_values(path, info), config)
         except ModelLoadError:
             raise
@@ -366,12 +388,16 @@ def iter_gguf_tensors(
             ) from exc
         yield from expert_pieces(name, torch.from_numpy(np.ascontiguousarray(values)).to(dtype))
     for type_name, names in dequantized_types.items() if warn else ():
-        more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
-        print(
-            f"warning: {path.name}: GGUF type {type_name} is not kept quantized; dequantized "
-            f"{', '.join(names[:3])}{more}",
-            file=sys.stderr,
-        )
+        print(f"warning: {path.name}: GGUF type {type_name} is not kept quantized; dequantized "
+              f"{_some(names)}", file=sys.stderr)  # fmt: skip
+    for change, names in requantized.items() if warn else ():
+        print(f"note: {path.name}: GGUF type {change.replace(' -> ', ' is quantized again as ')}"
+              f": {_some(names)}", file=sys.stderr)  # fmt: skip
+
+
+def _some(names: list[str]) -> str:
+    more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
 
 
 def _hf_rows(arch: str, gguf_name: str, qw: QuantizedWeight, config: dict[str, Any]) -> Any:
