@@ -8,8 +8,11 @@ weights cannot fit shows the start-up error users get.
         --gpu-memory-gb 23.5 --sessions 2 --context 8192 --too-small 16
     python tools/bench_card_fit.py --tiny --device cpu --context 256   # a dry run, no limit
 
-Random weights (the config's shape) and random prompt ids, as tools/bench_gpu.py uses. Prints a
-table and writes OUT/bench_card_fit_<sessions>x<context>_<tag>.json.
+Random weights (the config's shape) and random prompt ids, as tools/bench_gpu.py uses; or, with
+`--model FILE.gguf`, that file's own tensors (a `tools/gguf_stub.py` file: a real layout with
+zero weights, so the memory is a real file's; MoE routing over zero weights always picks the
+same experts, so its decode rate is not one). Prints a table and writes
+OUT/bench_card_fit_<sessions>x<context>_<tag>.json.
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ def fill_and_decode(worker: WorkerProcess, sid: str, prompt: list[int], new: int
 
 
 def worker_args(model_dir: Path, args: argparse.Namespace, limit: float | None) -> list[str]:
+    """The worker's flags: random weights of a config's shape, or a GGUF file's own tensors
+    (e.g. one of `tools/gguf_stub.py`'s: a real file's layout, zero weights)."""
+    weights = [] if str(model_dir).endswith(".gguf") else ["--random-weights"]
     flags = [
-        "--model", str(model_dir), "--random-weights", "--device", args.device,
+        "--model", str(model_dir), *weights, "--device", args.device,
         "--max-sessions", str(args.sessions + 1), "--max-context", str(args.context),
     ]  # fmt: skip
     if args.quantize:
@@ -86,10 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     config_path = Path(args.model)
-    if config_path.is_dir():
-        config_path = config_path / "config.json"
-    model_dir = make_model_dir(config_path, args.tiny, Path(tempfile.mkdtemp()) / "model")
-    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    if config_path.suffix == ".gguf":  # its own tensors: the vocabulary from its header
+        from worker.loading.gguf_quant import read_index
+
+        model_dir = config_path
+        vocab = len(read_index(config_path)[0]["tokenizer.ggml.tokens"])
+    else:
+        if config_path.is_dir():
+            config_path = config_path / "config.json"
+        model_dir = make_model_dir(config_path, args.tiny, Path(tempfile.mkdtemp()) / "model")
+        vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     result: dict[str, Any] = {
         "model": args.model, "quantize": args.quantize, "gpu_memory_gb": args.gpu_memory_gb,
         "sessions": args.sessions, "context": args.context,

@@ -34,6 +34,19 @@ def checkpoint_dtype(checkpoint: Checkpoint) -> str | None:
     return str(SAFETENSORS_DTYPES[stored][0]).removeprefix("torch.")
 
 
+def gguf_file_type(path: Any) -> str | None:
+    """A GGUF's `general.file_type` by llama.cpp's name ("Q4_K_M"), from the header."""
+    from gguf import LlamaFileType
+
+    from worker.loading.gguf_quant import read_index
+
+    value = read_index(path)[0].get("general.file_type")
+    try:
+        return LlamaFileType(int(value)).name.removeprefix("MOSTLY_") if value is not None else None
+    except ValueError:
+        return str(value)
+
+
 def kv_bytes_from_config(config: dict[str, Any], context: int, dtype: torch.dtype) -> int:
     """KV bytes of one session when the model code cannot say: per layer 2 x kv heads x
     head_dim x tokens x element size, sliding layers capped at their window."""
@@ -97,7 +110,9 @@ def describe(
         "gguf_source": str(gguf_source) if gguf_source else None,
         "architecture": config.architecture,
         "parameters": parameters,
-        "checkpoint_dtype": checkpoint_dtype(checkpoint),
+        "checkpoint_dtype": gguf_file_type(gguf_source)
+        if gguf_source
+        else checkpoint_dtype(checkpoint),
         "dtype": str(dtype).removeprefix("torch."),
         "context_length": config.context_length,
         "vocab_size": config.vocab_size,

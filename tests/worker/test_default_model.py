@@ -139,6 +139,7 @@ def test_info_command_on_default_model(default_model_dir: Path) -> None:
     assert info["context_length"] == 32768 and info["vocab_size"] == 262144
     assert info["bos_id"] == 2 and info["eos_ids"] == [1, 106]
     assert info["chat_template"] is False  # this GGUF carries no template
+    assert info["checkpoint_dtype"] == "Q4_K_M"  # the GGUF's file type, not a cache's dtype
     # 3 full layers x 1024 tokens + 15 sliding layers x their ring (window 512 + slack), K and V,
     # 1 KV head x 256 dims x 4 bytes
     full = 3 * 2 * 256 * 1024 * 4
