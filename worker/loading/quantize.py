@@ -359,7 +359,8 @@ def begin_load(
             install(model, plan)
             from worker.loading.gguf_quant import gguf_formats, iter_gguf_tensors
 
-            pairs = iter_gguf_tensors(gguf_source, dtype, gguf_formats(gguf_source))
+            pairs = iter_gguf_tensors(gguf_source, dtype, gguf_formats(gguf_source),
+                                      device=device)  # fmt: skip
             return QuantizedLoad(plan, pairs, device, dtype)
         plan = plan_for_model(model, options)
         if not plan:
