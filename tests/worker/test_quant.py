@@ -102,6 +102,30 @@ def test_gguf_repack_matches_gguf_dequantize(type_name: str) -> None:
         assert torch.allclose(got, expected, rtol=0, atol=float(expected.abs().max()) * 2**-10)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0", "Q4_1"])
+def test_gguf_block_dequantize_matches_gguf_dequantize(type_name: str) -> None:
+    """The torch dequantization a float load of a GGUF uses on a GPU (run here on the CPU): the
+    gguf package's values, fp32 scale products and all, a chunk of rows at a time."""
+    pytest.importorskip("gguf")
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from worker.loading import gguf_quant
+
+    raw = _blocks(type_name, 16, 512)
+    expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(16, 512))
+    chunk = gguf_quant.REPACK_CHUNK_BYTES
+    try:
+        gguf_quant.REPACK_CHUNK_BYTES = raw.shape[1] * 3  # 3 rows a chunk: 6 chunks, a short one
+        got = gguf_quant.dequantize_blocks(type_name, raw, (16, 512), torch.device("cpu"),
+                                           torch.float32)  # fmt: skip
+    finally:
+        gguf_quant.REPACK_CHUNK_BYTES = chunk
+    torch.testing.assert_close(
+        got, expected, rtol=2**-20, atol=float(expected.abs().max()) * 2**-22
+    )
+
+
 # ---- the CPU kernel against the torch reference
 
 

@@ -91,6 +91,34 @@ def test_gguf_kept_quantized_on_cuda_equals_cpu(
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["none", "int8"])
+def test_gguf_read_as_floats_on_cuda_equals_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """A float load of a GGUF onto the GPU dequantizes its Q4_0 blocks there (torch, fp32 scale
+    products: `gguf_quant.dequantize_blocks`) where the CPU load uses the gguf package: the
+    same values, so the same logits up to the kernels' order (int8: quantized again from them)."""
+    from test_gguf import write_tiny_llama_gguf
+
+    from worker.device.cuda_setup import prepare_model_for_device
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+    from worker.models.step import StepInput
+
+    monkeypatch.setenv("TOKENPIPE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(path, ffn_type="Q4_0")
+
+    def logits(device: str) -> torch.Tensor:
+        loaded = load_model(path, device, torch.float32, progress=False,
+                            quantize=QuantizeOptions(mode))  # fmt: skip
+        model = prepare_model_for_device(loaded, device, cuda_graphs=False)
+        kv = model.make_kv_cache(1, 64)
+        return model(StepInput.single(list(range(3, 20)), 0, 0, device=device), kv).cpu()
+
+    torch.testing.assert_close(logits("cuda"), logits("cpu"), rtol=1e-3, atol=1e-3)
+
+
 def test_gemv_with_dependent_launch_replays_the_plain_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -244,7 +244,7 @@ def load_model(
         elif gguf_source is not None:  # read as floats (`--quantize none|int8|int4`)
             from worker.loading.gguf_quant import iter_gguf_tensors
 
-            pairs = iter_gguf_tensors(gguf_source, dtype, {}, warn=False)
+            pairs = iter_gguf_tensors(gguf_source, dtype, {}, warn=False, device=device)
         elif shard is not None:  # whole tensors read on the host, the rank's slice moved
             pairs = checkpoint.iter_tensors(dtype=dtype, targets=targets)
         elif device.type == "cuda":
