@@ -119,6 +119,43 @@ def test_gguf_read_as_floats_on_cuda_equals_cpu(
     torch.testing.assert_close(logits("cuda"), logits("cpu"), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("family", ["gemma4", "qwen35moe"])
+def test_gguf_of_the_seed_models_on_cuda_equals_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """The tiny gemma4 / qwen35moe GGUFs of test_gguf_gemma4 / test_gguf_qwen3_5_moe, with
+    quantized tensors kept (and, for qwen35moe, experts repacked) by auto, repacked on the GPU:
+    the logits of a prompt equal the CPU load's."""
+    from test_models_common import make_pair
+
+    from worker.device.cuda_setup import prepare_model_for_device
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+    from worker.models.step import StepInput
+
+    monkeypatch.setenv("TOKENPIPE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny-{family}.gguf"
+    if family == "gemma4":
+        import test_gguf_gemma4 as g
+
+        pair = make_pair(g.hf_config(len(g.vocab()[0])), tmp_path / "hf")
+        g.write_gemma4_gguf(path, pair.hf, quantize=True)
+    else:
+        import test_gguf_qwen3_5_moe as q
+
+        pair = make_pair(q.hf_config(), tmp_path / "hf")
+        q.write_qwen_gguf(path, pair.hf, "kept")
+
+    def logits(device: str) -> torch.Tensor:
+        loaded = load_model(path, device, torch.float32, progress=False,
+                            quantize=QuantizeOptions("auto"))  # fmt: skip
+        model = prepare_model_for_device(loaded, device, cuda_graphs=False)
+        kv = model.make_kv_cache(1, 64)
+        return model(StepInput.single(pair.prompt[:20], 0, 0, device=device), kv).cpu()
+
+    torch.testing.assert_close(logits("cuda"), logits("cpu"), rtol=1e-3, atol=1e-3)
+
+
 def test_gemv_with_dependent_launch_replays_the_plain_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
