@@ -69,8 +69,8 @@ REQUANTIZED_FORMATS = {
 
 
 # The repackers work on torch uint8 blocks [B, block bytes] on any device: a load repacks on
-# the device it loads to, a few MiB of blocks at a time (numpy on the host took ~50 s for the
-# 1.2 GB Q6_K embedding of a Gemma 4 31B file on the 2-core box).
+# the device it loads to, a few MiB of blocks at a time (numpy on the host took 43 s for the
+# 1.16 GB Q6_K embedding of a Gemma 4 31B file on the 2-core box; this, 5.7 s).
 REPACK_CHUNK_BYTES = 16 << 20
 
 
@@ -143,6 +143,22 @@ REPACKERS: dict[str, tuple[int, int, Any]] = {
 }  # fmt: skip
 
 
+def _repacked_chunks(
+    type_name: str, raw: np.ndarray, shape: tuple[int, int], device: torch.device
+) -> Iterator[tuple[int, int, tuple[torch.Tensor, ...]]]:
+    """(first row, end row, the repacker's (q, scale[, offset]) of those rows) over a GGUF
+    tensor's raw bytes, REPACK_CHUNK_BYTES of rows at a time copied to `device`."""
+    n, k = shape
+    block_weights, block_bytes, repack_blocks = REPACKERS[type_name]
+    per_row = k // block_weights
+    blocks = np.asarray(raw).reshape(n, per_row * block_bytes)
+    step = max(1, REPACK_CHUNK_BYTES // (per_row * block_bytes))
+    for first in range(0, n, step):
+        last = min(n, first + step)
+        chunk = torch.from_numpy(np.array(blocks[first:last])).to(device)
+        yield first, last, repack_blocks(chunk.reshape(-1, block_bytes))
+
+
 def repack(
     type_name: str, raw: np.ndarray, shape: tuple[int, int], device: torch.device | None = None
 ) -> QuantizedWeight:
@@ -151,9 +167,6 @@ def repack(
     rows copied there."""
     n, k = shape
     fmt = KEPT_FORMATS[type_name]
-    block_weights, block_bytes, repack_blocks = REPACKERS[type_name]
-    per_row = k // block_weights
-    blocks = np.asarray(raw).reshape(n, per_row * block_bytes)
     groups = k // fmt.group_size
     device = torch.device("cpu") if device is None else torch.device(device)
     int4 = fmt.kind == INT4
@@ -161,18 +174,12 @@ def repack(
                         device=device)  # fmt: skip
     scales = torch.empty((n, groups), dtype=torch.float16, device=device)
     offsets = torch.empty((n, groups), dtype=torch.float16, device=device) if int4 else None
-    step = max(1, REPACK_CHUNK_BYTES // (per_row * block_bytes))
-    for first in range(0, n, step):
-        last = min(n, first + step)
-        chunk = torch.from_numpy(np.array(blocks[first:last])).to(device, non_blocking=False)
-        parts = repack_blocks(chunk.reshape(-1, block_bytes))
-        rows = last - first
-        qdata[first:last] = (
-            pack_nibbles(parts[0].reshape(rows, k)) if int4 else parts[0].reshape(rows, k)
-        )
-        scales[first:last] = parts[1].reshape(rows, groups)
+    for first, last, parts in _repacked_chunks(type_name, raw, shape, device):
+        q = parts[0].reshape(last - first, k)
+        qdata[first:last] = pack_nibbles(q) if int4 else q
+        scales[first:last] = parts[1].reshape(last - first, groups)
         if offsets is not None:
-            offsets[first:last] = parts[2].reshape(rows, groups)
+            offsets[first:last] = parts[2].reshape(last - first, groups)
     return QuantizedWeight(fmt.kind, (n, k), fmt.group_size, qdata, scales, offsets)
 
 
@@ -184,16 +191,9 @@ def dequantize_blocks(
     ``q * scale (+ offset)`` in fp32 as the gguf package computes it. A float load of a GGUF on
     a GPU uses it (the gguf package's numpy ran at ~0.1-0.2 GB/s of blocks on the 2-core box)."""
     n, k = shape
-    block_weights, block_bytes, repack_blocks = REPACKERS[type_name]
     group = KEPT_FORMATS[type_name].group_size
-    per_row = k // block_weights
-    blocks = np.asarray(raw).reshape(n, per_row * block_bytes)
     out = torch.empty((n, k), dtype=dtype, device=device)
-    step = max(1, REPACK_CHUNK_BYTES // (per_row * block_bytes))
-    for first in range(0, n, step):
-        last = min(n, first + step)
-        chunk = torch.from_numpy(np.array(blocks[first:last])).to(device)
-        parts = repack_blocks(chunk.reshape(-1, block_bytes))
+    for first, last, parts in _repacked_chunks(type_name, raw, shape, device):
         value = parts[0].float().reshape(-1, group) * parts[1].reshape(-1, 1)
         if len(parts) == 3:
             value = value + parts[2].reshape(-1, 1)

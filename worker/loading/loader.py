@@ -200,9 +200,9 @@ def load_model(
 
     started = time.monotonic()
     phases: dict[str, float] = {}
-    # a GGUF's tensors are read from the file itself, kept quantized or dequantized on the host
-    # as they stream: its cache directory holds the config and tokenizer only, never a
-    # dequantized copy (62 GB for 31B in bf16)
+    # a GGUF's tensors are read from the file itself, kept quantized or dequantized as they
+    # stream (on a GPU, there): its cache directory holds the config and tokenizer only, never
+    # a dequantized copy (62 GB for 31B in bf16)
     checkpoint, config, tokenizer, gguf_source = open_model_files(
         path,
         dtype,

@@ -173,17 +173,18 @@ def plan_for_gguf(path: Path) -> Plan:
     from worker.loading.gguf_quant import gguf_formats, is_experts
 
     plan: Plan = {}
-    for name, fmt in gguf_formats(path).items():
+    formats = gguf_formats(path)
+    for name, fmt in formats.items():
         if fmt is not None and name.endswith(".weight"):
             plan[name.removesuffix(".weight")] = fmt
         elif fmt is not None and is_experts(name):
-            # one format for a layer's experts: int4 g32 if the file has any of them in 4 bits
-            # (Q4_K repacks to int4 g32, so requantizing its values finds them again), else
-            # int8 g32
+            # one format for a layer's experts: int4 g32 if the file has any of them in 4 bits,
+            # else int8 g32; blocks of that format repack as they are, others are quantized
+            # again from their values (a Q4_K_M's Q6_K down_proj into the layer's int4)
             experts = name.rpartition(".")[0]
             kind = INT4 if INT4 in (fmt.kind, getattr(plan.get(experts), "kind", None)) else INT8
             plan[experts] = QuantFormat(kind, 32)
-    if EMBEDDING in plan and "lm_head.weight" not in gguf_formats(path):
+    if EMBEDDING in plan and "lm_head.weight" not in formats:
         plan[HEAD] = plan[EMBEDDING]  # tied: the head shares the embedding's table
     return plan
 
