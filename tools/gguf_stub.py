@@ -14,6 +14,8 @@ Schemes follow llama.cpp's type choices (src/llama-quant.cpp, `llama_tensor_get_
           ffn_down (experts' and shared expert's too) in the layers `use_more_bits` picks (the
           first and last eighth, every third between); Q5_K for a fused attn_qkv; F32 for
           norms, small vectors and the MoE router.
+  q4_0    Q4_0 for the matmuls (a QAT release's type: no 6-bit layers); Q6_K for the output /
+          tied embedding; F32 as above.
   q8_0    Q8_0 for every matrix; F32 for norms, small vectors and the router.
 Architectures: gemma4 (Gemma 4 31B's dense text layout) and qwen35moe (Qwen3.5-35B-A3B's).
 Published files may mix types their own way (imatrix "dynamic" quants); the stub is llama.cpp's
@@ -37,6 +39,19 @@ def use_more_bits(index: int, count: int) -> bool:
     return index < count // 8 or index >= 7 * count // 8 or (index - count // 8) % 3 == 2
 
 
+SCHEMES = {  # scheme: (its file type, the type of a Q4_K_M matrix of each kind / of the output)
+    "q4_k_m": ("MOSTLY_Q4_K_M", {"output": "Q6_K"}),
+    "q4_0": ("MOSTLY_Q4_0", {"Q4_K": "Q4_0", "Q5_K": "Q4_0", "Q6_K": "Q4_0", "output": "Q6_K"}),
+    "q8_0": ("MOSTLY_Q8_0", {"Q4_K": "Q8_0", "Q5_K": "Q8_0", "Q6_K": "Q8_0", "output": "Q8_0"}),
+}
+
+
+def matrix_types(scheme: str) -> Any:
+    """A matrix's type in `scheme`, from its Q4_K_M type ("output": the LM head's)."""
+    table = SCHEMES[scheme][1]
+    return lambda kind: table.get(kind, kind)
+
+
 def tensor_plan(cfg: dict[str, Any], scheme: str) -> list[tuple[str, tuple[int, ...], str]]:
     """(GGUF name, HF-order shape, type) of every tensor, in llama.cpp's order."""
     hidden, ffn = cfg["hidden_size"], cfg["intermediate_size"]
@@ -47,12 +62,10 @@ def tensor_plan(cfg: dict[str, Any], scheme: str) -> list[tuple[str, tuple[int, 
     types = cfg["layer_types"]
     count_v = sum(1 for t in types if t == "sliding_attention" or not k_eq_v)
 
-    def matrix(kind: str) -> str:
-        return "Q8_0" if scheme == "q8_0" else kind
-
+    matrix = matrix_types(scheme)
     plan: list[tuple[str, tuple[int, ...], str]] = [
         ("rope_freqs.weight", (full_dim // 2,), "F32"),
-        ("token_embd.weight", (cfg["vocab_size"], hidden), matrix("Q6_K")),
+        ("token_embd.weight", (cfg["vocab_size"], hidden), matrix("output")),  # tied
     ]
     index_v = 0
     for i, kind in enumerate(types):
@@ -99,9 +112,7 @@ def qwen_plan(cfg: dict[str, Any], scheme: str) -> list[tuple[str, tuple[int, ..
     full = [(i + 1) % interval == 0 for i in range(layers)]
     count_v = sum(full)
 
-    def matrix(kind: str) -> str:
-        return "Q8_0" if scheme == "q8_0" else kind
-
+    matrix = matrix_types(scheme)
     plan: list[tuple[str, tuple[int, ...], str]] = [
         ("token_embd.weight", (cfg["vocab_size"], hidden), matrix("Q4_K")),
     ]
@@ -147,7 +158,7 @@ def qwen_plan(cfg: dict[str, Any], scheme: str) -> list[tuple[str, tuple[int, ..
         ]
     plan += [
         ("output_norm.weight", (hidden,), "F32"),
-        ("output.weight", (cfg["vocab_size"], hidden), matrix("Q6_K")),
+        ("output.weight", (cfg["vocab_size"], hidden), matrix("output")),
     ]
     return plan
 
@@ -232,8 +243,7 @@ def write_stub(cfg: dict[str, Any], scheme: str, out: Path) -> int:
     rope = cfg["rope_parameters"]
     writer = gguf.GGUFWriter(str(out), "gemma4")
     writer.add_name(f"stub of {cfg.get('architectures', ['?'])[0]} ({scheme})")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if scheme == "q4_k_m"
-                         else gguf.LlamaFileType.MOSTLY_Q8_0)  # fmt: skip
+    writer.add_file_type(gguf.LlamaFileType[SCHEMES[scheme][0]])
     writer.add_context_length(cfg.get("max_position_embeddings", 262144))
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(len(types))
@@ -275,6 +285,7 @@ def write_qwen_stub(cfg: dict[str, Any], scheme: str, out: Path) -> int:
 
     writer = gguf.GGUFWriter(str(out), "qwen35moe")
     writer.add_name(f"stub of Qwen3_5MoeForCausalLM ({scheme})")
+    writer.add_file_type(gguf.LlamaFileType[SCHEMES[scheme][0]])
     write_qwen_metadata(writer, cfg)
     tokens, token_types, merges = byte_vocab(cfg["vocab_size"])
     writer.add_tokenizer_model("gpt2")
@@ -313,7 +324,7 @@ def write_tensors(writer: Any, plan: list[tuple[str, tuple[int, ...], str]], out
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a gemma4 config.json")
-    parser.add_argument("--scheme", choices=["q4_k_m", "q8_0"], default="q4_k_m")
+    parser.add_argument("--scheme", choices=sorted(SCHEMES), default="q4_k_m")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     cfg = json.loads(Path(args.config).read_text())
