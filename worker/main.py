@@ -12,6 +12,7 @@ the drop-in for the ExecuTorch llm_server control plane (`WORKER_BIN --model_pat
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import sys
 import threading
@@ -206,6 +207,22 @@ def _parse_prefix_ids(value: str | None) -> tuple[int, ...] | None:
         raise click.BadParameter(f"expected comma-separated token ids, got {value!r}") from None
 
 
+def _check_cuda(device: Any) -> None:
+    """A ValueError that says why, before anything loads, when `device` (``--device cuda:N``)
+    is not a CUDA device this process can use (torch's own is an AssertionError)."""
+    import torch
+
+    if torch.version.cuda is None:
+        raise ValueError(f"--device {device}: this torch ({torch.__version__}) has no CUDA")
+    count = torch.cuda.device_count()
+    index = device.index or 0
+    if index >= count:
+        raise ValueError(
+            f"--device {device}: {count} CUDA device(s) visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
+
+
 def build_engine(
     model: str | None,
     tokenizer_path: str | None,
@@ -245,6 +262,8 @@ def build_engine(
     torch.set_flush_denormal(True)  # denormal activations are very slow on x86 CPUs
     device_name = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_device = torch.device(device_name)
+    if torch_device.type == "cuda" and group is None:
+        _check_cuda(torch_device)
     if torch_device.type == "cpu" and group is None:
         from worker.device import cpu_gemv
 

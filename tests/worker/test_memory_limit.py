@@ -188,3 +188,20 @@ def test_worker_on_the_cpu_refuses_the_flag_before_loading() -> None:
     (line,) = [orjson.loads(x) for x in result.stdout.splitlines() if x.strip()]
     assert line["event"] == "error" and "needs a CUDA device" in line["error"]
     assert "loading" not in result.stderr.decode()  # refused before the model
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_worker_asked_for_cuda_without_it_says_so_before_loading() -> None:
+    result = subprocess.run(
+        [*TOKENPIPE, "worker", "--device", "cuda", "--gpu-memory-gb", "8"],
+        input=b"",
+        capture_output=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 1
+    (line,) = [orjson.loads(x) for x in result.stdout.splitlines() if x.strip()]
+    assert line["event"] == "error" and line["error"].startswith("failed to start: --device cuda")
+    assert "has no CUDA" in line["error"] or "CUDA device(s) visible" in line["error"]
+    assert "loading" not in result.stderr.decode()
