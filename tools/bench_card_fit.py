@@ -40,21 +40,20 @@ def fill_and_decode(worker: WorkerProcess, sid: str, prompt: list[int], new: int
     (got,) = lines.values()
     done = got[-1].msg
     tokens = [line for line in got if line.msg.get("event") == "token"]
-    if len(tokens) < 2:  # tokens without text (a stub's zero weights): the worker's own timing
-        return {
-            "session": sid,
-            "prompt_tokens": len(prompt),
-            "new_tokens": done.get("completion_tokens"),
-            "prefill_tok_s": done.get("prefill_tok_s"),
-            "decode_tok_s": done.get("decode_tok_s"),
-        }
-    first, last = tokens[0].t, got[-1].t
+    if len(tokens) > 1:
+        first = tokens[0].t
+        new_tokens = len(tokens)
+        prefill = len(prompt) / (first - t0)
+        decode = (len(tokens) - 1) / (got[-1].t - first)
+    else:  # tokens without text (a stub's zero weights): the worker's own timing
+        new_tokens = done.get("completion_tokens")
+        prefill, decode = done.get("prefill_tok_s"), done.get("decode_tok_s")
     return {
         "session": sid,
         "prompt_tokens": len(prompt),
-        "new_tokens": len(tokens),
-        "prefill_tok_s": len(prompt) / (first - t0),
-        "decode_tok_s": (len(tokens) - 1) / (last - first),
+        "new_tokens": new_tokens,
+        "prefill_tok_s": prefill,
+        "decode_tok_s": decode,
     }
 
 
