@@ -264,6 +264,10 @@ def build_engine(
     torch_device = torch.device(device_name)
     if torch_device.type == "cuda" and group is None:
         _check_cuda(torch_device)
+    if torch_device.type == "cuda":
+        from worker.device import memory
+
+        memory.prefer_expandable_segments(log)  # before the first allocation
     if torch_device.type == "cpu" and group is None:
         from worker.device import cpu_gemv
 

@@ -79,6 +79,30 @@ def test_limit_takes_what_is_held_outside_torch_off_the_top(
     )  # fmt: skip
 
 
+def test_cuda_workers_grow_allocator_segments_unless_the_user_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Expandable segments (fixed ones held 5 GiB of gaps packing an int4 31B GGUF under 23.5
+    GiB): set in the environment before CUDA starts, told to the allocator after; a user's
+    PYTORCH_CUDA_ALLOC_CONF stands."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert memory.prefer_expandable_segments() is True
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+    told: list[str] = []
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", told.append, raising=False)
+    assert memory.prefer_expandable_segments() is True and told == ["expandable_segments:True"]
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert memory.prefer_expandable_segments() is False
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    assert told == ["expandable_segments:True"]
+
+
 def test_no_limit_when_the_card_is_no_bigger(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = FakeCuda(card=23.6).install(monkeypatch)
     lines: list[str] = []

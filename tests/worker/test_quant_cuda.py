@@ -14,6 +14,22 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.fixture(autouse=True)
+def _one_tile_each(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Start-up times every candidate tile of every matrix shape (Triton compiles for each):
+    over 150 s for this file's first tiny model on an H100 (session 30), minutes per test.
+    The tests check results, not the choice: one candidate of each kernel keeps every kernel
+    compiled, timed and run, and the tile cache goes to a temporary directory."""
+    from worker.device.kernels import gemv
+    from worker.device.kernels import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "GEMV_CANDIDATES", [qm.GEMV_CONFIG])
+    monkeypatch.setattr(qm, "GEMM_CANDIDATES", [qm.GEMM_CONFIG])
+    monkeypatch.setattr(gemv, "CANDIDATES", gemv.CANDIDATES[:1])
+    monkeypatch.setattr(gemv, "FEW_OUTPUT_CANDIDATES", gemv.FEW_OUTPUT_CANDIDATES[:1])
+    monkeypatch.setenv("TOKENPIPE_CACHE", str(tmp_path / "cache"))
+
+
 def _logits(
     path: Path, device: str, mode: str, importance: str | None = None,
     dtype: torch.dtype = torch.float32,

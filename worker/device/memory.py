@@ -80,6 +80,39 @@ def apply(device: Any, gib: float, log: Any = None) -> MemoryLimit | None:
     return _LIMITS[key]
 
 
+# the caching allocator's setting the worker starts with on CUDA unless PYTORCH_CUDA_ALLOC_CONF
+# says otherwise: a weight's load and repack leaves temporaries of many sizes between the
+# weights that stay, and fixed segments split around them hold the gaps (an int4 31B GGUF held
+# to 23.5 GiB ran out packing with 18.5 GiB allocated, session 30); expandable segments map
+# pages where they are needed, so freed gaps return to the pool
+ALLOCATOR_SETTINGS = "expandable_segments:True"
+
+
+def prefer_expandable_segments(log: Any = None) -> bool:
+    """Let torch's CUDA allocator grow its segments in place (``ALLOCATOR_SETTINGS``) unless
+    the user set PYTORCH_CUDA_ALLOC_CONF; before CUDA starts the environment carries it (and
+    to processes this one starts), after it the allocator is told directly. False when the
+    user's setting stands or this torch cannot take it."""
+    import os
+
+    import torch
+
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_SETTINGS
+    if torch.cuda.is_initialized():
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if setter is None:
+            return False
+        try:
+            setter(ALLOCATOR_SETTINGS)
+        except RuntimeError as error:  # a build without it (ROCm, old drivers)
+            if log is not None:
+                log(f"allocator setting {ALLOCATOR_SETTINGS} not taken: {error}")
+            return False
+    return True
+
+
 def limit_for(device: Any) -> MemoryLimit | None:
     return _LIMITS.get(_key(device)) if _LIMITS else None
 
