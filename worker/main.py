@@ -182,14 +182,14 @@ def _default_prefix_cache_gb(device: Any, taken: int = 0) -> float:
 
 
 @contextlib.contextmanager
-def _explained(device: Any, what: str) -> Iterator[None]:
+def _explained(device: Any, what: str, quantize: str | None = None) -> Iterator[None]:
     """Out of device memory while doing `what`: say which limit and what to try."""
     from worker.device import memory
 
     try:
         yield
     except Exception as exc:
-        explained = memory.explain_out_of_memory(exc, device, what)
+        explained = memory.explain_out_of_memory(exc, device, what, quantize)
         if explained is exc:
             raise
         raise explained from exc
@@ -292,7 +292,7 @@ def build_engine(
 
         compiles = start_compile_pool()  # its processes start up while the weights load
     log(f"loading {model or 'the default model'} on {torch_device} as {dtype_name}")
-    with clock.step("loaded"), _explained(torch_device, "loading the weights"):
+    with clock.step("loaded"), _explained(torch_device, "loading the weights", quantize):
         loaded = load_model(
             model,
             torch_device,
@@ -335,7 +335,7 @@ def build_engine(
         from worker.device.cuda_setup import prepare_model_for_device
 
         # merged projections, fused kernels, decode steps replayed from CUDA graphs
-        with _explained(torch_device, "packing the weights for the GPU kernels"):
+        with _explained(torch_device, "packing the weights for the GPU kernels", quantize):
             loaded.model = prepare_model_for_device(
                 loaded, torch_device, random_weights, seed, cuda_graphs=cuda_graphs,
                 clock=clock, compiles=compiles,
@@ -354,7 +354,7 @@ def build_engine(
     with clock.step("KV cache and CUDA graphs" if torch_device.type == "cuda" else "KV cache"):
         if torch_device.type == "cuda":
             log(f"device memory: {memory.summary(torch_device)} with the weights")
-        with _explained(torch_device, "building the KV cache and CUDA graphs"):
+        with _explained(torch_device, "building the KV cache and CUDA graphs", quantize):
             engine = Engine(loaded, config, torch_device, log=log)
         if torch_device.type == "cuda":
             log(f"device memory: {memory.summary(torch_device)} with the caches and graphs")

@@ -136,6 +136,9 @@ def test_out_of_memory_names_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     limited = memory.explain_out_of_memory(oom, "cuda:0", "building the KV cache")
     assert "the --gpu-memory-gb limit of 24.0 GiB on cuda:0" in str(limited)
     assert "tokenpipe info" in str(limited) and "--max-context" in str(limited)
+    assert "try --quantize int4, fewer --max-sessions" in str(limited)
+    already = memory.explain_out_of_memory(oom, "cuda:0", "packing the weights", "int4")
+    assert "try fewer --max-sessions or a shorter --max-context" in str(already)
     other = ValueError("not memory")
     assert memory.explain_out_of_memory(other, "cuda:0", "loading") is other
     assert memory.explain_out_of_memory(oom, "cpu", "loading") is oom

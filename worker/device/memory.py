@@ -157,9 +157,12 @@ def summary(device: Any) -> str:
     )
 
 
-def explain_out_of_memory(exc: BaseException, device: Any, what: str) -> BaseException:
+def explain_out_of_memory(
+    exc: BaseException, device: Any, what: str, quantize: str | None = None
+) -> BaseException:
     """`exc` as the worker reports it when `what` (loading, the KV cache) ran out of device
-    memory: which limit, and what to try; other exceptions unchanged."""
+    memory: which limit, and what to try (``--quantize int4`` unless ``quantize`` is int4
+    already); other exceptions unchanged."""
     import torch
 
     if not isinstance(exc, torch.OutOfMemoryError) or torch.device(device).type != "cuda":
@@ -172,9 +175,10 @@ def explain_out_of_memory(exc: BaseException, device: Any, what: str) -> BaseExc
     )
     tried = str(exc).split(". GPU")[0].removeprefix("CUDA out of memory. ")  # "Tried to ..."
     allocated = torch.cuda.memory_allocated(_key(device)) / GIB
+    tries = ("" if quantize == "int4" else "--quantize int4, ") + "fewer --max-sessions"
     return MemoryError(
         f"out of device memory while {what} ({held} on {_key(device)}; {allocated:.2f} GiB "
         f"allocated, {tried[:1].lower() + tried[1:]}): "
         "`tokenpipe info --model M --quantize Q --context N` shows what the weights and a "
-        "session need; try --quantize int4, fewer --max-sessions or a shorter --max-context"
+        f"session need; try {tries} or a shorter --max-context"
     )
