@@ -169,6 +169,24 @@ def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int
     return capped
 
 
+def _fit_expert_scratch(model: Any, dtype: Any, device: Any, caches: int) -> bool:
+    """Whether quantized experts may dequantize a prefill chunk's experts into a float scratch
+    (``quant_experts.DEQUANT_SCRATCH``): only where twice the scratch (it, and the step's other
+    work) fits beside the caches the engine is about to allocate (`caches` bytes); else the
+    quantized grouped GEMMs, slower to prefill, with no scratch. Sets and returns it."""
+    from worker.device import memory
+    from worker.layers import quant_experts
+
+    scratch = quant_experts.dequant_scratch_bytes(model, dtype)
+    allowed = scratch == 0 or memory.free_bytes(device) - caches >= 2 * scratch
+    quant_experts.DEQUANT_SCRATCH["allowed"] = allowed
+    if not allowed:
+        gib = scratch / (1 << 30)
+        log(f"quantized experts: no room for a layer's {gib:.2f} GiB float scratch beside the "
+            "caches; prefill runs the quantized grouped GEMMs")  # fmt: skip
+    return allowed
+
+
 def _default_prefix_cache_gb(device: Any, taken: int = 0) -> float:
     """The shared-prefix pool on CUDA: 8 GiB (a 9k-token prefix of Gemma 4 31B, 0.9 MB of
     KV a position), at most 15% of the device memory the weights left free (under
@@ -354,6 +372,14 @@ def build_engine(
     with clock.step("KV cache and CUDA graphs" if torch_device.type == "cuda" else "KV cache"):
         if torch_device.type == "cuda":
             log(f"device memory: {memory.summary(torch_device)} with the weights")
+            try:
+                slots = config.resident * _session_kv_bytes(
+                    getattr(loaded.model, "inner", loaded.model), config.max_context
+                )
+            except (AttributeError, TypeError, RuntimeError):  # no meta layout
+                slots = 0
+            caches = config.prefix_cache_bytes + slots
+            _fit_expert_scratch(loaded.model, torch_dtype, torch_device, caches)
         with _explained(torch_device, "building the KV cache and CUDA graphs", quantize):
             engine = Engine(loaded, config, torch_device, log=log)
         if torch_device.type == "cuda":

@@ -232,3 +232,30 @@ def test_worker_asked_for_cuda_without_it_says_so_before_loading() -> None:
     assert line["event"] == "error" and line["error"].startswith("failed to start: --device cuda")
     assert "has no CUDA" in line["error"] or "CUDA device(s) visible" in line["error"]
     assert "loading" not in result.stderr.decode()
+
+
+def test_quantized_experts_prefill_without_a_scratch_that_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer's hit experts dequantize into a float scratch for a prefill chunk (1.5 GiB for
+    the 35B-A3B model): where twice that does not fit beside the caches the worker is about to
+    allocate, prefill takes the quantized grouped GEMMs (no scratch) instead."""
+    from worker import main as worker_main
+    from worker.layers import quant_experts
+    from worker.layers.quant import QuantFormat
+
+    monkeypatch.setitem(quant_experts.DEQUANT_SCRATCH, "allowed", True)
+    model = torch.nn.Sequential(quant_experts.QuantExperts(4, 64, 32, QuantFormat("int4", 32)))
+    scratch = 4 * (64 * 64 + 64 * 32) * 2  # gate_up [4, 64, 64] and down [4, 64, 32] in bf16
+    assert quant_experts.dequant_scratch_bytes(model, torch.bfloat16) == scratch
+    assert quant_experts.dequant_scratch_bytes(torch.nn.Linear(2, 2), torch.bfloat16) == 0
+    room = {"free": 1000 + 2 * scratch}
+    monkeypatch.setattr(memory, "free_bytes", lambda device: room["free"])
+    assert worker_main._fit_expert_scratch(model, torch.bfloat16, "cuda:0", caches=1000)
+    assert quant_experts.DEQUANT_SCRATCH["allowed"] is True
+    room["free"] -= 1
+    assert not worker_main._fit_expert_scratch(model, torch.bfloat16, "cuda:0", caches=1000)
+    assert quant_experts.DEQUANT_SCRATCH["allowed"] is False
+    # a model without quantized experts never needs one
+    assert worker_main._fit_expert_scratch(torch.nn.Linear(2, 2), torch.bfloat16, "cuda:0", 1000)
+    assert quant_experts.DEQUANT_SCRATCH["allowed"] is True

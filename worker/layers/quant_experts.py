@@ -77,6 +77,28 @@ def unpack_words(words: torch.Tensor, kind: str) -> torch.Tensor:
     return codes.reshape(-1, words.shape[1]).float()
 
 
+# Whether a long step (a prefill chunk) may dequantize a layer's hit experts into a float
+# scratch, the faster prefill (``worker.device.kernels.moe_quant.use_dequant``): 1.5 GiB a
+# layer for the 35B-A3B model in bf16, which a 24 GB card may not have beside the weights and
+# a session (session 30: the Q4_K_M file kept, one 32k slot, ran out asking for it). The
+# worker turns it off when it does not fit (worker/main.py ``_fit_expert_scratch``); the
+# quantized grouped GEMMs then dequantize tiles in registers.
+DEQUANT_SCRATCH = {"allowed": True}
+
+
+def dequant_scratch_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """The largest float scratch one layer's experts dequantize into (every expert hit)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return max(
+        (
+            sum(m.num_experts * n * k * size for n, k in m.shapes.values())
+            for m in model.modules()
+            if isinstance(m, QuantExperts)
+        ),
+        default=0,
+    )
+
+
 class QuantExperts(nn.Module):
     """``mlp.experts`` quantized: the two stacked matrices of ``FusedExperts`` in ``fmt``."""
 

@@ -44,13 +44,16 @@ from worker.device.kernels.moe import (
 from worker.device.kernels.moe_gemv import GEMV_MAX_PAIRS, moe_quant_gemv
 from worker.device.kernels.quant_matmul import _extract
 from worker.layers.quant import INT4
-from worker.layers.quant_experts import ExpertMatrix, QuantExperts, per_word
+from worker.layers.quant_experts import DEQUANT_SCRATCH, ExpertMatrix, QuantExperts, per_word
 
 
 def use_dequant() -> bool:
     """Steps too long for the per-pair GEMVs (prefill chunks) dequantize the experts they hit
     into a float scratch and run the float grouped GEMMs (``dequantize_experts``); with
-    TOKENPIPE_MOE_QUANT_DEQUANT=0 the quantized grouped GEMMs instead (for comparison)."""
+    TOKENPIPE_MOE_QUANT_DEQUANT=0 the quantized grouped GEMMs instead (for comparison), and
+    where the worker found no room for the scratch (``quant_experts.DEQUANT_SCRATCH``)."""
+    if not DEQUANT_SCRATCH["allowed"]:
+        return False
     return os.environ.get("TOKENPIPE_MOE_QUANT_DEQUANT", "1") != "0"
 
 
