@@ -137,6 +137,15 @@ def _session_kv_bytes(model: Any, context: int) -> int:
     return int(model.make_kv_cache(1, context, device="meta").bytes_per_slot)
 
 
+def _slots_kv_bytes(model: Any, slots: int, context: int) -> int:
+    """`slots` sessions' cache bytes at `context` (``_session_kv_bytes`` of the model under
+    any CUDA-graph wrapper); 0 for a model without the meta layout."""
+    try:
+        return slots * _session_kv_bytes(getattr(model, "inner", model), context)
+    except (AttributeError, TypeError, RuntimeError):
+        return 0
+
+
 def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int = 0) -> int:
     """The largest context <= `wanted` whose KV for `sessions` slots fits the memory budget
     (80% of free device memory on CUDA; on the CPU `CPU_KV_BUDGET`, or what
@@ -329,12 +338,7 @@ def build_engine(
     if prefix_cache_gb is None and on_cpu:
         prefix_cache_gb = 0.25
     elif prefix_cache_gb is None:
-        taken = 0
-        if max_context is not None:
-            try:
-                taken = resident * _session_kv_bytes(loaded.model, max_context)
-            except (AttributeError, TypeError, RuntimeError):  # no meta layout: as before
-                taken = 0
+        taken = 0 if max_context is None else _slots_kv_bytes(loaded.model, resident, max_context)
         prefix_cache_gb = _default_prefix_cache_gb(torch_device, taken)
     prefix_bytes = int(prefix_cache_gb * (1 << 30))
     if max_context is None:
@@ -372,12 +376,7 @@ def build_engine(
     with clock.step("KV cache and CUDA graphs" if torch_device.type == "cuda" else "KV cache"):
         if torch_device.type == "cuda":
             log(f"device memory: {memory.summary(torch_device)} with the weights")
-            try:
-                slots = config.resident * _session_kv_bytes(
-                    getattr(loaded.model, "inner", loaded.model), config.max_context
-                )
-            except (AttributeError, TypeError, RuntimeError):  # no meta layout
-                slots = 0
+            slots = _slots_kv_bytes(loaded.model, config.resident, config.max_context)
             caches = config.prefix_cache_bytes + slots
             _fit_expert_scratch(loaded.model, torch_dtype, torch_device, caches)
         with _explained(torch_device, "building the KV cache and CUDA graphs", quantize):
