@@ -128,10 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         result["ready_s"] = worker.ready_s
         result["after_start"] = worker.ask({"op": "stats"})["stats"]
         prompt_len = args.context - args.new - 1  # the last decoded token ends at the context
-        result["runs"] = [
-            fill_and_decode(worker, f"s{i}", random_ids(prompt_len, vocab, i), args.new)
-            for i in range(args.sessions)
-        ]
+        result["runs"] = []
+        for i in range(args.sessions):
+            try:
+                prompt = random_ids(prompt_len, vocab, i)
+                result["runs"].append(fill_and_decode(worker, f"s{i}", prompt, args.new))
+            except RuntimeError as exc:  # a request that failed (out of memory, say)
+                print(f"session s{i} failed: {exc}")
+                result["run_error"] = str(exc)
+                break
         result["after_runs"] = worker.ask({"op": "stats"})["stats"]
     finally:
         worker.close()
@@ -145,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         decode = f"{run['decode_tok_s']:.1f}" if run["decode_tok_s"] else "-"
         print(f"| {run['session']} | {run['prompt_tokens']} | {run['prefill_tok_s']:.0f} | "
               f"{decode} |")  # fmt: skip
-    for key in ("allocated", "reserved", "peak_reserved", "used", "limit"):
+    for key in ("allocated", "reserved", "peak_allocated", "peak_reserved", "used", "limit"):
         value = stats.get(f"device_memory_{key}")
         if value is not None:
             print(f"device_memory_{key}: {value / GIB:.2f} GiB")
     if "too_small" in result:
         print(f"under {args.too_small} GiB: {result['too_small']['line'].get('error')}")
     write(result, args.out)
-    return 0
+    return 1 if "run_error" in result else 0
 
 
 def write(result: dict[str, Any], out: str) -> None:

@@ -3,6 +3,12 @@
 Reads config.json, the tokenizer and the safetensors headers (a GGUF file is converted into its
 cache directory first, once). Memory per session comes from the KV cache the model would build
 for one slot at `--context` tokens, computed on the meta device (no memory allocated).
+
+`device_estimate` is what a CUDA worker started with the same flags holds at its peak: the
+weights, `--max-resident` (else `--max-sessions`) cache slots, the activations of one
+`--prefill-chunk` step, and a fixed allowance for the CUDA context, kernel code and the engine's
+graphs and buffers, measured (BENCHMARKS.md, session 31). With `--gpu-memory-gb`, whether that
+fits, and how many slots / how long a context would.
 """
 
 from __future__ import annotations
@@ -18,6 +24,16 @@ from worker.loading.checkpoint import Checkpoint, ModelLoadError, text_config
 from worker.loading.quantize import QuantizeOptions, describe_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GIB = 1 << 30
+
+RUNTIME_BYTES = int(1.2 * GIB)
+"""What a CUDA worker holds on the card besides weights, caches and a step's activations: the
+CUDA context and kernel code (0.79 GiB on an H100 with torch 2.11 / CUDA 13: the card's used
+memory less the allocator's reservation) and the engine's CUDA graphs, sampling and prefix
+buffers (0.15-0.35 GiB on the Gemma 4 31B stubs), rounded up (BENCHMARKS.md, session 31)."""
+
+PREFILL_SCRATCH_BYTES = 64 << 20
+"""A quantized matmul's dequantized scratch in a prefill step (quant_matmul.SCRATCH_BYTES)."""
 
 
 def checkpoint_dtype(checkpoint: Checkpoint) -> str | None:
@@ -67,18 +83,44 @@ def kv_bytes_from_config(config: dict[str, Any], context: int, dtype: torch.dtyp
     return total
 
 
+def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: torch.dtype) -> int:
+    """The activations one prefill step of `chunk` tokens holds at once, from the config: at the
+    MLP, the residual and its normed copy, the gate_up output, the activation and its product
+    (dense: 2 x hidden + 4 x intermediate a token); a sparse MoE's routed rows are top-k
+    gathered copies of x with their own gate_up / down outputs, beside the shared expert; plus
+    a quantized matmul's dequantized scratch. Attention's own peak is smaller (flash kernels
+    keep no [chunk, context] scores). Gemma 4 31B, 2,048 tokens, bf16: 0.43 GiB against 0.42
+    measured (peak allocated over the steady state, BENCHMARKS.md session 31)."""
+    cfg = text_config(config)
+    hidden = int(cfg["hidden_size"])
+    width = 4 * int(cfg.get("intermediate_size") or 0)
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        top_k = int(cfg.get("num_experts_per_tok") or 1)
+        inner = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        width = max(width, top_k * (2 * hidden + 4 * inner) + 4 * shared)
+    element = torch.empty((), dtype=dtype).element_size()
+    return chunk * element * (2 * hidden + width) + PREFILL_SCRATCH_BYTES
+
+
 def describe(
     path: str | None,
     context: int | None,
     dtype: torch.dtype,
     progress: bool = True,
     quantize: QuantizeOptions | None = None,
+    tokenizer_path: str | None = None,
+    slots: int = 2,
+    prefill_chunk: int = 2048,
+    gpu_memory_gb: float | None = None,
 ) -> dict[str, Any]:
-    """The metadata `tokenpipe info` prints (see the module docstring)."""
+    """The metadata `tokenpipe info` prints (see the module docstring); `slots` device cache
+    slots (the worker's --max-resident, else --max-sessions: one named session and the scratch
+    one by default)."""
     from worker.loading.loader import open_model_files
 
     checkpoint, config, tokenizer, gguf_source = open_model_files(
-        path, dtype, require_weights=False, progress=progress
+        path, dtype, require_weights=False, progress=progress, tokenizer_path=tokenizer_path
     )
     quantize = quantize or QuantizeOptions()
     context = config.context_length if context is None else context
@@ -102,6 +144,7 @@ def describe(
         bytes_per_session = int(skeleton.make_kv_cache(1, context).bytes_per_slot)
         weights = _weights(skeleton, gguf_source, quantize, dtype)
     except ImportError:
+        skeleton = None
         bytes_per_session = kv_bytes_from_config(checkpoint.config, context, dtype)
         weights = {}
     out = {
@@ -131,7 +174,73 @@ def describe(
     }
     if "weights_bytes" in weights:  # what a GPU must hold for one session, before activations
         out["weights_plus_one_session_bytes"] = weights["weights_bytes"] + bytes_per_session
+        out["device_estimate"] = device_estimate(
+            checkpoint.config, weights, (context, config.context_length), dtype, slots,
+            prefill_chunk, _session_bytes(skeleton, checkpoint.config, dtype), gpu_memory_gb,
+        )  # fmt: skip
     return out
+
+
+def _session_bytes(skeleton: Any, config: dict[str, Any], dtype: torch.dtype) -> Any:
+    """One slot's cache bytes at a context: the model's own cache layout on the meta device,
+    or the config's KV arithmetic for a family without one."""
+    if skeleton is not None:
+        return lambda tokens: int(skeleton.make_kv_cache(1, tokens).bytes_per_slot)
+    return lambda tokens: kv_bytes_from_config(config, tokens, dtype)
+
+
+def device_estimate(
+    config: dict[str, Any],
+    weights: dict[str, Any],
+    contexts: tuple[int, int],
+    dtype: torch.dtype,
+    slots: int,
+    prefill_chunk: int,
+    session_bytes: Any,
+    gpu_memory_gb: float | None = None,
+) -> dict[str, Any]:
+    """What a CUDA worker with `slots` cache slots of `context` tokens (`contexts`: it and the
+    model's longest) holds at its peak (see the module docstring), and with `gpu_memory_gb`
+    whether it fits, the most slots of `context` and the longest context of `slots` that would.
+    The prefix cache is left out: the worker sizes it from what is left (15% by default)."""
+    context, longest = contexts
+    session = session_bytes(context)
+    fixed = weights["weights_bytes"] + prefill_step_bytes(config, prefill_chunk, dtype)
+    fixed += RUNTIME_BYTES
+    out: dict[str, Any] = {
+        "slots": slots,
+        "context": context,
+        "weights_bytes": weights["weights_bytes"],
+        "sessions_bytes": slots * session,
+        "prefill_step_bytes": prefill_step_bytes(config, prefill_chunk, dtype),
+        "runtime_bytes": RUNTIME_BYTES,
+        "total_bytes": fixed + slots * session,
+    }
+    scratch = weights.get("expert_scratch_bytes", 0)
+    if scratch:  # the faster MoE prefill's scratch, used only where twice it fits
+        out["expert_scratch_bytes"] = scratch
+    if gpu_memory_gb is None:
+        return out
+    limit = int(gpu_memory_gb * GIB)
+    room = limit - fixed
+    out["gpu_memory_gb"] = gpu_memory_gb
+    out["fits"] = out["total_bytes"] <= limit
+    out["max_slots_at_context"] = max(0, room // session) if session else None
+    out["max_context_at_slots"] = _longest_context(session_bytes, room // slots, longest)
+    return out
+
+
+def _longest_context(session_bytes: Any, budget: int, ceiling: int) -> int:
+    """The longest context <= `ceiling` (to 256 tokens) whose one slot costs <= `budget`; 0 if
+    none does. Cache bytes grow with the context, so a bisection over 256-token steps."""
+    low, high = 0, ceiling // 256
+    while low < high:
+        middle = (low + high + 1) // 2
+        if session_bytes(middle * 256) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return low * 256
 
 
 def _weights(
@@ -147,7 +256,25 @@ def _weights(
         plan = plan_for_model(skeleton, quantize)
     described = describe_weights(skeleton, plan, dtype)
     stored = sum(entry["bytes"] for entry in described["formats"].values())
-    return {"quantize": quantize.mode, **described, "weights_bytes": stored}
+    out = {"quantize": quantize.mode, **described, "weights_bytes": stored}
+    scratch = expert_scratch_bytes(skeleton, plan, dtype)
+    return {**out, "expert_scratch_bytes": scratch} if scratch else out
+
+
+def expert_scratch_bytes(skeleton: Any, plan: dict[str, Any], dtype: torch.dtype) -> int:
+    """Quantized MoE experts' float scratch for a prefill step (one layer's experts dequantized,
+    ``quant_experts.dequant_scratch_bytes`` once loaded): 0 where no experts are quantized."""
+    from worker.layers.moe import FusedExperts
+
+    element = torch.empty((), dtype=dtype).element_size()
+    return max(
+        (
+            (module.gate_up_proj.numel() + module.down_proj.numel()) * element
+            for name, module in skeleton.named_modules()
+            if isinstance(module, FusedExperts) and plan.get(name) is not None
+        ),
+        default=0,
+    )
 
 
 @click.command("info")
@@ -169,6 +296,25 @@ def _weights(
     help="The weight formats to report (as the worker's flag).",
 )
 @click.option("--group-size", type=click.IntRange(min=2), default=None)
+@click.option("--tokenizer_path", "--tokenizer-path", "tokenizer_path", default=None,
+              help="tokenizer.json, where the model directory has none.")  # fmt: skip
+@click.option("--max-sessions", type=click.IntRange(min=1), default=2, show_default=True,
+              help="As the worker's flag: device cache slots in device_estimate (one named "
+              "session and the scratch one by default).")  # fmt: skip
+@click.option(
+    "--max-resident",
+    type=click.IntRange(min=1),
+    default=None,
+    help="As the worker's flag: the slots on the device when fewer than sessions.",
+)
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="As the worker's flag (its CUDA default).")  # fmt: skip
+@click.option(
+    "--gpu-memory-gb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="A card's memory: whether device_estimate fits it, and what would.",
+)
 def command(
     model_path: str | None,
     model_path_alias: str | None,
@@ -176,12 +322,26 @@ def command(
     dtype: str,
     quantize: str,
     group_size: int | None,
+    tokenizer_path: str | None,
+    max_sessions: int,
+    max_resident: int | None,
+    prefill_chunk: int,
+    gpu_memory_gb: float | None,
 ) -> None:
     """Print the model's metadata as JSON (architecture, parameters, context, vocabulary,
-    BOS/EOS ids, chat template, KV memory per session) without loading the weights."""
+    BOS/EOS ids, chat template, KV memory per session, weight formats, and what a CUDA worker
+    with these flags would hold: device_estimate) without loading the weights."""
     try:
+        if max_resident is not None and max_resident > max_sessions:
+            raise ValueError(
+                f"--max-resident {max_resident} is above --max-sessions {max_sessions}"
+            )
         options = QuantizeOptions(quantize, group_size)
-        info = describe(model_path or model_path_alias, context, DTYPES[dtype], quantize=options)
+        info = describe(
+            model_path or model_path_alias, context, DTYPES[dtype], quantize=options,
+            tokenizer_path=tokenizer_path, slots=max_resident or max_sessions,
+            prefill_chunk=prefill_chunk, gpu_memory_gb=gpu_memory_gb,
+        )  # fmt: skip
     except (ModelLoadError, ValueError) as exc:
         click.echo(f"tokenpipe info: error: {exc}", err=True)
         sys.exit(1)
