@@ -20,20 +20,17 @@ from typing import Any
 import click
 import torch
 
+from worker.device.memory import GIB, GRAPHS_BYTES, prefill_step_bytes
 from worker.loading.checkpoint import Checkpoint, ModelLoadError, text_config
 from worker.loading.quantize import QuantizeOptions, describe_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GIB = 1 << 30
 
-RUNTIME_BYTES = int(1.2 * GIB)
+RUNTIME_BYTES = int(0.8 * GIB) + GRAPHS_BYTES
 """What a CUDA worker holds on the card besides weights, caches and a step's activations: the
 CUDA context and kernel code (0.79 GiB on an H100 with torch 2.11 / CUDA 13: the card's used
-memory less the allocator's reservation) and the engine's CUDA graphs, sampling and prefix
-buffers (0.15-0.35 GiB on the Gemma 4 31B stubs), rounded up (BENCHMARKS.md, session 31)."""
-
-PREFILL_SCRATCH_BYTES = 64 << 20
-"""A quantized matmul's dequantized scratch in a prefill step (quant_matmul.SCRATCH_BYTES)."""
+memory less the allocator's reservation) and the engine's CUDA graphs and buffers
+(``memory.GRAPHS_BYTES``; BENCHMARKS.md, session 31)."""
 
 
 def checkpoint_dtype(checkpoint: Checkpoint) -> str | None:
@@ -81,26 +78,6 @@ def kv_bytes_from_config(config: dict[str, Any], context: int, dtype: torch.dtyp
         )
         total += 2 * kv_heads * head_dim * tokens * element
     return total
-
-
-def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: torch.dtype) -> int:
-    """The activations one prefill step of `chunk` tokens holds at once, from the config: at the
-    MLP, the residual and its normed copy, the gate_up output, the activation and its product
-    (dense: 2 x hidden + 4 x intermediate a token); a sparse MoE's routed rows are top-k
-    gathered copies of x with their own gate_up / down outputs, beside the shared expert; plus
-    a quantized matmul's dequantized scratch. Attention's own peak is smaller (flash kernels
-    keep no [chunk, context] scores). Gemma 4 31B, 2,048 tokens, bf16: 0.43 GiB against 0.42
-    measured (peak allocated over the steady state, BENCHMARKS.md session 31)."""
-    cfg = text_config(config)
-    hidden = int(cfg["hidden_size"])
-    width = 4 * int(cfg.get("intermediate_size") or 0)
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
-        top_k = int(cfg.get("num_experts_per_tok") or 1)
-        inner = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
-        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-        width = max(width, top_k * (2 * hidden + 4 * inner) + 4 * shared)
-    element = torch.empty((), dtype=dtype).element_size()
-    return chunk * element * (2 * hidden + width) + PREFILL_SCRATCH_BYTES
 
 
 def describe(

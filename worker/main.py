@@ -12,6 +12,7 @@ the drop-in for the ExecuTorch llm_server control plane (`WORKER_BIN --model_pat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import sys
@@ -196,11 +197,47 @@ def _fit_expert_scratch(model: Any, dtype: Any, device: Any, caches: int) -> boo
     return allowed
 
 
+MIN_PREFILL_CHUNK = 256
+
+
+def _fit_prefill_chunk(
+    model_config: dict[str, Any], chunk: int, dtype: Any, device: Any, caches: int, chosen: bool
+) -> int:
+    """The prefill chunk whose step's activations (``memory.prefill_step_bytes``) fit beside
+    the caches about to be allocated (`caches` bytes) and the CUDA graphs: the default halved
+    until it does (not below ``MIN_PREFILL_CHUNK``), with a log line; a chunk the user chose is
+    kept, with a warning. Without it a 24 GB card could start and then fail its first long
+    prompt (session 31: the Qwen3.5 Q4_K_M file with two 16k slots under 23.5 GiB)."""
+    from worker.device import memory
+
+    room = memory.free_bytes(device) - caches - memory.GRAPHS_BYTES
+    need = memory.prefill_step_bytes(model_config, chunk, dtype)
+    if need <= room:
+        return chunk
+    gib = 1 << 30
+    if chosen:
+        log(f"warning: a --prefill-chunk {chunk} step needs about {need / gib:.2f} GiB of device "
+            f"memory and {max(room, 0) / gib:.2f} GiB is left beside the caches; long prompts "
+            "may fail out of memory (a smaller --prefill-chunk, fewer sessions or a shorter "
+            "context leave more)")  # fmt: skip
+        return chunk
+    fitted = chunk
+    while (
+        fitted > MIN_PREFILL_CHUNK and memory.prefill_step_bytes(model_config, fitted, dtype) > room
+    ):
+        fitted //= 2
+    fitted = max(fitted, MIN_PREFILL_CHUNK)
+    log(f"prefill chunk {fitted}: a {chunk}-token step needs about {need / gib:.2f} GiB of "
+        f"device memory and {max(room, 0) / gib:.2f} GiB is left beside the caches")  # fmt: skip
+    return fitted
+
+
 def _default_prefix_cache_gb(device: Any, taken: int = 0) -> float:
     """The shared-prefix pool on CUDA: 8 GiB (a 9k-token prefix of Gemma 4 31B, 0.9 MB of
     KV a position), at most 15% of the device memory the weights left free (under
-    --gpu-memory-gb, of what the limit leaves), less `taken` (the sessions' KV when
-    --max-context fixes it: on a 24 GB card the sessions asked for come first)."""
+    --gpu-memory-gb, of what the limit leaves), less `taken` (a prefill step's activations, the
+    CUDA graphs, and the sessions' KV when --max-context fixes it: on a 24 GB card the sessions
+    asked for come first)."""
     if device.type != "cuda":
         return 0.0
     from worker.device import memory
@@ -339,6 +376,9 @@ def build_engine(
         prefix_cache_gb = 0.25
     elif prefix_cache_gb is None:
         taken = 0 if max_context is None else _slots_kv_bytes(loaded.model, resident, max_context)
+        taken += memory.GRAPHS_BYTES + memory.prefill_step_bytes(  # a prefill step's room
+            loaded.config.raw, prefill_chunk or 2048, torch_dtype
+        )
         prefix_cache_gb = _default_prefix_cache_gb(torch_device, taken)
     prefix_bytes = int(prefix_cache_gb * (1 << 30))
     if max_context is None:
@@ -379,6 +419,11 @@ def build_engine(
             slots = _slots_kv_bytes(loaded.model, config.resident, config.max_context)
             caches = config.prefix_cache_bytes + slots
             _fit_expert_scratch(loaded.model, torch_dtype, torch_device, caches)
+            chunk = _fit_prefill_chunk(
+                loaded.config.raw, config.prefill_chunk, torch_dtype, torch_device, caches,
+                chosen=prefill_chunk is not None,
+            )  # fmt: skip
+            config = dataclasses.replace(config, prefill_chunk=chunk)
         with _explained(torch_device, "building the KV cache and CUDA graphs", quantize):
             engine = Engine(loaded, config, torch_device, log=log)
         if torch_device.type == "cuda":

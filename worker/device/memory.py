@@ -20,6 +20,48 @@ from typing import Any
 
 GIB = 1 << 30
 
+GRAPHS_BYTES = 1 << 28
+"""The engine's CUDA graphs' pools, sampling buffers and the like, beside the weights and caches:
+0.10-0.35 GiB measured on the Gemma 4 31B and Qwen3.5 shapes (BENCHMARKS.md, session 31)."""
+
+PREFILL_SCRATCH_BYTES = 64 << 20
+"""A quantized matmul's dequantized scratch in a prefill step (``quant_matmul.SCRATCH_BYTES``)."""
+
+DELTANET_FLOATS_PER_HEAD_DIM = 18
+"""The torch form of the gated delta rule (``deltanet.chunked_gated_delta_rule``) holds about
+this many fp32 [heads, tokens, head_dim] tensors at once (q, k, v, their gated and decayed
+copies, the triangular solve's two-wide right side and solution, the output), beside four
+[heads, tokens, 64] chunk matrices: fitted to Qwen3.5-35B-A3B's 2,048-token step, 0.70 GiB."""
+
+
+def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: Any) -> int:
+    """The activations one prefill step of `chunk` tokens holds at its peak, from a model's
+    (text) config: at the MLP the residual and its normed copy, the gate_up output, the
+    activation and its product (dense: 2 x hidden + 4 x intermediate a token); a sparse MoE's
+    top-k gathered rows with their own gate_up / down outputs, beside the shared expert; a
+    DeltaNet layer's fp32 chunk form (``DELTANET_FLOATS_PER_HEAD_DIM``); plus a quantized
+    matmul's dequantized scratch. Attention's peak is lower (its kernels keep no [chunk,
+    context] scores). Gemma 4 31B, 2,048 tokens, bf16: 0.43 GiB against 0.41-0.42 measured as
+    peak allocated over the steady state (BENCHMARKS.md, session 31)."""
+    import torch
+
+    cfg = config.get("text_config") or config
+    hidden = int(cfg["hidden_size"])
+    element = torch.empty((), dtype=dtype).element_size()
+    width = 4 * int(cfg.get("intermediate_size") or 0)
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        top_k = int(cfg.get("num_experts_per_tok") or 1)
+        inner = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        width = max(width, top_k * (2 * hidden + 4 * inner) + 4 * shared)
+    per_token = element * (2 * hidden + width)
+    heads = int(cfg.get("linear_num_value_heads") or 0)
+    if heads:  # fp32, whatever the model's dtype
+        head_dim = int(cfg.get("linear_value_head_dim") or cfg.get("linear_key_head_dim") or 0)
+        floats = heads * (DELTANET_FLOATS_PER_HEAD_DIM * head_dim + 4 * 64)
+        per_token = max(per_token, element * 2 * hidden + 4 * floats)
+    return chunk * per_token + PREFILL_SCRATCH_BYTES
+
 
 @dataclass(frozen=True)
 class MemoryLimit:
