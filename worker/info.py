@@ -21,6 +21,7 @@ import click
 import torch
 
 from worker.device.memory import GIB, GRAPHS_BYTES, prefill_step_bytes
+from worker.engine.prefix_cache import DEFAULT_BLOCK as PREFIX_BLOCK
 from worker.loading.checkpoint import Checkpoint, ModelLoadError, text_config
 from worker.loading.quantize import QuantizeOptions, describe_weights
 
@@ -182,14 +183,14 @@ def device_estimate(
     The prefix cache is left out: the worker sizes it from what is left (15% by default)."""
     context, longest = contexts
     session = session_bytes(context)
-    fixed = weights["weights_bytes"] + prefill_step_bytes(config, prefill_chunk, dtype)
-    fixed += RUNTIME_BYTES
+    step = prefill_step_bytes(config, prefill_chunk, dtype, PREFIX_BLOCK)  # prefix cache on
+    fixed = weights["weights_bytes"] + step + RUNTIME_BYTES
     out: dict[str, Any] = {
         "slots": slots,
         "context": context,
         "weights_bytes": weights["weights_bytes"],
         "sessions_bytes": slots * session,
-        "prefill_step_bytes": prefill_step_bytes(config, prefill_chunk, dtype),
+        "prefill_step_bytes": step,
         "runtime_bytes": RUNTIME_BYTES,
         "total_bytes": fixed + slots * session,
     }

@@ -201,17 +201,21 @@ MIN_PREFILL_CHUNK = 256
 
 
 def _fit_prefill_chunk(
-    model_config: dict[str, Any], chunk: int, dtype: Any, device: Any, caches: int, chosen: bool
+    model_config: dict[str, Any], config: Any, dtype: Any, device: Any, caches: int, chosen: bool
 ) -> int:
     """The prefill chunk whose step's activations (``memory.prefill_step_bytes``) fit beside
-    the caches about to be allocated (`caches` bytes) and the CUDA graphs: the default halved
+    the caches about to be allocated (`caches` bytes), the CUDA graphs and a margin for
+    fragmentation (``memory.unallocated_bytes``, less ``GRAPHS_BYTES``, less
+    ``FRAGMENTATION_BYTES``), for `config`'s chunk and prefix block: the default halved
     until it does (not below ``MIN_PREFILL_CHUNK``), with a log line; a chunk the user chose is
     kept, with a warning. Without it a 24 GB card could start and then fail its first long
     prompt (session 31: the Qwen3.5 Q4_K_M file with two 16k slots under 23.5 GiB)."""
     from worker.device import memory
 
-    room = memory.free_bytes(device) - caches - memory.GRAPHS_BYTES
-    need = memory.prefill_step_bytes(model_config, chunk, dtype)
+    chunk, every = config.prefill_chunk, config.prefix_block if config.prefix_cache_bytes else 0
+    room = memory.unallocated_bytes(device) - caches - memory.GRAPHS_BYTES
+    room -= memory.FRAGMENTATION_BYTES
+    need = memory.prefill_step_bytes(model_config, chunk, dtype, every)
     if need <= room:
         return chunk
     gib = 1 << 30
@@ -223,7 +227,8 @@ def _fit_prefill_chunk(
         return chunk
     fitted = chunk
     while (
-        fitted > MIN_PREFILL_CHUNK and memory.prefill_step_bytes(model_config, fitted, dtype) > room
+        fitted > MIN_PREFILL_CHUNK
+        and memory.prefill_step_bytes(model_config, fitted, dtype, every) > room
     ):
         fitted //= 2
     fitted = max(fitted, MIN_PREFILL_CHUNK)
@@ -420,7 +425,7 @@ def build_engine(
             caches = config.prefix_cache_bytes + slots
             _fit_expert_scratch(loaded.model, torch_dtype, torch_device, caches)
             chunk = _fit_prefill_chunk(
-                loaded.config.raw, config.prefill_chunk, torch_dtype, torch_device, caches,
+                loaded.config.raw, config, torch_dtype, torch_device, caches,
                 chosen=prefill_chunk is not None,
             )  # fmt: skip
             config = dataclasses.replace(config, prefill_chunk=chunk)

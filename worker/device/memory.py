@@ -34,15 +34,18 @@ copies, the triangular solve's two-wide right side and solution, the output), be
 [heads, tokens, 64] chunk matrices: fitted to Qwen3.5-35B-A3B's 2,048-token step, 0.70 GiB."""
 
 
-def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: Any) -> int:
+def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: Any, state_every: int = 0) -> int:
     """The activations one prefill step of `chunk` tokens holds at its peak, from a model's
     (text) config: at the MLP the residual and its normed copy, the gate_up output, the
     activation and its product (dense: 2 x hidden + 4 x intermediate a token); a sparse MoE's
     top-k gathered rows with their own gate_up / down outputs, beside the shared expert; a
     DeltaNet layer's fp32 chunk form (``DELTANET_FLOATS_PER_HEAD_DIM``); plus a quantized
     matmul's dequantized scratch. Attention's peak is lower (its kernels keep no [chunk,
-    context] scores). Gemma 4 31B, 2,048 tokens, bf16: 0.43 GiB against 0.41-0.42 measured as
-    peak allocated over the steady state (BENCHMARKS.md, session 31)."""
+    context] scores). With the prefix cache on (`state_every`: its block), a hybrid model's
+    step also keeps every DeltaNet layer's state at each block end it passes (fp32). Measured
+    as peak allocated over the steady state (BENCHMARKS.md, session 31), prefix cache off:
+    Gemma 4 31B bf16 0.24 / 0.42 GiB at 1,024 / 2,048 tokens (this: 0.28 / 0.43), Qwen3.5
+    35B-A3B 0.35 / 0.70 (0.41 / 0.70)."""
     import torch
 
     cfg = config.get("text_config") or config
@@ -56,11 +59,16 @@ def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: Any) -> int:
         width = max(width, top_k * (2 * hidden + 4 * inner) + 4 * shared)
     per_token = element * (2 * hidden + width)
     heads = int(cfg.get("linear_num_value_heads") or 0)
+    states = 0
     if heads:  # fp32, whatever the model's dtype
-        head_dim = int(cfg.get("linear_value_head_dim") or cfg.get("linear_key_head_dim") or 0)
-        floats = heads * (DELTANET_FLOATS_PER_HEAD_DIM * head_dim + 4 * 64)
+        value_dim = int(cfg.get("linear_value_head_dim") or 0)
+        key_dim = int(cfg.get("linear_key_head_dim") or value_dim)
+        floats = heads * (DELTANET_FLOATS_PER_HEAD_DIM * value_dim + 4 * 64)
         per_token = max(per_token, element * 2 * hidden + 4 * floats)
-    return chunk * per_token + PREFILL_SCRATCH_BYTES
+        layers = sum(kind == "linear_attention" for kind in cfg.get("layer_types") or ())
+        if state_every:
+            states = chunk // state_every * layers * heads * key_dim * value_dim * 4
+    return chunk * per_token + states + PREFILL_SCRATCH_BYTES
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,27 @@ def prefer_expandable_segments(log: Any = None) -> bool:
 
 def limit_for(device: Any) -> MemoryLimit | None:
     return _LIMITS.get(_key(device)) if _LIMITS else None
+
+
+FRAGMENTATION_BYTES = 1 << 28
+"""Of the memory the allocator has not handed out, what a step may not get under a limit
+(pages split between live blocks): 0.17 GiB reserved but unusable when the Qwen3.5 file's
+prefill ran out under 23.5 GiB (BENCHMARKS.md, session 31), rounded up."""
+
+
+def unallocated_bytes(device: Any) -> int:
+    """What tensors could still get on `device`: the card's free memory plus the allocator's
+    cached blocks, and under a limit at most the limit less what is allocated. (``free_bytes``
+    leaves the cached blocks out: after a load they are mostly gaps the allocator reuses.)"""
+    import torch
+
+    key = _key(device)
+    allocated = torch.cuda.memory_allocated(key)
+    free = torch.cuda.mem_get_info(key)[0] + torch.cuda.memory_reserved(key) - allocated
+    limit = _LIMITS.get(key)
+    if limit is None:
+        return int(free)
+    return int(max(0, min(free, limit.allocator - allocated)))
 
 
 def free_bytes(device: Any) -> int:
