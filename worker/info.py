@@ -20,18 +20,26 @@ from typing import Any
 import click
 import torch
 
-from worker.device.memory import GIB, GRAPHS_BYTES, prefill_step_bytes
+from worker.device.memory import (
+    FRAGMENTATION_BYTES,
+    GIB,
+    GRAPHS_BYTES,
+    MIN_PREFILL_CHUNK,
+    prefill_step_bytes,
+)
 from worker.engine.prefix_cache import DEFAULT_BLOCK as PREFIX_BLOCK
 from worker.loading.checkpoint import Checkpoint, ModelLoadError, text_config
 from worker.loading.quantize import QuantizeOptions, describe_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-RUNTIME_BYTES = int(0.8 * GIB) + GRAPHS_BYTES
+RUNTIME_BYTES = int(0.8 * GIB) + GRAPHS_BYTES + FRAGMENTATION_BYTES
 """What a CUDA worker holds on the card besides weights, caches and a step's activations: the
 CUDA context and kernel code (0.79 GiB on an H100 with torch 2.11 / CUDA 13: the card's used
-memory less the allocator's reservation) and the engine's CUDA graphs and buffers
-(``memory.GRAPHS_BYTES``; BENCHMARKS.md, session 31)."""
+memory less the allocator's reservation), the engine's CUDA graphs and buffers
+(``memory.GRAPHS_BYTES``) and the allocator's unusable gaps (``memory.FRAGMENTATION_BYTES``):
+two 12,032-token slots of Gemma 4 31B int4 under 23.5 GiB, 23.5 GiB without the gaps, did not
+start (BENCHMARKS.md, session 31)."""
 
 
 def checkpoint_dtype(checkpoint: Checkpoint) -> str | None:
@@ -179,7 +187,9 @@ def device_estimate(
 ) -> dict[str, Any]:
     """What a CUDA worker with `slots` cache slots of `context` tokens (`contexts`: it and the
     model's longest) holds at its peak (see the module docstring), and with `gpu_memory_gb`
-    whether it fits, the most slots of `context` and the longest context of `slots` that would.
+    whether it fits, the prefill chunk the worker's default would fall back to where it does not
+    (None where none does), the most slots of `context` and the longest context of `slots` that
+    would at `prefill_chunk`.
     The prefix cache is left out: the worker sizes it from what is left (15% by default)."""
     context, longest = contexts
     session = session_bytes(context)
@@ -203,6 +213,15 @@ def device_estimate(
     room = limit - fixed
     out["gpu_memory_gb"] = gpu_memory_gb
     out["fits"] = out["total_bytes"] <= limit
+    chunk = prefill_chunk  # the worker's default chunk halves until a step fits (worker/main.py)
+    rest = out["total_bytes"] - step
+    while (
+        chunk > MIN_PREFILL_CHUNK
+        and rest + prefill_step_bytes(config, chunk, dtype, PREFIX_BLOCK) > limit
+    ):
+        chunk //= 2
+    fitting = rest + prefill_step_bytes(config, chunk, dtype, PREFIX_BLOCK) <= limit
+    out["fits_with_prefill_chunk"] = chunk if fitting else None
     out["max_slots_at_context"] = max(0, room // session) if session else None
     out["max_context_at_slots"] = _longest_context(session_bytes, room // slots, longest)
     return out

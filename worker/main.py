@@ -197,9 +197,6 @@ def _fit_expert_scratch(model: Any, dtype: Any, device: Any, caches: int) -> boo
     return allowed
 
 
-MIN_PREFILL_CHUNK = 256
-
-
 def _fit_prefill_chunk(
     model_config: dict[str, Any], config: Any, dtype: Any, device: Any, caches: int, chosen: bool
 ) -> int:
@@ -227,11 +224,11 @@ def _fit_prefill_chunk(
         return chunk
     fitted = chunk
     while (
-        fitted > MIN_PREFILL_CHUNK
+        fitted > memory.MIN_PREFILL_CHUNK
         and memory.prefill_step_bytes(model_config, fitted, dtype, every) > room
     ):
         fitted //= 2
-    fitted = max(fitted, MIN_PREFILL_CHUNK)
+    fitted = max(fitted, memory.MIN_PREFILL_CHUNK)
     log(f"prefill chunk {fitted}: a {chunk}-token step needs about {need / gib:.2f} GiB of "
         f"device memory and {max(room, 0) / gib:.2f} GiB is left beside the caches")  # fmt: skip
     return fitted

@@ -259,3 +259,137 @@ def test_quantized_experts_prefill_without_a_scratch_that_does_not_fit(
     # a model without quantized experts never needs one
     assert worker_main._fit_expert_scratch(torch.nn.Linear(2, 2), torch.bfloat16, "cuda:0", 1000)
     assert quant_experts.DEQUANT_SCRATCH["allowed"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# A prefill step's activations: the estimate, the worker's chunk fit, and `info`'s device_estimate
+
+
+def _example_config(name: str) -> dict[str, Any]:
+    import json
+
+    return json.loads((REPO / "examples" / name / "config.json").read_text())
+
+
+def test_prefill_step_estimate_covers_the_measured_peaks() -> None:
+    """Peak allocated over the steady state, one step per prompt length, prefix cache off (H100,
+    session 31): the estimate is at least what was measured and at most 25% above it."""
+    measured = {  # (config, chunk): GiB
+        ("gemma4_31b", 1024): 0.239,
+        ("gemma4_31b", 2048): 0.416,
+        ("qwen3_5_moe", 512): 0.181,
+        ("qwen3_5_moe", 1024): 0.354,
+        ("qwen3_5_moe", 2048): 0.698,
+    }
+    for (name, chunk), gib in measured.items():
+        estimate = memory.prefill_step_bytes(_example_config(name), chunk, torch.bfloat16) / GIB
+        assert gib <= estimate <= 1.25 * gib + 0.07, (name, chunk, estimate)
+    # the prefix cache on: a hybrid step also keeps each DeltaNet layer's state at block ends
+    qwen = _example_config("qwen3_5_moe")
+    off = memory.prefill_step_bytes(qwen, 1024, torch.bfloat16)
+    on = memory.prefill_step_bytes(qwen, 1024, torch.bfloat16, state_every=256)
+    assert on - off == 4 * 30 * 32 * 128 * 128 * 4  # 4 block ends x 30 DeltaNet layers
+    gemma = _example_config("gemma4_31b")
+    assert memory.prefill_step_bytes(gemma, 2048, torch.bfloat16, 256) == (
+        memory.prefill_step_bytes(gemma, 2048, torch.bfloat16)
+    )
+    # fp32 doubles the float activations (a CPU-sized model's dtype)
+    assert memory.prefill_step_bytes(gemma, 2048, torch.float32) > 1.9 * (
+        memory.prefill_step_bytes(gemma, 2048, torch.bfloat16) - memory.PREFILL_SCRATCH_BYTES
+    )
+
+
+def test_unallocated_counts_the_allocators_cached_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeCuda(card=141, held=0.5, reserved=18).install(monkeypatch)  # 9 GiB of it allocated
+    assert memory.unallocated_bytes("cuda:0") == int((141 - 0.5 - 9) * GIB)
+    memory.apply("cuda:0", 24)  # the allocator may hold 23.5 GiB
+    assert memory.unallocated_bytes("cuda:0") == int((23.5 - 9) * GIB)
+    assert memory.free_bytes("cuda:0") == int((23.5 - 18) * GIB)
+
+
+def test_the_default_prefill_chunk_shrinks_until_a_step_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Qwen3.5 35B-A3B's Q4_K_M file with two 16k slots under 23.5 GiB started with a 2,048-token
+    chunk and then ran out on its first 16k prompt (session 31); the fitted chunk served it."""
+    from worker import main as worker_main
+    from worker.engine.engine import EngineConfig
+
+    qwen = _example_config("qwen3_5_moe")
+    lines: list[str] = []
+    monkeypatch.setattr(worker_main, "log", lines.append)
+    room = {"bytes": 0}
+    monkeypatch.setattr(memory, "unallocated_bytes", lambda device: room["bytes"])
+    config = EngineConfig(max_sessions=2, max_context=16384, prefill_chunk=2048,
+                          prefix_cache_bytes=GIB // 8)  # fmt: skip
+    margin = memory.GRAPHS_BYTES + memory.FRAGMENTATION_BYTES
+    caches = GIB
+
+    def fit(chosen: bool = False) -> int:
+        return worker_main._fit_prefill_chunk(
+            qwen, config, torch.bfloat16, "cuda:0", caches, chosen
+        )
+
+    need = memory.prefill_step_bytes(qwen, 2048, torch.bfloat16, 256)
+    room["bytes"] = caches + margin + need
+    assert fit() == 2048 and not lines  # room enough: nothing said
+    room["bytes"] -= 1
+    assert fit() == 1024 and "prefill chunk 1024: a 2048-token step needs" in lines[-1]
+    room["bytes"] = caches + margin + int(0.52 * GIB)  # the H100 run's room: 512 served 16k
+    assert fit() == 512
+    room["bytes"] = 0
+    assert fit() == memory.MIN_PREFILL_CHUNK  # never below the floor
+    lines.clear()
+    assert fit(chosen=True) == 2048 and lines[-1].startswith("warning: a --prefill-chunk 2048")
+    # the prefix cache off: no states at block ends, a smaller step
+    bare = EngineConfig(max_sessions=2, max_context=16384, prefill_chunk=2048)
+    room["bytes"] = caches + margin + memory.prefill_step_bytes(qwen, 2048, torch.bfloat16)
+    assert (
+        worker_main._fit_prefill_chunk(qwen, bare, torch.bfloat16, "cuda:0", caches, False) == 2048
+    )
+
+
+def test_info_device_estimate_against_the_24_gb_runs(tmp_path: Path) -> None:
+    """`tokenpipe info --gpu-memory-gb 23.5` on the example configs (int4 of a bf16 checkpoint)
+    agrees with the runs under that limit (BENCHMARKS.md, sessions 27-31): Gemma 4 31B with two
+    8,192-token slots fits (23.6-23.8 GiB on the card at its peak), three do not."""
+    import json
+
+    from tiny_models import byte_level_tokenizer_json
+
+    from worker.info import command
+
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(json.dumps(byte_level_tokenizer_json()))
+
+    def estimate(name: str, *flags: str) -> dict[str, Any]:
+        args = ["--model", str(REPO / "examples" / name), "--tokenizer-path", str(tokenizer),
+                "--quantize", "int4", "--dtype", "bfloat16", "--gpu-memory-gb", "23.5",
+                *flags]  # fmt: skip
+        result = CliRunner().invoke(command, args)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["device_estimate"]
+
+    two = estimate("gemma4_31b", "--context", "8192")
+    assert two["slots"] == 2 and two["fits"] and two["max_slots_at_context"] == 2
+    parts = ("weights_bytes", "sessions_bytes", "prefill_step_bytes", "runtime_bytes")
+    assert two["total_bytes"] == sum(two[p] for p in parts)
+    assert 22.4 * GIB < two["total_bytes"] < 23.5 * GIB
+    assert 8192 < two["max_context_at_slots"] < 16384
+    three = estimate("gemma4_31b", "--context", "8192", "--max-sessions", "3")
+    assert three["slots"] == 3 and not three["fits"]
+    resident = estimate("gemma4_31b", "--context", "8192", "--max-sessions", "3",
+                        "--max-resident", "2")  # fmt: skip
+    assert resident["slots"] == 2 and resident["fits"]
+    # Qwen3.5 35B-A3B in int4: the experts' float scratch is reported, not counted
+    qwen = estimate("qwen3_5_moe", "--context", "16384")
+    assert qwen["expert_scratch_bytes"] == (256 * 3 * 512 * 2048 * 2)
+    # two 16k slots: not at a 2,048-token chunk, but with the 512 the worker fell back to and
+    # then served a 16k prompt with (the Q4_K_M file kept, session 31)
+    assert not qwen["fits"] and qwen["fits_with_prefill_chunk"] == 512
+    assert two["fits_with_prefill_chunk"] == 2048 and three["fits_with_prefill_chunk"] is None
+    assert "expert_scratch_bytes" not in two
+    bad = CliRunner().invoke(command, ["--model", str(REPO / "examples" / "gemma4_31b"),
+                                       "--tokenizer-path", str(tokenizer), "--max-sessions", "2",
+                                       "--max-resident", "3"])  # fmt: skip
+    assert bad.exit_code == 1 and "--max-resident 3 is above --max-sessions 2" in bad.output

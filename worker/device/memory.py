@@ -24,6 +24,9 @@ GRAPHS_BYTES = 1 << 28
 """The engine's CUDA graphs' pools, sampling buffers and the like, beside the weights and caches:
 0.10-0.35 GiB measured on the Gemma 4 31B and Qwen3.5 shapes (BENCHMARKS.md, session 31)."""
 
+MIN_PREFILL_CHUNK = 256
+"""The worker halves its default prefill chunk until a step fits, never below this."""
+
 PREFILL_SCRATCH_BYTES = 64 << 20
 """A quantized matmul's dequantized scratch in a prefill step (``quant_matmul.SCRATCH_BYTES``)."""
 
