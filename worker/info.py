@@ -189,8 +189,8 @@ def device_estimate(
     model's longest) holds at its peak (see the module docstring), and with `gpu_memory_gb`
     whether it fits, the prefill chunk the worker's default would fall back to where it does not
     (None where none does), the most slots of `context` and the longest context of `slots` that
-    would at `prefill_chunk`.
-    The prefix cache is left out: the worker sizes it from what is left (15% by default)."""
+    would at `prefill_chunk`. The step counts the prefix cache's states at block ends (on by
+    default); its pool is left out: the worker sizes it from what is left (15% by default)."""
     context, longest = contexts
     session = session_bytes(context)
     step = prefill_step_bytes(config, prefill_chunk, dtype, PREFIX_BLOCK)  # prefix cache on
