@@ -289,6 +289,8 @@ def test_prefill_step_estimate_covers_the_measured_peaks() -> None:
     off = memory.prefill_step_bytes(qwen, 1024, torch.bfloat16)
     on = memory.prefill_step_bytes(qwen, 1024, torch.bfloat16, state_every=256)
     assert on - off == 4 * 30 * 32 * 128 * 128 * 4  # 4 block ends x 30 DeltaNet layers
+    implied = {k: v for k, v in qwen.items() if k != "layer_types"}  # every 4th layer full
+    assert memory.prefill_step_bytes(implied, 1024, torch.bfloat16, 256) == on
     gemma = _example_config("gemma4_31b")
     assert memory.prefill_step_bytes(gemma, 2048, torch.bfloat16, 256) == (
         memory.prefill_step_bytes(gemma, 2048, torch.bfloat16)

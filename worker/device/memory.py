@@ -68,7 +68,14 @@ def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: Any, state_eve
         key_dim = int(cfg.get("linear_key_head_dim") or value_dim)
         floats = heads * (DELTANET_FLOATS_PER_HEAD_DIM * value_dim + 4 * 64)
         per_token = max(per_token, element * 2 * hidden + 4 * floats)
-        layers = sum(kind == "linear_attention" for kind in cfg.get("layer_types") or ())
+        kinds = cfg.get("layer_types")
+        n_layers = int(cfg.get("num_hidden_layers") or 0)
+        interval = int(cfg.get("full_attention_interval") or 4)  # every 4th full without them
+        layers = (
+            sum(kind == "linear_attention" for kind in kinds)
+            if kinds
+            else n_layers - n_layers // interval
+        )
         if state_every:
             states = chunk // state_every * layers * heads * key_dim * value_dim * 4
     return chunk * per_token + states + PREFILL_SCRATCH_BYTES
