@@ -24,7 +24,7 @@ from worker.device.memory import (
     FRAGMENTATION_BYTES,
     GIB,
     GRAPHS_BYTES,
-    MIN_PREFILL_CHUNK,
+    fit_prefill_chunk,
     prefill_step_bytes,
 )
 from worker.engine.prefix_cache import DEFAULT_BLOCK as PREFIX_BLOCK
@@ -213,15 +213,9 @@ def device_estimate(
     room = limit - fixed
     out["gpu_memory_gb"] = gpu_memory_gb
     out["fits"] = out["total_bytes"] <= limit
-    chunk = prefill_chunk  # the worker's default chunk halves until a step fits (worker/main.py)
-    rest = out["total_bytes"] - step
-    while (
-        chunk > MIN_PREFILL_CHUNK
-        and rest + prefill_step_bytes(config, chunk, dtype, PREFIX_BLOCK) > limit
-    ):
-        chunk //= 2
-    fitting = rest + prefill_step_bytes(config, chunk, dtype, PREFIX_BLOCK) <= limit
-    out["fits_with_prefill_chunk"] = chunk if fitting else None
+    out["fits_with_prefill_chunk"] = fit_prefill_chunk(  # as the worker's default falls back
+        config, prefill_chunk, dtype, limit - (out["total_bytes"] - step), PREFIX_BLOCK
+    )
     out["max_slots_at_context"] = max(0, room // session) if session else None
     out["max_context_at_slots"] = _longest_context(session_bytes, room // slots, longest)
     return out

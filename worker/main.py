@@ -215,22 +215,17 @@ def _fit_prefill_chunk(
     need = memory.prefill_step_bytes(model_config, chunk, dtype, every)
     if need <= room:
         return chunk
-    gib = 1 << 30
     if chosen:
-        log(f"warning: a --prefill-chunk {chunk} step needs about {need / gib:.2f} GiB of device "
-            f"memory and {max(room, 0) / gib:.2f} GiB is left beside the caches; long prompts "
-            "may fail out of memory (a smaller --prefill-chunk, fewer sessions or a shorter "
-            "context leave more)")  # fmt: skip
+        log(f"warning: a --prefill-chunk {chunk} step needs about {need / memory.GIB:.2f} GiB of "
+            f"device memory and {max(room, 0) / memory.GIB:.2f} GiB is left beside the caches; "
+            "long prompts may fail out of memory (a smaller --prefill-chunk, fewer sessions or a "
+            "shorter context leave more)")  # fmt: skip
         return chunk
-    fitted = chunk
-    while (
-        fitted > memory.MIN_PREFILL_CHUNK
-        and memory.prefill_step_bytes(model_config, fitted, dtype, every) > room
-    ):
-        fitted //= 2
-    fitted = max(fitted, memory.MIN_PREFILL_CHUNK)
-    log(f"prefill chunk {fitted}: a {chunk}-token step needs about {need / gib:.2f} GiB of "
-        f"device memory and {max(room, 0) / gib:.2f} GiB is left beside the caches")  # fmt: skip
+    fitted = memory.fit_prefill_chunk(model_config, chunk, dtype, room, every)
+    fitted = fitted or memory.MIN_PREFILL_CHUNK
+    log(f"prefill chunk {fitted}: a {chunk}-token step needs about {need / memory.GIB:.2f} GiB "
+        f"of device memory and {max(room, 0) / memory.GIB:.2f} GiB is left beside the "
+        "caches")  # fmt: skip
     return fitted
 
 
@@ -374,12 +369,13 @@ def build_engine(
     if max_resident is not None and max_resident > max_sessions:
         raise ValueError(f"--max-resident {max_resident} is above --max-sessions {max_sessions}")
     resident = max_resident or max_sessions
+    chunk_tokens = prefill_chunk or (512 if on_cpu else 2048)
     if prefix_cache_gb is None and on_cpu:
         prefix_cache_gb = 0.25
     elif prefix_cache_gb is None:
         taken = 0 if max_context is None else _slots_kv_bytes(loaded.model, resident, max_context)
         taken += memory.GRAPHS_BYTES + memory.prefill_step_bytes(  # a prefill step's room
-            loaded.config.raw, prefill_chunk or 2048, torch_dtype
+            loaded.config.raw, chunk_tokens, torch_dtype
         )
         prefix_cache_gb = _default_prefix_cache_gb(torch_device, taken)
     prefix_bytes = int(prefix_cache_gb * (1 << 30))
@@ -407,7 +403,7 @@ def build_engine(
     config = EngineConfig(
         max_sessions=max_sessions,
         max_context=min(max_context or default_context, model_context),
-        prefill_chunk=prefill_chunk or (512 if on_cpu else 2048),
+        prefill_chunk=chunk_tokens,
         warm_resume=warm_resume,
         prefix_ids=_parse_prefix_ids(prefix_ids),
         max_resident=max_resident,

@@ -81,6 +81,21 @@ def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: Any, state_eve
     return chunk * per_token + states + PREFILL_SCRATCH_BYTES
 
 
+def fit_prefill_chunk(
+    config: dict[str, Any], chunk: int, dtype: Any, room: int, state_every: int = 0
+) -> int | None:
+    """`chunk` halved until a step (``prefill_step_bytes``) fits in `room` bytes, not below
+    ``MIN_PREFILL_CHUNK``: the chunk the worker's default falls back to; None if none fits."""
+
+    def fits(tokens: int) -> bool:
+        return prefill_step_bytes(config, tokens, dtype, state_every) <= room
+
+    while chunk > MIN_PREFILL_CHUNK and not fits(chunk):
+        chunk //= 2
+    chunk = max(chunk, MIN_PREFILL_CHUNK)
+    return chunk if fits(chunk) else None
+
+
 @dataclass(frozen=True)
 class MemoryLimit:
     """A device's limit: ``total`` bytes for the process, of which ``outside`` were held
