@@ -7,7 +7,9 @@ for one slot at `--context` tokens, computed on the meta device (no memory alloc
 `device_estimate` is what a CUDA worker started with the same flags holds at its peak: the
 weights, `--max-resident` (else `--max-sessions`) cache slots, the activations of one
 `--prefill-chunk` step, and a fixed allowance for the CUDA context, kernel code and the engine's
-graphs and buffers, measured (BENCHMARKS.md, session 31). With `--gpu-memory-gb`, whether that
+graphs and buffers, measured (BENCHMARKS.md, session 31). A hybrid model's step is counted for
+the DeltaNet prefill this environment would run (flash-linear-attention's kernels where ``fla``
+is installed, else the torch form: twice the memory). With `--gpu-memory-gb`, whether that
 fits, and how many slots / how long a context would.
 """
 
@@ -163,8 +165,20 @@ def describe(
         out["device_estimate"] = device_estimate(
             checkpoint.config, weights, (context, config.context_length), dtype, slots,
             prefill_chunk, _session_bytes(skeleton, checkpoint.config, dtype), gpu_memory_gb,
+            fla=_fla_installed(dtype),
         )  # fmt: skip
     return out
+
+
+def _fla_installed(dtype: torch.dtype) -> bool:
+    """Whether a CUDA worker here would prefill DeltaNet layers with fla's kernels (the worker's
+    rule, ``deltanet.fla_chunk_rule``, without importing fla)."""
+    import importlib.util
+    import os
+
+    if os.environ.get("TOKENPIPE_NO_FLA") == "1" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return importlib.util.find_spec("fla") is not None
 
 
 def _session_bytes(skeleton: Any, config: dict[str, Any], dtype: torch.dtype) -> Any:
@@ -184,16 +198,19 @@ def device_estimate(
     prefill_chunk: int,
     session_bytes: Any,
     gpu_memory_gb: float | None = None,
+    fla: bool = False,
 ) -> dict[str, Any]:
     """What a CUDA worker with `slots` cache slots of `context` tokens (`contexts`: it and the
     model's longest) holds at its peak (see the module docstring), and with `gpu_memory_gb`
     whether it fits, the prefill chunk the worker's default would fall back to where it does not
     (None where none does), the most slots of `context` and the longest context of `slots` that
     would at `prefill_chunk`. The step counts the prefix cache's states at block ends (on by
-    default); its pool is left out: the worker sizes it from what is left (15% by default)."""
+    default); its pool is left out: the worker sizes it from what is left (15% by default).
+    `fla`: a hybrid model's DeltaNet prefill runs fla's kernels (reported as
+    ``deltanet_prefill``)."""
     context, longest = contexts
     session = session_bytes(context)
-    step = prefill_step_bytes(config, prefill_chunk, dtype, PREFIX_BLOCK)  # prefix cache on
+    step = prefill_step_bytes(config, prefill_chunk, dtype, PREFIX_BLOCK, fla)  # prefix cache on
     fixed = weights["weights_bytes"] + step + RUNTIME_BYTES
     out: dict[str, Any] = {
         "slots": slots,
@@ -204,6 +221,8 @@ def device_estimate(
         "runtime_bytes": RUNTIME_BYTES,
         "total_bytes": fixed + slots * session,
     }
+    if text_config(config).get("linear_num_value_heads"):
+        out["deltanet_prefill"] = "fla" if fla else "torch"
     scratch = weights.get("expert_scratch_bytes", 0)
     if scratch:  # the faster MoE prefill's scratch, used only where twice it fits
         out["expert_scratch_bytes"] = scratch
@@ -214,7 +233,7 @@ def device_estimate(
     out["gpu_memory_gb"] = gpu_memory_gb
     out["fits"] = out["total_bytes"] <= limit
     out["fits_with_prefill_chunk"] = fit_prefill_chunk(  # as the worker's default falls back
-        config, prefill_chunk, dtype, limit - (out["total_bytes"] - step), PREFIX_BLOCK
+        config, prefill_chunk, dtype, limit - (out["total_bytes"] - step), PREFIX_BLOCK, fla
     )
     out["max_slots_at_context"] = max(0, room // session) if session else None
     out["max_context_at_slots"] = _longest_context(session_bytes, room // slots, longest)

@@ -212,7 +212,8 @@ def _fit_prefill_chunk(
     chunk, every = config.prefill_chunk, config.prefix_block if config.prefix_cache_bytes else 0
     room = memory.unallocated_bytes(device) - caches - memory.GRAPHS_BYTES
     room -= memory.FRAGMENTATION_BYTES
-    need = memory.prefill_step_bytes(model_config, chunk, dtype, every)
+    fla = _fla_prefill(model_config, device, dtype)
+    need = memory.prefill_step_bytes(model_config, chunk, dtype, every, fla)
     if need <= room:
         return chunk
     if chosen:
@@ -221,12 +222,29 @@ def _fit_prefill_chunk(
             "long prompts may fail out of memory (a smaller --prefill-chunk, fewer sessions or a "
             "shorter context leave more)")  # fmt: skip
         return chunk
-    fitted = memory.fit_prefill_chunk(model_config, chunk, dtype, room, every)
+    fitted = memory.fit_prefill_chunk(model_config, chunk, dtype, room, every, fla)
     fitted = fitted or memory.MIN_PREFILL_CHUNK
     log(f"prefill chunk {fitted}: a {chunk}-token step needs about {need / memory.GIB:.2f} GiB "
         f"of device memory and {max(room, 0) / memory.GIB:.2f} GiB is left beside the "
         "caches")  # fmt: skip
     return fitted
+
+
+def _fla_prefill(model_config: dict[str, Any], device: Any, dtype: Any) -> bool:
+    """Whether this worker's DeltaNet prefill goes through flash-linear-attention's kernels
+    (a hybrid model on CUDA in bf16/fp16 with ``fla`` importable): their step holds half the
+    torch form's activations (``memory.prefill_step_bytes``). False for other models, without
+    importing fla."""
+    import torch
+
+    text = model_config.get("text_config") or model_config
+    if not text.get("linear_num_value_heads") or torch.device(device).type != "cuda":
+        return False
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from worker.layers import deltanet
+
+    return deltanet.fla_chunk_rule() is not None
 
 
 def _default_prefix_cache_gb(device: Any, taken: int = 0) -> float:
@@ -374,8 +392,9 @@ def build_engine(
         prefix_cache_gb = 0.25
     elif prefix_cache_gb is None:
         taken = 0 if max_context is None else _slots_kv_bytes(loaded.model, resident, max_context)
+        fla = _fla_prefill(loaded.config.raw, torch_device, torch_dtype)
         taken += memory.GRAPHS_BYTES + memory.prefill_step_bytes(  # a prefill step's room
-            loaded.config.raw, chunk_tokens, torch_dtype
+            loaded.config.raw, chunk_tokens, torch_dtype, fla=fla
         )
         prefix_cache_gb = _default_prefix_cache_gb(torch_device, taken)
     prefix_bytes = int(prefix_cache_gb * (1 << 30))

@@ -284,6 +284,12 @@ def test_prefill_step_estimate_covers_the_measured_peaks() -> None:
     for (name, chunk), gib in measured.items():
         estimate = memory.prefill_step_bytes(_example_config(name), chunk, torch.bfloat16) / GIB
         assert gib <= estimate <= 1.25 * gib + 0.07, (name, chunk, estimate)
+    # fla's kernels for the DeltaNet prefill (fla-core 0.6 carried to the H100, session 32)
+    for chunk, gib in {512: 0.082, 1024: 0.163, 2048: 0.324}.items():
+        estimate = memory.prefill_step_bytes(
+            _example_config("qwen3_5_moe"), chunk, torch.bfloat16, fla=True
+        )
+        assert gib <= estimate / GIB <= 1.25 * gib + 0.07, (chunk, estimate / GIB)
     # the prefix cache on: a hybrid step also keeps each DeltaNet layer's state at block ends
     qwen = _example_config("qwen3_5_moe")
     off = memory.prefill_step_bytes(qwen, 1024, torch.bfloat16)
@@ -339,6 +345,9 @@ def test_the_default_prefill_chunk_shrinks_until_a_step_fits(
     assert fit() == 1024 and "prefill chunk 1024: a 2048-token step needs" in lines[-1]
     room["bytes"] = caches + margin + int(0.52 * GIB)  # the H100 run's room: 512 served 16k
     assert fit() == 512
+    monkeypatch.setattr(worker_main, "_fla_prefill", lambda *args: True)
+    assert fit() == 1024  # fla's step is half the torch form's (with the prefix states)
+    monkeypatch.setattr(worker_main, "_fla_prefill", lambda *args: False)
     room["bytes"] = 0
     assert fit() == memory.MIN_PREFILL_CHUNK  # never below the floor
     lines.clear()
@@ -349,9 +358,36 @@ def test_the_default_prefill_chunk_shrinks_until_a_step_fits(
     assert (
         worker_main._fit_prefill_chunk(qwen, bare, torch.bfloat16, "cuda:0", caches, False) == 2048
     )
+    # the same room without the prefix states: 1,024 with the torch form, 2,048 with fla
+    room["bytes"] = caches + margin + int(0.52 * GIB)
+    for fla, chunk in ((False, 1024), (True, 2048)):
+        monkeypatch.setattr(worker_main, "_fla_prefill", lambda *args, on=fla: on)
+        assert (
+            worker_main._fit_prefill_chunk(qwen, bare, torch.bfloat16, "cuda:0", caches, False)
+            == chunk
+        )
 
 
-def test_info_device_estimate_against_the_24_gb_runs(tmp_path: Path) -> None:
+def test_fla_prefill_only_for_a_hybrid_model_on_cuda_in_half_precision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from worker import main as worker_main
+    from worker.layers import deltanet
+
+    monkeypatch.setattr(deltanet, "fla_chunk_rule", lambda: object())
+    qwen, gemma = _example_config("qwen3_5_moe"), _example_config("gemma4_31b")
+    assert worker_main._fla_prefill(qwen, "cuda:0", torch.bfloat16)
+    assert worker_main._fla_prefill({"text_config": qwen}, "cuda:0", torch.float16)
+    assert not worker_main._fla_prefill(qwen, "cuda:0", torch.float32)  # the torch form
+    assert not worker_main._fla_prefill(qwen, "cpu", torch.bfloat16)
+    assert not worker_main._fla_prefill(gemma, "cuda:0", torch.bfloat16)
+    monkeypatch.setattr(deltanet, "fla_chunk_rule", lambda: None)  # not installed
+    assert not worker_main._fla_prefill(qwen, "cuda:0", torch.bfloat16)
+
+
+def test_info_device_estimate_against_the_24_gb_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`tokenpipe info --gpu-memory-gb 23.5` on the example configs (int4 of a bf16 checkpoint)
     agrees with the runs under that limit (BENCHMARKS.md, sessions 27-31): Gemma 4 31B with two
     8,192-token slots fits (23.6-23.8 GiB on the card at its peak), three do not."""
@@ -359,7 +395,10 @@ def test_info_device_estimate_against_the_24_gb_runs(tmp_path: Path) -> None:
 
     from tiny_models import byte_level_tokenizer_json
 
+    from worker import info
     from worker.info import command
+
+    monkeypatch.setattr(info, "_fla_installed", lambda dtype: False)  # the torch form first
 
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_text(json.dumps(byte_level_tokenizer_json()))
@@ -389,6 +428,13 @@ def test_info_device_estimate_against_the_24_gb_runs(tmp_path: Path) -> None:
     # two 16k slots: not at a 2,048-token chunk, but with the 512 the worker fell back to and
     # then served a 16k prompt with (the Q4_K_M file kept, session 31)
     assert not qwen["fits"] and qwen["fits_with_prefill_chunk"] == 512
+    assert qwen["deltanet_prefill"] == "torch" and "deltanet_prefill" not in two
+    monkeypatch.setattr(info, "_fla_installed", lambda dtype: True)
+    fla = estimate("qwen3_5_moe", "--context", "16384")
+    assert (
+        fla["deltanet_prefill"] == "fla" and fla["prefill_step_bytes"] < qwen["prefill_step_bytes"]
+    )
+    assert fla["fits_with_prefill_chunk"] == 512  # int4 of bf16 weights: 1.5 GiB above Q4_K_M
     assert two["fits_with_prefill_chunk"] == 2048 and three["fits_with_prefill_chunk"] is None
     assert "expert_scratch_bytes" not in two
     bad = CliRunner().invoke(command, ["--model", str(REPO / "examples" / "gemma4_31b"),

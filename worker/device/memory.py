@@ -36,19 +36,27 @@ this many fp32 [heads, tokens, head_dim] tensors at once (q, k, v, their gated a
 copies, the triangular solve's two-wide right side and solution, the output), beside four
 [heads, tokens, 64] chunk matrices: fitted to Qwen3.5-35B-A3B's 2,048-token step, 0.70 GiB."""
 
+DELTANET_FLA_FLOATS_PER_HEAD_DIM = 6
+"""The same for flash-linear-attention's chunk kernels (``deltanet.fla_chunk_rule``), which keep
+bf16 inputs and per-chunk states instead of the fp32 form's copies: fitted to Qwen3.5-35B-A3B's
+2,048-token step with fla 0.6, 0.32 GiB (BENCHMARKS.md, session 32)."""
 
-def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: Any, state_every: int = 0) -> int:
+
+def prefill_step_bytes(
+    config: dict[str, Any], chunk: int, dtype: Any, state_every: int = 0, fla: bool = False
+) -> int:
     """The activations one prefill step of `chunk` tokens holds at its peak, from a model's
     (text) config: at the MLP the residual and its normed copy, the gate_up output, the
     activation and its product (dense: 2 x hidden + 4 x intermediate a token); a sparse MoE's
     top-k gathered rows with their own gate_up / down outputs, beside the shared expert; a
-    DeltaNet layer's fp32 chunk form (``DELTANET_FLOATS_PER_HEAD_DIM``); plus a quantized
+    DeltaNet layer's fp32 chunk form (``DELTANET_FLOATS_PER_HEAD_DIM``), or fla's kernels where
+    `fla` (``DELTANET_FLA_FLOATS_PER_HEAD_DIM``); plus a quantized
     matmul's dequantized scratch. Attention's peak is lower (its kernels keep no [chunk,
     context] scores). With the prefix cache on (`state_every`: its block), a hybrid model's
     step also keeps every DeltaNet layer's state at each block end it passes (fp32). Measured
     as peak allocated over the steady state (BENCHMARKS.md, session 31), prefix cache off:
     Gemma 4 31B bf16 0.24 / 0.42 GiB at 1,024 / 2,048 tokens (this: 0.28 / 0.43), Qwen3.5
-    35B-A3B 0.35 / 0.70 (0.41 / 0.70)."""
+    35B-A3B 0.35 / 0.70 (0.41 / 0.70); with fla (session 32) 0.16 / 0.32 (0.20 / 0.33)."""
     import torch
 
     cfg = config.get("text_config") or config
@@ -66,7 +74,8 @@ def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: Any, state_eve
     if heads:  # fp32, whatever the model's dtype
         value_dim = int(cfg.get("linear_value_head_dim") or 0)
         key_dim = int(cfg.get("linear_key_head_dim") or value_dim)
-        floats = heads * (DELTANET_FLOATS_PER_HEAD_DIM * value_dim + 4 * 64)
+        per_dim = DELTANET_FLA_FLOATS_PER_HEAD_DIM if fla else DELTANET_FLOATS_PER_HEAD_DIM
+        floats = heads * (per_dim * value_dim + 4 * 64)
         per_token = max(per_token, element * 2 * hidden + 4 * floats)
         kinds = cfg.get("layer_types")
         n_layers = int(cfg.get("num_hidden_layers") or 0)
@@ -82,13 +91,18 @@ def prefill_step_bytes(config: dict[str, Any], chunk: int, dtype: Any, state_eve
 
 
 def fit_prefill_chunk(
-    config: dict[str, Any], chunk: int, dtype: Any, room: int, state_every: int = 0
+    config: dict[str, Any],
+    chunk: int,
+    dtype: Any,
+    room: int,
+    state_every: int = 0,
+    fla: bool = False,
 ) -> int | None:
     """`chunk` halved until a step (``prefill_step_bytes``) fits in `room` bytes, not below
     ``MIN_PREFILL_CHUNK``: the chunk the worker's default falls back to; None if none fits."""
 
     def fits(tokens: int) -> bool:
-        return prefill_step_bytes(config, tokens, dtype, state_every) <= room
+        return prefill_step_bytes(config, tokens, dtype, state_every, fla) <= room
 
     while chunk > MIN_PREFILL_CHUNK and not fits(chunk):
         chunk //= 2
