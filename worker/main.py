@@ -247,6 +247,25 @@ def _fla_prefill(model_config: dict[str, Any], device: Any, dtype: Any) -> bool:
     return deltanet.fla_chunk_rule() is not None
 
 
+MIN_PREFIX_TOKENS = 1024
+"""The default shared-prefix pool is left off where it could not hold this many tokens (a
+hybrid pool's unit: four 256-token blocks and one DeltaNet state). A pool of none still had a
+hybrid model's prefill keep its states at block ends and fit a smaller chunk: the Qwen3.5 file
+under 23.5 GiB got 67 MB of pool (0 blocks) and prefilled at 3,125 tok/s, 5,112 without it
+(BENCHMARKS.md, session 32)."""
+
+
+def _useful_prefix_gb(model: Any, gb: float) -> float:
+    """`gb`, or 0 with a log line where a pool of `gb` GiB could not hold
+    ``MIN_PREFIX_TOKENS`` tokens of `model`'s cache."""
+    smallest = _slots_kv_bytes(model, 1, MIN_PREFIX_TOKENS)
+    if gb * (1 << 30) >= smallest:
+        return gb
+    log(f"prefix cache off: the {gb:.2f} GiB left for it would hold less than "
+        f"{MIN_PREFIX_TOKENS} tokens ({smallest / (1 << 30):.2f} GiB)")  # fmt: skip
+    return 0.0
+
+
 def _default_prefix_cache_gb(device: Any, taken: int = 0) -> float:
     """The shared-prefix pool on CUDA: 8 GiB (a 9k-token prefix of Gemma 4 31B, 0.9 MB of
     KV a position), at most 15% of the device memory the weights left free (under
@@ -397,6 +416,7 @@ def build_engine(
             loaded.config.raw, chunk_tokens, torch_dtype, fla=fla
         )
         prefix_cache_gb = _default_prefix_cache_gb(torch_device, taken)
+        prefix_cache_gb = _useful_prefix_gb(loaded.model, prefix_cache_gb)
     prefix_bytes = int(prefix_cache_gb * (1 << 30))
     if max_context is None:
         default_context = _memory_capped_context(

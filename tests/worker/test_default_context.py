@@ -80,3 +80,22 @@ def test_hybrid_state_counts_in_the_session_cost() -> None:
     small, large = _session_kv_bytes(model, 256), _session_kv_bytes(model, 512)
     per_token = (large - small) // 256
     assert small - 256 * per_token > 100 << 20  # > 100 MiB of state before any token
+
+
+def test_a_default_prefix_pool_too_small_for_1024_tokens_is_left_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under a 24 GB limit the Qwen3.5 file's default pool came to 67 MB: no block, no state,
+    yet its prefill kept states at block ends and fitted a 1,024 chunk (session 32)."""
+    from worker import main as worker_main
+
+    root = Path(__file__).resolve().parents[2]
+    config = json.loads((root / "examples" / "qwen3_5_moe" / "config.json").read_text())
+    qwen = build_model(ModelConfig.from_hf(config), "meta", torch.bfloat16)
+    lines: list[str] = []
+    monkeypatch.setattr(worker_main, "log", lines.append)
+    assert worker_main._useful_prefix_gb(qwen, 70012108 / (1 << 30)) == 0.0
+    assert lines[-1].startswith("prefix cache off: the 0.07 GiB left for it would hold less")
+    smallest = _session_kv_bytes(qwen, worker_main.MIN_PREFIX_TOKENS) / (1 << 30)
+    assert worker_main._useful_prefix_gb(qwen, smallest) == smallest
+    assert worker_main._useful_prefix_gb(qwen, 8.0) == 8.0 and len(lines) == 1
