@@ -255,11 +255,17 @@ under 23.5 GiB got 67 MB of pool (0 blocks) and prefilled at 3,125 tok/s, 5,112 
 (BENCHMARKS.md, session 32)."""
 
 
-def _useful_prefix_gb(model: Any, gb: float) -> float:
+def _useful_prefix_gb(model: Any, gb: float, chosen: bool = False) -> float:
     """`gb`, or 0 with a log line where a pool of `gb` GiB could not hold
-    ``MIN_PREFIX_TOKENS`` tokens of `model`'s cache."""
+    ``MIN_PREFIX_TOKENS`` tokens of `model`'s cache; a size the user `chosen` is kept, with a
+    warning."""
     smallest = _slots_kv_bytes(model, 1, MIN_PREFIX_TOKENS)
     if gb * (1 << 30) >= smallest:
+        return gb
+    if chosen:
+        need = smallest / (1 << 30)
+        log(f"warning: --prefix-cache-gb {gb:g} holds less than {MIN_PREFIX_TOKENS} tokens of "
+            f"this model ({need:.2f} GiB); 0 turns the prefix cache off")  # fmt: skip
         return gb
     log(f"prefix cache off: the {gb:.2f} GiB left for it would hold less than "
         f"{MIN_PREFIX_TOKENS} tokens ({smallest / (1 << 30):.2f} GiB)")  # fmt: skip
@@ -417,6 +423,8 @@ def build_engine(
         )
         prefix_cache_gb = _default_prefix_cache_gb(torch_device, taken)
         prefix_cache_gb = _useful_prefix_gb(loaded.model, prefix_cache_gb)
+    elif prefix_cache_gb > 0:
+        _useful_prefix_gb(loaded.model, prefix_cache_gb, chosen=True)  # kept, with a warning
     prefix_bytes = int(prefix_cache_gb * (1 << 30))
     if max_context is None:
         default_context = _memory_capped_context(

@@ -99,3 +99,5 @@ def test_a_default_prefix_pool_too_small_for_1024_tokens_is_left_off(
     smallest = _session_kv_bytes(qwen, worker_main.MIN_PREFIX_TOKENS) / (1 << 30)
     assert worker_main._useful_prefix_gb(qwen, smallest) == smallest
     assert worker_main._useful_prefix_gb(qwen, 8.0) == 8.0 and len(lines) == 1
+    assert worker_main._useful_prefix_gb(qwen, 0.05, chosen=True) == 0.05  # the user's, kept
+    assert lines[-1].startswith("warning: --prefix-cache-gb 0.05 holds less than 1024 tokens")
