@@ -61,8 +61,8 @@ def fill_and_decode(worker: WorkerProcess, sid: str, prompt: list[int], new: int
 def warm_up(worker: WorkerProcess, tokens: int, vocab: int) -> float:
     """One request without a session (the spare slot) of `tokens` prompt ids and two new ones,
     before anything is timed: the prefill's kernels compile and autotune (Triton, fla) on it,
-    not on the first measured prompt (session 32: a Qwen3.5 16k prompt 3,007 tok/s cold, 5,112
-    on a machine that had run it). Its seconds."""
+    not on the first measured prompt (session 32: the Qwen3.5 file's 16k prompt, the same flags,
+    3,007 tok/s on a fresh machine, 5,112 on one that had run it). Its seconds."""
     request = {"prompt_segments": [{"ids": random_ids(tokens, vocab, 99)}], "max_new_tokens": 2}
     t0 = time.perf_counter()
     worker.generate([request], timeout=900)

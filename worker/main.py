@@ -251,7 +251,7 @@ MIN_PREFIX_TOKENS = 1024
 """The default shared-prefix pool is left off where it could not hold this many tokens (a
 hybrid pool's unit: four 256-token blocks and one DeltaNet state). A pool of none still had a
 hybrid model's prefill keep its states at block ends and fit a smaller chunk: the Qwen3.5 file
-under 23.5 GiB got 67 MB of pool (0 blocks) and prefilled at 3,125 tok/s, 5,112 without it
+under 23.5 GiB got 67 MB of pool (0 blocks) and a 1,024-token chunk, 2,048 without it
 (BENCHMARKS.md, session 32)."""
 
 
