@@ -4,7 +4,8 @@ Reads config.json, the tokenizer and the safetensors headers (a GGUF file is con
 cache directory first, once). Memory per session comes from the KV cache the model would build
 for one slot at `--context` tokens, computed on the meta device (no memory allocated).
 
-`device_estimate` is what a CUDA worker started with the same flags holds at its peak: the
+`device_estimate` is what a CUDA worker started with the same flags holds at its peak (in its
+dtype: bfloat16 unless `--dtype` says, where the other figures default to float32): the
 weights, `--max-resident` (else `--max-sessions`) cache slots, the activations of one
 `--prefill-chunk` step, and a fixed allowance for the CUDA context, kernel code and the engine's
 graphs and buffers, measured (BENCHMARKS.md, session 31). A hybrid model's step is counted for
@@ -101,10 +102,12 @@ def describe(
     slots: int = 2,
     prefill_chunk: int = 2048,
     gpu_memory_gb: float | None = None,
+    device_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """The metadata `tokenpipe info` prints (see the module docstring); `slots` device cache
     slots (the worker's --max-resident, else --max-sessions: one named session and the scratch
-    one by default)."""
+    one by default); `device_dtype` the CUDA worker's dtype for device_estimate (else
+    `dtype`)."""
     from worker.loading.loader import open_model_files
 
     checkpoint, config, tokenizer, gguf_source = open_model_files(
@@ -162,11 +165,18 @@ def describe(
     }
     if "weights_bytes" in weights:  # what a GPU must hold for one session, before activations
         out["weights_plus_one_session_bytes"] = weights["weights_bytes"] + bytes_per_session
-        out["device_estimate"] = device_estimate(
-            checkpoint.config, weights, (context, config.context_length), dtype, slots,
-            prefill_chunk, _session_bytes(skeleton, checkpoint.config, dtype), gpu_memory_gb,
-            fla=_fla_installed(dtype),
-        )  # fmt: skip
+        on_device = device_dtype or dtype
+        if on_device != dtype:  # the CUDA worker's own dtype (bf16 unless --dtype says)
+            skeleton = build_model(config, "meta", on_device)
+            weights = _weights(skeleton, gguf_source, quantize, on_device)
+        out["device_estimate"] = {
+            "dtype": str(on_device).removeprefix("torch."),
+            **device_estimate(
+                checkpoint.config, weights, (context, config.context_length), on_device, slots,
+                prefill_chunk, _session_bytes(skeleton, checkpoint.config, on_device),
+                gpu_memory_gb, fla=_fla_installed(on_device),
+            ),
+        }  # fmt: skip
     return out
 
 
@@ -294,9 +304,9 @@ def expert_scratch_bytes(skeleton: Any, plan: dict[str, Any], dtype: torch.dtype
 @click.option(
     "--dtype",
     type=click.Choice(sorted(DTYPES)),
-    default="float32",
-    show_default=True,
-    help="Compute dtype the memory figures assume.",
+    default=None,
+    help="Compute dtype the memory figures assume (default: float32, a CPU worker's; "
+    "device_estimate: bfloat16, a CUDA worker's).",
 )
 @click.option(
     "--quantize",
@@ -329,7 +339,7 @@ def command(
     model_path: str | None,
     model_path_alias: str | None,
     context: int | None,
-    dtype: str,
+    dtype: str | None,
     quantize: str,
     group_size: int | None,
     tokenizer_path: str | None,
@@ -348,9 +358,10 @@ def command(
             )
         options = QuantizeOptions(quantize, group_size)
         info = describe(
-            model_path or model_path_alias, context, DTYPES[dtype], quantize=options,
-            tokenizer_path=tokenizer_path, slots=max_resident or max_sessions,
+            model_path or model_path_alias, context, DTYPES[dtype or "float32"],
+            quantize=options, tokenizer_path=tokenizer_path, slots=max_resident or max_sessions,
             prefill_chunk=prefill_chunk, gpu_memory_gb=gpu_memory_gb,
+            device_dtype=DTYPES[dtype or "bfloat16"],
         )  # fmt: skip
     except (ModelLoadError, ValueError) as exc:
         click.echo(f"tokenpipe info: error: {exc}", err=True)

@@ -435,6 +435,16 @@ def test_info_device_estimate_against_the_24_gb_runs(
         fla["deltanet_prefill"] == "fla" and fla["prefill_step_bytes"] < qwen["prefill_step_bytes"]
     )
     assert fla["fits_with_prefill_chunk"] == 512  # int4 of bf16 weights: 1.5 GiB above Q4_K_M
+    # without --dtype: the top-level figures a CPU worker's float32, device_estimate the CUDA
+    # worker's bfloat16 (it used to count float32 caches and activations for the GPU)
+    monkeypatch.setattr(info, "_fla_installed", lambda dtype: False)
+    args = ["--model", str(REPO / "examples" / "gemma4_31b"), "--tokenizer-path", str(tokenizer),
+            "--quantize", "int4", "--gpu-memory-gb", "23.5", "--context", "8192"]  # fmt: skip
+    plain = json.loads(CliRunner().invoke(command, args).stdout)
+    assert plain["dtype"] == "float32" and plain["device_estimate"] == {**two, "dtype": "bfloat16"}
+    fp32 = json.loads(CliRunner().invoke(command, [*args, "--dtype", "float32"]).stdout)
+    assert fp32["device_estimate"]["dtype"] == "float32"
+    assert fp32["device_estimate"]["total_bytes"] > two["total_bytes"]
     assert two["fits_with_prefill_chunk"] == 2048 and three["fits_with_prefill_chunk"] is None
     assert "expert_scratch_bytes" not in two
     bad = CliRunner().invoke(command, ["--model", str(REPO / "examples" / "gemma4_31b"),
