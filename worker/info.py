@@ -27,6 +27,8 @@ from worker.device.memory import (
     FRAGMENTATION_BYTES,
     GIB,
     GRAPHS_BYTES,
+    MIN_PREFIX_TOKENS,
+    default_prefix_pool_bytes,
     fit_prefill_chunk,
     prefill_step_bytes,
 )
@@ -215,12 +217,22 @@ def device_estimate(
     whether it fits, the prefill chunk the worker's default would fall back to where it does not
     (None where none does), the most slots of `context` and the longest context of `slots` that
     would at `prefill_chunk`. The step counts the prefix cache's states at block ends (on by
-    default); its pool is left out: the worker sizes it from what is left (15% by default).
+    default); its pool is left out: the worker sizes it from what is left (15%; with
+    `gpu_memory_gb` reported as ``prefix_pool_bytes``, 0 where it would hold less than
+    ``MIN_PREFIX_TOKENS`` tokens and the worker leaves it off, and then no states).
     `fla`: a hybrid model's DeltaNet prefill runs fla's kernels (reported as
     ``deltanet_prefill``)."""
     context, longest = contexts
     session = session_bytes(context)
-    step = prefill_step_bytes(config, prefill_chunk, dtype, PREFIX_BLOCK, fla)  # prefix cache on
+    every = PREFIX_BLOCK  # the prefix cache on: a hybrid step keeps states at block ends
+    pool = None
+    if gpu_memory_gb is not None:  # the pool the worker would size, and whether it holds anything
+        plain = prefill_step_bytes(config, prefill_chunk, dtype, 0, fla)
+        room = int(gpu_memory_gb * GIB) - weights["weights_bytes"] - RUNTIME_BYTES
+        pool = default_prefix_pool_bytes(room - slots * session - plain)
+        if pool < session_bytes(MIN_PREFIX_TOKENS):
+            every = pool = 0  # left off, as the worker does
+    step = prefill_step_bytes(config, prefill_chunk, dtype, every, fla)
     fixed = weights["weights_bytes"] + step + RUNTIME_BYTES
     out: dict[str, Any] = {
         "slots": slots,
@@ -238,12 +250,13 @@ def device_estimate(
         out["expert_scratch_bytes"] = scratch
     if gpu_memory_gb is None:
         return out
+    out["prefix_pool_bytes"] = pool
     limit = int(gpu_memory_gb * GIB)
     room = limit - fixed
     out["gpu_memory_gb"] = gpu_memory_gb
     out["fits"] = out["total_bytes"] <= limit
     out["fits_with_prefill_chunk"] = fit_prefill_chunk(  # as the worker's default falls back
-        config, prefill_chunk, dtype, limit - (out["total_bytes"] - step), PREFIX_BLOCK, fla
+        config, prefill_chunk, dtype, limit - (out["total_bytes"] - step), every, fla
     )
     out["max_slots_at_context"] = max(0, room // session) if session else None
     out["max_context_at_slots"] = _longest_context(session_bytes, room // slots, longest)

@@ -247,18 +247,12 @@ def _fla_prefill(model_config: dict[str, Any], device: Any, dtype: Any) -> bool:
     return deltanet.fla_chunk_rule() is not None
 
 
-MIN_PREFIX_TOKENS = 1024
-"""The default shared-prefix pool is left off where it could not hold this many tokens (a
-hybrid pool's unit: four 256-token blocks and one DeltaNet state). A pool of none still had a
-hybrid model's prefill keep its states at block ends and fit a smaller chunk: the Qwen3.5 file
-under 23.5 GiB got 67 MB of pool (0 blocks) and a 1,024-token chunk, 2,048 without it
-(BENCHMARKS.md, session 32)."""
-
-
 def _useful_prefix_gb(model: Any, gb: float, chosen: bool = False) -> float:
     """`gb`, or 0 with a log line where a pool of `gb` GiB could not hold
-    ``MIN_PREFIX_TOKENS`` tokens of `model`'s cache; a size the user `chosen` is kept, with a
+    ``memory.MIN_PREFIX_TOKENS`` tokens of `model`'s cache; a size the user `chosen` is kept, with a
     warning."""
+    from worker.device.memory import MIN_PREFIX_TOKENS
+
     smallest = _slots_kv_bytes(model, 1, MIN_PREFIX_TOKENS)
     if gb * (1 << 30) >= smallest:
         return gb
@@ -282,7 +276,7 @@ def _default_prefix_cache_gb(device: Any, taken: int = 0) -> float:
         return 0.0
     from worker.device import memory
 
-    return min(8.0, 0.15 * max(0, memory.free_bytes(device) - taken) / (1 << 30))
+    return memory.default_prefix_pool_bytes(memory.free_bytes(device) - taken) / (1 << 30)
 
 
 @contextlib.contextmanager

@@ -96,7 +96,7 @@ def test_a_default_prefix_pool_too_small_for_1024_tokens_is_left_off(
     monkeypatch.setattr(worker_main, "log", lines.append)
     assert worker_main._useful_prefix_gb(qwen, 70012108 / (1 << 30)) == 0.0
     assert lines[-1].startswith("prefix cache off: the 0.07 GiB left for it would hold less")
-    smallest = _session_kv_bytes(qwen, worker_main.MIN_PREFIX_TOKENS) / (1 << 30)
+    smallest = _session_kv_bytes(qwen, 1024) / (1 << 30)
     assert worker_main._useful_prefix_gb(qwen, smallest) == smallest
     assert worker_main._useful_prefix_gb(qwen, 8.0) == 8.0 and len(lines) == 1
     assert worker_main._useful_prefix_gb(qwen, 0.05, chosen=True) == 0.05  # the user's, kept

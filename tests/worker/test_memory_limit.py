@@ -425,16 +425,21 @@ def test_info_device_estimate_against_the_24_gb_runs(
     # Qwen3.5 35B-A3B in int4: the experts' float scratch is reported, not counted
     qwen = estimate("qwen3_5_moe", "--context", "16384")
     assert qwen["expert_scratch_bytes"] == (256 * 3 * 512 * 2048 * 2)
-    # two 16k slots: not at a 2,048-token chunk, but with the 512 the worker fell back to and
-    # then served a 16k prompt with (the Q4_K_M file kept, session 31)
-    assert not qwen["fits"] and qwen["fits_with_prefill_chunk"] == 512
+    # two 16k slots: not at a 2,048-token chunk; the default prefix pool would hold nothing, so
+    # it is off (as the worker leaves it, session 32) and no states are kept: 1,024 fits
+    assert qwen["prefix_pool_bytes"] == 0 and two["prefix_pool_bytes"] == 0
+    assert not qwen["fits"] and qwen["fits_with_prefill_chunk"] == 1024
     assert qwen["deltanet_prefill"] == "torch" and "deltanet_prefill" not in two
     monkeypatch.setattr(info, "_fla_installed", lambda dtype: True)
     fla = estimate("qwen3_5_moe", "--context", "16384")
     assert (
         fla["deltanet_prefill"] == "fla" and fla["prefill_step_bytes"] < qwen["prefill_step_bytes"]
     )
-    assert fla["fits_with_prefill_chunk"] == 512  # int4 of bf16 weights: 1.5 GiB above Q4_K_M
+    assert fla["fits_with_prefill_chunk"] == 2048
+    # a bigger card: a pool that holds something, and the states it keeps (the last flag wins)
+    roomy = estimate("qwen3_5_moe", "--context", "16384", "--gpu-memory-gb", "40")
+    assert roomy["prefix_pool_bytes"] > 0
+    assert roomy["prefill_step_bytes"] > fla["prefill_step_bytes"]
     # without --dtype: the top-level figures a CPU worker's float32, device_estimate the CUDA
     # worker's bfloat16 (it used to count float32 caches and activations for the GPU)
     monkeypatch.setattr(info, "_fla_installed", lambda dtype: False)

@@ -42,6 +42,24 @@ bf16 inputs and per-chunk states instead of the fp32 form's copies: fitted to Qw
 2,048-token step with fla 0.6, 0.32 GiB (BENCHMARKS.md, session 32)."""
 
 
+MIN_PREFIX_TOKENS = 1024
+"""The default shared-prefix pool is left off where it could not hold this many tokens of the
+model's cache (a hybrid pool's unit: four 256-token blocks and one DeltaNet state). A pool of
+none still had a hybrid model's prefill keep its states at block ends and fit a smaller chunk:
+the Qwen3.5 file under 23.5 GiB got 67 MB of pool (0 blocks) and a 1,024-token chunk, 2,048
+without it (BENCHMARKS.md, session 32)."""
+
+PREFIX_POOL_SHARE = 0.15
+PREFIX_POOL_MAX_BYTES = 8 << 30
+
+
+def default_prefix_pool_bytes(room: int) -> int:
+    """The default shared-prefix pool on CUDA out of `room` bytes (the device memory the weights
+    left, less a prefill step, the graphs and any fixed sessions' caches): 15% of it, at most 8
+    GiB (a 9k-token prefix of Gemma 4 31B, 0.9 MB of KV a position)."""
+    return min(PREFIX_POOL_MAX_BYTES, int(PREFIX_POOL_SHARE * max(0, room)))
+
+
 def prefill_step_bytes(
     config: dict[str, Any], chunk: int, dtype: Any, state_every: int = 0, fla: bool = False
 ) -> int:
