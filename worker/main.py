@@ -408,7 +408,7 @@ def build_engine(
     resident = max_resident or max_sessions
     chunk_tokens = prefill_chunk or (512 if on_cpu else 2048)
     if prefix_cache_gb is None and on_cpu:
-        prefix_cache_gb = 0.25
+        prefix_cache_gb = _useful_prefix_gb(loaded.model, 0.25)
     elif prefix_cache_gb is None:
         taken = 0 if max_context is None else _slots_kv_bytes(loaded.model, resident, max_context)
         fla = _fla_prefill(loaded.config.raw, torch_device, torch_dtype)

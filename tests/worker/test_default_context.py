@@ -101,3 +101,17 @@ def test_a_default_prefix_pool_too_small_for_1024_tokens_is_left_off(
     assert worker_main._useful_prefix_gb(qwen, 8.0) == 8.0 and len(lines) == 1
     assert worker_main._useful_prefix_gb(qwen, 0.05, chosen=True) == 0.05  # the user's, kept
     assert lines[-1].startswith("warning: --prefix-cache-gb 0.05 holds less than 1024 tokens")
+
+
+def test_the_cpu_default_pool_is_kept_for_the_default_model_and_dropped_for_a_31b(
+    gemma_270m: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU default pool (0.25 GiB) holds 1,024 tokens of Gemma 3 270M; of Gemma 4 31B in
+    fp32 (1.7 GiB for 1,024 tokens) it held no block, so it is left off."""
+    from worker import main as worker_main
+
+    monkeypatch.setattr(worker_main, "log", lambda line: None)
+    assert worker_main._useful_prefix_gb(gemma_270m, 0.25) == 0.25
+    root = Path(__file__).resolve().parents[2]
+    big = _meta_model(json.loads((root / "examples" / "gemma4_31b" / "config.json").read_text()))
+    assert worker_main._useful_prefix_gb(big, 0.25) == 0.0
