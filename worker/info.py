@@ -183,14 +183,11 @@ def describe(
 
 
 def _fla_installed(dtype: torch.dtype) -> bool:
-    """Whether a CUDA worker here would prefill DeltaNet layers with fla's kernels (the worker's
-    rule, ``deltanet.fla_chunk_rule``, without importing fla)."""
-    import importlib.util
-    import os
+    """Whether a CUDA worker here would prefill DeltaNet layers with fla's kernels (in bf16/fp16,
+    ``deltanet.fla_installed``), without importing fla."""
+    from worker.layers.deltanet import fla_installed
 
-    if os.environ.get("TOKENPIPE_NO_FLA") == "1" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    return importlib.util.find_spec("fla") is not None
+    return dtype in (torch.bfloat16, torch.float16) and fla_installed()
 
 
 def _session_bytes(skeleton: Any, config: dict[str, Any], dtype: torch.dtype) -> Any:
@@ -228,8 +225,8 @@ def device_estimate(
     pool = None
     if gpu_memory_gb is not None:  # the pool the worker would size, and whether it holds anything
         plain = prefill_step_bytes(config, prefill_chunk, dtype, 0, fla)
-        room = int(gpu_memory_gb * GIB) - weights["weights_bytes"] - RUNTIME_BYTES
-        pool = default_prefix_pool_bytes(room - slots * session - plain)
+        left = int(gpu_memory_gb * GIB) - weights["weights_bytes"] - RUNTIME_BYTES
+        pool = default_prefix_pool_bytes(left - slots * session - plain)
         if pool < session_bytes(MIN_PREFIX_TOKENS):
             every = pool = 0  # left off, as the worker does
     step = prefill_step_bytes(config, prefill_chunk, dtype, every, fla)

@@ -237,8 +237,11 @@ def _fla_prefill(model_config: dict[str, Any], device: Any, dtype: Any) -> bool:
     importing fla."""
     import torch
 
-    text = model_config.get("text_config") or model_config
-    if not text.get("linear_num_value_heads") or torch.device(device).type != "cuda":
+    from worker.loading.checkpoint import text_config
+
+    if not text_config(model_config).get("linear_num_value_heads"):
+        return False
+    if torch.device(device).type != "cuda":
         return False
     if dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -249,20 +252,19 @@ def _fla_prefill(model_config: dict[str, Any], device: Any, dtype: Any) -> bool:
 
 def _useful_prefix_gb(model: Any, gb: float, chosen: bool = False) -> float:
     """`gb`, or 0 with a log line where a pool of `gb` GiB could not hold
-    ``memory.MIN_PREFIX_TOKENS`` tokens of `model`'s cache; a size the user `chosen` is kept, with a
-    warning."""
-    from worker.device.memory import MIN_PREFIX_TOKENS
+    ``memory.MIN_PREFIX_TOKENS`` tokens of `model`'s cache; a size the user `chosen` is kept,
+    with a warning."""
+    from worker.device.memory import GIB, MIN_PREFIX_TOKENS
 
-    smallest = _slots_kv_bytes(model, 1, MIN_PREFIX_TOKENS)
-    if gb * (1 << 30) >= smallest:
+    need = _slots_kv_bytes(model, 1, MIN_PREFIX_TOKENS) / GIB
+    if gb >= need:
         return gb
     if chosen:
-        need = smallest / (1 << 30)
         log(f"warning: --prefix-cache-gb {gb:g} holds less than {MIN_PREFIX_TOKENS} tokens of "
             f"this model ({need:.2f} GiB); 0 turns the prefix cache off")  # fmt: skip
         return gb
     log(f"prefix cache off: the {gb:.2f} GiB left for it would hold less than "
-        f"{MIN_PREFIX_TOKENS} tokens ({smallest / (1 << 30):.2f} GiB)")  # fmt: skip
+        f"{MIN_PREFIX_TOKENS} tokens ({need:.2f} GiB)")  # fmt: skip
     return 0.0
 
 

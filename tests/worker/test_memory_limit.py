@@ -382,7 +382,10 @@ def test_fla_prefill_only_for_a_hybrid_model_on_cuda_in_half_precision(
     assert not worker_main._fla_prefill(qwen, "cpu", torch.bfloat16)
     assert not worker_main._fla_prefill(gemma, "cuda:0", torch.bfloat16)
     monkeypatch.setattr(deltanet, "fla_chunk_rule", lambda: None)  # not installed
-    assert not worker_main._fla_prefill(qwen, "cuda:0", torch.bfloat16)
+    # info's question, without importing fla: the switch turns it off whatever is installed
+    monkeypatch.setenv("TOKENPIPE_NO_FLA", "1")
+    assert not deltanet.fla_installed()
+    assert not worker_main._fla_prefill(qwen, "cuda:0", torch.bfloat16)  # (not installed)
 
 
 def test_info_device_estimate_against_the_24_gb_runs(

@@ -207,6 +207,16 @@ def fla_config_folder() -> Path:
     return FLA_CONFIGS / (re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_") or "unknown_gpu")
 
 
+def fla_installed() -> bool:
+    """Whether fla is installed here and not turned off (TOKENPIPE_NO_FLA=1), without importing
+    it (``tokenpipe info`` asks this for the GPU worker it estimates)."""
+    import importlib.util
+
+    if os.environ.get("TOKENPIPE_NO_FLA") == "1":
+        return False
+    return importlib.util.find_spec("fla") is not None
+
+
 @functools.cache
 def fla_chunk_rule() -> Any:
     """flash-linear-attention's ``chunk_gated_delta_rule`` when ``fla`` imports (and
@@ -214,7 +224,7 @@ def fla_chunk_rule() -> Any:
     (``fla_config_folder``) and the environment does not choose otherwise, fla reads its
     kernels' configs there instead of autotuning them (most of a first start's time); a kernel
     or shape without an entry is autotuned as before."""
-    if os.environ.get("TOKENPIPE_NO_FLA") == "1":
+    if not fla_installed():
         return None
     folder = fla_config_folder()
     if folder.is_dir() and "FLA_CONFIG_DIR" not in os.environ:
