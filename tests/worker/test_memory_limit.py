@@ -75,7 +75,7 @@ def test_limit_takes_what_is_held_outside_torch_off_the_top(
     assert figures["device_memory_used"] == 30.5 * GIB
     assert figures["device_memory_peak_reserved"] == 30 * GIB
     assert memory.summary("cuda:0") == (
-        "15.00 GiB allocated, 30.00 reserved (peak 30.00) of 24.0"
+        "15.00 GiB allocated, 30.00 reserved (peak 30.00), 0.50 outside torch, of 24.0"
     )  # fmt: skip
 
 

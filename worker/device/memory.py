@@ -276,12 +276,15 @@ def figures(device: Any) -> dict[str, int]:
 
 
 def summary(device: Any) -> str:
-    """A start-up log line's figures: allocated, reserved, their peak, and the limit."""
+    """A start-up log line's figures: allocated, reserved, their peak, what the card holds
+    outside torch's allocator (the CUDA context, other processes), and the limit."""
     f = figures(device)
+    outside = f["device_memory_used"] - f["device_memory_reserved"]
     return (
         f"{f['device_memory_allocated'] / GIB:.2f} GiB allocated, "
         f"{f['device_memory_reserved'] / GIB:.2f} reserved (peak "
-        f"{f['device_memory_peak_reserved'] / GIB:.2f}) of {f['device_memory_limit'] / GIB:.1f}"
+        f"{f['device_memory_peak_reserved'] / GIB:.2f}), {outside / GIB:.2f} outside torch, "
+        f"of {f['device_memory_limit'] / GIB:.1f}"
     )
 
 
