@@ -122,6 +122,10 @@ def serve(engine: object, stdin: BinaryIO, stdout: BinaryIO) -> int:
         write(engine.step())
 
 
+WARM_PREFILL = "TOKENPIPE_WARM_PREFILL"
+"""0: no prefill warm-up at a CUDA start (``Engine.warm_up_prefill``; the first long prompt then
+compiles the prefill's kernels)."""
+
 DEFAULT_CONTEXT = 32768
 """The default context (capped by the model's own and by memory)."""
 CPU_KV_BUDGET = 2 << 30
@@ -470,6 +474,9 @@ def build_engine(
         if torch_device.type == "cuda":
             log(f"device memory: {memory.summary(torch_device)} with the caches and graphs")
             torch.cuda.reset_peak_memory_stats(torch_device)  # `stats`' peaks: while serving
+    if torch_device.type == "cuda" and group is None and os.environ.get(WARM_PREFILL) != "0":
+        with clock.step("prefill warm-up"):
+            engine.warm_up_prefill()
     if compiles is not None:
         compiles.close()
     log(

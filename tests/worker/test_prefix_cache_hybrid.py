@@ -198,3 +198,24 @@ def test_a_failed_step_gives_the_state_rows_back(model: Any) -> None:  # noqa: F
     assert pending is not None and len(pending.states) == 2  # at 8 (a point) and 16 (the end)
     cache.finish(pending, 0, 0, ok=False)
     assert len(cache._free_states) == free and not cache.blocks
+
+
+def test_the_prefill_warm_up_leaves_nothing_behind(model: Any) -> None:  # noqa: F811
+    """``Engine.warm_up_prefill`` (a CUDA start runs it): two chunks and a tail through the real
+    path, the prefix cache's states included; afterwards the cache, the counters and the slots
+    are as a fresh engine's, and prompts give the cold engine's tokens and share prefixes."""
+    engine = cached_engine(model, prefill_chunk=32)
+    cold = cold_engine(model)
+    before = engine.stats()
+    assert engine.warm_up_prefill() == 2 * 32 + 17
+    after = engine.stats()
+    for key in ("prefix_cache", "steps", "generated_tokens", "free_slots", "session_ids"):
+        assert after[key] == before[key], key
+    first = ids(100, 9)
+    assert turn(engine, first, "a", n=4).generated_token_ids == expected(cold, first, n=4)
+    assert state_ends(engine, first) == [32, 64, 96]
+    done = turn(engine, first[:96] + ids(20, 3), n=4)
+    assert done.reused_prompt_tokens == 96
+
+    short = make_engine(model, max_context=40)
+    assert short.warm_up_prefill() == 37  # capped by the context

@@ -160,16 +160,8 @@ class PrefixCache:
         rings = [size for size, _ in self.kv.rings]
         self.ring = max(rings) if rings else None  # None: no sliding layers
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()
-        self._free = list(range(self.capacity - 1, -1, -1))  # pop() -> lowest index
         self.state_lru: OrderedDict[bytes, int] = OrderedDict()  # block key -> its state row
-        self._free_states = list(range(self.state_capacity - 1, -1, -1))
-        self.hits = 0  # blocks reused
-        self.hit_tokens = 0
-        self.inserts = 0
-        self.evictions = 0
-        self.truncations = 0
-        self.state_inserts = 0
-        self.state_evictions = 0
+        self.forget()
 
     def _capacities(self) -> tuple[int, int]:
         """(blocks, states) the budget holds: a hybrid cache's one state per
@@ -182,6 +174,16 @@ class PrefixCache:
         if states == 0:
             return 0, 0
         return (self.budget_bytes - states * self.state_bytes) // self.block_bytes, states
+
+    def forget(self) -> None:
+        """Drop every block and state and zero the counters (the pool's memory stays)."""
+        self.blocks.clear()
+        self._free = list(range(self.capacity - 1, -1, -1))  # pop() -> lowest index
+        self.state_lru.clear()
+        self._free_states = list(range(self.state_capacity - 1, -1, -1))
+        self.hits = self.hit_tokens = 0  # blocks reused, their tokens
+        self.inserts = self.evictions = self.truncations = 0
+        self.state_inserts = self.state_evictions = 0
 
     @property
     def nbytes(self) -> int:
