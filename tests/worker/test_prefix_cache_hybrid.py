@@ -201,13 +201,14 @@ def test_a_failed_step_gives_the_state_rows_back(model: Any) -> None:  # noqa: F
 
 
 def test_the_prefill_warm_up_leaves_nothing_behind(model: Any) -> None:  # noqa: F811
-    """``Engine.warm_up_prefill`` (a CUDA start runs it): two chunks and a tail through the real
-    path, the prefix cache's states included; afterwards the cache, the counters and the slots
-    are as a fresh engine's, and prompts give the cold engine's tokens and share prefixes."""
+    """``Engine.warm_up_prefill`` (a CUDA start runs it): two chunks and an odd tail through the
+    real path, a prefix-cache state inside the tail's step included; afterwards the cache, the
+    counters and the slots are as a fresh engine's, and prompts give the cold engine's tokens
+    and share prefixes."""
     engine = cached_engine(model, prefill_chunk=32)
     cold = cold_engine(model)
     before = engine.stats()
-    assert engine.warm_up_prefill() == 2 * 32 + 17
+    assert engine.warm_up_prefill() == 2 * 32 + 25
     after = engine.stats()
     for key in ("prefix_cache", "steps", "generated_tokens", "free_slots", "session_ids"):
         assert after[key] == before[key], key

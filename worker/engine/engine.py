@@ -579,13 +579,16 @@ class Engine:
         store.close()
 
     def warm_up_prefill(self) -> int:
-        """Run one unnamed request of two prefill chunks and a short tail (capped by the
-        context) before the first user's: a GPU compiles the prefill's kernel variants (Triton
-        specialises on lengths that are multiples of 16), fla autotunes, and cuBLAS picks its
-        kernels here at start-up, not in a user's first long prompt (session 32: 40% slower
-        on a fresh machine). Then the worker forgets it: the prefix cache's blocks and the step
-        counters. Its prompt tokens (0 when the context is too short to be worth it)."""
-        tokens = min(2 * self.prefill_chunk + 17, self.config.max_context - 3)
+        """Run one unnamed request of two prefill chunks and an odd tail of 3/4 of one (capped
+        by the context) before the first user's: a GPU compiles the prefill's kernel variants
+        (Triton specialises on lengths that are multiples of 16, the MoE kernels take another
+        path for short tails), fla autotunes (a prefix-cache state inside the tail's step
+        calls its state pass with other arguments), and cuBLAS picks its kernels here at
+        start-up, not in a user's first long prompt (session 33: the Qwen3.5 file's first 16k
+        prompt took 11.4 s on a fresh install, the next 0.8 s). Then the worker forgets it: the
+        prefix cache's blocks and the step counters. Its prompt tokens (0: no room)."""
+        chunk = self.prefill_chunk
+        tokens = min(2 * chunk + (3 * chunk // 4 | 1), self.config.max_context - 3)
         if tokens < 2 or not self.idle:
             return 0
         ids = [int(self.prefix_ids[0]) if self.prefix_ids else 0] * tokens
