@@ -477,6 +477,8 @@ def build_engine(
     if torch_device.type == "cuda" and group is None and os.environ.get(WARM_PREFILL) != "0":
         with clock.step("prefill warm-up"):
             engine.warm_up_prefill()
+    if torch_device.type == "cuda" and (warning := memory.over_limit(torch_device)):
+        log(warning)
     if compiles is not None:
         compiles.close()
     log(

@@ -79,6 +79,23 @@ def test_limit_takes_what_is_held_outside_torch_off_the_top(
     )  # fmt: skip
 
 
+def test_a_context_that_grew_past_the_limit_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cap cannot see what CUDA takes outside the allocator after it is set (H100: 0.51 ->
+    0.79 GiB by the end of start-up); the worker says so at ready instead of staying quiet."""
+    cuda = FakeCuda(held=0.5).install(monkeypatch)
+    memory.apply("cuda", 24, None)
+    cuda.reserved = 23 * GIB
+    assert memory.over_limit("cuda:0") is None  # 23.5 of 24
+    cuda.held = int(0.8 * GIB)
+    assert memory.over_limit("cuda:0") is None  # 23.8
+    cuda.reserved = int(23.4 * GIB)
+    warning = memory.over_limit("cuda:0")
+    assert warning is not None and "24.20 GiB, 0.20 over --gpu-memory-gb 24" in warning
+    assert "from 0.50 to 0.80 GiB" in warning
+    monkeypatch.setattr(memory, "_LIMITS", {})
+    assert memory.over_limit("cuda:0") is None  # no limit: nothing to be over
+
+
 def test_cuda_workers_grow_allocator_segments_unless_the_user_says_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -288,6 +288,25 @@ def summary(device: Any) -> str:
     )
 
 
+def over_limit(device: Any) -> str | None:
+    """A warning when the process holds more than its --gpu-memory-gb: the CUDA context grows
+    after the limit is set (kernel modules, the local memory of kernels that spill; 0.51 ->
+    0.79 GiB on an H100, all of it by the end of start-up) and the allocator's cap cannot see
+    that. None under the limit or without one."""
+    f = figures(device)
+    limit = _LIMITS.get(_key(device))
+    if limit is None or f["device_memory_used"] <= limit.total:
+        return None
+    over = (f["device_memory_used"] - limit.total) / GIB
+    return (
+        f"warning: this process holds {f['device_memory_used'] / GIB:.2f} GiB, {over:.2f} over "
+        f"--gpu-memory-gb {limit.total / GIB:g}: what the card holds outside torch's allocator "
+        f"(the CUDA context, other processes) grew from {limit.outside / GIB:.2f} to "
+        f"{(f['device_memory_used'] - f['device_memory_reserved']) / GIB:.2f} GiB after the "
+        f"limit was set; a limit that much lower holds on a card of that size"
+    )
+
+
 def explain_out_of_memory(
     exc: BaseException, device: Any, what: str, quantize: str | None = None
 ) -> BaseException:
