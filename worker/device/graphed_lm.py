@@ -228,6 +228,12 @@ class GraphedCausalLM:
             out["prefill_graph_replays"] = self.prefill.replays
         return out
 
+    def reset_stats(self) -> None:
+        """`graph_stats`' counters back to 0 (after the start-up's prefill warm-up)."""
+        self.ahead_hits = self.ahead_misses = 0
+        if self.prefill is not None:
+            self.prefill.replays = 0
+
     def _prefill(self, step: Any, kv: Any) -> torch.Tensor:
         if self.prefill is not None and self.prefill.fits(step):
             if self._ahead is not None:

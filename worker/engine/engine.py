@@ -589,8 +589,8 @@ class Engine:
         prefix cache's blocks and the step counters. Its prompt tokens (0: no room)."""
         chunk = self.prefill_chunk
         tokens = min(2 * chunk + (3 * chunk // 4 | 1), self.config.max_context - 3)
-        if tokens < 2 or not self.idle:
-            return 0
+        if tokens < 2 or not self.idle or not self.pool.free_slots:
+            return 0  # never at a named session's expense (one restored into every slot)
         ids = [int(self.prefix_ids[0]) if self.prefix_ids else 0] * tokens
         request = GenerateRequest(prompt_segments=[IdsSegment(ids)], max_new_tokens=2,
                                   add_prefix=False)  # fmt: skip
@@ -602,6 +602,9 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.forget()
         self._steps = self._generated_tokens = 0
+        reset = getattr(self.model, "reset_stats", None)  # GraphedCausalLM (CUDA)
+        if reset is not None:
+            reset()
         return tokens
 
     def _start_generate(self, key: int, req: GenerateRequest, t_arrival: float) -> list[Event]:
