@@ -473,12 +473,16 @@ def build_engine(
             engine = Engine(loaded, config, torch_device, log=log)
         if torch_device.type == "cuda":
             log(f"device memory: {memory.summary(torch_device)} with the caches and graphs")
-            torch.cuda.reset_peak_memory_stats(torch_device)  # `stats`' peaks: while serving
-    if torch_device.type == "cuda" and group is None and os.environ.get(WARM_PREFILL) != "0":
-        with clock.step("prefill warm-up"):
-            engine.warm_up_prefill()
-    if torch_device.type == "cuda" and (warning := memory.over_limit(torch_device)):
-        log(warning)
+    if torch_device.type == "cuda":
+        if group is None and os.environ.get(WARM_PREFILL) != "0":
+            with clock.step("prefill warm-up"):
+                try:
+                    engine.warm_up_prefill()
+                except RuntimeError as exc:
+                    log(f"warning: {exc}")
+        torch.cuda.reset_peak_memory_stats(torch_device)  # `stats`' peaks: while serving
+        if warning := memory.over_limit(torch_device):
+            log(warning)
     if compiles is not None:
         compiles.close()
     log(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from test_engine_qwen3_5_moe import gen, ids, make_engine, model, run  # noqa: F401
 
 from protocol import DoneEvent
@@ -220,3 +221,33 @@ def test_the_prefill_warm_up_leaves_nothing_behind(model: Any) -> None:  # noqa:
 
     short = make_engine(model, max_context=40)
     assert short.warm_up_prefill() == 37  # capped by the context
+
+
+def test_a_failed_prefill_warm_up_says_so_and_leaves_nothing_behind(
+    model: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A warm-up step that fails (out of memory, say) raises after the engine is idle again:
+    the slot back, the cache forgotten; the worker logs it and serves on."""
+    engine = cached_engine(model, prefill_chunk=32)
+    before = engine.stats()
+    real = engine.model.forward
+    calls = []
+
+    def failing(step: Any, kv: Any) -> Any:
+        calls.append(step)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory (a test)")
+        return real(step, kv)
+
+    monkeypatch.setattr(engine.model, "forward", failing)
+    with pytest.raises(RuntimeError, match="the prefill warm-up failed: .*a test"):
+        engine.warm_up_prefill()
+    assert len(calls) == 2
+    monkeypatch.undo()
+    after = engine.stats()
+    for key in ("prefix_cache", "steps", "generated_tokens", "free_slots", "session_ids"):
+        assert after[key] == before[key], key
+    cold = cold_engine(model)
+    prompt = ids(50, 4)
+    assert turn(engine, prompt, "a", n=4).generated_token_ids == expected(cold, prompt, n=4)

@@ -595,16 +595,17 @@ class Engine:
         request = GenerateRequest(prompt_segments=[IdsSegment(ids)], max_new_tokens=2,
                                   add_prefix=False)  # fmt: skip
         self.submit(request)
+        errors: list[str] = []
         while not self.idle:
-            for event in self.step():
-                if isinstance(event, ErrorEvent):
-                    raise RuntimeError(f"the prefill warm-up failed: {event.error}")
+            errors += [e.error for e in self.step() if isinstance(e, ErrorEvent)]
         if self.prefix_cache is not None:
             self.prefix_cache.forget()
         self._steps = self._generated_tokens = 0
         reset = getattr(self.model, "reset_stats", None)  # GraphedCausalLM (CUDA)
         if reset is not None:
             reset()
+        if errors:  # the worker serves on; a long prompt may meet the same error
+            raise RuntimeError(f"the prefill warm-up failed: {errors[0]}")
         return tokens
 
     def _start_generate(self, key: int, req: GenerateRequest, t_arrival: float) -> list[Event]:
