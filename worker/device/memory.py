@@ -275,11 +275,17 @@ def figures(device: Any) -> dict[str, int]:
     }
 
 
+def _outside(f: dict[str, int]) -> int:
+    """What the card holds outside torch's allocator (the CUDA context, other processes), from
+    `figures`."""
+    return f["device_memory_used"] - f["device_memory_reserved"]
+
+
 def summary(device: Any) -> str:
     """A start-up log line's figures: allocated, reserved, their peak, what the card holds
     outside torch's allocator (the CUDA context, other processes), and the limit."""
     f = figures(device)
-    outside = f["device_memory_used"] - f["device_memory_reserved"]
+    outside = _outside(f)
     return (
         f"{f['device_memory_allocated'] / GIB:.2f} GiB allocated, "
         f"{f['device_memory_reserved'] / GIB:.2f} reserved (peak "
@@ -302,7 +308,7 @@ def over_limit(device: Any) -> str | None:
         f"warning: this process holds {f['device_memory_used'] / GIB:.2f} GiB, {over:.2f} over "
         f"--gpu-memory-gb {limit.total / GIB:g}: what the card holds outside torch's allocator "
         f"(the CUDA context, other processes) grew from {limit.outside / GIB:.2f} to "
-        f"{(f['device_memory_used'] - f['device_memory_reserved']) / GIB:.2f} GiB after the "
+        f"{_outside(f) / GIB:.2f} GiB after the "
         f"limit was set; a limit that much lower holds on a card of that size"
     )
 
