@@ -312,6 +312,17 @@ def test_stop_token_ids_end_turn_unfed() -> None:
     check_resident(engine)
 
 
+def test_one_slot_worker_says_it_holds_no_named_sessions() -> None:
+    """--max-sessions 1 keeps its slot for requests without a session_id: a named one is
+    refused with a message that says so (not "close one first": there is none to close)."""
+    engine = make_engine(max_sessions=1)
+    for req in (OpenRequest(session_id="a"), gen("x", session_id="a", max_new_tokens=1)):
+        err = terminal(drive(engine, req))
+        assert isinstance(err, ErrorEvent) and err.code == "capacity_exhausted"
+        assert "--max-sessions 2" in err.error and "close one" not in err.error
+    assert isinstance(terminal(drive(engine, gen("x", max_new_tokens=1))), DoneEvent)
+
+
 def test_sessions_capacity_open_close_reset() -> None:
     engine = make_engine(max_sessions=3)
     events = drive(

@@ -1095,6 +1095,9 @@ def _capacity_error(
     rid: RequestId | None, name: str, max_named: int, op: str | None = None
 ) -> ErrorEvent:
     msg = f"all {max_named} named session slots are taken; close one first"
+    if max_named == 0:  # nothing to close: one slot, kept for requests without a session_id
+        msg = ("this worker holds no named sessions: --max-sessions 1 keeps its one slot for "
+               "requests without a session_id; start it with --max-sessions 2 or more")  # fmt: skip
     return _error(rid, msg, ErrorCode.CAPACITY_EXHAUSTED, op=op, session_id=name)
 
 

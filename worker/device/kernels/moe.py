@@ -73,7 +73,7 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPai
     return AlignedPairs(sorted_pairs, block_expert, pairs, block_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PAIRS", "NUM_BLOCKS"])  # one variant for any prompt length
 def _align_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, PAIRS, E, NUM_BLOCKS,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr, TAIL: tl.constexpr,
