@@ -52,12 +52,20 @@ def _least_loaded(candidates: Sequence[WorkerLoad]) -> WorkerLoad | None:
     return min(pool, key=lambda w: (w.queued, w.named_sessions, w.index))
 
 
+NO_NAMED_SESSIONS = (
+    "no worker holds named sessions: --max-sessions 1 keeps each worker's one slot for "
+    "requests without a session_id; start it with --max-sessions 2 or more"
+)
+
+
 def choose_worker(loads: Sequence[WorkerLoad], *, needs_session_slot: bool) -> Route:
     """Least-loaded worker with room in its queue (and a free named-session slot if asked)."""
     alive = [w for w in loads if w.state is not WorkerState.FAILED]
     if not alive:
         return Route(None, "unavailable", "no worker is running")
     if needs_session_slot:
+        if all(w.max_named_sessions == 0 for w in alive):
+            return Route(None, "capacity_exhausted", NO_NAMED_SESSIONS)
         alive = [w for w in alive if w.named_sessions < w.max_named_sessions]
         if not alive:
             return Route(None, "capacity_exhausted", "every worker's named sessions are in use")

@@ -196,6 +196,7 @@ class Server:
     turns: TurnStore = field(default_factory=TurnStore)
     metrics: Metrics = field(default_factory=Metrics)
     open_sessions: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> users
+    named_sessions: bool = True  # False: the workers hold none (--max-sessions 1)
     preparer: Preparer | None = None
     _loader: asyncio.Task[None] | None = None
 
@@ -218,6 +219,14 @@ class Server:
             ready_info = getattr(client, "ready_info", None) or {}
             for session in reversed(ready_info.get("restored_sessions") or ()):
                 self.open_sessions.setdefault(session, 0)  # --session-dir's, oldest first
+            if ready_info.get("max_named_sessions") == 0:
+                self.named_sessions = False
+                log.warning(
+                    "the workers hold no named sessions (--max-sessions 1 keeps each one's slot "
+                    "for requests without a session): requests that name a session run without "
+                    "one, their prompts prefilled whole each turn; --max-sessions 2 or more "
+                    "keeps sessions warm"
+                )
             self.model = await load_model_state(client, self.config)
             log.info("serving %s (context %d)", self.model.model_id, self.model.context_length)
         except Exception as exc:  # reported by /health and every request
@@ -252,6 +261,8 @@ class Server:
         """`client.generate`, opening the named session on first use and making room (by
         closing the least recently used idle session this server opened) when full."""
         client, _ = self.ready()
+        if not self.named_sessions:
+            request = {k: v for k, v in request.items() if k != "session_id"}
         session = request.get("session_id")
         for attempt in range(3):
             retry = False
@@ -299,6 +310,7 @@ class Server:
 
     @contextlib.contextmanager
     def using(self, session: str | None) -> Any:
+        session = session if self.named_sessions else None
         if session:
             self.open_sessions[session] = self.open_sessions.get(session, 0) + 1
             self.open_sessions.move_to_end(session)

@@ -282,6 +282,21 @@ async def test_assistant_turn_is_spliced_as_its_ids_next_time() -> None:
     assert all("ids" not in s for s in fake.requests[-1]["prompt_segments"])
 
 
+async def test_workers_without_named_sessions_serve_session_requests_without_one() -> None:
+    """--max-sessions 1 leaves no named session: a request naming one runs as a plain
+    request (200, its prompt whole) instead of a 429 that no eviction can clear."""
+    fake = FakeClient()
+    fake.ready_info = {"max_named_sessions": 0}  # type: ignore[attr-defined]
+    server, http = await make(fake)
+    for _ in range(2):
+        response = await http.post(
+            "/v1/chat/completions", json=CHAT, headers={"x-session-affinity": "pi-1"}
+        )
+        assert response.status_code == 200
+        assert "session_id" not in fake.requests[-1]
+    assert fake.opened == [] and not server.open_sessions
+
+
 async def test_unknown_session_is_opened_and_retried() -> None:
     fake = FakeClient()
     fake.needs_open = {"s9"}

@@ -56,6 +56,14 @@ def test_new_session_needs_a_free_named_slot() -> None:
     assert route.error_code == "capacity_exhausted"
 
 
+def test_workers_without_named_sessions_say_so() -> None:
+    """--max-sessions 1: nothing to close, so not "in use" but what to start with."""
+    route = choose_worker([load(0, max_named=0), load(1, max_named=0)], needs_session_slot=True)
+    assert route.error_code == "capacity_exhausted" and "--max-sessions 2" in route.error
+    route = choose_worker([load(0, max_named=0), load(1, named=3)], needs_session_slot=True)
+    assert "in use" in route.error
+
+
 def test_no_live_worker_is_unavailable() -> None:
     assert choose_worker([load(0, state=F)], needs_session_slot=False).error_code == "unavailable"
 
