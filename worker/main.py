@@ -469,7 +469,16 @@ def build_engine(
                 chosen=prefill_chunk is not None,
             )  # fmt: skip
             config = dataclasses.replace(config, prefill_chunk=chunk)
-        with _explained(torch_device, "building the KV cache and CUDA graphs", quantize):
+            building = (
+                f"building the KV cache ({config.resident} device slots of {config.max_context} "
+                f"tokens: {slots / memory.GIB:.2f} GiB, a prefix pool of "
+                f"{config.prefix_cache_bytes / memory.GIB:.2f} GiB; "
+                f"{memory.unallocated_bytes(torch_device) / memory.GIB:.2f} GiB was left after "
+                "the weights) and CUDA graphs"
+            )
+        else:
+            building = "building the KV cache"
+        with _explained(torch_device, building, quantize):
             engine = Engine(loaded, config, torch_device, log=log)
         if torch_device.type == "cuda":
             log(f"device memory: {memory.summary(torch_device)} with the caches and graphs")
