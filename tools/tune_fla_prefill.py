@@ -18,6 +18,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,10 +29,12 @@ JSON_SCALARS = (int, float, bool, str)  # autotune key parts kept as they are (N
 
 def tune(model: Path) -> dict[str, Any]:
     """Run the prefill kernels at the model's DeltaNet shapes (from scratch and over a state,
-    a long chunk, a short one and one token), then read every fla autotuner's choices."""
+    a long chunk, a short one and one token; and the stages with a state inside the step, as
+    the worker runs them with the prefix cache on), then read every fla autotuner's
+    choices."""
     import torch
 
-    from worker.layers.deltanet import fla_chunk_rule
+    from worker.layers.deltanet import GatedDeltaNet, fla_chunk_rule, fla_stages
     from worker.models.config import ModelConfig
 
     config = json.loads((model / "config.json" if model.is_dir() else model).read_text())
@@ -55,6 +58,16 @@ def tune(model: Path) -> dict[str, Any]:
         state = torch.zeros(1, hv, dk, dv, device=dev) if with_state else None
         rule(q, k, v, g, beta, scale=dk**-0.5, initial_state=state, output_final_state=True,
              use_qk_l2norm_in_kernel=True)  # fmt: skip
+    stages = fla_stages()
+    if stages is not None:  # the worker's path when a prefix-cache state falls inside a step
+        layer = SimpleNamespace(key_dim=hk * dk, value_dim=hv * dv, num_k_heads=hk,
+                                num_v_heads=hv, dk=dk, dv=dv)  # fmt: skip
+        for n, inner, with_state in ((2048, (1024,), False), (2048, (1024,), True),
+                                     (1537, (1280,), True)):  # fmt: skip
+            conv_out = torch.randn(n, 2 * hk * dk + hv * dv, device=dev, dtype=dt)
+            g, beta = -torch.rand(n, hv, device=dev), torch.rand(n, hv, device=dev)
+            state = torch.zeros(hv, dk, dv, device=dev) if with_state else None
+            GatedDeltaNet._fla_stages_prefill(layer, stages, conv_out, g, beta, state, inner, [])
     torch.cuda.synchronize()
     return chosen_configs()
 
