@@ -259,42 +259,53 @@ class Server:
 
     async def _events(self, request: dict[str, Any]) -> AsyncIterator[Event]:
         """`client.generate`, opening the named session on first use and making room (by
-        closing the least recently used idle session this server opened) when full."""
+        closing the least recently used idle session this server opened) when full. Where no
+        named session can be had (every one busy, or the workers hold none) the request runs
+        without one: its prompt is whole, so only the cache reuse is lost, not the request."""
         client, _ = self.ready()
         if not self.named_sessions:
-            request = {k: v for k, v in request.items() if k != "session_id"}
+            request = _sessionless(request)
         session = request.get("session_id")
-        for attempt in range(3):
+        for attempt in range(4):
             retry = False
             async with _closing(client.generate(dict(request))) as events:
                 first = True
                 async for event in events:
-                    if first and isinstance(event, ErrorEvent) and session and attempt < 2:
-                        if event.code == "unknown_session":
-                            await self._open(session)
+                    if first and isinstance(event, ErrorEvent) and session:
+                        if event.code == "unknown_session" and attempt < 2:
                             retry = True
-                            break
-                        if event.code == "capacity_exhausted" and await self._evict(session):
+                            if await self._open(session):
+                                break
+                        elif event.code == "capacity_exhausted":
                             retry = True
+                            if attempt < 2 and await self._evict(session):
+                                break
+                        if retry:  # no named session to be had: run without one
+                            log.info("no named session free for %r; serving it without", session)
+                            request, session = _sessionless(request), None
                             break
                     first = False
                     yield event
             if not retry:
                 return
 
-    async def _open(self, session: str) -> None:
+    async def _open(self, session: str) -> bool:
+        """Open `session` (True), making room if full; False where no room can be made."""
         client, _ = self.ready()
         for _ in range(2):
             try:
                 await client.open_session(session)
-                return
+                return True
             except Exception as exc:
                 code = getattr(exc, "code", "")
                 if code == "capacity_exhausted" and await self._evict(session):
                     continue
-                if code in ("", "capacity_exhausted"):
+                if code == "capacity_exhausted":
+                    return False
+                if code == "":
                     raise
-                return  # e.g. already open: generate will tell
+                return True  # e.g. already open: generate will tell
+        return False
 
     async def _evict(self, keep: str) -> bool:
         client, _ = self.ready()
@@ -393,3 +404,7 @@ async def _closing(events: AsyncIterator[Event]) -> AsyncIterator[AsyncIterator[
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def _sessionless(request: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in request.items() if k != "session_id"}

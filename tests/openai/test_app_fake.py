@@ -297,6 +297,39 @@ async def test_workers_without_named_sessions_serve_session_requests_without_one
     assert fake.opened == [] and not server.open_sessions
 
 
+class FullClient(FakeClient):
+    """A worker whose every named slot is busy: a request naming a session is refused."""
+
+    async def open_session(self, session_id: str) -> None:
+        raise TokenpipeError("capacity_exhausted")
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[Event]:
+        if request.get("session_id"):
+            self.requests.append(request)
+            yield ErrorEvent(error="all 1 named session slots are taken", code="capacity_exhausted")
+            return
+        async for event in super().generate(request):
+            yield event
+
+
+@pytest.mark.parametrize("needs_open", [False, True])
+async def test_no_free_named_session_serves_the_request_without_one(needs_open: bool) -> None:
+    """Every named slot busy (nothing idle to close): the request runs without its session,
+    its prompt whole, instead of a 429 (the body holds the whole conversation)."""
+    fake = FullClient()
+    if needs_open:
+        fake.needs_open = {"pi-2"}
+        fake.generate = FakeClient.generate.__get__(fake)  # type: ignore[method-assign]
+    server, http = await make(fake)
+    response = await http.post(
+        "/v1/chat/completions", json=CHAT, headers={"x-session-affinity": "pi-2"}
+    )
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == "Hello world"
+    assert fake.requests[0].get("session_id") == "pi-2"
+    assert "session_id" not in fake.requests[-1]
+
+
 async def test_unknown_session_is_opened_and_retried() -> None:
     fake = FakeClient()
     fake.needs_open = {"s9"}
