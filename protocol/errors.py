@@ -42,6 +42,14 @@ class ErrorCode:
     SHUTTING_DOWN: Final = "shutting_down"
 
 
+# `capacity_exhausted`'s message where there is nothing to close: a worker with one slot keeps it
+# for requests without a session_id (the worker and the supervisor's router both send it).
+NO_NAMED_SESSIONS: Final = (
+    "no named sessions here: --max-sessions 1 keeps each worker's one slot for requests "
+    "without a session_id; start it with --max-sessions 2 or more"
+)
+
+
 # code -> one-line meaning, in the order docs/protocol.md lists them.
 ERROR_CODES: Final[dict[str, str]] = {
     ErrorCode.INVALID_JSON: "The line is not one valid JSON value (NaN and Infinity are not JSON).",

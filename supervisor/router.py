@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from protocol.errors import NO_NAMED_SESSIONS
+
 
 class WorkerState(str, Enum):
     STARTING = "starting"  # spawned (or restarting), ready line not yet seen
@@ -50,12 +52,6 @@ def _least_loaded(candidates: Sequence[WorkerLoad]) -> WorkerLoad | None:
     if not pool:
         return None
     return min(pool, key=lambda w: (w.queued, w.named_sessions, w.index))
-
-
-NO_NAMED_SESSIONS = (
-    "no worker holds named sessions: --max-sessions 1 keeps each worker's one slot for "
-    "requests without a session_id; start it with --max-sessions 2 or more"
-)
 
 
 def choose_worker(loads: Sequence[WorkerLoad], *, needs_session_slot: bool) -> Route:

@@ -272,17 +272,16 @@ class Server:
                 first = True
                 async for event in events:
                     if first and isinstance(event, ErrorEvent) and session:
+                        placed: bool | None = None  # None: not a placement error
                         if event.code == "unknown_session" and attempt < 2:
-                            retry = True
-                            if await self._open(session):
-                                break
+                            placed = await self._open(session)
                         elif event.code == "capacity_exhausted":
+                            placed = attempt < 2 and await self._evict(session)
+                        if placed is not None:
                             retry = True
-                            if attempt < 2 and await self._evict(session):
-                                break
-                        if retry:  # no named session to be had: run without one
-                            log.info("no named session free for %r; serving it without", session)
-                            request, session = _sessionless(request), None
+                            if not placed:  # no named session to be had: run without one
+                                log.info("no named session for %r: served without", session)
+                                request, session = _sessionless(request), None
                             break
                     first = False
                     yield event

@@ -54,6 +54,7 @@ from protocol import (
     TokenizeRequest,
     TokensEvent,
 )
+from protocol.errors import NO_NAMED_SESSIONS
 from worker.engine.host_pool import HostBuffer, HostPool, lay_out
 from worker.engine.prefix_cache import DEFAULT_BLOCK, PrefixCache, block_keys
 from worker.engine.prompt import PromptError, build_prompt, chat_template_for
@@ -1095,9 +1096,8 @@ def _capacity_error(
     rid: RequestId | None, name: str, max_named: int, op: str | None = None
 ) -> ErrorEvent:
     msg = f"all {max_named} named session slots are taken; close one first"
-    if max_named == 0:  # nothing to close: one slot, kept for requests without a session_id
-        msg = ("this worker holds no named sessions: --max-sessions 1 keeps its one slot for "
-               "requests without a session_id; start it with --max-sessions 2 or more")  # fmt: skip
+    if max_named == 0:  # nothing to close
+        msg = NO_NAMED_SESSIONS
     return _error(rid, msg, ErrorCode.CAPACITY_EXHAUSTED, op=op, session_id=name)
 
 
