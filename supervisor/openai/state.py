@@ -148,13 +148,16 @@ def event_text(event: TokenEvent, marker_ids: dict[int, str]) -> str:
 
 @dataclass
 class Generation:
-    """One generate request in flight: its events, with TTFT/ITL timing and usage."""
+    """One generate request in flight: its events (set by `Server.start_generation`), with
+    TTFT/ITL timing and usage."""
 
-    events: AsyncIterator[Event]
     started: float
     metrics: Metrics
+    # the named session it runs in: None without one, or once it fell back to none
+    session: str | None = None
     last_token_at: float | None = None
     done: DoneEvent | None = None
+    events: AsyncIterator[Event] = field(init=False)
 
     async def next_event(self) -> Event | None:
         try:
@@ -257,15 +260,19 @@ class Server:
 
     # -- sessions
 
-    async def _events(self, request: dict[str, Any]) -> AsyncIterator[Event]:
+    async def _events(
+        self, request: dict[str, Any], generation: Generation
+    ) -> AsyncIterator[Event]:
         """`client.generate`, opening the named session on first use and making room (by
         closing the least recently used idle session this server opened) when full. Where no
         named session can be had (every one busy, or the workers hold none) the request runs
-        without one: its prompt is whole, so only the cache reuse is lost, not the request."""
+        without one: its prompt is whole, so only the cache reuse is lost, not the request;
+        `generation.session` then says None, so the route does not hold (and a later eviction
+        does not pick) a session that no worker has open."""
         client, _ = self.ready()
-        if not self.named_sessions:
+        session = generation.session
+        if session is None:
             request = _sessionless(request)
-        session = request.get("session_id")
         for attempt in range(4):
             retry = False
             async with _closing(client.generate(dict(request))) as events:
@@ -281,7 +288,9 @@ class Server:
                             retry = True
                             if not placed:  # no named session to be had: run without one
                                 log.info("no named session for %r: served without", session)
+                                self._unplaced(session)
                                 request, session = _sessionless(request), None
+                                generation.session = None
                             break
                     first = False
                     yield event
@@ -317,6 +326,12 @@ class Server:
                 log.info("closed idle session %r to make room", victim)
                 return True
         return False
+
+    def _unplaced(self, session: str) -> None:
+        """Forget `session` as one this server has open (`using` counted the request that
+        found no room for it), unless another request holds it too."""
+        if self.open_sessions.get(session) == 1:
+            del self.open_sessions[session]
 
     @contextlib.contextmanager
     def using(self, session: str | None) -> Any:
@@ -370,7 +385,9 @@ class Server:
     ) -> tuple[Generation, Event | None]:
         """Send the request and wait for its first event (raises `ClientGone` on disconnect
         and `APIError` when the worker refuses it before any output)."""
-        generation = Generation(self._events(request), time.monotonic(), self.metrics)
+        session = request.get("session_id") if self.named_sessions else None
+        generation = Generation(time.monotonic(), self.metrics, session=session)
+        generation.events = self._events(request, generation)
         try:
             first = await race_disconnect(generation.next_event(), http.receive)
         except BaseException:

@@ -328,6 +328,56 @@ async def test_no_free_named_session_serves_the_request_without_one(needs_open: 
     assert response.json()["choices"][0]["message"]["content"] == "Hello world"
     assert fake.requests[0].get("session_id") == "pi-2"
     assert "session_id" not in fake.requests[-1]
+    # no worker has pi-2 open: not a session for a later eviction to close
+    assert "pi-2" not in server.open_sessions
+
+
+class OneSlotClient(FakeClient):
+    """A worker with one named slot: generate needs its session open, open is refused while
+    another session holds the slot, close frees it (and is recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.worker_open: set[str] = set()
+        self.closed: list[str] = []
+
+    async def open_session(self, session_id: str) -> None:
+        if self.worker_open - {session_id}:
+            raise TokenpipeError("capacity_exhausted")
+        self.worker_open.add(session_id)
+        self.opened.append(session_id)
+
+    async def close_session(self, session_id: str) -> None:
+        self.closed.append(session_id)
+        self.worker_open.discard(session_id)
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[Event]:
+        if request.get("session_id") not in (None, *self.worker_open):
+            self.requests.append(request)
+            yield ErrorEvent(error="open it first", code="unknown_session")
+            return
+        async for event in super().generate(request):
+            yield event
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_session_generating_on_completions_is_not_closed_for_room(stream: bool) -> None:
+    """/v1/completions holds its session until its last token, as chat does: a chat turn that
+    needs room meanwhile runs without a session instead of closing the one in use."""
+    fake = OneSlotClient()
+    fake.delay = 0.1
+    fake.scripts = [["a"] * 6]
+    server, http = await make(fake)
+    body = {"model": CHAT["model"], "prompt": "Hi", "session_id": "a", "stream": stream}
+    first = asyncio.ensure_future(http.post("/v1/completions", json=body))
+    while not fake.active or not any(r.get("session_id") == "a" for r in fake.requests[1:]):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.25)  # past the first token: start_generation has returned
+    second = await http.post("/v1/chat/completions", json=CHAT, headers={"x-session-affinity": "b"})
+    assert second.status_code == 200 and "session_id" not in fake.requests[-1]
+    assert (await first).status_code == 200
+    assert fake.closed == [] and fake.worker_open == {"a"}
+    assert list(server.open_sessions) == ["a"]
 
 
 async def test_unknown_session_is_opened_and_retried() -> None:

@@ -92,7 +92,7 @@ async def chat_whole(
     turn = ch.TurnAccumulator()
     entries: list[TokenLogprob] = []
     try:
-        with server.using(session):
+        with server.using(generation.session):
             async for pieces, error, lps in collect(generation, first, parser, model.marker_ids):
                 entries.extend(lps)
                 for piece in pieces:
@@ -129,7 +129,7 @@ async def chat_stream(
     turn = ch.TurnAccumulator()
     held: list[TokenLogprob] = []  # tokens whose text the parser has not sent yet
     try:
-        with server.using(session):
+        with server.using(generation.session):
             yield ch.sse(header.chat_chunk({"role": "assistant", "content": ""}))
             async for pieces, error, lps in collect(generation, first, parser, model.marker_ids):
                 held.extend(lps)

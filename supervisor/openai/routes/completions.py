@@ -34,28 +34,35 @@ async def completions(server: Server, request: Request) -> Response:
         generation, first = await server.start_generation(generate, request)
     if params.stream:
         return EventStreamResponse(
-            text_stream(generation, first, header, params.include_usage, logprobs),
+            text_stream(server, generation, first, header, params.include_usage, logprobs),
             on_disconnect=lambda: count_cancel(server),
         )
-    return await race_disconnect(text_whole(generation, first, header, logprobs), request.receive)
+    return await race_disconnect(
+        text_whole(server, generation, first, header, logprobs), request.receive
+    )
 
 
 async def text_whole(
-    generation: Generation, first: Event | None, header: ch.ResponseHeader, logprobs: bool = False
+    server: Server,
+    generation: Generation,
+    first: Event | None,
+    header: ch.ResponseHeader,
+    logprobs: bool = False,
 ) -> Response:
     parts: list[str] = []
     entries: list[TokenLogprob] = []
     event = first
     try:
-        while event is not None:
-            if isinstance(event, TokenEvent):
-                parts.append(event.token)
-                entries.extend(event.logprobs or ())
-            elif isinstance(event, ErrorEvent):
-                raise from_worker_error(event.code, event.error)
-            elif isinstance(event, DoneEvent):
-                break
-            event = await generation.next_event()
+        with server.using(generation.session):  # not a session to close for room meanwhile
+            while event is not None:
+                if isinstance(event, TokenEvent):
+                    parts.append(event.token)
+                    entries.extend(event.logprobs or ())
+                elif isinstance(event, ErrorEvent):
+                    raise from_worker_error(event.code, event.error)
+                elif isinstance(event, DoneEvent):
+                    break
+                event = await generation.next_event()
     finally:
         await generation.aclose()
     done = generation.done
@@ -67,6 +74,7 @@ async def text_whole(
 
 
 async def text_stream(
+    server: Server,
     generation: Generation,
     first: Event | None,
     header: ch.ResponseHeader,
@@ -76,24 +84,25 @@ async def text_stream(
     event = first
     offset = 0  # characters sent so far (the chunks' text_offset)
     try:
-        while event is not None:
-            if isinstance(event, TokenEvent):
-                if event.token or event.logprobs:
-                    lps = ch.text_logprobs(event.logprobs or [], offset) if logprobs else None
-                    offset += len(event.token)
-                    yield ch.sse(header.text_chunk(event.token, logprobs=lps))
-            elif isinstance(event, ErrorEvent):
-                yield ch.sse(from_worker_error(event.code, event.error).body())
-                yield ch.SSE_DONE
-                return
-            elif isinstance(event, DoneEvent):
-                reason = "length" if event.finish_reason == "length" else "stop"
-                yield ch.sse(header.text_chunk("", reason))
-                if include_usage:
-                    yield ch.sse(header.usage_chunk("text_completion", usage_of(event)))
-                yield ch.SSE_DONE
-                return
-            event = await generation.next_event()
+        with server.using(generation.session):  # not a session to close for room meanwhile
+            while event is not None:
+                if isinstance(event, TokenEvent):
+                    if event.token or event.logprobs:
+                        lps = ch.text_logprobs(event.logprobs or [], offset) if logprobs else None
+                        offset += len(event.token)
+                        yield ch.sse(header.text_chunk(event.token, logprobs=lps))
+                elif isinstance(event, ErrorEvent):
+                    yield ch.sse(from_worker_error(event.code, event.error).body())
+                    yield ch.SSE_DONE
+                    return
+                elif isinstance(event, DoneEvent):
+                    reason = "length" if event.finish_reason == "length" else "stop"
+                    yield ch.sse(header.text_chunk("", reason))
+                    if include_usage:
+                        yield ch.sse(header.usage_chunk("text_completion", usage_of(event)))
+                    yield ch.SSE_DONE
+                    return
+                event = await generation.next_event()
         yield ch.sse(
             error_body("the generation ended without a result", "server_error", "internal_error")
         )
