@@ -469,6 +469,10 @@ def build_engine(
                 chosen=prefill_chunk is not None,
             )  # fmt: skip
             config = dataclasses.replace(config, prefill_chunk=chunk)
+            from worker.device.graphed_lm import GraphedCausalLM
+
+            if isinstance(loaded.model, GraphedCausalLM):  # its compile trace's prefill lengths
+                loaded.model.trace_chunk = chunk
             building = (
                 f"building the KV cache ({config.resident} device slots of {config.max_context} "
                 f"tokens: {slots / memory.GIB:.2f} GiB, a prefix pool of "

@@ -119,6 +119,9 @@ class GraphedCausalLM:
         self.ahead_hits = 0
         self.ahead_misses = 0
 
+    # the engine's prefill chunk, for the compile trace's long-prefill stage (0: none)
+    trace_chunk = 0
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
@@ -176,6 +179,7 @@ class GraphedCausalLM:
                 for size in sorted(prefill.buckets, reverse=True)
             ]
         stages.append(functools.partial(self._warm_up_prefill, kv))
+        stages.append(functools.partial(self._trace_long_prefill, kv))
         return stages
 
     def _warm_up_prefill(self, kv: Any) -> None:
@@ -191,6 +195,24 @@ class GraphedCausalLM:
         if _is_hybrid(kv) and kv.max_context >= 132:  # the kernels of chunks past 64 tokens
             self.inner(StepInput.single([0] * 128, 0, 4, device=self.runner.device), kv)
         torch.cuda.synchronize(self.runner.device)
+
+    def _trace_long_prefill(self, kv: Any) -> None:
+        """For the compile trace only: the chunks of the engine's prefill warm-up
+        (`Engine.warm_up_prefill`, after the captures: two chunks and an odd tail, one slot),
+        so their kernel variants compile on the pool beside the others, not one after another
+        in that warm-up. Needs `trace_chunk`, the engine's prefill chunk (worker/main.py)."""
+        chunk = self.trace_chunk
+        assert self.runner is not None
+        if chunk <= 0:
+            return
+        from worker.models.step import StepInput
+
+        total = min(2 * chunk + (3 * chunk // 4 | 1), kv.max_context - 3)
+        done = 0
+        while done < total:
+            n = min(chunk, total - done)
+            self.inner(StepInput.single([0] * n, 0, done, device=self.runner.device), kv)
+            done += n
 
     def __call__(self, step: Any, kv: Any) -> torch.Tensor:
         """Decode rows through the graph; prefill rows (a chunk riding along with the
