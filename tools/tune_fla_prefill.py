@@ -74,14 +74,12 @@ def tune(model: Path) -> dict[str, Any]:
 
 def chosen_configs() -> dict[str, Any]:
     """kernel name -> [[autotune key, config], ...] of every fla autotuner that ran."""
-    from triton.runtime.autotuner import Autotuner
-
     out: dict[str, Any] = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith("fla.") or module is None:
             continue
-        for value in list(vars(module).values()):
-            if not isinstance(value, Autotuner) or not value.cache:
+        for value in map(_autotuner, list(vars(module).values())):
+            if value is None or not value.cache:
                 continue
             kernel = getattr(value, "kernel_name", None) or value.base_fn.__name__
             out[kernel] = [
@@ -98,6 +96,18 @@ def chosen_configs() -> dict[str, Any]:
                 for key, config in value.cache.items()
             ]
     return out
+
+
+def _autotuner(value: Any) -> Any:
+    """The Autotuner inside `value` (a kernel under ``triton.heuristics`` is a Heuristics
+    object holding it: fla's chunk state pass is one), or None."""
+    from triton.runtime.autotuner import Autotuner
+
+    for _ in range(4):
+        if isinstance(value, Autotuner):
+            return value
+        value = getattr(value, "fn", None)
+    return None
 
 
 def write(chosen: dict[str, Any], gpu: str) -> Path:
