@@ -128,3 +128,31 @@ def test_graph_start_traces_its_warm_up_once_and_stores_nothing() -> None:
     fresh = model.make_kv_cache(4, 96)
     for got, want in zip(kv.layers, fresh.layers, strict=True):
         assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+
+
+def test_trace_runs_the_engine_warm_ups_chunks() -> None:
+    """With the engine's prefill chunk given, the trace's last stage runs the chunks of
+    `Engine.warm_up_prefill` (two chunks and an odd tail, one slot), so their kernel variants
+    compile on the pool; without it, that stage runs nothing."""
+    from tests.worker.test_cuda_graphs import tiny_model
+    from worker.device.graphed_lm import GraphedCausalLM
+    from worker.engine.engine import warm_up_tokens
+
+    model = tiny_model("cpu")
+    graphed = GraphedCausalLM(model, use_graphs=False, compiles=TracingPool())
+    kv = graphed.make_kv_cache(4, 96)
+    assert graphed._warm_up_stages(kv)[-1].func == graphed._trace_long_prefill
+    seen: list[tuple[list[int], list[int]]] = []
+    forward = model.forward
+
+    def recording(step, kv):  # type: ignore[no-untyped-def]
+        seen.append((list(step.cached_lens), list(step.new_lens)))
+        return forward(step, kv)
+
+    model.forward = recording  # type: ignore[method-assign]
+    graphed._trace_long_prefill(kv)
+    assert seen == []
+    graphed.trace_chunk = 32
+    graphed._trace_long_prefill(kv)
+    assert seen == [([0], [32]), ([32], [32]), ([64], [25])]
+    assert warm_up_tokens(32, 96) == 32 + 32 + 25 and warm_up_tokens(32, 60) == 57

@@ -205,9 +205,10 @@ class GraphedCausalLM:
         assert self.runner is not None
         if chunk <= 0:
             return
+        from worker.engine.engine import warm_up_tokens
         from worker.models.step import StepInput
 
-        total = min(2 * chunk + (3 * chunk // 4 | 1), kv.max_context - 3)
+        total = warm_up_tokens(chunk, kv.max_context)
         done = 0
         while done < total:
             n = min(chunk, total - done)

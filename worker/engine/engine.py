@@ -78,6 +78,13 @@ from worker.models.step import StepInput
 SMALL_STEP_TOKENS = 64  # CPU steps of at most this many tokens run torch ops on one thread
 
 
+def warm_up_tokens(chunk: int, max_context: int) -> int:
+    """The prompt length of `Engine.warm_up_prefill`: two chunks and an odd tail of 3/4 of
+    one, capped by the context (the compile trace runs the same chunks:
+    ``GraphedCausalLM._trace_long_prefill``)."""
+    return min(2 * chunk + (3 * chunk // 4 | 1), max_context - 3)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings, validated once."""
@@ -588,8 +595,7 @@ class Engine:
         start-up, not in a user's first long prompt (session 33: the Qwen3.5 file's first 16k
         prompt took 11.4 s on a fresh install, the next 0.8 s). Then the worker forgets it: the
         prefix cache's blocks and the step counters. Its prompt tokens (0: no room)."""
-        chunk = self.prefill_chunk
-        tokens = min(2 * chunk + (3 * chunk // 4 | 1), self.config.max_context - 3)
+        tokens = warm_up_tokens(self.prefill_chunk, self.config.max_context)
         if tokens < 2 or not self.idle or not self.pool.free_slots:
             return 0  # never at a named session's expense (one restored into every slot)
         ids = [int(self.prefix_ids[0]) if self.prefix_ids else 0] * tokens
