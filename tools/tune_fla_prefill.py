@@ -8,7 +8,8 @@ choices as fla config files, so a worker's first start on that GPU does not auto
 
 The worker points fla at ``worker/device/fla_configs/<its GPU>/`` when that folder exists
 (``worker.layers.deltanet.fla_chunk_rule``; fla's FLA_CONFIG_DIR, FLA_CACHE_MODE=fuzzy); a
-kernel or key without a file there is autotuned as before.
+kernel without a file there is autotuned as before (fuzzy: another key of the same dtypes
+takes the kept config).
 """
 
 from __future__ import annotations

@@ -223,7 +223,9 @@ def fla_chunk_rule() -> Any:
     TOKENPIPE_NO_FLA is not 1), else None. When this GPU has a folder of kept choices
     (``fla_config_folder``) and the environment does not choose otherwise, fla reads its
     kernels' configs there instead of autotuning them (most of a first start's time); a kernel
-    or shape without an entry is autotuned as before."""
+    without a file there is autotuned as before. Lookups are fuzzy (fla's FLA_CACHE_MODE): a
+    shape of other sizes but the same dtypes takes the kept config (valid at any size; tuned
+    for the shipped model's DeltaNet heads)."""
     if not fla_installed():
         return None
     folder = fla_config_folder()
