@@ -6,9 +6,10 @@ choices as fla config files, so a worker's first start on that GPU does not auto
     python tools/tune_fla_prefill.py --from-log LOG --gpu NVIDIA_H200     # here: writes
         worker/device/fla_configs/<gpu>/<kernel>.json from that line
 
-The worker points fla at ``worker/device/fla_configs/<its GPU>/`` when that folder exists
-(``worker.layers.deltanet.fla_chunk_rule``; fla's FLA_CONFIG_DIR, FLA_CACHE_MODE=fuzzy); a
-kernel without a file there is autotuned as before (fuzzy: another key of the same dtypes
+The worker points fla at ``worker/device/fla_configs/<its GPU>/``
+(``worker.layers.deltanet.fla_config_dir``; fla's FLA_CONFIG_DIR, FLA_CACHE_MODE=fuzzy); a
+kernel without a file there takes the file of a kept GPU of the same compute capability (each
+folder's ``_device.json``), else is autotuned as before (fuzzy: another key of the same dtypes
 takes the kept config).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,6 +43,7 @@ def tune(model: Path) -> dict[str, Any]:
     config = json.loads((model / "config.json" if model.is_dir() else model).read_text())
     spec = ModelConfig.from_hf(config).deltanet
     assert spec is not None
+    os.environ["FLA_CACHE_MODE"] = "disabled"  # tune every kernel, kept or borrowed files or not
     rule = fla_chunk_rule()
     if rule is None:
         raise SystemExit("fla does not import")
@@ -111,10 +114,16 @@ def _autotuner(value: Any) -> Any:
     return None
 
 
-def write(chosen: dict[str, Any], gpu: str) -> Path:
-    """fla's config-file format: entries keyed by the md5 of the JSON of the autotune key."""
+def write(chosen: dict[str, Any], gpu: str, device: dict[str, str] | None = None) -> Path:
+    """fla's config-file format: entries keyed by the md5 of the JSON of the autotune key;
+    `device` (the GPU's name and compute capability) as the folder's ``_device.json``, which
+    lets another GPU of that capability borrow the files it has none of."""
+    from worker.layers.deltanet import FLA_DEVICE_FILE
+
     folder = CONFIGS / gpu
     folder.mkdir(parents=True, exist_ok=True)
+    if device:
+        (folder / FLA_DEVICE_FILE).write_text(json.dumps(device, sort_keys=True) + "\n")
     for kernel, entries in sorted(chosen.items()):
         table = {}
         for key, config in entries:
@@ -139,12 +148,18 @@ def main() -> int:
             p.error("--from-log needs --gpu")
         lines = Path(args.from_log).read_text().splitlines()
         line = next(x for x in lines if x.startswith("FLA_CONFIGS "))
-        folder = write(json.loads(line.removeprefix("FLA_CONFIGS ")), args.gpu)
+        device = next((x for x in lines if x.startswith("GPU device: ")), None)
+        device = json.loads(device.removeprefix("GPU device: ")) if device else None
+        folder = write(json.loads(line.removeprefix("FLA_CONFIGS ")), args.gpu, device)
         print(f"wrote {folder}")
         return 0
-    from worker.layers.deltanet import fla_config_folder
+    import torch
+
+    from worker.layers.deltanet import fla_capability, fla_config_folder
 
     print(f"GPU folder: {fla_config_folder().name}", flush=True)
+    device = {"name": torch.cuda.get_device_name(), "capability": fla_capability()}
+    print("GPU device: " + json.dumps(device, sort_keys=True), flush=True)
     print("FLA_CONFIGS " + json.dumps(tune(Path(args.model))), flush=True)
     return 0
 

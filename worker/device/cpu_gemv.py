@@ -51,9 +51,9 @@ ROW_BLOCK = 8  # weight rows interleaved together: one AVX2 vector holds one k o
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("TOKENPIPE_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "tokenpipe"
-    return root / "kernels"
+    from worker import cache_dir
+
+    return cache_dir("kernels")
 
 
 def _cpu_supported() -> bool:

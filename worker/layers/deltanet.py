@@ -44,6 +44,7 @@ each sequence lives in its slot of a ``DeltaNetLayerCache`` (``worker.layers.hyb
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import sys
@@ -196,6 +197,7 @@ def recurrent_gated_delta_rule(
 
 
 FLA_CONFIGS = Path(__file__).resolve().parent.parent / "device" / "fla_configs"
+FLA_DEVICE_FILE = "_device.json"  # in each kept folder: the GPU's name and compute capability
 
 
 def fla_config_folder() -> Path:
@@ -205,6 +207,64 @@ def fla_config_folder() -> Path:
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return FLA_CONFIGS / (re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_") or "unknown_gpu")
+
+
+def fla_capability() -> str | None:
+    """This GPU's compute capability as ``"9.0"``; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return "{}.{}".format(*torch.cuda.get_device_capability())
+
+
+def _folder_capability(folder: Path) -> str | None:
+    try:
+        return str(json.loads((folder / FLA_DEVICE_FILE).read_text())["capability"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def fla_config_dir(
+    own: Path | None = None, capability: str | None = None, kept: Path = FLA_CONFIGS
+) -> Path | None:
+    """The folder fla reads its kernels' configs from: this GPU's kept folder
+    (``fla_config_folder``), where a kernel it has no file for takes the file of another kept
+    GPU of the same compute capability (an H200 the H100's: the same SMs and shared memory,
+    so the same configs launch; chosen for the other card's bandwidth). Such a mix is written
+    to ``$TOKENPIPE_CACHE/fla_configs/<gpu>`` (fla reads one folder). None when no kept folder
+    applies: fla autotunes every kernel, as it would without us."""
+    from worker import cache_dir
+
+    own = fla_config_folder() if own is None else own
+    capability = fla_capability() if capability is None else capability
+    others = sorted(kept.iterdir()) if capability and kept.is_dir() else []
+    kin = [f for f in others if f.name != own.name and _folder_capability(f) == capability]
+    chosen: dict[str, Path] = {}
+    for folder in (own, *kin):
+        for f in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+            if f.name != FLA_DEVICE_FILE:
+                chosen.setdefault(f.name, f)
+    if not chosen:
+        return None
+    if all(f.parent == own for f in chosen.values()):
+        return own
+    merged = cache_dir("fla_configs") / own.name
+    try:
+        merged.mkdir(parents=True, exist_ok=True)
+        for name, f in chosen.items():
+            body = f.read_bytes()
+            target = merged / name
+            if not target.is_file() or target.read_bytes() != body:
+                temp = merged / f".{name}.{os.getpid()}"
+                temp.write_bytes(body)
+                os.replace(temp, target)  # workers of several GPUs may write it at once
+        for stale in merged.glob("*.json"):
+            if stale.name not in chosen:
+                stale.unlink(missing_ok=True)
+    except OSError:  # a read-only cache: this GPU's own files, the rest autotuned
+        return own if own.is_dir() else None
+    return merged
 
 
 def fla_installed() -> bool:
@@ -220,16 +280,16 @@ def fla_installed() -> bool:
 @functools.cache
 def fla_chunk_rule() -> Any:
     """flash-linear-attention's ``chunk_gated_delta_rule`` when ``fla`` imports (and
-    TOKENPIPE_NO_FLA is not 1), else None. When this GPU has a folder of kept choices
-    (``fla_config_folder``) and the environment does not choose otherwise, fla reads its
-    kernels' configs there instead of autotuning them (most of a first start's time); a kernel
-    without a file there is autotuned as before. Lookups are fuzzy (fla's FLA_CACHE_MODE): a
+    TOKENPIPE_NO_FLA is not 1), else None. When kept choices apply to this GPU
+    (``fla_config_dir``) and the environment does not choose otherwise, fla reads its kernels'
+    configs there instead of autotuning them (most of a first start's time); a kernel without a
+    file there is autotuned as before. Lookups are fuzzy (fla's FLA_CACHE_MODE): a
     shape of other sizes but the same dtypes takes the kept config (valid at any size; tuned
     for the shipped model's DeltaNet heads)."""
     if not fla_installed():
         return None
-    folder = fla_config_folder()
-    if folder.is_dir() and "FLA_CONFIG_DIR" not in os.environ:
+    folder = fla_config_dir() if "FLA_CONFIG_DIR" not in os.environ else None
+    if folder is not None:
         os.environ["FLA_CONFIG_DIR"] = str(folder)  # read when fla is first imported
         os.environ.setdefault("FLA_CACHE_MODE", "fuzzy")
     try:

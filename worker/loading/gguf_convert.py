@@ -62,9 +62,9 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 
 def cache_root() -> Path:
     """`$TOKENPIPE_CACHE/gguf`, default `~/.cache/tokenpipe/gguf`."""
-    base = os.environ.get("TOKENPIPE_CACHE")
-    root = Path(base).expanduser() if base else Path.home() / ".cache" / "tokenpipe"
-    return root / "gguf"
+    from worker import cache_dir
+
+    return cache_dir("gguf")
 
 
 def gguf_identity_key(path: Path) -> str:
