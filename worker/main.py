@@ -471,8 +471,9 @@ def build_engine(
             config = dataclasses.replace(config, prefill_chunk=chunk)
             from worker.device.graphed_lm import GraphedCausalLM
 
-            if isinstance(loaded.model, GraphedCausalLM):  # its compile trace's prefill lengths
+            if isinstance(loaded.model, GraphedCausalLM):  # its compile trace's prefill steps
                 loaded.model.trace_chunk = chunk
+                loaded.model.trace_block = config.prefix_block if config.prefix_cache_bytes else 0
             building = (
                 f"building the KV cache ({config.resident} device slots of {config.max_context} "
                 f"tokens: {slots / memory.GIB:.2f} GiB, a prefix pool of "

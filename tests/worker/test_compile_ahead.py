@@ -156,3 +156,40 @@ def test_trace_runs_the_engine_warm_ups_chunks() -> None:
     graphed._trace_long_prefill(kv)
     assert seen == [([0], [32]), ([32], [32]), ([64], [25])]
     assert warm_up_tokens(32, 96) == 32 + 32 + 25 and warm_up_tokens(32, 60) == 57
+
+
+def test_trace_keeps_states_inside_a_hybrid_models_steps() -> None:
+    """With a prefix cache (`trace_block`), the trace's hybrid steps keep a state at a block end
+    inside them, as a prompt's steps do under the prefix cache (the first block end, and the
+    last one before the final token: inside the warm-up's tail), so fla's state pass compiles
+    with those arguments on the pool (session 36: the one variant the warm-up still compiled).
+    No pool exists yet: nothing is written, and the captures are gone afterwards."""
+    import torch
+    from test_engine_qwen3_5_moe import _config
+
+    from worker.device.graphed_lm import GraphedCausalLM
+    from worker.layers.hybrid_cache import DeltaNetLayerCache
+    from worker.models.registry import build_model
+
+    torch.manual_seed(0)
+    model = build_model(_config(), "cpu", torch.float32)
+    graphed = GraphedCausalLM(model, use_graphs=False, capture=False)
+    kv = graphed.make_kv_cache(2, 96)
+    inside: list[tuple[int, int]] = []
+    save = DeltaNetLayerCache.save_snapshot
+
+    def recording(self, slot, tokens, conv, recurrent):  # type: ignore[no-untyped-def]
+        inside.append((slot, tokens))
+        return save(self, slot, tokens, conv, recurrent)
+
+    graphed.trace_chunk, graphed.trace_block = 32, 16  # 89 tokens: 32 + 32 + 25
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DeltaNetLayerCache, "save_snapshot", recording)
+        graphed._trace_long_prefill(kv)
+        layers = len(kv.deltanet_layers)
+        assert sorted(set(inside)) == [(0, 16), (0, 80)] and len(inside) == 2 * layers
+        assert kv._state_captures == []
+        inside.clear()
+        graphed.trace_block = 0  # no prefix cache: no state inside a step
+        graphed._trace_long_prefill(kv)
+        assert inside == []

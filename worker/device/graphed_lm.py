@@ -119,8 +119,10 @@ class GraphedCausalLM:
         self.ahead_hits = 0
         self.ahead_misses = 0
 
-    # the engine's prefill chunk, for the compile trace's long-prefill stage (0: none)
+    # the engine's prefill chunk, for the compile trace's long-prefill stage (0: none), and
+    # its prefix cache's block (0: no prefix cache), whose ends a hybrid prefill keeps states at
     trace_chunk = 0
+    trace_block = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -200,20 +202,35 @@ class GraphedCausalLM:
         """For the compile trace only: the chunks of the engine's prefill warm-up
         (`Engine.warm_up_prefill`, after the captures: two chunks and an odd tail, one slot),
         so their kernel variants compile on the pool beside the others, not one after another
-        in that warm-up. Needs `trace_chunk`, the engine's prefill chunk (worker/main.py)."""
+        in that warm-up. Needs `trace_chunk`, the engine's prefill chunk (worker/main.py). With
+        `trace_block` (a prefix cache) a hybrid model's steps also keep a state at a block end
+        inside them, as the prefix cache has a prompt's steps do (its last block end before the
+        final token: inside the warm-up's tail; the first block end: a short prompt's only
+        step), and fla's state pass then runs with other arguments (session 35: the last
+        variant the warm-up compiled itself). Nothing is written: the pool does not exist yet."""
         chunk = self.trace_chunk
         assert self.runner is not None
         if chunk <= 0:
             return
         from worker.engine.engine import warm_up_tokens
+        from worker.layers.hybrid_cache import StateCapture
         from worker.models.step import StepInput
 
         total = warm_up_tokens(chunk, kv.max_context)
-        done = 0
-        while done < total:
-            n = min(chunk, total - done)
-            self.inner(StepInput.single([0] * n, 0, done, device=self.runner.device), kv)
-            done += n
+        block = self.trace_block if _is_hybrid(kv) else 0
+        if block > 0:  # row -1: no pool row; states at a step's end would go to the pool
+            ends = {block, (total - 1) // block * block}
+            inside = sorted(t for t in ends if 0 < t < total and t % chunk)
+            kv.set_state_captures([StateCapture(0, t, -1) for t in inside])
+        try:
+            done = 0
+            while done < total:
+                n = min(chunk, total - done)
+                self.inner(StepInput.single([0] * n, 0, done, device=self.runner.device), kv)
+                done += n
+        finally:
+            if block > 0:
+                kv.set_state_captures([])
 
     def __call__(self, step: Any, kv: Any) -> torch.Tensor:
         """Decode rows through the graph; prefill rows (a chunk riding along with the
