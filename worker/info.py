@@ -171,15 +171,55 @@ def describe(
         if on_device != dtype:  # the CUDA worker's own dtype (bf16 unless --dtype says)
             skeleton = build_model(config, "meta", on_device)
             weights = _weights(skeleton, gguf_source, quantize, on_device)
-        out["device_estimate"] = {
-            "dtype": str(on_device).removeprefix("torch."),
-            **device_estimate(
+
+        def estimate(weights: dict[str, Any]) -> dict[str, Any]:
+            return device_estimate(
                 checkpoint.config, weights, (context, config.context_length), on_device, slots,
                 prefill_chunk, _session_bytes(skeleton, checkpoint.config, on_device),
                 gpu_memory_gb, fla=_fla_installed(on_device),
-            ),
-        }  # fmt: skip
+            )  # fmt: skip
+
+        fitted = estimate(weights)
+        if fitted.get("fits") is False and quantize.mode != "int4":  # what int4 would hold
+            int4 = estimate(_weights(skeleton, gguf_source, quantize.as_int4(), on_device))
+            fitted["with_quantize_int4"] = {key: int4[key] for key in INT4_FIGURES}
+        out["device_estimate"] = {"dtype": str(on_device).removeprefix("torch."), **fitted}
     return out
+
+
+INT4_FIGURES = (
+    "weights_bytes",
+    "total_bytes",
+    "fits",
+    "fits_with_prefill_chunk",
+    "max_slots_at_context",
+    "max_context_at_slots",
+)
+"""``device_estimate.with_quantize_int4``: where the flags' weights do not fit
+``--gpu-memory-gb``, the same estimate with ``--quantize int4`` (a Gemma 4 31B Q4_K_M file kept
+as it is does not leave room for an 8k session on a 24 GB card; requantized to int4 it does)."""
+
+
+def fit_advice(estimate: dict[str, Any]) -> str | None:
+    """A line for stderr where `estimate` (``device_estimate``) does not fit its
+    ``--gpu-memory-gb``: what it needs, and what ``--quantize int4`` would; None where it fits
+    or no limit was given."""
+    if estimate.get("fits") is not False:
+        return None
+    need = estimate["total_bytes"] / GIB
+    line = (
+        f"does not fit --gpu-memory-gb {estimate['gpu_memory_gb']:g}: these flags need "
+        f"{need:.2f} GiB ({estimate['slots']} slots of {estimate['context']} tokens; "
+        f"{estimate['max_context_at_slots']} tokens would fit)"
+    )
+    int4 = estimate.get("with_quantize_int4")
+    if int4 is not None:
+        verdict = "fits" if int4["fits"] else f"{int4['max_context_at_slots']} tokens would fit"
+        line += (
+            f"; --quantize int4 would need {int4['total_bytes'] / GIB:.2f} GiB "
+            f"({int4['weights_bytes'] / GIB:.2f} GiB of weights): {verdict}"
+        )
+    return line
 
 
 def _fla_installed(dtype: torch.dtype) -> bool:
@@ -376,4 +416,7 @@ def command(
     except (ModelLoadError, ValueError) as exc:
         click.echo(f"tokenpipe info: error: {exc}", err=True)
         sys.exit(1)
+    advice = fit_advice(info.get("device_estimate", {}))
+    if advice is not None:
+        click.echo(f"tokenpipe info: {advice}", err=True)
     click.echo(json.dumps(info, indent=2))

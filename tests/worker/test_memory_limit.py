@@ -472,6 +472,17 @@ def test_info_device_estimate_against_the_24_gb_runs(
     assert fp32["device_estimate"]["total_bytes"] > two["total_bytes"]
     assert two["fits_with_prefill_chunk"] == 2048 and three["fits_with_prefill_chunk"] is None
     assert "expert_scratch_bytes" not in two
+    # where the flags' weights do not fit, what --quantize int4 would (session 36); int4 itself
+    # or a fit says nothing more
+    assert "with_quantize_int4" not in two and "with_quantize_int4" not in three
+    int8 = CliRunner().invoke(command, [*args, "--quantize", "int8", "--dtype", "bfloat16"])
+    assert int8.exit_code == 0, int8.output
+    over = json.loads(int8.stdout)["device_estimate"]
+    assert not over["fits"] and over["weights_bytes"] > 23.5 * GIB
+    assert over["with_quantize_int4"] == {key: two[key] for key in info.INT4_FIGURES}
+    assert "does not fit --gpu-memory-gb 23.5" in int8.stderr
+    assert "--quantize int4 would need 23.0" in int8.stderr and int8.stderr.endswith("fits\n")
+    assert CliRunner().invoke(command, [*args, "--dtype", "bfloat16"]).stderr == ""
     bad = CliRunner().invoke(command, ["--model", str(REPO / "examples" / "gemma4_31b"),
                                        "--tokenizer-path", str(tokenizer), "--max-sessions", "2",
                                        "--max-resident", "3"])  # fmt: skip

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,11 @@ class QuantizeOptions:
             raise ValueError(f"--group-size must be an even number >= 2, got {self.group_size}")
         if self.importance not in (None, NO_IMPORTANCE) and not Path(self.importance).is_file():
             raise ValueError(f"--quant-importance: no file {self.importance!r}")
+
+    def as_int4(self) -> QuantizeOptions:
+        """The same options with ``--quantize int4`` (what ``tokenpipe info`` offers where the
+        weights do not fit)."""
+        return replace(self, mode="int4")
 
     def layer_format(self) -> QuantFormat:
         # int8 per channel (group 0 would be that) lost 6 points of top-1 on the default model
