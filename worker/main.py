@@ -151,10 +151,13 @@ def _slots_kv_bytes(model: Any, slots: int, context: int) -> int:
         return 0
 
 
-def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int = 0) -> int:
+def _memory_capped_context(
+    model: Any, sessions: int, wanted: int, reserved: int = 0, quantize: str = "int4"
+) -> int:
     """The largest context <= `wanted` whose KV for `sessions` slots fits the memory budget
     (80% of free device memory on CUDA; on the CPU `CPU_KV_BUDGET`, or what
-    `CPU_MIN_CONTEXT` tokens need if more, and at most half the available RAM)."""
+    `CPU_MIN_CONTEXT` tokens need if more, and at most half the available RAM). A cap on CUDA
+    names `--quantize int4` where the weights are held otherwise (`quantize`)."""
     import psutil
 
     probe_len = 256
@@ -179,7 +182,13 @@ def _memory_capped_context(model: Any, sessions: int, wanted: int, reserved: int
     fits = int((budget / sessions - fixed) // per_token)
     capped = max(probe_len, min(wanted, fits // probe_len * probe_len))
     if capped < wanted:
-        log(f"max context capped at {capped} tokens by memory ({sessions} sessions)")
+        hint = ""
+        if device.type == "cuda" and quantize != "int4":  # a Q4_K_M kept on a 24 GB card
+            hint = (
+                "; --quantize int4 leaves more room (`tokenpipe info --model M --context N "
+                "--gpu-memory-gb G` says what fits)"
+            )
+        log(f"max context capped at {capped} tokens by memory ({sessions} sessions){hint}")
     return capped
 
 
@@ -428,7 +437,7 @@ def build_engine(
     prefix_bytes = int(prefix_cache_gb * (1 << 30))
     if max_context is None:
         default_context = _memory_capped_context(
-            loaded.model, resident, default_context, reserved=prefix_bytes
+            loaded.model, resident, default_context, reserved=prefix_bytes, quantize=quantize
         )
     if group is not None:
         if torch_device.type == "cuda":

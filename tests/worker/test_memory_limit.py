@@ -177,6 +177,15 @@ def test_default_context_is_sized_within_the_limit(monkeypatch: pytest.MonkeyPat
     assert free_card == 32768  # 122 GiB free: the full context
     memory.apply("cuda:0", 24)  # 24 - 0.5 - 18.5 = 5 GiB left, 80% of it for 2 sessions
     assert _memory_capped_context(Model(), 2, 32768) == 2048
+    # the cap's line names --quantize int4 where the weights are not int4 already
+    from worker import main as worker_main
+
+    lines: list[str] = []
+    monkeypatch.setattr(worker_main, "log", lines.append)
+    assert _memory_capped_context(Model(), 2, 32768, quantize="auto") == 2048
+    assert _memory_capped_context(Model(), 2, 32768, quantize="int4") == 2048
+    assert "capped at 2048 tokens" in lines[0] and "--quantize int4 leaves more room" in lines[0]
+    assert "--quantize" not in lines[1]
     assert _default_prefix_cache_gb(torch.device("cuda:0")) == pytest.approx(0.15 * 5)
     # --max-context given: the sessions' KV first, the prefix cache from what it leaves
     assert _default_prefix_cache_gb(torch.device("cuda:0"), 4 * GIB) == pytest.approx(0.15)
