@@ -2,10 +2,10 @@
 
 The GGUF tests (tests/worker/test_gguf_gemma4.py, test_gguf_qwen3_5_moe.py) write their files the
 way llama.cpp's ``convert_hf_to_gguf.py`` does, by reading it. This runs the converter itself: a
-tiny random Gemma 4 and Qwen3.5-MoE (the tests' configs) saved by transformers, converted by a
-llama.cpp source tree to F32 and Q8_0 files (Qwen also with a multi-token-prediction block, as
-the released checkpoints have), then loaded by tokenpipe and compared with transformers on the
-same weights:
+tiny random Llama (whose Q/K rows the converter permutes), Gemma 4 and Qwen3.5-MoE (the tests'
+configs) saved by transformers, converted by a llama.cpp source tree to F32 and Q8_0 files (Qwen
+also with a multi-token-prediction block, as the released checkpoints have), then loaded by
+tokenpipe and compared with transformers on the same weights:
 
     python tools/check_llama_cpp_convert.py --llama-cpp DIR      # a table; exit 1 on a mismatch
 
@@ -56,9 +56,10 @@ def run_converter(llama: Path, vocab: Path, argv: list[str]) -> None:
         if spec.get("pre"):
             writer.add_tokenizer_pre(spec["pre"])
         writer.add_token_list(spec["tokens"])
-        writer.add_token_scores([0.0] * len(spec["tokens"]))
+        writer.add_token_scores(spec.get("scores") or [0.0] * len(spec["tokens"]))
         writer.add_token_types(spec["types"])
-        writer.add_token_merges(spec["merges"])
+        if spec["merges"]:
+            writer.add_token_merges(spec["merges"])
         for kind, token in spec["ids"].items():
             getattr(writer, f"add_{kind}_token_id")(token)
         writer.add_add_bos_token(spec["add_bos"])
@@ -85,11 +86,24 @@ class Tiny:
 
 def tiny_models(root: Path) -> list[Tiny]:
     sys.path[:0] = [str(REPO / "tests" / "worker"), str(REPO / "tests"), str(REPO)]
+    import test_gguf as llama
     import test_gguf_gemma4 as gemma4
     import test_gguf_qwen3_5_moe as qwen
     from test_models_common import make_pair
+    from transformers import LlamaConfig
 
     out = []
+    tokens, scores, types = llama.tiny_vocab()
+    ids = {"bos": 1, "eos": 2, "unk": 0}
+    spec = dict(model="llama", tokens=tokens, scores=scores, types=types, merges=[], ids=ids,
+                add_bos=True)  # fmt: skip
+    shape = llama.TINY
+    config = LlamaConfig(vocab_size=len(tokens), hidden_size=shape["hidden"],
+                         intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
+                         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                         max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    config.architectures = ["LlamaForCausalLM"]
+    out.append(Tiny("llama", make_pair(config, root / "llama"), root / "llama", spec))
     tokens, types = gemma4.vocab()
     merges = [f"{left} {right}" for left, right in gemma4.MERGES]
     ids = {"bos": 2, "eos": 1, "pad": 0, "unk": 3}

@@ -1,6 +1,6 @@
 """GGUF files written by llama.cpp's own converter (``convert_hf_to_gguf.py``) load as the models
-they came from: a tiny Gemma 4 and Qwen3.5-MoE (with and without a multi-token-prediction block),
-F32 and Q8_0, against transformers (tools/check_llama_cpp_convert.py; its docstring has the
+they came from: a tiny Llama, Gemma 4 and Qwen3.5-MoE (with and without a multi-token-prediction
+block), F32 and Q8_0, against transformers (tools/check_llama_cpp_convert.py; its docstring has the
 criteria). The other GGUF tests write their files the way the converter does; this one runs it.
 
 It needs a llama.cpp source tree: ``$TOKENPIPE_LLAMA_CPP``, else ``.peers/llama.cpp``
@@ -42,5 +42,5 @@ def test_llama_cpp_converted_files_load_as_their_models(
     tree = llama_cpp()
     monkeypatch.setenv("TOKENPIPE_CACHE", str(tmp_path / "cache"))
     rows = check(tree, tmp_path)
-    assert len(rows) == 6  # gemma4 f32 / q8_0; qwen35moe f32 / q8_0, without and with MTP
+    assert len(rows) == 8  # llama, gemma4: f32, q8_0; qwen35moe: the same without and with MTP
     assert all(row["ok"] for row in rows), table(rows)
