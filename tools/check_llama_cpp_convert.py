@@ -18,8 +18,9 @@ tokenizer here (the tiny models have none): its ``set_vocab`` is given the tests
 F32 files: every position's logits within the model tests' tolerance and 32 greedy tokens equal to
 transformers'. Q8_0 files (the converter's own rounding): the same tensors as the F32 file (names,
 shapes, and each one's values within 1% once dequantized by gguf-py: Q8_0's rounding is ~0.5%),
-and the file kept quantized (``auto``) against the same file dequantized (``none``) within the
-model tests' tolerance, greedy equal. (Against transformers' float weights a Q8_0 file's logits
+and the file kept quantized (``auto``) against the same file dequantized (``none``), both on the
+engine's CPU path (``prepare_for_cpu``: the packed C kernels, int8 with int16 activations), within
+1% and greedy equal. (Against transformers' float weights a Q8_0 file's logits
 are 50-80% off: these random 4-layer models amplify any rounding; transformers itself moves 39%
 with 0.55% noise on its own matrices. That column is shown, not checked.)
 """
@@ -38,6 +39,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 Q8_REL_TOL = 0.01  # a Q8_0 tensor against the F32 file's (relative error; the rounding is ~0.5%)
+KEPT_REL_TOL = 0.01  # the C int8 kernels (int16 activations) against the file dequantized: 1e-4 to
+# 2e-3 on these models, which amplify any rounding; a misread tensor is off by O(1)
 
 
 def run_converter(llama: Path, vocab: Path, argv: list[str]) -> None:
@@ -170,7 +173,9 @@ def load(path: Path, mode: str) -> tuple[Any, Any]:
 
     loaded = load_model(path, "cpu", torch.float32, progress=False,
                         quantize=QuantizeOptions(mode))  # fmt: skip
-    return loaded.config, prepare_model_for_device(loaded, "cpu", cuda_graphs=False)
+    model = prepare_model_for_device(loaded, "cpu", cuda_graphs=False)
+    model.prepare_for_cpu()  # as the engine does: the packed C kernels, quantized ones included
+    return loaded.config, model
 
 
 def every_position(model: Any, prompt: list[int]) -> Any:
@@ -235,7 +240,7 @@ def check_file(tiny: Tiny, path: Path, outtype: str) -> dict[str, Any]:
                                                 GREEDY_TOKENS)  # fmt: skip
     row["ok"] = (
         row["tensors vs f32 file"] < Q8_REL_TOL
-        and row["kept vs dequantized"] < REL_TOL
+        and row["kept vs dequantized"] < KEPT_REL_TOL
         and row["greedy equal"]
     )
     return row
