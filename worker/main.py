@@ -152,12 +152,13 @@ def _slots_kv_bytes(model: Any, slots: int, context: int) -> int:
 
 
 def _memory_capped_context(
-    model: Any, sessions: int, wanted: int, reserved: int = 0, quantize: str = "int4"
+    model: Any, sessions: int, wanted: int, reserved: int = 0, quantize: str | None = None
 ) -> int:
     """The largest context <= `wanted` whose KV for `sessions` slots fits the memory budget
     (80% of free device memory on CUDA; on the CPU `CPU_KV_BUDGET`, or what
     `CPU_MIN_CONTEXT` tokens need if more, and at most half the available RAM). A cap on CUDA
-    names `--quantize int4` where the weights are held otherwise (`quantize`)."""
+    names `--quantize int4` where the weights are held otherwise (`quantize`, the worker's
+    flag; None: not known, no hint)."""
     import psutil
 
     probe_len = 256
@@ -183,7 +184,7 @@ def _memory_capped_context(
     capped = max(probe_len, min(wanted, fits // probe_len * probe_len))
     if capped < wanted:
         hint = ""
-        if device.type == "cuda" and quantize != "int4":  # a Q4_K_M kept on a 24 GB card
+        if device.type == "cuda" and quantize not in (None, "int4"):  # a kept Q4_K_M, 24 GB
             hint = (
                 "; --quantize int4 leaves more room (`tokenpipe info --model M --context N "
                 "--gpu-memory-gb G` says what fits)"
