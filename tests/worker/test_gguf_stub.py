@@ -72,10 +72,10 @@ def test_gemma4_stub_is_kept_in_llama_cpp_s_types(tmp_path: Path, cache: None, s
     size = gguf_stub.write_stub(shrunk("gemma4_31b", GEMMA4), scheme, path)
     assert path.stat().st_size == size
     formats = kept(path)
-    # the tied embedding (Q6_K in both) is one int8 table shared with the head
-    assert formats["model.embed_tokens"] == formats["lm_head"] == "int8 g16"
+    # the tied embedding (Q6_K in both) is one int6 table shared with the head
+    assert formats["model.embed_tokens"] == formats["lm_head"] == "int6 g16"
     tables = {"model.embed_tokens", "lm_head"}
-    six_bits = {n for n, f in formats.items() if f == "int8 g16"} - tables
+    six_bits = {n for n, f in formats.items() if f == "int6 g16"} - tables
     if scheme == "q4_0":  # a QAT file's type everywhere else: nothing at 6 bits
         assert not six_bits
     else:  # the first and last eighth (0, 7) and every third between (3, 6: (i - 1) % 3 == 2)
@@ -96,7 +96,7 @@ def test_qwen_stub_is_kept_in_llama_cpp_s_types(tmp_path: Path, cache: None, sch
     path = tmp_path / f"qwen-{scheme}.gguf"
     gguf_stub.write_stub(shrunk("qwen3_5_moe", QWEN), scheme, path)
     formats = kept(path)
-    assert formats["lm_head"] == "int8 g16"  # untied: output.weight at Q6_K
+    assert formats["lm_head"] == "int6 g16"  # untied: output.weight at Q6_K
     assert formats["model.embed_tokens"] == "int4 g32"
     # one kind for a layer's experts: a Q6_K down_proj joins the layer's int4
     experts = {f for n, f in formats.items() if n.endswith("mlp.experts")}

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.device import cpu_gemv
-from worker.layers.quant import INT4, INT8, QuantizedWeight
+from worker.layers.quant import INT4, INT6, INT8, QuantizedWeight
 
 ROW_BLOCK = 16  # weight rows interleaved together (a tile)
 BLOCK_TILES = 8  # tiles whose streams are interleaved (module docstring)
@@ -78,12 +78,12 @@ def available() -> bool:
 
 def can_pack(qw: QuantizedWeight) -> bool:
     """A weight the kernel takes: on the CPU, N % 16 == 0, an even group size (int4: K % 4 == 0,
-    whole 32-byte units)."""
+    whole 32-byte units); int6 runs as int8."""
     return (
         qw.qdata.device.type == "cpu"
         and qw.shape[0] % ROW_BLOCK == 0
         and qw.group_size % 2 == 0
-        and qw.kind in (INT8, INT4)
+        and qw.kind in (INT8, INT4, INT6)
         and (qw.kind == INT8 or qw.shape[1] % 4 == 0)
     )
 
@@ -117,7 +117,8 @@ def _deinterleave(flat: torch.Tensor, n: int, c: int) -> torch.Tensor:
 
 def pack(qw: QuantizedWeight) -> PackedQuant:
     offsets = None if qw.offsets is None else _interleave(qw.offsets)
-    return PackedQuant(qw.kind, qw.shape, qw.group_size, _interleave(qw.qdata),
+    kind = INT8 if qw.kind == INT6 else qw.kind  # int6 codes are int8 bytes: the int8 kernel
+    return PackedQuant(kind, qw.shape, qw.group_size, _interleave(qw.qdata),
                        _interleave(qw.scales), offsets)  # fmt: skip
 
 

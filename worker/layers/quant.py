@@ -1,17 +1,20 @@
 """Weight-only quantized formats and the layers holding them (``QuantLinear``, ``QuantEmbedding``).
 
-Two formats, both group-wise along the input dimension K of a weight [N, K]:
+Three formats, all group-wise along the input dimension K of a weight [N, K]:
 
     int8  symmetric:   w[n, k] = q[n, k] * scale[n, k // g]             q int8 in [-127, 127]
     int4  asymmetric:  w[n, k] = q[n, k] * scale[n, k // g] + offset[n, k // g]   q in [0, 15]
+    int6  symmetric:   as int8 with q in [-32, 31] (a GGUF's Q6_K: g16)
 
 ``g`` (the group size) divides K; ``g == K`` is one scale per output channel. Scales and
 offsets are fp16 (a quarter of a byte per weight at int4 g32). The int4 offset is the group's
 zero point as a float (offset = -zero * scale), so a GGUF Q4_K block (``d * sc * q - dmin * m``)
 repacks into it up to the fp16 rounding of the two products.
 
-The canonical layout, ``QuantizedWeight``, is row-major: int8 ``qdata`` [N, K]; int4 ``qdata``
-uint8 [N, K / 2], low nibble the even k. Device code repacks it for its kernels (the CPU:
+The canonical layout, ``QuantizedWeight``, is row-major: int8 and int6 ``qdata`` int8 [N, K];
+int4 ``qdata`` uint8 [N, K / 2], low nibble the even k. int6 differs from int8 only in the
+range its codes keep: the CPU kernels take it as int8, the GPU packs it in 6 bits
+(``worker.device.kernels.int6_matmul``). Device code repacks it for its kernels (the CPU:
 ``worker.device.cpu_quant``); the torch reference here (``dequantize``) is what every kernel is
 tested against. Norms, biases and other vectors are never quantized.
 """
@@ -24,14 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-INT8, INT4 = "int8", "int4"
-KINDS = (INT8, INT4)
+INT8, INT4, INT6 = "int8", "int4", "int6"
+KINDS = (INT8, INT4, INT6)
+CODE_LIMIT = {INT8: 127, INT6: 31}  # a symmetric kind's fits keep codes within +-limit
 SCALE_DTYPE = torch.float16
 
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """A weight's storage format: ``kind`` int8 or int4 and ``group_size`` (0: one group per
+    """A weight's storage format: ``kind`` int8, int4 or int6 and ``group_size`` (0: one group per
     output channel, that is the whole row)."""
 
     kind: str
@@ -67,7 +71,7 @@ class QuantizedWeight:
     kind: str
     shape: tuple[int, int]
     group_size: int
-    qdata: torch.Tensor  # int8 [N, K] | uint8 [N, K / 2]
+    qdata: torch.Tensor  # int8 [N, K] (int8, int6) | uint8 [N, K / 2] (int4)
     scales: torch.Tensor  # fp16 [N, K / g]
     offsets: torch.Tensor | None = None  # fp16 [N, K / g], int4 only
 
@@ -112,7 +116,7 @@ def _groups(weight: torch.Tensor, group: int) -> torch.Tensor:
 # trade range for a grid that may fit the group better. On the default model (whose float
 # weights are dequantized Q5_0/Q8_0/Q6_K/Q4_K) the search finds the 5-bit grid of the Q5_0
 # tensors exactly: int8 g32 top-1 97.3% -> 98.8%, perplexity +0.9% -> +0.3%.
-INT8_DIVISORS = tuple(range(64, 128))
+INT8_DIVISORS = tuple(range(64, 128))  # int6: 16 to 31 (``quantize_int8``'s ``kind``)
 # int4: each candidate spreads the group's [min, max] over 15 + delta steps, assigns codes, then
 # fits scale and offset to those codes by least squares; the best by squared error is kept
 # (llama.cpp's make_qkx2 idea, vectorised). Squared error -26% vs min/max round-to-nearest.
@@ -128,34 +132,38 @@ def _search_rows(weight: torch.Tensor) -> int:
 
 
 def quantize_int8(
-    weight: torch.Tensor, group_size: int = 0, search: bool = True
+    weight: torch.Tensor, group_size: int = 0, search: bool = True, kind: str = INT8
 ) -> QuantizedWeight:
     """Symmetric int8, per group the scale amax / m (m in INT8_DIVISORS) with the least squared
-    error (``search`` False: amax / 127, round-to-nearest); ``group_size`` 0: per channel."""
+    error (``search`` False: amax / 127, round-to-nearest); ``group_size`` 0: per channel.
+    ``kind`` int6: codes up to 31 (m from 16 to 31)."""
     n, k = weight.shape
     group = group_size or k
-    QuantFormat(INT8, group).check("weight", (n, k))
-    divisors = INT8_DIVISORS if search else (127,)
+    QuantFormat(kind, group).check("weight", (n, k))
+    limit = CODE_LIMIT[kind]
+    divisors = tuple(range((limit + 1) // 2, limit + 1)) if search else (limit,)
     rows = _search_rows(weight)
     scales, codes = [], []
     for start in range(0, n, rows):  # chunks bound the fp32 temporaries
         grouped = _groups(weight[start : start + rows], group)
-        scale = _int8_scales(grouped, divisors)
+        scale = _int8_scales(grouped, divisors, limit)
         safe = torch.where(scale == 0, torch.ones_like(scale), scale).float().unsqueeze(-1)
-        codes.append(torch.round(grouped / safe).clamp_(-127, 127).to(torch.int8).flatten(1))
+        codes.append(torch.round(grouped / safe).clamp_(-limit, limit).to(torch.int8).flatten(1))
         scales.append(scale)
     q, scales = torch.cat(codes), torch.cat(scales)
-    return QuantizedWeight(INT8, (n, k), group, q, scales)
+    return QuantizedWeight(kind, (n, k), group, q, scales)
 
 
-def _int8_scales(grouped: torch.Tensor, divisors: tuple[int, ...]) -> torch.Tensor:
+def _int8_scales(
+    grouped: torch.Tensor, divisors: tuple[int, ...], limit: int = 127
+) -> torch.Tensor:
     """[R, G, g] -> fp16 [R, G]: the candidate scale of least squared error per group."""
     amax = grouped.abs().amax(dim=-1, keepdim=True)  # [R, G, 1]
     best_scale = best_error = None
     for divisor in divisors:
         scale = (amax / divisor).to(SCALE_DTYPE).float()
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-        codes = torch.div(grouped, safe).round_().clamp_(-127, 127)
+        codes = torch.div(grouped, safe).round_().clamp_(-limit, limit)
         error = codes.mul_(scale).sub_(grouped).square_().sum(dim=-1, keepdim=True)
         if best_scale is None or best_error is None:
             best_scale, best_error = scale, error
@@ -265,8 +273,8 @@ def quantize(
     """``weight`` in ``fmt``; ``search`` False: round-to-nearest over each group's range;
     ``importance`` [K]: an int4 fit weighted by input channel (``quantize_int4``; int8 ignores
     it: its searched fit already meets its quality target)."""
-    if fmt.kind == INT8:
-        return quantize_int8(weight, fmt.group_size, search)
+    if fmt.kind in CODE_LIMIT:
+        return quantize_int8(weight, fmt.group_size, search, fmt.kind)
     return quantize_int4(weight, fmt.group_size or weight.shape[1], search, importance)
 
 
@@ -286,7 +294,7 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     n, k = qw.shape
     group = qw.group_size
     scales = qw.scales.float().unsqueeze(-1)  # [N, K / g, 1]
-    if qw.kind == INT8:
+    if qw.kind != INT4:
         q = qw.qdata.float().reshape(n, k // group, group)
         return (q * scales).reshape(n, k)
     assert qw.offsets is not None
@@ -404,6 +412,10 @@ class QuantLinear(nn.Module):
 
             out = cpu_quant.matmul(x, self.cpu_packed)
             return out if self.bias is None else out + self.bias
+        if self.device_packed is not None and self.format.kind == INT6:  # CUDA, 6-bit planes
+            from worker.device.kernels.int6_matmul import int6_linear
+
+            return int6_linear(x, self.device_packed, self.bias)  # type: ignore[arg-type]
         if self.device_packed is not None:  # worker.device.kernels.quant_matmul (CUDA)
             from worker.device.kernels.quant_matmul import quant_linear
 
@@ -415,7 +427,7 @@ class QuantLinear(nn.Module):
         """act(gate) * up of this gate_up layer's output (gate outputs first) in one fused
         path where the CUDA kernels have one for x (``quant_matmul.quant_linear_gated``),
         else None: the caller runs forward, then the activation."""
-        if self.device_packed is None or self.bias is not None:
+        if self.device_packed is None or self.bias is not None or self.format.kind == INT6:
             return None
         from worker.device.kernels.quant_matmul import quant_linear_gated
 
@@ -468,8 +480,10 @@ def pack_for_device(model: nn.Module, dtype: torch.dtype = torch.float32) -> tup
     ``meta_dtype_for``), its canonical copy dropped as soon as it is packed, so the model never
     needs two copies of its weights (one int4 31B does not fit a 24 GB card twice); an
     embedding whose table a packed LM head shares gathers its rows from the packed table (one
-    copy). Weights whose group the kernels cannot take stay canonical (the torch reference).
+    copy). int6 weights go into 6-bit planes (``worker.device.kernels.int6_matmul``). Weights
+    whose group the kernels cannot take stay canonical (the torch reference).
     Returns (packed, left canonical). Imports Triton."""
+    from worker.device.kernels.int6_matmul import SixBitWeight
     from worker.device.kernels.quant_matmul import KMajorWeight, meta_dtype_for
 
     users: dict[int, list[QuantLinear | QuantEmbedding]] = {}  # modules sharing a weight
@@ -482,10 +496,14 @@ def pack_for_device(model: nn.Module, dtype: torch.dtype = torch.float32) -> tup
         assert qw is not None
         if not any(isinstance(m, QuantLinear) for m in sharing):
             continue  # an embedding alone: rows gathered from its canonical table
-        if not KMajorWeight.supports(qw):
+        device_packed: KMajorWeight | SixBitWeight
+        if qw.kind == INT6 and SixBitWeight.supports(qw):
+            device_packed = SixBitWeight.pack(qw)
+        elif qw.kind != INT6 and KMajorWeight.supports(qw):
+            device_packed = KMajorWeight.pack(qw, meta_dtype_for(qw.kind, dtype))
+        else:
             left += 1
             continue
-        device_packed = KMajorWeight.pack(qw, meta_dtype_for(qw.kind, dtype))
         for module in sharing:
             module.device_packed = device_packed
             module.quantized = None  # the canonical copy goes before the next weight packs

@@ -8,7 +8,8 @@
     Q8_0  (32 weights: d * q, q int8)             -> int8 g32, exact
     Q5_0  (32 weights: d * (q - 16), q 5-bit)     -> int8 g32, exact
     Q6_K  (256-weight super-blocks, 16 sub-blocks of 16: d * sc * (q - 32), q 6-bit)
-          -> int8 g16: scale = d * sc (the fp16 rounding of the product)
+          -> int6 g16: scale = d * sc (the fp16 rounding of the product); int8 bytes on the
+          CPU, 7 bits a weight on a GPU (``worker.device.kernels.int6_matmul``)
 
 F32/F16/BF16 tensors stay float. A matrix of another quantized type (Q5_K and Q5_1, which
 llama.cpp's Q4_K_M and Q5_K_M mixes use; the 2-3 bit K-quants and IQ types) is dequantized by
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.layers.quant import INT4, INT8, QuantFormat, QuantizedWeight, pack_nibbles
+from worker.layers.quant import INT4, INT6, INT8, QuantFormat, QuantizedWeight, pack_nibbles
 from worker.loading.checkpoint import ModelLoadError
 from worker.loading.gguf_convert import (
     expert_pieces,
@@ -55,7 +56,7 @@ KEPT_FORMATS = {
     "Q4_1": QuantFormat(INT4, 32),
     "Q8_0": QuantFormat(INT8, 32),
     "Q5_0": QuantFormat(INT8, 32),
-    "Q6_K": QuantFormat(INT8, 16),
+    "Q6_K": QuantFormat(INT6, 16),
 }
 # quantized again from their dequantized values (not repacked): the format by their bits
 REQUANTIZED_FORMATS = {

@@ -73,7 +73,7 @@ import torch
 from torch import nn
 
 from worker.layers.moe import FusedExperts
-from worker.layers.quant import INT4, INT8, QuantEmbedding, QuantFormat, QuantLinear, quantize
+from worker.layers.quant import INT4, INT6, INT8, QuantEmbedding, QuantFormat, QuantLinear, quantize
 from worker.layers.quant_experts import QuantExperts
 
 INT4_MIXED = "int4-mixed"
@@ -637,4 +637,6 @@ def _stored(
         return str(dtype).removeprefix("torch."), n * k * element
     int4 = fmt.kind == INT4
     groups = n * (k // fmt.group_for(k))
+    if fmt.kind == INT6:  # a GPU's 6-bit planes (a CPU holds its codes as int8 bytes)
+        return fmt.describe(), -(-k // 128) * 96 * n + groups * 2
     return fmt.describe(), n * k // (2 if int4 else 1) + groups * (4 if int4 else 2)

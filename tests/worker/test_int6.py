@@ -1,0 +1,134 @@
+"""int6 (a GGUF's Q6_K kept at 6 bits on a GPU): the format (worker/layers/quant.py), its CPU
+path (the int8 kernel), and the 6-bit planes and kernels of worker/device/kernels/int6_matmul.py
+(Triton's CPU interpreter here, CUDA on the GPU box) against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from worker.layers import quant as Q
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _int6(n: int, k: int, group: int = 16, seed: int = 0) -> Q.QuantizedWeight:
+    """Random codes over the whole range [-32, 31] (a Q6_K's, -32 included)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.01 + 1e-3).half()
+    return Q.QuantizedWeight(Q.INT6, (n, k), group, codes, scales).to(DEVICE)
+
+
+def test_int6_fit_keeps_codes_in_six_bits_and_beats_nothing_else() -> None:
+    weight = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
+    six = Q.quantize(weight, Q.QuantFormat(Q.INT6, 16))
+    eight = Q.quantize(weight, Q.QuantFormat(Q.INT8, 16))
+    assert six.kind == Q.INT6 and six.qdata.dtype == torch.int8
+    assert int(six.qdata.abs().max()) <= 31
+    err6 = (six.dequantize() - weight).square().mean()
+    err8 = (eight.dequantize() - weight).square().mean()
+    # a 6-bit grid: about 16x the int8 error, far below the weights' own spread
+    assert err8 < err6 < weight.square().mean() * 1e-2
+    assert six.format.describe() == "int6 g16"
+
+
+def test_int6_on_the_cpu_runs_the_int8_kernel() -> None:
+    from worker.device import cpu_quant
+
+    if not cpu_quant.available():
+        pytest.skip("no C kernel on this machine")
+    qw = _int6(32, 64).to("cpu")
+    layer = Q.QuantLinear.from_weight(qw)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    want = x @ qw.dequantize().T
+    assert cpu_quant.can_pack(qw)
+    layer.cpu_packed = cpu_quant.pack(qw)
+    torch.testing.assert_close(layer(x), want, rtol=2e-3, atol=2e-3)
+
+
+# -- the GPU's planes and kernels (Triton) ------------------------------------------------------
+
+
+@pytest.mark.usefixtures("triton_ready")
+@pytest.mark.parametrize(("n", "k", "group"), [(5, 16, 16), (37, 208, 16), (40, 256, 32),
+                                               (3, 384, 16)])  # fmt: skip
+def test_planes_hold_every_code(n: int, k: int, group: int) -> None:
+    """K not a multiple of the 128-input tile (padded), groups of 16 and 32."""
+    from worker.device.kernels.int6_matmul import SixBitWeight
+
+    qw = _int6(n, k, group)
+    packed = SixBitWeight.pack(qw)
+    tiles = -(-k // 128)
+    assert packed.low.shape == (n, tiles * 16) and packed.high.shape == (n, tiles * 8)
+    assert torch.equal(packed.codes(), qw.qdata.int())
+    torch.testing.assert_close(packed.dequantize(), qw.dequantize(), rtol=0, atol=0)
+    ids = torch.tensor([n - 1, 0, n // 2], device=DEVICE)
+    torch.testing.assert_close(packed.rows(ids, torch.float32), qw.dequantize()[ids], rtol=0,
+                               atol=0)  # fmt: skip
+    # 6 bits a weight and a 16-bit scale a group when K fills the tiles (g16: 7; int8 g16: 9)
+    if k % 128 == 0:
+        assert packed.nbytes * 8 == n * k * 6 + n * (k // group) * 16
+
+
+@pytest.mark.usefixtures("triton_ready")
+@pytest.mark.parametrize("rows", [1, 2, 17, 70])
+@pytest.mark.parametrize(("k", "group"), [(208, 16), (256, 32)])
+def test_int6_linear_matches_the_reference(rows: int, k: int, group: int) -> None:
+    """Every path: the GEMV (1 row, K split), the GEMM (2-64 rows), the dequantized scratch
+    (more rows), with a bias."""
+    from worker.device.kernels.int6_matmul import SixBitWeight, int6_linear
+
+    qw = _int6(70, k, group, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    bias = torch.randn(70, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    want = x @ qw.dequantize().T + bias
+    got = int6_linear(x, SixBitWeight.pack(qw), bias)
+    assert got.shape == (rows, 70) and got.dtype == x.dtype
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.usefixtures("triton_ready")
+def test_gemv_splits_add_up_and_the_scratch_goes_in_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.device.kernels import int6_matmul as M
+    from worker.device.kernels import quant_matmul
+
+    qw = _int6(300, 384, 16, seed=3)
+    packed = M.SixBitWeight.pack(qw)
+    x = torch.randn(1, 384, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    want = x @ qw.dequantize().T
+    for split in (1, 2, 3):
+        torch.testing.assert_close(M.int6_gemv(x, packed, split), want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(quant_matmul, "SCRATCH_BYTES", 256 * 384 * 4)  # 256 rows a range
+    xs = torch.randn(65, 384, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    torch.testing.assert_close(M.int6_linear(xs, packed), xs @ qw.dequantize().T, rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.usefixtures("triton_ready")
+def test_pack_for_device_puts_int6_in_planes_and_shares_a_tied_table() -> None:
+    """A model with an int6 tied embedding / head and an int4 matmul: the table is packed once
+    in 6 bits, the embedding gathers its rows from it, and forward matches the reference."""
+    from worker.device.kernels.int6_matmul import SixBitWeight
+    from worker.device.kernels.quant_matmul import KMajorWeight
+
+    table = _int6(48, 128)
+    body = Q.quantize(torch.randn(128, 128) * 0.05, Q.QuantFormat(Q.INT4, 32)).to(DEVICE)
+    model = nn.Module()
+    model.embed = Q.QuantEmbedding(48, 128, Q.QuantFormat(Q.INT6, 16), torch.float32)
+    model.embed.quantized = table
+    model.head = Q.QuantLinear.from_weight(table)
+    model.body = Q.QuantLinear.from_weight(body)
+    ids = torch.tensor([3, 47, 0], device=DEVICE)
+    want_rows = table.dequantize()[ids]
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    want = (x @ body.dequantize().T) @ table.dequantize().T
+    assert Q.pack_for_device(model) == (2, 0)
+    assert isinstance(model.head.device_packed, SixBitWeight)
+    assert model.embed.device_packed is model.head.device_packed
+    assert isinstance(model.body.device_packed, KMajorWeight)
+    assert model.head.quantized is None and model.embed.quantized is None
+    assert model.head.gated(x, "silu") is None  # no fused gated path for 6 bits
+    torch.testing.assert_close(model.embed(ids), want_rows, rtol=0, atol=0)
+    torch.testing.assert_close(model.head(model.body(x)), want, rtol=1e-4, atol=1e-4)
