@@ -6,8 +6,9 @@ before, on the Q6_K matrices of a Gemma 4 31B Q4_K_M file, one GPU, in one run.
 Per matrix and row count: microseconds a call and the weight bytes streamed per second of
 each path (weights past L2: each call reads the next of several copies, as a decode step
 reads every matrix once), from CUDA-graph replays. int8 g16 runs the tiles the worker's
-start-up would time and pick (``quant_matmul.choose_configs``). ``--sweep`` also times the int6
-GEMV's (rows a program, warps) candidates at one row and prints the fastest per matrix.
+start-up would time and pick (``quant_matmul.choose_configs``). ``--sweep`` also times the
+int6 GEMV's (word columns a program, warps, programs) candidates at one row and prints the
+fastest per matrix.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from worker.layers import quant as Q  # noqa: E402
 SHAPES = [("lm_head / embedding", 262144, 5376), ("down_proj", 5376, 21504),
           ("v_proj (sliding)", 4096, 5376)]  # fmt: skip
 ROTATE_BYTES = 400_000_000  # copies of a matrix until their bytes are well past any L2
-GEMV_SWEEP = [(16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]
+# (word columns a program, warps, programs the K split aims at)
+GEMV_SWEEP = [(32, 4, 528), (32, 8, 528), (32, 8, 264), (32, 8, 1056), (32, 16, 528),
+              (64, 4, 528), (64, 8, 528), (16, 8, 528)]  # fmt: skip
 
 
 def _int6_weight(n: int, k: int) -> Q.QuantizedWeight:
@@ -73,17 +76,16 @@ def bench(name: str, n: int, k: int, rows_list: list[int], sweep: bool) -> list[
               f"rel. error vs fp32 {error:.1e}", flush=True)  # fmt: skip
     if sweep:
         x = (torch.randn(1, k, device="cuda") * 0.5).to(torch.bfloat16)
-        kept = (six.GEMV_BLOCK_N, six.GEMV_WARPS)
+        kept = (six.GEMV_BLOCK_C, six.GEMV_WARPS, six.GEMV_PROGRAMS)
         timings = []
-        for block_n, warps in GEMV_SWEEP:
-            six.GEMV_BLOCK_N, six.GEMV_WARPS = block_n, warps
+        for config in GEMV_SWEEP:
+            six.GEMV_BLOCK_C, six.GEMV_WARPS, six.GEMV_PROGRAMS = config
             t = rotated(lambda w: six.int6_linear(x, w), sixes)
-            timings.append((t, block_n, warps))
-            print(f"  sweep GEMV rows a program {block_n:>3}, warps {warps}: {t * 1e6:8.1f} us "
+            timings.append((t, config))
+            print(f"  sweep GEMV {config}: {t * 1e6:8.1f} us "
                   f"({sixes[0].nbytes / t / 1e12:.2f} TB/s)", flush=True)  # fmt: skip
-        six.GEMV_BLOCK_N, six.GEMV_WARPS = kept
-        best = min(timings)
-        print(f"  fastest: rows a program {best[1]}, warps {best[2]}", flush=True)
+        six.GEMV_BLOCK_C, six.GEMV_WARPS, six.GEMV_PROGRAMS = kept
+        print(f"  fastest: {min(timings)[1]}", flush=True)
     return out
 
 

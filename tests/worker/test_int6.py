@@ -55,20 +55,21 @@ def test_int6_on_the_cpu_runs_the_int8_kernel() -> None:
 @pytest.mark.parametrize(("n", "k", "group"), [(5, 16, 16), (37, 208, 16), (40, 256, 32),
                                                (3, 384, 16)])  # fmt: skip
 def test_planes_hold_every_code(n: int, k: int, group: int) -> None:
-    """K not a multiple of the 128-input tile (padded), groups of 16 and 32."""
+    """N not a multiple of a word's 8 outputs (padded), groups of 16 and 32."""
     from worker.device.kernels.int6_matmul import SixBitWeight
 
     qw = _int6(n, k, group)
     packed = SixBitWeight.pack(qw)
-    tiles = -(-k // 128)
-    assert packed.low.shape == (n, tiles * 16) and packed.high.shape == (n, tiles * 8)
+    columns = -(-n // 8)  # N padded to whole words of 8 outputs
+    assert packed.low.shape == (k, columns) and packed.high.shape == (k // 2, columns)
+    assert packed.scales.shape == (k // group, 8, columns)
     assert torch.equal(packed.codes(), qw.qdata.int())
     torch.testing.assert_close(packed.dequantize(), qw.dequantize(), rtol=0, atol=0)
     ids = torch.tensor([n - 1, 0, n // 2], device=DEVICE)
     torch.testing.assert_close(packed.rows(ids, torch.float32), qw.dequantize()[ids], rtol=0,
                                atol=0)  # fmt: skip
-    # 6 bits a weight and a 16-bit scale a group when K fills the tiles (g16: 7; int8 g16: 9)
-    if k % 128 == 0:
+    # 6 bits a weight and a 16-bit scale a group when N fills the words (g16: 7; int8 g16: 9)
+    if n % 8 == 0:
         assert packed.nbytes * 8 == n * k * 6 + n * (k // group) * 16
 
 

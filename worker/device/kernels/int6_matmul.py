@@ -5,26 +5,27 @@
 
 int6 is symmetric (``w = q * scale``, one fp16 scale per group of 16 or a multiple of 16);
 its canonical codes are int8 bytes (``worker.layers.quant``), which the CPU kernels take as
-int8. On the GPU they are packed **row-major in two planes**, per tile of 128 inputs of a row:
+int8. On the GPU, u = q + 32 (0-63) is packed **K-major in two planes**, output-interleaved as
+the int4 layout of ``quant_matmul`` (plain rows, C = N / 8 word columns):
 
-    low   int32 [N, T * 16]: word m (0-15) of tile t holds the low 4 bits of u = q + 32 at
-          inputs 128 t + 16 i + m in its nibble i (bits 4i..4i+3)
-    high  int32 [N, T * 8]:  word m' (0-7) holds the top 2 bits of u at inputs
-          128 t + 16 i + 2 m' + h in its bits 2 (i + 8 h)..+1 (i 0-7, h 0-1)
+    low    int32 [K, C]:      word (k, c) holds the low 4 bits of u[8c + p, k] in its nibble p
+    high   int32 [K / 2, C]:  word (j, c) holds the top 2 bits of u[8c + p, 2j] at bits 2p and
+                              those of u[8c + p, 2j + 1] at bits 16 + 2p
+    scales fp16 [K / g, 8, C]: position-major, as the int4 layout's
 
-(T = K / 128 rounded up; padding inputs have u = 32, weight 0). So a kernel loads a tile's 16
-low words and 8 high words of each row and builds slice i (16 inputs, one group of 16 or half
-of a 32) with shifts and masks, a ``tl.join`` putting the high plane's two halves side by
-side; the slice's x are 16 consecutive values and its scale one per row. 6 bits + 16 / 16 =
-7 bits a weight at group 16 (Q6_K itself: 6.56), against 9 as int8 g16: the 56 Q6_K tensors of
-a Gemma 4 31B Q4_K_M file go from 6.11 to 4.75 GB, what lets that file run on a 24 GB card
-with two 8k sessions (BENCHMARKS.md, session 37).
+So the batch-1 GEMV takes each word's codes with the int4 kernel's trick (``quant_matmul._code``:
+``word & mask`` read as an fp32 is the code times a power of two, exact, so a weight costs an AND
+and an FMA against x scaled by 2^90) for both planes, in separate sums per code position, and
+applies ``(low + 16 high - 32) * scale`` once a group: about 4 instructions a weight, against
+10+ for unpacking a row-major 6-bit layout (1.7 TB/s at best on an H200, BENCHMARKS.md session
+37). 6 bits + 16 / 16 = 7 bits a weight at group 16 (Q6_K itself: 6.56), against 9 as int8 g16:
+the 56 Q6_K tensors of a Gemma 4 31B Q4_K_M file go from 6.11 to 4.75 GB.
 
-Three paths by the rows M of x, as the int4 / int8 kernels (``quant_matmul``): a GEMV on CUDA
-cores (fp32 sums, K split over programs for matrices of few rows) at M == 1, a GEMM on the
-tensor cores (``tl.dot`` of a slice at a time) up to GEMM_MAX_ROWS, and a dequantized scratch
-of at most ``quant_matmul.SCRATCH_BYTES`` with cuBLAS for prefill chunks. Import after
-``worker.device.kernels.triton_available()``.
+Three paths by the rows M of x: the GEMV (K split over programs for matrices of few outputs,
+fp32 partials added in split order) at M == 1, a GEMM on the tensor cores (each code
+position's [16, BLOCK_C] weights dequantized in registers, then ``tl.dot``) up to
+GEMM_MAX_ROWS, and a dequantized scratch of at most ``quant_matmul.SCRATCH_BYTES`` with cuBLAS
+for prefill chunks. Import after ``worker.device.kernels.triton_available()``.
 """
 
 from __future__ import annotations
@@ -32,17 +33,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from worker.device.kernels.quant_matmul import _code, _unscale
 from worker.layers.quant import INT6, QuantizedWeight
 
-TILE = 128  # inputs a tile: 8 slices of 16
+P = 8  # outputs a word column
 GEMM_MAX_ROWS = 64
 PACK_ELEMENTS = 1 << 24  # codes packed a chunk (bounds the int32 temporaries to ~64 MB)
-# (rows a GEMV program, warps): timed on an H200, BENCHMARKS.md session 37
-GEMV_BLOCK_N, GEMV_WARPS = 32, 4
+# GEMV (word columns a program, warps = groups in flight): timed on an H200, BENCHMARKS.md
+# session 37
+GEMV_BLOCK_C, GEMV_WARPS = 32, 8
 GEMV_PROGRAMS = 528  # about four a streaming multiprocessor of an H200: the K split's target
 
 
@@ -52,14 +54,14 @@ class SixBitWeight:
 
     shape: tuple[int, int]
     group_size: int
-    low: torch.Tensor  # int32 [N, T * 16]
-    high: torch.Tensor  # int32 [N, T * 8]
-    scales: torch.Tensor  # fp16 [N, T * 128 / g] (zero past K)
+    low: torch.Tensor  # int32 [K, C]
+    high: torch.Tensor  # int32 [K / 2, C]
+    scales: torch.Tensor  # fp16 [K / g, 8, C]
     kind: str = INT6
 
     @property
-    def tiles(self) -> int:
-        return self.low.shape[1] // 16
+    def columns(self) -> int:
+        return self.low.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -75,53 +77,53 @@ class SixBitWeight:
             raise ValueError(f"6-bit packing needs int6 groups of a multiple of 16, got "
                              f"{qw.format.describe()}")  # fmt: skip
         n, k = qw.shape
-        tiles = triton.cdiv(k, TILE)
+        columns = triton.cdiv(n, P)
         device = qw.qdata.device
-        low = torch.empty((n, tiles * 16), dtype=torch.int32, device=device)
-        high = torch.empty((n, tiles * 8), dtype=torch.int32, device=device)
-        step = max(1, PACK_ELEMENTS // (tiles * TILE))
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            u = torch.full((stop - start, tiles * TILE), 32, dtype=torch.int32, device=device)
-            u[:, :k] = qw.qdata[start:stop].to(torch.int32) + 32
-            u = u.view(-1, tiles, 8, 16)  # [rows, t, i, m]
-            word = torch.zeros((stop - start, tiles, 16), dtype=torch.int32, device=device)
-            for i in range(8):
-                word |= (u[:, :, i] & 15) << (4 * i)
-            low[start:stop] = word.view(stop - start, -1)
-            top = (u >> 4).view(-1, tiles, 8, 8, 2)  # [rows, t, i, m', h]
-            word = torch.zeros((stop - start, tiles, 8), dtype=torch.int32, device=device)
-            for i in range(8):
-                for h in range(2):
-                    word |= top[:, :, i, :, h] << (2 * (i + 8 * h))
-            high[start:stop] = word.view(stop - start, -1)
-        scales = torch.zeros((n, tiles * TILE // qw.group_size), dtype=torch.float16,
+        low = torch.empty((k, columns), dtype=torch.int32, device=device)
+        high = torch.empty((k // 2, columns), dtype=torch.int32, device=device)
+        step = max(1, PACK_ELEMENTS // (k * P))  # word columns a chunk
+        for first in range(0, columns, step):
+            last = min(columns, first + step)
+            u = torch.full(((last - first) * P, k), 32, dtype=torch.int32, device=device)
+            rows = qw.qdata[first * P : last * P]
+            u[: rows.shape[0]] = rows.to(torch.int32) + 32
+            u = u.view(last - first, P, k)  # [c, p, k]
+            word = torch.zeros((last - first, k), dtype=torch.int32, device=device)
+            for p in range(P):
+                word |= (u[:, p] & 15) << (4 * p)
+            low[:, first:last] = word.t()
+            top = (u >> 4).view(last - first, P, k // 2, 2)  # [c, p, j, k % 2]
+            word = torch.zeros((last - first, k // 2), dtype=torch.int32, device=device)
+            for p in range(P):
+                word |= (top[:, p, :, 0] << (2 * p)) | (top[:, p, :, 1] << (16 + 2 * p))
+            high[:, first:last] = word.t()
+        padded = torch.zeros((columns * P, k // qw.group_size), dtype=torch.float16,
                              device=device)  # fmt: skip
-        scales[:, : qw.scales.shape[1]] = qw.scales
+        padded[:n] = qw.scales
+        scales = padded.t().reshape(-1, columns, P).transpose(1, 2).contiguous()  # [K/g, P, C]
         return SixBitWeight(qw.shape, qw.group_size, low, high, scales)
 
-    def codes(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """The codes q in [-32, 31] of ``rows`` (default all) -> int32 [R, K] (torch ops: the
-        layout's reference, and an embedding lookup's few rows)."""
-        pick = slice(None) if rows is None else rows
-        low, high = self.low[pick], self.high[pick]
-        count, tiles = low.shape[0], self.tiles
-        low = low.view(count, tiles, 1, 16)
-        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=low.device).view(1, 1, 8, 1)
-        lo = (low >> shifts) & 15  # [R, t, i, m]
-        high = high.view(count, tiles, 1, 8, 1)
-        slots = torch.arange(8, dtype=torch.int32, device=low.device).view(1, 1, 8, 1, 1)
-        halves = torch.tensor([0, 16], dtype=torch.int32, device=low.device).view(1, 1, 1, 1, 2)
-        hi = ((high >> (2 * slots + halves)) & 3).view(count, tiles, 8, 16)
-        u = (lo | (hi << 4)) - 32
-        return u.view(count, tiles * TILE)[:, : self.shape[1]]
+    def _where(self, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if ids is None:
+            ids = torch.arange(self.shape[0], device=self.low.device)
+        return ids // P, (ids % P).to(torch.int32)
 
-    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """float32 [R, K] of ``rows`` (default all): ``q * scale`` as the reference."""
-        pick = slice(None) if rows is None else rows
+    def codes(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes q in [-32, 31] of outputs ``ids`` (default all) -> int32 [T, K] (torch
+        ops: the layout's reference, and an embedding lookup's few rows)."""
+        column, position = self._where(ids)
         k = self.shape[1]
-        scales = self.scales[pick].float().repeat_interleave(self.group_size, dim=1)[:, :k]
-        return self.codes(rows).float() * scales
+        lo = (self.low[:, column] >> (4 * position)[None, :]) & 15  # [K, T]
+        parity = (torch.arange(k, device=lo.device, dtype=torch.int32) % 2 * 16)[:, None]
+        top = self.high[:, column].repeat_interleave(2, dim=0)  # [K, T]
+        hi = (top >> (parity + 2 * position[None, :])) & 3
+        return ((lo | (hi << 4)) - 32).t()
+
+    def dequantize(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [T, K] of outputs ``ids`` (default all): ``q * scale`` as the reference."""
+        column, position = self._where(ids)
+        scales = self.scales[:, position, column].float()  # [K / g, T]
+        return self.codes(ids).float() * scales.t().repeat_interleave(self.group_size, dim=1)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` [T] of the dequantized weight -> [T, K] (an embedding lookup from a
@@ -130,115 +132,250 @@ class SixBitWeight:
 
 
 @triton.jit
-def _slice_codes(low, high, i: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Slice i of a tile: [BLOCK_N, 16] int32 codes q = u - 32 from a row's 16 low and 8 high
-    words."""
-    lo = (low >> (4 * i)) & 15
-    hi = tl.reshape(tl.join((high >> (2 * i)) & 3, (high >> (2 * i + 16)) & 3), [BLOCK_N, 16])
-    return (lo | (hi << 4)) - 32
+def _high_code(word, p: tl.constexpr):
+    """The 2-bit code at bits 2p of ``word`` as the fp32 code * 2^(2p - 149) (a denormal)."""
+    return (word & (3 << (2 * p))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _high_unscale(p: tl.constexpr):
+    """16 * 2^(59 - 2p): a `_high_code` times x * 2^90, times this, is 16 * code * x."""
+    if p == 0:
+        u = 9.223372036854775808e18  # 2^63
+    elif p == 1:
+        u = 2.305843009213693952e18  # 2^61
+    elif p == 2:
+        u = 5.764607523034234880e17  # 2^59
+    elif p == 3:
+        u = 1.441151880758558720e17  # 2^57
+    elif p == 4:
+        u = 3.602879701896396800e16  # 2^55
+    elif p == 5:
+        u = 9.007199254740992e15  # 2^53
+    elif p == 6:
+        u = 2.251799813685248e15  # 2^51
+    else:
+        u = 5.62949953421312e14  # 2^49
+    return u
+
+
+@triton.jit
+def _pair(d, e, low0, high0, low1, high1, top0, top1, xb0, xb1, p: tl.constexpr):
+    """Position p's sums over two input rows: d (low nibbles), e (top bits)."""
+    d += _code(low0, high0, p, True) * xb0 + _code(low1, high1, p, True) * xb1
+    e += _high_code(top0, p) * xb0 + _high_code(top1, p) * xb1
+    return d, e
+
+
+@triton.jit
+def _group_end(a, d, e, s_ptr, meta, mask, xs, p: tl.constexpr, C):
+    scale = tl.load(s_ptr + meta + p * C, mask=mask, other=0.0).to(tl.float32)
+    return a + (d * _unscale(p, True) + e * _high_unscale(p) - 32.0 * xs) * scale
+
+
+@triton.jit
+def _store(out_ptr, a, offs_c, mask_c, N, p: tl.constexpr):
+    out = offs_c * 8 + p
+    tl.store(out_ptr + out, tl.sum(a, axis=0).to(out_ptr.dtype.element_ty),
+             mask=mask_c & (out < N))  # fmt: skip
 
 
 @triton.jit
 def _int6_gemv_kernel(
-    x_ptr, low_ptr, high_ptr, s_ptr, part_ptr, N, K, TILES, PER_SPLIT, GROUPS,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, low_ptr, high_ptr, s_ptr, part_ptr, N, C, K, PER_SPLIT,
+    GROUP: tl.constexpr, BLOCK_C: tl.constexpr, WARPS: tl.constexpr,
 ):  # fmt: skip
-    """partial[split, n] = sum over this split's tiles of x . W[n] (fp32)."""
-    pid_n = tl.program_id(0)
+    """part[split, n] = x . W[n] over split's groups. Program (i, s): word columns
+    [i * BLOCK_C, ...), the tile's WARPS rows taking groups w, w + WARPS, ... of split s; a
+    group's rows are taken two at a time (one high word holds both)."""
+    pid = tl.program_id(0)
     split = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = rows < N
-    rows64 = rows.to(tl.int64)
-    m16 = tl.arange(0, 16)
-    m8 = tl.arange(0, 8)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    cols = offs_c[None, :].to(tl.int64)
+    lanes = tl.arange(0, WARPS)
     first = split * PER_SPLIT
-    last = tl.minimum(first + PER_SPLIT, TILES)
-    for t in range(first, last):
-        low = tl.load(low_ptr + rows64[:, None] * (TILES * 16) + t * 16 + m16[None, :],
-                      mask=live[:, None], other=0)  # fmt: skip
-        high = tl.load(high_ptr + rows64[:, None] * (TILES * 8) + t * 8 + m8[None, :],
-                       mask=live[:, None], other=0)  # fmt: skip
-        for i in tl.static_range(8):
-            k = t * 128 + 16 * i + m16
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            q = _slice_codes(low, high, i, BLOCK_N).to(tl.float32)
-            scale = tl.load(s_ptr + rows64 * GROUPS + (t * 128 + 16 * i) // GROUP, mask=live,
-                            other=0.0).to(tl.float32)  # fmt: skip
-            acc += tl.sum(q * x[None, :], axis=1) * scale
-    tl.store(part_ptr + split * N + rows, acc, mask=live)
+    last = tl.minimum(first + PER_SPLIT, K // GROUP)
+    a0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a3 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a4 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a5 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a6 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    a7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+    for g0 in range(first, last, WARPS):
+        g = g0 + lanes
+        mask_g = g < last
+        mask = mask_g[:, None] & mask_c[None, :]
+        d0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d3 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d4 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d5 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d6 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        d7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        e0 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        e1 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        e2 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        e3 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        e4 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        e5 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        e6 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        e7 = tl.zeros([WARPS, BLOCK_C], dtype=tl.float32)
+        xs = tl.zeros([WARPS], dtype=tl.float32)
+        for j in tl.static_range(GROUP // 2):
+            k0 = g * GROUP + 2 * j
+            row0 = k0[:, None].to(tl.int64) * C + cols
+            low0 = tl.load(low_ptr + row0, mask=mask, other=0)
+            low1 = tl.load(low_ptr + row0 + C, mask=mask, other=0)
+            top = tl.load(high_ptr + (k0 // 2)[:, None].to(tl.int64) * C + cols, mask=mask,
+                          other=0)  # fmt: skip
+            x0 = tl.load(x_ptr + k0, mask=mask_g, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + k0 + 1, mask=mask_g, other=0.0).to(tl.float32)
+            xs += x0 + x1
+            xb0 = (x0 * 1.2379400392853803e27)[:, None]  # 2^90: products stay normal floats
+            xb1 = (x1 * 1.2379400392853803e27)[:, None]
+            high0 = low0 >> 8
+            high1 = low1 >> 8
+            top1 = top >> 16
+            d0, e0 = _pair(d0, e0, low0, high0, low1, high1, top, top1, xb0, xb1, 0)
+            d1, e1 = _pair(d1, e1, low0, high0, low1, high1, top, top1, xb0, xb1, 1)
+            d2, e2 = _pair(d2, e2, low0, high0, low1, high1, top, top1, xb0, xb1, 2)
+            d3, e3 = _pair(d3, e3, low0, high0, low1, high1, top, top1, xb0, xb1, 3)
+            d4, e4 = _pair(d4, e4, low0, high0, low1, high1, top, top1, xb0, xb1, 4)
+            d5, e5 = _pair(d5, e5, low0, high0, low1, high1, top, top1, xb0, xb1, 5)
+            d6, e6 = _pair(d6, e6, low0, high0, low1, high1, top, top1, xb0, xb1, 6)
+            d7, e7 = _pair(d7, e7, low0, high0, low1, high1, top, top1, xb0, xb1, 7)
+        meta = g[:, None] * (8 * C) + offs_c[None, :]
+        xsum = xs[:, None]
+        a0 = _group_end(a0, d0, e0, s_ptr, meta, mask, xsum, 0, C)
+        a1 = _group_end(a1, d1, e1, s_ptr, meta, mask, xsum, 1, C)
+        a2 = _group_end(a2, d2, e2, s_ptr, meta, mask, xsum, 2, C)
+        a3 = _group_end(a3, d3, e3, s_ptr, meta, mask, xsum, 3, C)
+        a4 = _group_end(a4, d4, e4, s_ptr, meta, mask, xsum, 4, C)
+        a5 = _group_end(a5, d5, e5, s_ptr, meta, mask, xsum, 5, C)
+        a6 = _group_end(a6, d6, e6, s_ptr, meta, mask, xsum, 6, C)
+        a7 = _group_end(a7, d7, e7, s_ptr, meta, mask, xsum, 7, C)
+    out = part_ptr + split * N
+    _store(out, a0, offs_c, mask_c, N, 0)
+    _store(out, a1, offs_c, mask_c, N, 1)
+    _store(out, a2, offs_c, mask_c, N, 2)
+    _store(out, a3, offs_c, mask_c, N, 3)
+    _store(out, a4, offs_c, mask_c, N, 4)
+    _store(out, a5, offs_c, mask_c, N, 5)
+    _store(out, a6, offs_c, mask_c, N, 6)
+    _store(out, a7, offs_c, mask_c, N, 7)
+
+
+@triton.jit
+def _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, p: tl.constexpr):
+    """Position p's [16, BLOCK_C] weights (fp32) of a 16-row step: ``top`` holds each row's
+    high word already shifted to its half."""
+    scale = tl.load(s_ptr + gi * (8 * C) + p * C + offs_c, mask=mask_c, other=0.0)
+    code = (((low >> (4 * p)) & 15) | (((top >> (2 * p)) & 3) << 4)) - 32
+    return code.to(tl.float32) * scale.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _dot(acc, x, w, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(x, w.to(x.dtype), acc, input_precision="ieee")
+    return tl.dot(x, w.to(x.dtype), acc)
+
+
+@triton.jit
+def _gemm_store(out, acc, rows_m, mask_m, offs_c, N, p: tl.constexpr):
+    cols = offs_c * 8 + p
+    tl.store(out + rows_m[:, None].to(tl.int64) * N + cols[None, :], acc,
+             mask=mask_m[:, None] & (cols < N)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _step_planes(low_ptr, high_ptr, s, offs_c, mask_c, C):
+    """A 16-row step's low words and each row's high word shifted to its half: [16, BLOCK_C]."""
+    k = s * 16 + tl.arange(0, 16)
+    cols = offs_c[None, :].to(tl.int64)
+    low = tl.load(low_ptr + k[:, None].to(tl.int64) * C + cols, mask=mask_c[None, :], other=0)
+    top = tl.load(high_ptr + (k // 2)[:, None].to(tl.int64) * C + cols, mask=mask_c[None, :],
+                  other=0)  # fmt: skip
+    return k, low, top >> ((k % 2) * 16)[:, None]
 
 
 @triton.jit
 def _int6_gemm_kernel(
-    x_ptr, low_ptr, high_ptr, s_ptr, part_ptr, M, N, K, TILES, PER_SPLIT, GROUPS, stride_x,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, low_ptr, high_ptr, s_ptr, part_ptr, M, N, C, K, stride_x, PER_SPLIT,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """partial[split, m, n] = this split's tiles of x[m] . W[n]: each slice's weights
-    dequantized in registers to x's dtype, then ``tl.dot`` (fp32 accumulators)."""
-    pid_n = tl.program_id(0)
+    """part[split, m, n] = x[m] . W[n] over split's 16-row steps: per code position p the
+    step's weights of outputs 8c + p dequantized in registers, then ``tl.dot`` into p's
+    accumulator."""
+    pid_c = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = rows < N
-    rows64 = rows.to(tl.int64)
-    xrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    xlive = xrows < M
-    m16 = tl.arange(0, 16)
-    m8 = tl.arange(0, 8)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows_m < M
+    a0 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    a4 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    a5 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    a6 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    a7 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     first = split * PER_SPLIT
-    last = tl.minimum(first + PER_SPLIT, TILES)
-    for t in range(first, last):
-        low = tl.load(low_ptr + rows64[:, None] * (TILES * 16) + t * 16 + m16[None, :],
-                      mask=live[:, None], other=0)  # fmt: skip
-        high = tl.load(high_ptr + rows64[:, None] * (TILES * 8) + t * 8 + m8[None, :],
-                       mask=live[:, None], other=0)  # fmt: skip
-        for i in tl.static_range(8):
-            k = t * 128 + 16 * i + m16
-            x = tl.load(x_ptr + xrows[:, None].to(tl.int64) * stride_x + k[None, :],
-                        mask=xlive[:, None] & (k[None, :] < K), other=0.0)  # fmt: skip
-            scale = tl.load(s_ptr + rows64 * GROUPS + (t * 128 + 16 * i) // GROUP, mask=live,
-                            other=0.0).to(tl.float32)  # fmt: skip
-            w = (_slice_codes(low, high, i, BLOCK_N).to(tl.float32) * scale[:, None]).to(x.dtype)
-            if IEEE:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-    out = part_ptr + split * M * N + xrows[:, None].to(tl.int64) * N + rows[None, :]
-    tl.store(out, acc, mask=xlive[:, None] & live[None, :])
+    last = tl.minimum(first + PER_SPLIT, K // 16)
+    for s in range(first, last):
+        k, low, top = _step_planes(low_ptr, high_ptr, s, offs_c, mask_c, C)
+        x = tl.load(x_ptr + rows_m[:, None].to(tl.int64) * stride_x + k[None, :],
+                    mask=mask_m[:, None], other=0.0)  # fmt: skip
+        gi = (s * 16) // GROUP
+        a0 = _dot(a0, x, _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, 0), IEEE)
+        a1 = _dot(a1, x, _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, 1), IEEE)
+        a2 = _dot(a2, x, _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, 2), IEEE)
+        a3 = _dot(a3, x, _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, 3), IEEE)
+        a4 = _dot(a4, x, _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, 4), IEEE)
+        a5 = _dot(a5, x, _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, 5), IEEE)
+        a6 = _dot(a6, x, _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, 6), IEEE)
+        a7 = _dot(a7, x, _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, 7), IEEE)
+    out = part_ptr + split * M * N
+    _gemm_store(out, a0, rows_m, mask_m, offs_c, N, 0)
+    _gemm_store(out, a1, rows_m, mask_m, offs_c, N, 1)
+    _gemm_store(out, a2, rows_m, mask_m, offs_c, N, 2)
+    _gemm_store(out, a3, rows_m, mask_m, offs_c, N, 3)
+    _gemm_store(out, a4, rows_m, mask_m, offs_c, N, 4)
+    _gemm_store(out, a5, rows_m, mask_m, offs_c, N, 5)
+    _gemm_store(out, a6, rows_m, mask_m, offs_c, N, 6)
+    _gemm_store(out, a7, rows_m, mask_m, offs_c, N, 7)
 
 
 @triton.jit
 def _int6_dequant_kernel(
-    low_ptr, high_ptr, s_ptr, out_ptr, N, K, TILES, GROUPS, first_row,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    low_ptr, high_ptr, s_ptr, out_ptr, N, C, first_c, width, GROUP: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """out[n - first_row, k] = W[n, k] in out's dtype for one tile of rows and inputs."""
-    pid_n = tl.program_id(0)
-    t = tl.program_id(1)
-    local = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = first_row + local
-    live = rows < N
-    rows64 = rows.to(tl.int64)
-    m16 = tl.arange(0, 16)
-    m8 = tl.arange(0, 8)
-    low = tl.load(low_ptr + rows64[:, None] * (TILES * 16) + t * 16 + m16[None, :],
-                  mask=live[:, None], other=0)  # fmt: skip
-    high = tl.load(high_ptr + rows64[:, None] * (TILES * 8) + t * 8 + m8[None, :],
-                   mask=live[:, None], other=0)  # fmt: skip
-    for i in tl.static_range(8):
-        k = t * 128 + 16 * i + m16
-        scale = tl.load(s_ptr + rows64 * GROUPS + (t * 128 + 16 * i) // GROUP, mask=live,
-                        other=0.0).to(tl.float32)  # fmt: skip
-        w = _slice_codes(low, high, i, BLOCK_N).to(tl.float32) * scale[:, None]
-        out = out_ptr + local[:, None].to(tl.int64) * K + k[None, :]
-        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=live[:, None] & (k[None, :] < K))
+    """out[k, n - 8 first_c] = W[n, k] (the transposed weight, outputs from word column
+    first_c on, ``width`` outputs a row of out) for one 16-row step and BLOCK_C columns."""
+    s = tl.program_id(1)
+    offs_c = first_c + tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    k, low, top = _step_planes(low_ptr, high_ptr, s, offs_c, mask_c, C)
+    gi = (s * 16) // GROUP
+    rows = k[:, None].to(tl.int64) * width
+    for p in tl.static_range(8):
+        w = _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, p)
+        n = offs_c * 8 + p
+        cols = n - first_c * 8
+        tl.store(out_ptr + rows + cols[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=((n < N) & (cols < width))[None, :])  # fmt: skip
 
 
-def _splits(blocks: int, tiles: int) -> int:
-    """K splits (whole tiles each) bringing ``blocks`` row blocks to about GEMV_PROGRAMS."""
-    return max(1, min(tiles, GEMV_PROGRAMS // blocks))
+def _splits(blocks: int, steps: int) -> int:
+    """K splits bringing ``blocks`` programs to about GEMV_PROGRAMS, each keeping a step."""
+    return max(1, min(steps, GEMV_PROGRAMS // blocks))
 
 
 def _check(x: torch.Tensor, packed: SixBitWeight) -> None:
@@ -255,53 +392,57 @@ def int6_gemv(x: torch.Tensor, packed: SixBitWeight, split: int | None = None) -
     """x [1, K] @ W^T -> [1, N] in x's dtype."""
     _check(x, packed)
     n, k = packed.shape
-    blocks = triton.cdiv(n, GEMV_BLOCK_N)
-    split = split or _splits(blocks, packed.tiles)
-    per_split = triton.cdiv(packed.tiles, split)
-    split = triton.cdiv(packed.tiles, per_split)
-    part = torch.empty((split, 1, n), device=x.device, dtype=torch.float32)
+    groups = k // packed.group_size
+    blocks = triton.cdiv(packed.columns, GEMV_BLOCK_C)
+    split = split or _splits(blocks, triton.cdiv(groups, GEMV_WARPS))
+    per_split = triton.cdiv(triton.cdiv(groups, split), GEMV_WARPS) * GEMV_WARPS  # whole steps
+    split = triton.cdiv(groups, per_split)
+    dtype = x.dtype if split == 1 else torch.float32  # one split stores the outputs
+    part = torch.empty((split, 1, n), device=x.device, dtype=dtype)
     _int6_gemv_kernel[(blocks, split)](
-        x, packed.low, packed.high, packed.scales, part, n, k, packed.tiles, per_split,
-        packed.scales.shape[1], GROUP=packed.group_size, BLOCK_N=GEMV_BLOCK_N,
-        num_warps=GEMV_WARPS,
+        x, packed.low, packed.high, packed.scales, part, n, packed.columns, k, per_split,
+        GROUP=packed.group_size, BLOCK_C=GEMV_BLOCK_C, WARPS=GEMV_WARPS, num_warps=GEMV_WARPS,
     )  # fmt: skip
     return _summed(part, x.dtype)
 
 
 def int6_gemm(x: torch.Tensor, packed: SixBitWeight, split: int | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype, M of any size (``int6_linear`` sends it up to
-    GEMM_MAX_ROWS)."""
+    """x [M, K] @ W^T -> [M, N] in x's dtype, M of any size (``int6_linear`` sends it 2 to
+    GEMM_MAX_ROWS rows)."""
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
-    blocks = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split = split or _splits(blocks, packed.tiles)
-    per_split = triton.cdiv(packed.tiles, split)
-    split = triton.cdiv(packed.tiles, per_split)
+    block_c = 32 if m <= 16 else 16
+    steps = k // 16
+    blocks = triton.cdiv(packed.columns, block_c) * triton.cdiv(m, block_m)
+    split = split or _splits(blocks, steps)
+    per_split = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, per_split)
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+    grid = (triton.cdiv(packed.columns, block_c), triton.cdiv(m, block_m), split)
     _int6_gemm_kernel[grid](
-        x, packed.low, packed.high, packed.scales, part, m, n, k, packed.tiles, per_split,
-        packed.scales.shape[1], x.stride(0), GROUP=packed.group_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, IEEE=x.dtype == torch.float32, num_warps=4,
+        x, packed.low, packed.high, packed.scales, part, m, n, packed.columns, k, x.stride(0),
+        per_split, GROUP=packed.group_size, BLOCK_M=block_m, BLOCK_C=block_c,
+        IEEE=x.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     return _summed(part, x.dtype)
 
 
-def dequantize_rows(
+def dequantize_t(
     packed: SixBitWeight, dtype: torch.dtype, start: int = 0, end: int | None = None
 ) -> torch.Tensor:
-    """Rows start..end of the weight, dequantized: [end - start, K] in ``dtype``."""
+    """The weight's outputs start..end (start a multiple of 8), transposed and dequantized:
+    [K, end - start] in ``dtype``."""
     n, k = packed.shape
     end = n if end is None else end
-    out = torch.empty((end - start, k), device=packed.low.device, dtype=dtype)
-    block_n = 32
-    grid = (triton.cdiv(end - start, block_n), packed.tiles)
+    assert start % P == 0 and 0 <= start < end <= n, (start, end, n)
+    out = torch.empty((k, end - start), device=packed.low.device, dtype=dtype)
+    block_c = 32
+    grid = (triton.cdiv(triton.cdiv(end - start, P), block_c), k // 16)
     _int6_dequant_kernel[grid](
-        packed.low, packed.high, packed.scales, out, end, k, packed.tiles,
-        packed.scales.shape[1], start, GROUP=packed.group_size, BLOCK_N=block_n, num_warps=4,
+        packed.low, packed.high, packed.scales, out, end, packed.columns, start // P,
+        end - start, GROUP=packed.group_size, BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -313,11 +454,11 @@ def _dequantized_linear(flat: torch.Tensor, packed: SixBitWeight) -> torch.Tenso
     n, k = packed.shape
     width = max(256, SCRATCH_BYTES // (k * flat.element_size()) // 256 * 256)
     if width >= n:
-        return F.linear(flat, dequantize_rows(packed, flat.dtype))
+        return flat @ dequantize_t(packed, flat.dtype)
     y = flat.new_empty((flat.shape[0], n))
     for start in range(0, n, width):
         end = min(n, start + width)
-        torch.mm(flat, dequantize_rows(packed, flat.dtype, start, end).t(), out=y[:, start:end])
+        torch.mm(flat, dequantize_t(packed, flat.dtype, start, end), out=y[:, start:end])
     return y
 
 
