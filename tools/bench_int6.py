@@ -7,8 +7,8 @@ Per matrix and row count: microseconds a call and the weight bytes streamed per 
 each path (weights past L2: each call reads the next of several copies, as a decode step
 reads every matrix once), from CUDA-graph replays. int8 g16 runs the tiles the worker's
 start-up would time and pick (``quant_matmul.choose_configs``). ``--sweep`` also times the
-int6 GEMV's (word columns a program, warps, programs) candidates at one row and prints the
-fastest per matrix.
+int6 GEMV's (word columns a program, warps, programs) candidates at one row and the GEMM's
+(word columns of the one-dot kernel, programs) at 8 and 32, and prints the fastest per matrix.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ ROTATE_BYTES = 400_000_000  # copies of a matrix until their bytes are well past
 # (word columns a program, warps, programs the K split aims at)
 GEMV_SWEEP = [(32, 4, 528), (32, 8, 528), (32, 8, 264), (32, 8, 1056), (32, 16, 528),
               (64, 4, 528), (64, 8, 528), (16, 8, 528)]  # fmt: skip
+# GEMM (word columns a program of the one-dot kernel, 0: a dot a position; programs)
+GEMM_SWEEP = [(0, 264), (8, 264), (16, 264), (32, 264), (16, 528), (8, 528)]
 
 
 def _int6_weight(n: int, k: int) -> Q.QuantizedWeight:
@@ -86,6 +88,18 @@ def bench(name: str, n: int, k: int, rows_list: list[int], sweep: bool) -> list[
                   f"({sixes[0].nbytes / t / 1e12:.2f} TB/s)", flush=True)  # fmt: skip
         six.GEMV_BLOCK_C, six.GEMV_WARPS, six.GEMV_PROGRAMS = kept
         print(f"  fastest: {min(timings)[1]}", flush=True)
+        for rows in (8, 32):
+            x = (torch.randn(rows, k, device="cuda") * 0.5).to(torch.bfloat16)
+            kept = (six.GEMM_WIDE, six.GEMM_PROGRAMS)
+            timings = []
+            for config in GEMM_SWEEP:
+                six.GEMM_WIDE, six.GEMM_PROGRAMS = config
+                t = rotated(lambda w, x=x: six.int6_linear(x, w), sixes)
+                timings.append((t, config))
+                print(f"  sweep GEMM {rows} rows {config}: {t * 1e6:8.1f} us "
+                      f"({sixes[0].nbytes / t / 1e12:.2f} TB/s)", flush=True)  # fmt: skip
+            six.GEMM_WIDE, six.GEMM_PROGRAMS = kept
+            print(f"  fastest at {rows} rows: {min(timings)[1]}", flush=True)
     return out
 
 

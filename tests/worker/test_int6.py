@@ -133,3 +133,18 @@ def test_pack_for_device_puts_int6_in_planes_and_shares_a_tied_table() -> None:
     assert model.head.gated(x, "silu") is None  # no fused gated path for 6 bits
     torch.testing.assert_close(model.embed(ids), want_rows, rtol=0, atol=0)
     torch.testing.assert_close(model.head(model.body(x)), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.usefixtures("triton_ready")
+@pytest.mark.parametrize("wide", [0, 8, 16])
+def test_both_gemm_kernels_match_the_reference(monkeypatch: pytest.MonkeyPatch, wide: int) -> None:
+    """One dot a code position (0), or all positions' weights in one dot (8 or 16 columns)."""
+    from worker.device.kernels import int6_matmul as M
+
+    monkeypatch.setattr(M, "GEMM_WIDE", wide)
+    qw = _int6(90, 96, 32, seed=wide)
+    packed = M.SixBitWeight.pack(qw)
+    for rows in (2, 40):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        torch.testing.assert_close(M.int6_gemm(x, packed), x @ qw.dequantize().T, rtol=1e-4,
+                                   atol=1e-4)  # fmt: skip

@@ -46,6 +46,10 @@ PACK_ELEMENTS = 1 << 24  # codes packed a chunk (bounds the int32 temporaries to
 # session 37
 GEMV_BLOCK_C, GEMV_WARPS = 32, 8
 GEMV_PROGRAMS = 528  # about four a streaming multiprocessor of an H200: the K split's target
+# GEMM: word columns a program of the one-dot kernel (`_int6_gemm_wide_kernel`); 0: one dot a
+# code position (`_int6_gemm_kernel`)
+GEMM_WIDE = 16
+GEMM_PROGRAMS = 264
 
 
 @dataclass
@@ -58,6 +62,16 @@ class SixBitWeight:
     high: torch.Tensor  # int32 [K / 2, C]
     scales: torch.Tensor  # fp16 [K / g, 8, C]
     kind: str = INT6
+    # the K-split GEMV's arrival counters, one per column block (zero between calls)
+    arrivals: torch.Tensor | None = None
+
+    def counters(self, blocks: int) -> torch.Tensor:
+        """At least ``blocks`` zeroed counters of this weight's own (made by ``pack``, before
+        any CUDA graph capture: one per column block of the narrowest GEMV tile)."""
+        if self.arrivals is None or self.arrivals.numel() < blocks:
+            self.arrivals = torch.zeros(max(blocks, triton.cdiv(self.columns, 16)),
+                                        dtype=torch.int32, device=self.low.device)  # fmt: skip
+        return self.arrivals
 
     @property
     def columns(self) -> int:
@@ -101,7 +115,9 @@ class SixBitWeight:
                              device=device)  # fmt: skip
         padded[:n] = qw.scales
         scales = padded.t().reshape(-1, columns, P).transpose(1, 2).contiguous()  # [K/g, P, C]
-        return SixBitWeight(qw.shape, qw.group_size, low, high, scales)
+        packed = SixBitWeight(qw.shape, qw.group_size, low, high, scales)
+        packed.counters(1)  # now, not inside a graph capture
+        return packed
 
     def _where(self, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if ids is None:
@@ -182,12 +198,14 @@ def _store(out_ptr, a, offs_c, mask_c, N, p: tl.constexpr):
 
 @triton.jit
 def _int6_gemv_kernel(
-    x_ptr, low_ptr, high_ptr, s_ptr, part_ptr, N, C, K, PER_SPLIT,
-    GROUP: tl.constexpr, BLOCK_C: tl.constexpr, WARPS: tl.constexpr,
+    x_ptr, low_ptr, high_ptr, s_ptr, part_ptr, y_ptr, count_ptr, N, C, K, PER_SPLIT,
+    GROUP: tl.constexpr, BLOCK_C: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """part[split, n] = x . W[n] over split's groups. Program (i, s): word columns
-    [i * BLOCK_C, ...), the tile's WARPS rows taking groups w, w + WARPS, ... of split s; a
-    group's rows are taken two at a time (one high word holds both)."""
+    """y = x @ W^T for one row of x. Program (i, s): word columns [i * BLOCK_C, ...), the
+    tile's WARPS rows taking groups w, w + WARPS, ... of split s; a group's rows are taken two
+    at a time (one high word holds both). K split (SPLIT): each program stores fp32 partials
+    [splits, N], and the last program of a column block to arrive (a counter per block, reset
+    by that program) adds them in split order into y: deterministic, one kernel."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -258,7 +276,9 @@ def _int6_gemv_kernel(
         a5 = _group_end(a5, d5, e5, s_ptr, meta, mask, xsum, 5, C)
         a6 = _group_end(a6, d6, e6, s_ptr, meta, mask, xsum, 6, C)
         a7 = _group_end(a7, d7, e7, s_ptr, meta, mask, xsum, 7, C)
-    out = part_ptr + split * N
+    out = y_ptr
+    if SPLIT:
+        out = part_ptr + split * N
     _store(out, a0, offs_c, mask_c, N, 0)
     _store(out, a1, offs_c, mask_c, N, 1)
     _store(out, a2, offs_c, mask_c, N, 2)
@@ -267,6 +287,20 @@ def _int6_gemv_kernel(
     _store(out, a5, offs_c, mask_c, N, 5)
     _store(out, a6, offs_c, mask_c, N, 6)
     _store(out, a7, offs_c, mask_c, N, 7)
+    if SPLIT:
+        # every thread's partials are stored (barrier) before one thread's acq_rel add
+        # publishes them; the last to arrive reads all (bypassing L1) and resets the counter
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            outs = pid * BLOCK_C * 8 + tl.arange(0, BLOCK_C * 8)
+            mask_o = outs < N
+            total = tl.zeros([BLOCK_C * 8], dtype=tl.float32)
+            for other in range(tl.num_programs(1)):
+                total += tl.load(part_ptr + other * N + outs, mask=mask_o, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.store(y_ptr + outs, total.to(y_ptr.dtype.element_ty), mask=mask_o)
+            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -353,6 +387,41 @@ def _int6_gemm_kernel(
 
 
 @triton.jit
+def _int6_gemm_wide_kernel(
+    x_ptr, low_ptr, high_ptr, s_ptr, part_ptr, M, N, C, K, stride_x, PER_SPLIT,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """As `_int6_gemm_kernel`, with a 16-row step's weights of all 8 code positions made as
+    one [16, BLOCK_C, 8] tensor (shifts by position) and multiplied in one ``tl.dot`` against
+    [16, 8 BLOCK_C] (outputs 8c + p in order: one coalesced store)."""
+    pid_c = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows_m < M
+    positions = tl.arange(0, 8)
+    meta = offs_c[:, None] + positions[None, :] * C  # [BLOCK_C, 8]
+    acc = tl.zeros([BLOCK_M, BLOCK_C * 8], dtype=tl.float32)
+    first = split * PER_SPLIT
+    last = tl.minimum(first + PER_SPLIT, K // 16)
+    for s in range(first, last):
+        k, low, top = _step_planes(low_ptr, high_ptr, s, offs_c, mask_c, C)
+        x = tl.load(x_ptr + rows_m[:, None].to(tl.int64) * stride_x + k[None, :],
+                    mask=mask_m[:, None], other=0.0)  # fmt: skip
+        gi = (s * 16) // GROUP
+        scale = tl.load(s_ptr + gi * (8 * C) + meta, mask=mask_c[:, None], other=0.0)
+        lo = (low[:, :, None] >> (4 * positions)[None, None, :]) & 15
+        hi = (top[:, :, None] >> (2 * positions)[None, None, :]) & 3
+        w = ((lo | (hi << 4)) - 32).to(tl.float32) * scale.to(tl.float32)[None, :, :]
+        acc = _dot(acc, x, tl.reshape(w, [16, BLOCK_C * 8]), IEEE)
+    cols = pid_c * BLOCK_C * 8 + tl.arange(0, BLOCK_C * 8)
+    out = part_ptr + split * M * N + rows_m[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(out, acc, mask=mask_m[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def _int6_dequant_kernel(
     low_ptr, high_ptr, s_ptr, out_ptr, N, C, first_c, width, GROUP: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -397,13 +466,14 @@ def int6_gemv(x: torch.Tensor, packed: SixBitWeight, split: int | None = None) -
     split = split or _splits(blocks, triton.cdiv(groups, GEMV_WARPS))
     per_split = triton.cdiv(triton.cdiv(groups, split), GEMV_WARPS) * GEMV_WARPS  # whole steps
     split = triton.cdiv(groups, per_split)
-    dtype = x.dtype if split == 1 else torch.float32  # one split stores the outputs
-    part = torch.empty((split, 1, n), device=x.device, dtype=dtype)
+    y = torch.empty((1, n), device=x.device, dtype=x.dtype)
+    part = torch.empty((split, n), device=x.device, dtype=torch.float32) if split > 1 else y
     _int6_gemv_kernel[(blocks, split)](
-        x, packed.low, packed.high, packed.scales, part, n, packed.columns, k, per_split,
-        GROUP=packed.group_size, BLOCK_C=GEMV_BLOCK_C, WARPS=GEMV_WARPS, num_warps=GEMV_WARPS,
+        x, packed.low, packed.high, packed.scales, part, y, packed.counters(blocks), n,
+        packed.columns, k, per_split, GROUP=packed.group_size, BLOCK_C=GEMV_BLOCK_C,
+        WARPS=GEMV_WARPS, SPLIT=split > 1, num_warps=GEMV_WARPS,
     )  # fmt: skip
-    return _summed(part, x.dtype)
+    return y
 
 
 def int6_gemm(x: torch.Tensor, packed: SixBitWeight, split: int | None = None) -> torch.Tensor:
@@ -413,15 +483,17 @@ def int6_gemm(x: torch.Tensor, packed: SixBitWeight, split: int | None = None) -
     m = x.shape[0]
     n, k = packed.shape
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_c = 32 if m <= 16 else 16
+    wide = GEMM_WIDE
+    block_c = GEMM_WIDE if wide else 32 if m <= 16 else 16
     steps = k // 16
     blocks = triton.cdiv(packed.columns, block_c) * triton.cdiv(m, block_m)
-    split = split or _splits(blocks, steps)
+    split = split or max(1, min(steps, GEMM_PROGRAMS // blocks))
     per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, per_split)
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(packed.columns, block_c), triton.cdiv(m, block_m), split)
-    _int6_gemm_kernel[grid](
+    kernel = _int6_gemm_wide_kernel if wide else _int6_gemm_kernel
+    kernel[grid](
         x, packed.low, packed.high, packed.scales, part, m, n, packed.columns, k, x.stride(0),
         per_split, GROUP=packed.group_size, BLOCK_M=block_m, BLOCK_C=block_c,
         IEEE=x.dtype == torch.float32, num_warps=4,
