@@ -8,7 +8,8 @@ each path (weights past L2: each call reads the next of several copies, as a dec
 reads every matrix once), from CUDA-graph replays. int8 g16 runs the tiles the worker's
 start-up would time and pick (``quant_matmul.choose_configs``). ``--sweep`` also times the
 int6 GEMV's (word columns a program, warps, programs) candidates at one row and the GEMM's
-(word columns of the one-dot kernel, programs) at 8 and 32, and prints the fastest per matrix.
+(word columns of the one-dot kernel, warps, programs) at 8 and 32, and prints the fastest per
+matrix.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ SHAPES = [("lm_head / embedding", 262144, 5376), ("down_proj", 5376, 21504),
           ("v_proj (sliding)", 4096, 5376)]  # fmt: skip
 ROTATE_BYTES = 400_000_000  # copies of a matrix until their bytes are well past any L2
 # (word columns a program, warps, programs the K split aims at)
-GEMV_SWEEP = [(32, 4, 528), (32, 8, 528), (32, 8, 264), (32, 8, 1056), (32, 16, 528),
-              (64, 4, 528), (64, 8, 528), (16, 8, 528)]  # fmt: skip
-# GEMM (word columns a program of the one-dot kernel, 0: a dot a position; programs)
-GEMM_SWEEP = [(0, 264), (8, 264), (16, 264), (32, 264), (16, 528), (8, 528)]
+GEMV_SWEEP = [(32, 8, 264), (32, 4, 264), (32, 8, 528), (64, 8, 264), (64, 8, 528)]
+# GEMM (word columns a program of the one-dot kernel, 0: a dot a position; warps; programs)
+GEMM_SWEEP = [(0, 4, 264), (32, 4, 264), (32, 8, 264), (64, 4, 264), (64, 8, 264),
+              (32, 4, 132), (64, 8, 132)]  # fmt: skip
 
 
 def _int6_weight(n: int, k: int) -> Q.QuantizedWeight:
@@ -78,27 +79,28 @@ def bench(name: str, n: int, k: int, rows_list: list[int], sweep: bool) -> list[
               f"rel. error vs fp32 {error:.1e}", flush=True)  # fmt: skip
     if sweep:
         x = (torch.randn(1, k, device="cuda") * 0.5).to(torch.bfloat16)
-        kept = (six.GEMV_BLOCK_C, six.GEMV_WARPS, six.GEMV_PROGRAMS)
+        kept = (six.GEMV_BLOCK_C, six.GEMV_WIDE_C, six.GEMV_WARPS, six.GEMV_PROGRAMS)
         timings = []
         for config in GEMV_SWEEP:
             six.GEMV_BLOCK_C, six.GEMV_WARPS, six.GEMV_PROGRAMS = config
+            six.GEMV_WIDE_C = config[0]
             t = rotated(lambda w: six.int6_linear(x, w), sixes)
             timings.append((t, config))
             print(f"  sweep GEMV {config}: {t * 1e6:8.1f} us "
                   f"({sixes[0].nbytes / t / 1e12:.2f} TB/s)", flush=True)  # fmt: skip
-        six.GEMV_BLOCK_C, six.GEMV_WARPS, six.GEMV_PROGRAMS = kept
+        six.GEMV_BLOCK_C, six.GEMV_WIDE_C, six.GEMV_WARPS, six.GEMV_PROGRAMS = kept
         print(f"  fastest: {min(timings)[1]}", flush=True)
         for rows in (8, 32):
             x = (torch.randn(rows, k, device="cuda") * 0.5).to(torch.bfloat16)
-            kept = (six.GEMM_WIDE, six.GEMM_PROGRAMS)
+            kept = (six.GEMM_WIDE, six.GEMM_WARPS, six.GEMM_PROGRAMS)
             timings = []
             for config in GEMM_SWEEP:
-                six.GEMM_WIDE, six.GEMM_PROGRAMS = config
+                six.GEMM_WIDE, six.GEMM_WARPS, six.GEMM_PROGRAMS = config
                 t = rotated(lambda w, x=x: six.int6_linear(x, w), sixes)
                 timings.append((t, config))
                 print(f"  sweep GEMM {rows} rows {config}: {t * 1e6:8.1f} us "
                       f"({sixes[0].nbytes / t / 1e12:.2f} TB/s)", flush=True)  # fmt: skip
-            six.GEMM_WIDE, six.GEMM_PROGRAMS = kept
+            six.GEMM_WIDE, six.GEMM_WARPS, six.GEMM_PROGRAMS = kept
             print(f"  fastest at {rows} rows: {min(timings)[1]}", flush=True)
     return out
 

@@ -42,14 +42,13 @@ from worker.layers.quant import INT6, QuantizedWeight
 P = 8  # outputs a word column
 GEMM_MAX_ROWS = 64
 PACK_ELEMENTS = 1 << 24  # codes packed a chunk (bounds the int32 temporaries to ~64 MB)
-# GEMV (word columns a program, warps = groups in flight): timed on an H200, BENCHMARKS.md
-# session 37
-GEMV_BLOCK_C, GEMV_WARPS = 32, 8
-GEMV_PROGRAMS = 528  # about four a streaming multiprocessor of an H200: the K split's target
-# GEMM: word columns a program of the one-dot kernel (`_int6_gemm_wide_kernel`); 0: one dot a
-# code position (`_int6_gemm_kernel`)
-GEMM_WIDE = 16
-GEMM_PROGRAMS = 264
+# GEMV (word columns a program, warps = groups in flight; matrices of many outputs, which need
+# no K split: GEMV_WIDE_C columns) and the programs the K split aims at: the fastest of
+# tools/bench_int6.py's sweep on an H100 (BENCHMARKS.md session 37)
+GEMV_BLOCK_C, GEMV_WIDE_C, GEMV_WARPS, GEMV_PROGRAMS = 32, 64, 8, 264
+# GEMM: word columns a program of the one-dot kernel (`_int6_gemm_wide_kernel`; 0: one dot a
+# code position, `_int6_gemm_kernel`), its warps, and the programs the K split aims at
+GEMM_WIDE, GEMM_WARPS, GEMM_PROGRAMS = 32, 4, 264
 
 
 @dataclass
@@ -442,9 +441,9 @@ def _int6_dequant_kernel(
                  mask=((n < N) & (cols < width))[None, :])  # fmt: skip
 
 
-def _splits(blocks: int, steps: int) -> int:
-    """K splits bringing ``blocks`` programs to about GEMV_PROGRAMS, each keeping a step."""
-    return max(1, min(steps, GEMV_PROGRAMS // blocks))
+def _splits(blocks: int, steps: int, programs: int) -> int:
+    """K splits bringing ``blocks`` programs to about ``programs``, each keeping a step."""
+    return max(1, min(steps, programs // blocks))
 
 
 def _check(x: torch.Tensor, packed: SixBitWeight) -> None:
@@ -462,15 +461,18 @@ def int6_gemv(x: torch.Tensor, packed: SixBitWeight, split: int | None = None) -
     _check(x, packed)
     n, k = packed.shape
     groups = k // packed.group_size
-    blocks = triton.cdiv(packed.columns, GEMV_BLOCK_C)
-    split = split or _splits(blocks, triton.cdiv(groups, GEMV_WARPS))
+    block_c = GEMV_BLOCK_C
+    if triton.cdiv(packed.columns, GEMV_WIDE_C) >= GEMV_PROGRAMS:  # the LM head
+        block_c = GEMV_WIDE_C
+    blocks = triton.cdiv(packed.columns, block_c)
+    split = split or _splits(blocks, triton.cdiv(groups, GEMV_WARPS), GEMV_PROGRAMS)
     per_split = triton.cdiv(triton.cdiv(groups, split), GEMV_WARPS) * GEMV_WARPS  # whole steps
     split = triton.cdiv(groups, per_split)
     y = torch.empty((1, n), device=x.device, dtype=x.dtype)
     part = torch.empty((split, n), device=x.device, dtype=torch.float32) if split > 1 else y
     _int6_gemv_kernel[(blocks, split)](
         x, packed.low, packed.high, packed.scales, part, y, packed.counters(blocks), n,
-        packed.columns, k, per_split, GROUP=packed.group_size, BLOCK_C=GEMV_BLOCK_C,
+        packed.columns, k, per_split, GROUP=packed.group_size, BLOCK_C=block_c,
         WARPS=GEMV_WARPS, SPLIT=split > 1, num_warps=GEMV_WARPS,
     )  # fmt: skip
     return y
@@ -487,7 +489,7 @@ def int6_gemm(x: torch.Tensor, packed: SixBitWeight, split: int | None = None) -
     block_c = GEMM_WIDE if wide else 32 if m <= 16 else 16
     steps = k // 16
     blocks = triton.cdiv(packed.columns, block_c) * triton.cdiv(m, block_m)
-    split = split or max(1, min(steps, GEMM_PROGRAMS // blocks))
+    split = split or _splits(blocks, steps, GEMM_PROGRAMS)
     per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, per_split)
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
@@ -496,7 +498,7 @@ def int6_gemm(x: torch.Tensor, packed: SixBitWeight, split: int | None = None) -
     kernel[grid](
         x, packed.low, packed.high, packed.scales, part, m, n, packed.columns, k, x.stride(0),
         per_split, GROUP=packed.group_size, BLOCK_M=block_m, BLOCK_C=block_c,
-        IEEE=x.dtype == torch.float32, num_warps=4,
+        IEEE=x.dtype == torch.float32, num_warps=GEMM_WARPS,
     )  # fmt: skip
     return _summed(part, x.dtype)
 
