@@ -500,10 +500,7 @@ def build_engine(
     if torch_device.type == "cuda":
         if group is None and os.environ.get(WARM_PREFILL) != "0":
             with clock.step("prefill warm-up"):
-                try:
-                    engine.warm_up_prefill()
-                except RuntimeError as exc:
-                    log(f"warning: {exc}")
+                _warm_up(engine, chosen=prefill_chunk is not None)
         torch.cuda.reset_peak_memory_stats(torch_device)  # `stats`' peaks: while serving
         if warning := memory.over_limit(torch_device):
             log(warning)
@@ -512,9 +509,36 @@ def build_engine(
     log(
         f"ready: {config.max_sessions} sessions ({config.resident} on the device) x "
         f"{config.max_context} tokens, "
-        f"prefill chunk {config.prefill_chunk} ({clock.summary()})"
+        f"prefill chunk {engine.prefill_chunk} ({clock.summary()})"
     )
     return engine
+
+
+def _warm_up(engine: Any, chosen: bool) -> None:
+    """The prefill warm-up (``Engine.warm_up_prefill``). Where it runs out of device memory at
+    the default chunk, the chunk is halved and the warm-up run again, down to
+    ``MIN_PREFILL_CHUNK``: the fit before the caches (``_fit_prefill_chunk``) is an estimate,
+    and a worker that starts at the edge of its limit would otherwise fail its first long
+    prompt the same way (session 37: Gemma 4 31B Q4_K_M kept, two 8k slots under 23.5 GiB,
+    64 MiB short at a 2,048 chunk). Any other failure, or a chunk the user chose, is a
+    warning; the worker serves on."""
+    import torch
+
+    from worker.device.memory import MIN_PREFILL_CHUNK
+
+    while True:
+        try:
+            engine.warm_up_prefill()
+            return
+        except RuntimeError as exc:
+            chunk = engine.prefill_chunk
+            if chosen or chunk <= MIN_PREFILL_CHUNK or "out of memory" not in str(exc).lower():
+                log(f"warning: {exc}")
+                return
+            engine.prefill_chunk = max(MIN_PREFILL_CHUNK, chunk // 2)
+            torch.cuda.empty_cache()
+            log(f"prefill chunk {engine.prefill_chunk}: the warm-up ran out of device memory at "
+                f"{chunk} tokens a step")  # fmt: skip
 
 
 def _options(func: click.decorators.FC) -> click.decorators.FC:

@@ -394,6 +394,42 @@ def test_the_default_prefill_chunk_shrinks_until_a_step_fits(
         )
 
 
+def test_a_warm_up_out_of_memory_halves_the_default_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session 37: Gemma 4 31B Q4_K_M kept with two 8k slots under 23.5 GiB passed the fit at
+    2,048 and its warm-up ran 64 MiB short; the first long prompt then failed the same way.
+    The warm-up now halves the default chunk until a step runs; other errors, and a chunk the
+    user chose, stay warnings."""
+    from worker import main as worker_main
+
+    lines: list[str] = []
+    monkeypatch.setattr(worker_main, "log", lines.append)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    class Engine:
+        def __init__(self, chunk: int, fits: int, error: str = "CUDA out of memory") -> None:
+            self.prefill_chunk, self.fits, self.error, self.runs = chunk, fits, error, 0
+
+        def warm_up_prefill(self) -> int:
+            self.runs += 1
+            if self.prefill_chunk > self.fits:
+                raise RuntimeError(f"the prefill warm-up failed: step failed: {self.error}")
+            return self.prefill_chunk
+
+    engine = Engine(2048, fits=512)
+    worker_main._warm_up(engine, chosen=False)
+    assert engine.prefill_chunk == 512 and engine.runs == 3
+    assert lines == ["prefill chunk 1024: the warm-up ran out of device memory at 2048 tokens a "
+                     "step", "prefill chunk 512: the warm-up ran out of device memory at 1024 "
+                     "tokens a step"]  # fmt: skip
+    engine = Engine(2048, fits=0)  # never below the floor
+    worker_main._warm_up(engine, chosen=False)
+    assert engine.prefill_chunk == memory.MIN_PREFILL_CHUNK and lines[-1].startswith("warning:")
+    for engine, chosen in ((Engine(2048, 512), True), (Engine(2048, 512, "bad shape"), False)):
+        worker_main._warm_up(engine, chosen=chosen)
+        assert engine.prefill_chunk == 2048 and engine.runs == 1
+        assert lines[-1].startswith("warning: the prefill warm-up failed")
+
+
 def test_fla_prefill_only_for_a_hybrid_model_on_cuda_in_half_precision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
