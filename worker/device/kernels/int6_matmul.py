@@ -48,7 +48,7 @@ PACK_ELEMENTS = 1 << 24  # codes packed a chunk (bounds the int32 temporaries to
 GEMV_BLOCK_C, GEMV_WIDE_C, GEMV_WARPS, GEMV_PROGRAMS = 32, 64, 8, 264
 # GEMM: word columns a program of the one-dot kernel (`_int6_gemm_wide_kernel`; 0: one dot a
 # code position, `_int6_gemm_kernel`), its warps, and the programs the K split aims at
-GEMM_WIDE, GEMM_WARPS, GEMM_PROGRAMS = 32, 4, 264
+GEMM_WIDE, GEMM_WARPS, GEMM_PROGRAMS = 64, 4, 264
 
 
 @dataclass
@@ -386,6 +386,19 @@ def _int6_gemm_kernel(
 
 
 @triton.jit
+def _step_weights(low, top, s_ptr, gi, offs_c, mask_c, C, BLOCK_C: tl.constexpr):
+    """A 16-row step's weights of all 8 code positions: [16, 8 BLOCK_C] fp32, outputs 8c + p
+    in order (shifts by position over a [16, BLOCK_C, 8] tensor)."""
+    positions = tl.arange(0, 8)
+    meta = offs_c[:, None] + positions[None, :] * C  # [BLOCK_C, 8]
+    scale = tl.load(s_ptr + gi * (8 * C) + meta, mask=mask_c[:, None], other=0.0)
+    lo = (low[:, :, None] >> (4 * positions)[None, None, :]) & 15
+    hi = (top[:, :, None] >> (2 * positions)[None, None, :]) & 3
+    w = ((lo | (hi << 4)) - 32).to(tl.float32) * scale.to(tl.float32)[None, :, :]
+    return tl.reshape(w, [16, BLOCK_C * 8])
+
+
+@triton.jit
 def _int6_gemm_wide_kernel(
     x_ptr, low_ptr, high_ptr, s_ptr, part_ptr, M, N, C, K, stride_x, PER_SPLIT,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr,
@@ -400,8 +413,6 @@ def _int6_gemm_wide_kernel(
     mask_c = offs_c < C
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows_m < M
-    positions = tl.arange(0, 8)
-    meta = offs_c[:, None] + positions[None, :] * C  # [BLOCK_C, 8]
     acc = tl.zeros([BLOCK_M, BLOCK_C * 8], dtype=tl.float32)
     first = split * PER_SPLIT
     last = tl.minimum(first + PER_SPLIT, K // 16)
@@ -409,12 +420,8 @@ def _int6_gemm_wide_kernel(
         k, low, top = _step_planes(low_ptr, high_ptr, s, offs_c, mask_c, C)
         x = tl.load(x_ptr + rows_m[:, None].to(tl.int64) * stride_x + k[None, :],
                     mask=mask_m[:, None], other=0.0)  # fmt: skip
-        gi = (s * 16) // GROUP
-        scale = tl.load(s_ptr + gi * (8 * C) + meta, mask=mask_c[:, None], other=0.0)
-        lo = (low[:, :, None] >> (4 * positions)[None, None, :]) & 15
-        hi = (top[:, :, None] >> (2 * positions)[None, None, :]) & 3
-        w = ((lo | (hi << 4)) - 32).to(tl.float32) * scale.to(tl.float32)[None, :, :]
-        acc = _dot(acc, x, tl.reshape(w, [16, BLOCK_C * 8]), IEEE)
+        w = _step_weights(low, top, s_ptr, (s * 16) // GROUP, offs_c, mask_c, C, BLOCK_C)
+        acc = _dot(acc, x, w, IEEE)
     cols = pid_c * BLOCK_C * 8 + tl.arange(0, BLOCK_C * 8)
     out = part_ptr + split * M * N + rows_m[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(out, acc, mask=mask_m[:, None] & (cols < N)[None, :])
@@ -426,19 +433,17 @@ def _int6_dequant_kernel(
     BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """out[k, n - 8 first_c] = W[n, k] (the transposed weight, outputs from word column
-    first_c on, ``width`` outputs a row of out) for one 16-row step and BLOCK_C columns."""
+    first_c on, ``width`` outputs a row of out) for one 16-row step and BLOCK_C columns, one
+    contiguous store of [16, 8 BLOCK_C]."""
     s = tl.program_id(1)
     offs_c = first_c + tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
     k, low, top = _step_planes(low_ptr, high_ptr, s, offs_c, mask_c, C)
-    gi = (s * 16) // GROUP
-    rows = k[:, None].to(tl.int64) * width
-    for p in tl.static_range(8):
-        w = _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, p)
-        n = offs_c * 8 + p
-        cols = n - first_c * 8
-        tl.store(out_ptr + rows + cols[None, :], w.to(out_ptr.dtype.element_ty),
-                 mask=((n < N) & (cols < width))[None, :])  # fmt: skip
+    w = _step_weights(low, top, s_ptr, (s * 16) // GROUP, offs_c, mask_c, C, BLOCK_C)
+    n = (first_c + tl.program_id(0) * BLOCK_C) * 8 + tl.arange(0, BLOCK_C * 8)
+    cols = n - first_c * 8
+    tl.store(out_ptr + k[:, None].to(tl.int64) * width + cols[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=((n < N) & (cols < width))[None, :])  # fmt: skip
 
 
 def _splits(blocks: int, steps: int, programs: int) -> int:
@@ -484,7 +489,7 @@ def int6_gemm(x: torch.Tensor, packed: SixBitWeight, split: int | None = None) -
     _check(x, packed)
     m = x.shape[0]
     n, k = packed.shape
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_m = 16 if m <= 16 else 32  # 33-64 rows: two row tiles (64 would spill)
     wide = GEMM_WIDE
     block_c = GEMM_WIDE if wide else 32 if m <= 16 else 16
     steps = k // 16
