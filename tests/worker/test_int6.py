@@ -148,3 +148,33 @@ def test_both_gemm_kernels_match_the_reference(monkeypatch: pytest.MonkeyPatch, 
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
         torch.testing.assert_close(M.int6_gemm(x, packed), x @ qw.dequantize().T, rtol=1e-4,
                                    atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.usefixtures("triton_ready")
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 208, 16), (64, 256, 32)])
+def test_info_counts_the_bytes_the_planes_hold(n: int, k: int, group: int) -> None:
+    from worker.device.kernels.int6_matmul import SixBitWeight
+    from worker.loading.quantize import _stored
+
+    name, nbytes = _stored(Q.QuantFormat(Q.INT6, group), n, k, 2, torch.bfloat16)
+    assert name == f"int6 g{group}"
+    assert nbytes == SixBitWeight.pack(_int6(n, k, group)).nbytes
+
+
+@pytest.mark.usefixtures("triton_ready")
+def test_int6_off_packs_the_same_codes_for_the_int8_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TOKENPIPE_INT6=0: the int8 kernels (faster decode batches, 9 bits a weight)."""
+    from worker.device.kernels.quant_matmul import KMajorWeight
+
+    monkeypatch.setattr(Q, "SIX_BIT_PLANES", False)
+    qw = _int6(40, 64)
+    want = qw.dequantize()
+    model = nn.Module()
+    model.head = Q.QuantLinear.from_weight(qw)
+    assert Q.pack_for_device(model) == (1, 0)
+    assert isinstance(model.head.device_packed, KMajorWeight)
+    assert model.head.device_packed.kind == Q.INT8 and model.head.format.kind == Q.INT6
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    torch.testing.assert_close(model.head(x), x @ want.T, rtol=1e-4, atol=1e-4)

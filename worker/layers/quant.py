@@ -21,6 +21,7 @@ tested against. Norms, biases and other vectors are never quantized.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,11 @@ from torch import nn
 INT8, INT4, INT6 = "int8", "int4", "int6"
 KINDS = (INT8, INT4, INT6)
 CODE_LIMIT = {INT8: 127, INT6: 31}  # a symmetric kind's fits keep codes within +-limit
+# int6 weights on a GPU in 6-bit planes (``worker.device.kernels.int6_matmul``): 7 bits a weight
+# at g16, batch-1 decode as fast as int8 g16 (9 bits), decode batches of 8-32 rows 1.2-1.6x
+# slower on those matrices (BENCHMARKS.md session 37). TOKENPIPE_INT6=0: the int8 kernels over
+# the same codes (more memory, faster decode batches)
+SIX_BIT_PLANES = os.environ.get("TOKENPIPE_INT6", "1") != "0"
 SCALE_DTYPE = torch.float16
 
 
@@ -412,7 +418,7 @@ class QuantLinear(nn.Module):
 
             out = cpu_quant.matmul(x, self.cpu_packed)
             return out if self.bias is None else out + self.bias
-        if self.device_packed is not None and self.format.kind == INT6:  # CUDA, 6-bit planes
+        if getattr(self.device_packed, "kind", None) == INT6:  # CUDA, 6-bit planes
             from worker.device.kernels.int6_matmul import int6_linear
 
             return int6_linear(x, self.device_packed, self.bias)  # type: ignore[arg-type]
@@ -427,7 +433,8 @@ class QuantLinear(nn.Module):
         """act(gate) * up of this gate_up layer's output (gate outputs first) in one fused
         path where the CUDA kernels have one for x (``quant_matmul.quant_linear_gated``),
         else None: the caller runs forward, then the activation."""
-        if self.device_packed is None or self.bias is not None or self.format.kind == INT6:
+        kind = getattr(self.device_packed, "kind", None)
+        if self.device_packed is None or self.bias is not None or kind == INT6:
             return None
         from worker.device.kernels.quant_matmul import quant_linear_gated
 
@@ -497,6 +504,8 @@ def pack_for_device(model: nn.Module, dtype: torch.dtype = torch.float32) -> tup
         if not any(isinstance(m, QuantLinear) for m in sharing):
             continue  # an embedding alone: rows gathered from its canonical table
         device_packed: KMajorWeight | SixBitWeight
+        if qw.kind == INT6 and not SIX_BIT_PLANES:  # the int8 kernels over the same codes
+            qw = QuantizedWeight(INT8, qw.shape, qw.group_size, qw.qdata, qw.scales)
         if qw.kind == INT6 and SixBitWeight.supports(qw):
             device_packed = SixBitWeight.pack(qw)
         elif qw.kind != INT6 and KMajorWeight.supports(qw):

@@ -637,6 +637,7 @@ def _stored(
         return str(dtype).removeprefix("torch."), n * k * element
     int4 = fmt.kind == INT4
     groups = n * (k // fmt.group_for(k))
-    if fmt.kind == INT6:  # a GPU's 6-bit planes (a CPU holds its codes as int8 bytes)
-        return fmt.describe(), -(-k // 128) * 96 * n + groups * 2
+    if fmt.kind == INT6:  # a GPU's 6-bit planes, N in words of 8 (a CPU holds int8 bytes)
+        padded = -(-n // 8) * 8
+        return fmt.describe(), padded * k * 3 // 4 + padded * (k // fmt.group_for(k)) * 2
     return fmt.describe(), n * k // (2 if int4 else 1) + groups * (4 if int4 else 2)
