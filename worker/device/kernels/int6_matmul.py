@@ -303,19 +303,12 @@ def _int6_gemv_kernel(
 
 
 @triton.jit
-def _signed(u):
-    """u (0-63) -> u - 32 as fp32 without an integer-to-float conversion (a quarter-rate
-    instruction on Hopper): u in the mantissa of 2^23, then 2^23 + 32 subtracted, exact."""
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
-
-
-@triton.jit
 def _weights16(low, top, s_ptr, gi, offs_c, mask_c, C, p: tl.constexpr):
     """Position p's [16, BLOCK_C] weights (fp32) of a 16-row step: ``top`` holds each row's
     high word already shifted to its half."""
     scale = tl.load(s_ptr + gi * (8 * C) + p * C + offs_c, mask=mask_c, other=0.0)
-    u = ((low >> (4 * p)) & 15) | (((top >> (2 * p)) & 3) << 4)
-    return _signed(u) * scale.to(tl.float32)[None, :]
+    code = (((low >> (4 * p)) & 15) | (((top >> (2 * p)) & 3) << 4)) - 32
+    return code.to(tl.float32) * scale.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -401,7 +394,7 @@ def _step_weights(low, top, s_ptr, gi, offs_c, mask_c, C, BLOCK_C: tl.constexpr)
     scale = tl.load(s_ptr + gi * (8 * C) + meta, mask=mask_c[:, None], other=0.0)
     lo = (low[:, :, None] >> (4 * positions)[None, None, :]) & 15
     hi = (top[:, :, None] >> (2 * positions)[None, None, :]) & 3
-    w = _signed(lo | (hi << 4)) * scale.to(tl.float32)[None, :, :]
+    w = ((lo | (hi << 4)) - 32).to(tl.float32) * scale.to(tl.float32)[None, :, :]
     return tl.reshape(w, [16, BLOCK_C * 8])
 
 
