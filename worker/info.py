@@ -317,8 +317,9 @@ def _weights(
     skeleton: Any, gguf_source: Any, quantize: QuantizeOptions, dtype: torch.dtype
 ) -> dict[str, Any]:
     """`quantize`, each tensor group's format and bytes, and the bytes a decode step reads
-    (the CPU and the CUDA paths keep the same formats; int6 counted as a GPU packs it, 7 bits
-    a weight at g16, where a CPU holds its codes as int8 bytes)."""
+    (the CPU and the CUDA paths keep the same formats; int6 counted in a GPU's 6-bit planes,
+    7 bits a weight at g16, which a worker chooses where memory is tight; with room to spare,
+    and on a CPU, its codes are held as int8 bytes)."""
     from worker.loading.quantize import plan_for_gguf, plan_for_model
 
     if quantize.mode == "auto" and gguf_source is not None:

@@ -162,19 +162,38 @@ def test_info_counts_the_bytes_the_planes_hold(n: int, k: int, group: int) -> No
 
 
 @pytest.mark.usefixtures("triton_ready")
-def test_int6_off_packs_the_same_codes_for_the_int8_kernels(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """TOKENPIPE_INT6=0: the int8 kernels (faster decode batches, 9 bits a weight)."""
+def test_int6_off_packs_the_same_codes_for_the_int8_kernels() -> None:
+    """``six_bit`` False (a card with room to spare, or TOKENPIPE_INT6=0): the int8 kernels
+    (faster decode batches, 9 bits a weight)."""
     from worker.device.kernels.quant_matmul import KMajorWeight
 
-    monkeypatch.setattr(Q, "SIX_BIT_PLANES", False)
     qw = _int6(40, 64)
     want = qw.dequantize()
     model = nn.Module()
     model.head = Q.QuantLinear.from_weight(qw)
-    assert Q.pack_for_device(model) == (1, 0)
+    assert Q.pack_for_device(model, six_bit=False) == (1, 0)
     assert isinstance(model.head.device_packed, KMajorWeight)
     assert model.head.device_packed.kind == Q.INT8 and model.head.format.kind == Q.INT6
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     torch.testing.assert_close(model.head(x), x @ want.T, rtol=1e-4, atol=1e-4)
+
+
+def test_six_bit_planes_where_the_weights_take_more_than_half_the_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 31B Q4_K_M (20.4 GiB held as int8) under a 24 GB card's limit: 6-bit planes; on an
+    80 GB card: the int8 kernels; TOKENPIPE_INT6 decides when set."""
+    from worker.device import cuda_setup, memory
+
+    held = {"allocated": int(20.4 * memory.GIB), "free": int(3.1 * memory.GIB)}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held["allocated"])
+    monkeypatch.setattr(memory, "unallocated_bytes", lambda device: held["free"])
+    monkeypatch.delenv("TOKENPIPE_INT6", raising=False)
+    assert cuda_setup.six_bit_planes("cuda:0")
+    assert "20.40 GiB of weights, 3.10 GiB free" in cuda_setup.six_bit_reason("cuda:0")
+    held["free"] = int(58 * memory.GIB)
+    assert not cuda_setup.six_bit_planes("cuda:0")
+    for setting, planes in (("1", True), ("0", False)):
+        monkeypatch.setenv("TOKENPIPE_INT6", setting)
+        assert cuda_setup.six_bit_planes("cuda:0") is planes
+        assert cuda_setup.six_bit_reason("cuda:0") == f"TOKENPIPE_INT6={setting}"

@@ -21,7 +21,6 @@ tested against. Norms, biases and other vectors are never quantized.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +30,7 @@ from torch import nn
 INT8, INT4, INT6 = "int8", "int4", "int6"
 KINDS = (INT8, INT4, INT6)
 CODE_LIMIT = {INT8: 127, INT6: 31}  # a symmetric kind's fits keep codes within +-limit
-# int6 weights on a GPU in 6-bit planes (``worker.device.kernels.int6_matmul``): 7 bits a weight
-# at g16, batch-1 decode as fast as int8 g16 (9 bits), decode batches of 8-32 rows 1.2-1.6x
-# slower on those matrices (BENCHMARKS.md session 37). TOKENPIPE_INT6=0: the int8 kernels over
-# the same codes (more memory, faster decode batches)
-SIX_BIT_PLANES = os.environ.get("TOKENPIPE_INT6", "1") != "0"
+
 SCALE_DTYPE = torch.float16
 
 
@@ -481,13 +476,17 @@ class QuantEmbedding(nn.Module):
         return self.quantized.rows(ids).dequantize(self.dtype)
 
 
-def pack_for_device(model: nn.Module, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+def pack_for_device(
+    model: nn.Module, dtype: torch.dtype = torch.float32, six_bit: bool = True
+) -> tuple[int, int]:
     """Every quantized linear of ``model`` (computing in ``dtype``) into the GPU kernels'
     K-major layout (``worker.device.kernels.quant_matmul.KMajorWeight``, scales in
     ``meta_dtype_for``), its canonical copy dropped as soon as it is packed, so the model never
     needs two copies of its weights (one int4 31B does not fit a 24 GB card twice); an
     embedding whose table a packed LM head shares gathers its rows from the packed table (one
-    copy). int6 weights go into 6-bit planes (``worker.device.kernels.int6_matmul``). Weights
+    copy). int6 weights go into 6-bit planes (``worker.device.kernels.int6_matmul``), or with
+    ``six_bit`` False into the int8 layout (the same codes; ``cuda_setup.six_bit_planes``
+    chooses). Weights
     whose group the kernels cannot take stay canonical (the torch reference).
     Returns (packed, left canonical). Imports Triton."""
     from worker.device.kernels.int6_matmul import SixBitWeight
@@ -504,7 +503,7 @@ def pack_for_device(model: nn.Module, dtype: torch.dtype = torch.float32) -> tup
         if not any(isinstance(m, QuantLinear) for m in sharing):
             continue  # an embedding alone: rows gathered from its canonical table
         device_packed: KMajorWeight | SixBitWeight
-        if qw.kind == INT6 and not SIX_BIT_PLANES:  # the int8 kernels over the same codes
+        if qw.kind == INT6 and not six_bit:  # the int8 kernels over the same codes
             qw = QuantizedWeight(INT8, qw.shape, qw.group_size, qw.qdata, qw.scales)
         if qw.kind == INT6 and SixBitWeight.supports(qw):
             device_packed = SixBitWeight.pack(qw)
