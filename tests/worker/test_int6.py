@@ -197,3 +197,33 @@ def test_six_bit_planes_where_the_weights_take_more_than_half_the_memory(
         monkeypatch.setenv("TOKENPIPE_INT6", setting)
         assert cuda_setup.six_bit_planes("cuda:0") is planes
         assert cuda_setup.six_bit_reason("cuda:0") == f"TOKENPIPE_INT6={setting}"
+
+
+@pytest.mark.usefixtures("triton_ready")
+@pytest.mark.parametrize("planes", [True, False])
+def test_cuda_setup_packs_int6_as_chosen_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, planes: bool
+) -> None:
+    """``cuda_setup._pack_quantized`` (the worker's start-up) passes the choice on and logs it."""
+    from worker.device import cuda_setup
+    from worker.device.kernels.int6_matmul import SixBitWeight
+    from worker.device.kernels.quant_matmul import KMajorWeight
+
+    lines: list[str] = []
+    monkeypatch.setattr(cuda_setup, "_log", lines.append)
+    monkeypatch.setattr(cuda_setup, "six_bit_planes", lambda device: planes)
+    monkeypatch.setattr(cuda_setup, "six_bit_reason", lambda device: "because")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    inner = nn.Module()
+    inner.model = nn.Module()
+    inner.model.norm = nn.LayerNorm(64).to(DEVICE)
+    inner.model.head = Q.QuantLinear.from_weight(_int6(40, 64))
+    assert cuda_setup._pack_quantized(inner) == (1, 0)
+    kind = SixBitWeight if planes else KMajorWeight
+    assert isinstance(inner.model.head.device_packed, kind)
+    assert lines == [
+        "cuda_setup: int6 weights (a GGUF's Q6_K) in "
+        + ("6-bit planes (7 bits a weight)" if planes else "the int8 kernels' layout (9 bits a "
+           "weight, faster decode batches)")
+        + ": because"
+    ]  # fmt: skip
