@@ -22,10 +22,13 @@ applies ``(low + 16 high - 32) * scale`` once a group: about 4 instructions a we
 the 56 Q6_K tensors of a Gemma 4 31B Q4_K_M file go from 6.11 to 4.75 GB.
 
 Three paths by the rows M of x: the GEMV (K split over programs for matrices of few outputs,
-fp32 partials added in split order) at M == 1, a GEMM on the tensor cores (each code
-position's [16, BLOCK_C] weights dequantized in registers, then ``tl.dot``) up to
-GEMM_MAX_ROWS, and a dequantized scratch of at most ``quant_matmul.SCRATCH_BYTES`` with cuBLAS
-for prefill chunks. Import after ``worker.device.kernels.triton_available()``.
+fp32 partials added in split order by the last program of a column block) at M == 1, a GEMM
+on the tensor cores (a 16-row step's weights of all 8 code positions dequantized in registers
+as one [16, 8 BLOCK_C] operand, then ``tl.dot``; 1.2-1.6x the int8 GEMM's time at 8-32 rows,
+ALU-bound on the unpacking) up to GEMM_MAX_ROWS, and a dequantized scratch of at most
+``quant_matmul.SCRATCH_BYTES`` with cuBLAS for prefill chunks. A worker packs int6 this way
+where memory is tight (``cuda_setup.six_bit_planes``), else for the int8 kernels. Import after
+``worker.device.kernels.triton_available()``.
 """
 
 from __future__ import annotations
