@@ -84,7 +84,7 @@ def can_pack(qw: QuantizedWeight) -> bool:
         and qw.shape[0] % ROW_BLOCK == 0
         and qw.group_size % 2 == 0
         and qw.kind in (INT8, INT4, INT6)
-        and (qw.kind == INT8 or qw.shape[1] % 4 == 0)
+        and (qw.kind != INT4 or qw.shape[1] % 4 == 0)
     )
 
 

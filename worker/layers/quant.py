@@ -30,7 +30,6 @@ from torch import nn
 INT8, INT4, INT6 = "int8", "int4", "int6"
 KINDS = (INT8, INT4, INT6)
 CODE_LIMIT = {INT8: 127, INT6: 31}  # a symmetric kind's fits keep codes within +-limit
-
 SCALE_DTYPE = torch.float16
 
 
@@ -486,9 +485,8 @@ def pack_for_device(
     embedding whose table a packed LM head shares gathers its rows from the packed table (one
     copy). int6 weights go into 6-bit planes (``worker.device.kernels.int6_matmul``), or with
     ``six_bit`` False into the int8 layout (the same codes; ``cuda_setup.six_bit_planes``
-    chooses). Weights
-    whose group the kernels cannot take stay canonical (the torch reference).
-    Returns (packed, left canonical). Imports Triton."""
+    chooses). Weights whose group the kernels cannot take stay canonical (the torch
+    reference). Returns (packed, left canonical). Imports Triton."""
     from worker.device.kernels.int6_matmul import SixBitWeight
     from worker.device.kernels.quant_matmul import KMajorWeight, meta_dtype_for
 
