@@ -189,14 +189,16 @@ def test_six_bit_planes_where_the_weights_take_more_than_half_the_memory(
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held["allocated"])
     monkeypatch.setattr(memory, "unallocated_bytes", lambda device: held["free"])
     monkeypatch.delenv("TOKENPIPE_INT6", raising=False)
-    assert cuda_setup.six_bit_planes("cuda:0")
-    assert "20.40 GiB of weights, 3.10 GiB free" in cuda_setup.six_bit_reason("cuda:0")
+    planes, why = cuda_setup.six_bit_planes("cuda:0")
+    assert planes
+    assert "20.40 GiB of weights, 3.10 GiB free" in why
     held["free"] = int(58 * memory.GIB)
-    assert not cuda_setup.six_bit_planes("cuda:0")
-    for setting, planes in (("1", True), ("0", False)):
+    assert not cuda_setup.six_bit_planes("cuda:0")[0]
+    for setting, chosen in (("1", True), ("0", False)):
         monkeypatch.setenv("TOKENPIPE_INT6", setting)
-        assert cuda_setup.six_bit_planes("cuda:0") is planes
-        assert cuda_setup.six_bit_reason("cuda:0") == f"TOKENPIPE_INT6={setting}"
+        planes, why = cuda_setup.six_bit_planes("cuda:0")
+        assert planes is chosen
+        assert why == f"TOKENPIPE_INT6={setting}"
 
 
 @pytest.mark.usefixtures("triton_ready")
@@ -211,8 +213,7 @@ def test_cuda_setup_packs_int6_as_chosen_and_says_so(
 
     lines: list[str] = []
     monkeypatch.setattr(cuda_setup, "_log", lines.append)
-    monkeypatch.setattr(cuda_setup, "six_bit_planes", lambda device: planes)
-    monkeypatch.setattr(cuda_setup, "six_bit_reason", lambda device: "because")
+    monkeypatch.setattr(cuda_setup, "six_bit_planes", lambda device: (planes, "because"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     inner = nn.Module()
     inner.model = nn.Module()

@@ -104,12 +104,12 @@ def _pack_quantized(inner: Any) -> tuple[int, int]:
     if not triton_available():
         raise ValueError("quantized weights on CUDA need Triton (pip install triton)")
     device = inner.model.norm.weight.device
-    six_bit = six_bit_planes(device)
+    six_bit, why = six_bit_planes(device)
     if any(getattr(getattr(m, "format", None), "kind", None) == INT6 for m in inner.modules()):
         _log("cuda_setup: int6 weights (a GGUF's Q6_K) in " + (
             "6-bit planes (7 bits a weight)" if six_bit else
             "the int8 kernels' layout (9 bits a weight, faster decode batches)"
-        ) + f": {six_bit_reason(device)}")  # fmt: skip
+        ) + f": {why}")  # fmt: skip
     result = pack_for_device(inner, inner.model.norm.weight.dtype, six_bit)
     torch.cuda.empty_cache()
     return result
@@ -120,31 +120,23 @@ SIX_BIT = "TOKENPIPE_INT6"
 (``six_bit_planes``)."""
 
 
-def six_bit_planes(device: Any) -> bool:
-    """Whether int6 weights (a GGUF's Q6_K) go into 6-bit planes on `device`: where the
-    weights loaded so far (int6 held as int8 bytes) take more than half the memory this
-    worker may use (the free memory after them, under ``--gpu-memory-gb`` its limit's, is less
-    than they take), so a 24-32 GB card fits a 31B Q4_K_M with room for its sessions. With room
-    to spare the int8 kernels run them: as fast at one session, 1.2-1.6x faster on those
-    matrices in decode batches of 8-32 (BENCHMARKS.md session 37), for 2 bits a weight more.
-    ``TOKENPIPE_INT6`` =1 / =0 overrides."""
+def six_bit_planes(device: Any) -> tuple[bool, str]:
+    """Whether int6 weights (a GGUF's Q6_K) go into 6-bit planes on `device`, and why (for the
+    start-up's log): where the weights loaded so far (int6 held as int8 bytes) take more than
+    half the memory this worker may use (the free memory after them, under
+    ``--gpu-memory-gb`` its limit's, is less than they take), so a 24-32 GB card fits a 31B
+    Q4_K_M with room for its sessions. With room to spare the int8 kernels run them: as fast
+    at one session, 1.2-1.6x faster on those matrices in decode batches of 8-32 (BENCHMARKS.md
+    session 37), for 2 bits a weight more. ``TOKENPIPE_INT6`` =1 / =0 overrides."""
     setting = os.environ.get(SIX_BIT, "")
     if setting in ("0", "1"):
-        return setting == "1"
+        return setting == "1", f"{SIX_BIT}={setting}"
     from worker.device import memory
 
-    return memory.unallocated_bytes(device) < torch.cuda.memory_allocated(device)
-
-
-def six_bit_reason(device: Any) -> str:
-    setting = os.environ.get(SIX_BIT, "")
-    if setting in ("0", "1"):
-        return f"{SIX_BIT}={setting}"
-    from worker.device import memory
-
-    return (f"{torch.cuda.memory_allocated(device) / memory.GIB:.2f} GiB of weights, "
-            f"{memory.unallocated_bytes(device) / memory.GIB:.2f} GiB free beside them "
-            f"({SIX_BIT}=1 / =0 to choose)")  # fmt: skip
+    held, free = torch.cuda.memory_allocated(device), memory.unallocated_bytes(device)
+    why = (f"{held / memory.GIB:.2f} GiB of weights, {free / memory.GIB:.2f} GiB free beside "
+           f"them ({SIX_BIT}=1 / =0 to choose)")  # fmt: skip
+    return free < held, why
 
 
 def _time_quantized(inner: Any, compiles: CompilePool | None) -> int:
