@@ -50,14 +50,18 @@ REFERENCE_PROMPTS = [
     "In distributed systems, consensus protocols",
     "The old lighthouse keeper looked at the sea and",
 ]
-VARIANTS = {  # name -> (--quantize, --group-size, --quant-importance)
+VARIANTS = {  # name -> (--quantize, --group-size, --quant-importance[, --kv-cache-dtype])
     "auto": ("auto", None, None),
     "int8": ("int8", None, None),
     "int4-g32": ("int4", 32, None),  # the default: the shipped importance file
     "int4-mixed": ("int4-mixed", 32, None),  # int4 g32, its sensitive matmuls int8 (keeps_int8)
     "int4-g32-plain": ("int4", 32, "none"),  # the unweighted fit
     "int4-mixed-plain": ("int4-mixed", 32, "none"),
+    # the KV cache in fp8: the float weights (the cache's own cost), and the GGUF kept
+    "kv-fp8": ("none", None, None, "fp8"),
+    "auto-kv-fp8": ("auto", None, None, "fp8"),
 }
+DEFAULT_VARIANTS = [name for name, spec in VARIANTS.items() if len(spec) == 3]
 
 
 @dataclass
@@ -70,15 +74,22 @@ class Quality:
     int4_share: float = 0.0  # of the decoder layers' matmul weights, the fraction stored int4
 
 
-def load(mode: str, group_size: int | None = None, importance: str | None = None) -> Any:
+def load(
+    mode: str,
+    group_size: int | None = None,
+    importance: str | None = None,
+    kv_dtype: str = "auto",
+) -> Any:
     """The default model on the CPU in fp32, as the worker prepares it."""
     sys.path.insert(0, str(ROOT))
+    from worker.layers.kv import kv_cache_dtype
     from worker.loading.loader import load_model
     from worker.loading.quantize import QuantizeOptions
 
     options = QuantizeOptions(mode, group_size, importance)
     loaded = load_model(None, "cpu", torch.float32, progress=False, quantize=options)
     loaded.model.prepare_for_cpu()
+    loaded.model.kv_cache_dtype = kv_cache_dtype(kv_dtype)
     return loaded
 
 
@@ -100,16 +111,19 @@ def passage_ids(tokenizer: Any, positions: int | None, passage: Path = PASSAGE) 
 
 
 @torch.inference_mode()
-def teacher_forced(model: Any, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_forced(
+    model: Any, ids: list[int], chunk_tokens: int = CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax [T - 1], log-prob of the true next token [T - 1]) over the passage (on the
-    CPU, whichever device the model runs on)."""
+    CPU, whichever device the model runs on), ``chunk_tokens`` positions a step (1: each
+    reads every earlier key from the cache, as decode does)."""
     from worker.models.step import StepInput
 
     device = model.device
     kv = model.make_kv_cache(1, len(ids) + 16)
     tops, logps = [], []
-    for start in range(0, len(ids) - 1, CHUNK):
-        chunk = ids[start : min(start + CHUNK, len(ids) - 1)]
+    for start in range(0, len(ids) - 1, chunk_tokens):
+        chunk = ids[start : min(start + chunk_tokens, len(ids) - 1)]
         step = StepInput(
             input_ids=torch.tensor(chunk, device=device),
             positions=torch.arange(start, start + len(chunk), device=device),
@@ -175,14 +189,17 @@ def measure(
     same: dict[str, bool] = {}
     del base
     for name in variants:
-        loaded = load(*VARIANTS[name])
-        quality = compare(reference, teacher_forced(loaded.model, ids), name)
+        spec = VARIANTS[name]
+        loaded = load(*spec)
+        # a cache variant one position a step: every key read back from the cache, as decode
+        chunk_tokens = 1 if len(spec) > 3 else CHUNK
+        quality = compare(reference, teacher_forced(loaded.model, ids, chunk_tokens), name)
         quality.int4_share = int4_share(loaded.model)
         results.append(quality)
-        if name == "auto":
+        if name in ("auto", "auto-kv-fp8"):
             for prompt in REFERENCE_PROMPTS:
                 tokens = greedy(loaded.model, loaded.tokenizer, prompt, prompt_tokens)
-                same[prompt] = tokens == float_greedy[prompt]
+                same[f"{name} {prompt!r}"] = tokens == float_greedy[prompt]
         del loaded
     return results, same
 
@@ -252,14 +269,14 @@ def main(
                   f"{q.perplexity_increase:+10.2%}", flush=True)  # fmt: skip
         print(f"({time.perf_counter() - started:.1f}s)")
         return
-    results, same = measure(positions, list(variants or VARIANTS), prompt_tokens, passage)
+    results, same = measure(positions, list(variants or DEFAULT_VARIANTS), prompt_tokens, passage)
     print(f"{'variant':16} {'positions':>9} {'top-1 agree':>11} {'perplexity':>10} "
           f"{'ppl change':>10} {'int4 share':>10}")  # fmt: skip
     for q in results:
         print(f"{q.variant:16} {q.positions:9d} {q.top1_agreement:11.2%} {q.perplexity:10.3f} "
               f"{q.perplexity_increase:+10.2%} {q.int4_share:10.1%}")  # fmt: skip
-    for prompt, equal in same.items():
-        print(f"auto greedy {prompt_tokens} tokens == float: {equal}  ({prompt!r})")
+    for key, equal in same.items():
+        print(f"greedy {prompt_tokens} tokens == float: {equal}  ({key})")
     print(f"({time.perf_counter() - started:.1f}s)")
     if json_path:
         data = {"qualities": [asdict(q) for q in results], "greedy_equal": same}

@@ -105,17 +105,20 @@ def describe(
     prefill_chunk: int = 2048,
     gpu_memory_gb: float | None = None,
     device_dtype: torch.dtype | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """The metadata `tokenpipe info` prints (see the module docstring); `slots` device cache
     slots (the worker's --max-resident, else --max-sessions: one named session and the scratch
     one by default); `device_dtype` the CUDA worker's dtype for device_estimate (else
-    `dtype`)."""
+    `dtype`); `kv_cache_dtype` the worker's --kv-cache-dtype."""
+    from worker.layers.kv import kv_cache_dtype as parse_kv_dtype
     from worker.loading.loader import open_model_files
 
     checkpoint, config, tokenizer, gguf_source = open_model_files(
         path, dtype, require_weights=False, progress=progress, tokenizer_path=tokenizer_path
     )
     quantize = quantize or QuantizeOptions()
+    kv_dtype = parse_kv_dtype(kv_cache_dtype)
     context = config.context_length if context is None else context
     if context < 1:
         raise ModelLoadError(f"--context must be >= 1, got {context}")
@@ -132,13 +135,14 @@ def describe(
         from worker.models.registry import build_model
 
         skeleton = build_model(config, "meta", dtype)
+        skeleton.kv_cache_dtype = kv_dtype
         if parameters is None:
             parameters = sum(p.numel() for p in skeleton.parameters())
         bytes_per_session = int(skeleton.make_kv_cache(1, context).bytes_per_slot)
         weights = _weights(skeleton, gguf_source, quantize, dtype)
     except ImportError:
         skeleton = None
-        bytes_per_session = kv_bytes_from_config(checkpoint.config, context, dtype)
+        bytes_per_session = kv_bytes_from_config(checkpoint.config, context, kv_dtype or dtype)
         weights = {}
     out = {
         "model": str(gguf_source or checkpoint.path),
@@ -162,6 +166,7 @@ def describe(
         "prefix_ids": tokenizer.prefix_ids,
         "chat_template": tokenizer.chat_template is not None,
         "context": context,
+        "kv_cache_dtype": str(kv_dtype or dtype).removeprefix("torch."),
         "bytes_per_session": bytes_per_session,
         **weights,
     }
@@ -170,19 +175,30 @@ def describe(
         on_device = device_dtype or dtype
         if on_device != dtype:  # the CUDA worker's own dtype (bf16 unless --dtype says)
             skeleton = build_model(config, "meta", on_device)
+            skeleton.kv_cache_dtype = kv_dtype
             weights = _weights(skeleton, gguf_source, quantize, on_device)
 
-        def estimate(weights: dict[str, Any]) -> dict[str, Any]:
-            return device_estimate(
-                checkpoint.config, weights, (context, config.context_length), on_device, slots,
-                prefill_chunk, _session_bytes(skeleton, checkpoint.config, on_device),
-                gpu_memory_gb, fla=_fla_installed(on_device),
-            )  # fmt: skip
+        def estimate(weights: dict[str, Any], kv: torch.dtype | None = kv_dtype) -> dict[str, Any]:
+            if skeleton is not None:
+                skeleton.kv_cache_dtype = kv
+            try:
+                return device_estimate(
+                    checkpoint.config, weights, (context, config.context_length), on_device,
+                    slots, prefill_chunk,
+                    _session_bytes(skeleton, checkpoint.config, kv or on_device),
+                    gpu_memory_gb, fla=_fla_installed(on_device),
+                )  # fmt: skip
+            finally:
+                if skeleton is not None:
+                    skeleton.kv_cache_dtype = kv_dtype
 
         fitted = estimate(weights)
         if fitted.get("fits") is False and quantize.mode != "int4":  # what int4 would hold
             int4 = estimate(_weights(skeleton, gguf_source, quantize.as_int4(), on_device))
             fitted["with_quantize_int4"] = {key: int4[key] for key in INT4_FIGURES}
+        if fitted.get("fits") is False and kv_dtype is None:  # what an fp8 cache would hold
+            fp8 = estimate(weights, parse_kv_dtype("fp8"))
+            fitted["with_kv_cache_fp8"] = {key: fp8[key] for key in INT4_FIGURES}
         out["device_estimate"] = {"dtype": str(on_device).removeprefix("torch."), **fitted}
     return out
 
@@ -219,6 +235,10 @@ def fit_advice(estimate: dict[str, Any]) -> str | None:
             f"; --quantize int4 would need {int4['total_bytes'] / GIB:.2f} GiB "
             f"({int4['weights_bytes'] / GIB:.2f} GiB of weights): {verdict}"
         )
+    fp8 = estimate.get("with_kv_cache_fp8")
+    if fp8 is not None:
+        verdict = "fits" if fp8["fits"] else f"{fp8['max_context_at_slots']} tokens would fit"
+        line += f"; --kv-cache-dtype fp8 would need {fp8['total_bytes'] / GIB:.2f} GiB: {verdict}"
     return line
 
 
@@ -387,6 +407,13 @@ def expert_scratch_bytes(skeleton: Any, plan: dict[str, Any], dtype: torch.dtype
     default=None,
     help="A card's memory: whether device_estimate fits it, and what would.",
 )
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(["auto", "fp8"]),
+    default="auto",
+    show_default=True,
+    help="As the worker's flag: the KV cache's format (fp8: half a bf16 cache's bytes).",
+)
 def command(
     model_path: str | None,
     model_path_alias: str | None,
@@ -399,6 +426,7 @@ def command(
     max_resident: int | None,
     prefill_chunk: int,
     gpu_memory_gb: float | None,
+    kv_cache_dtype: str,
 ) -> None:
     """Print the model's metadata as JSON (architecture, parameters, context, vocabulary,
     BOS/EOS ids, chat template, KV memory per session, weight formats, and what a CUDA worker
@@ -413,7 +441,7 @@ def command(
             model_path or model_path_alias, context, DTYPES[dtype or "float32"],
             quantize=options, tokenizer_path=tokenizer_path, slots=max_resident or max_sessions,
             prefill_chunk=prefill_chunk, gpu_memory_gb=gpu_memory_gb,
-            device_dtype=DTYPES[dtype or "bfloat16"],
+            device_dtype=DTYPES[dtype or "bfloat16"], kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
     except (ModelLoadError, ValueError) as exc:
         click.echo(f"tokenpipe info: error: {exc}", err=True)

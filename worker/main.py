@@ -359,6 +359,7 @@ def build_engine(
     session_dir: str | None = None,
     prefix_cache_gb: float | None = None,
     gpu_memory_gb: float | None = None,
+    kv_cache_dtype: str = "auto",
     group: Any = None,
 ) -> object:
     """Load the model and build the engine (load progress on stderr). With `group` (a
@@ -367,10 +368,12 @@ def build_engine(
     import torch
 
     from worker.engine.engine import Engine, EngineConfig
+    from worker.layers.kv import kv_cache_dtype as parse_kv_dtype
     from worker.loading.loader import load_model
     from worker.loading.quantize import QuantizeOptions
     from worker.loading.startup_clock import StartupClock
 
+    kv_dtype = parse_kv_dtype(kv_cache_dtype)  # a bad value fails before the load
     if threads:
         torch.set_num_threads(threads)
     torch.set_flush_denormal(True)  # denormal activations are very slow on x86 CPUs
@@ -416,6 +419,14 @@ def build_engine(
             seed=seed,
             quantize=QuantizeOptions(quantize, group_size, quant_importance),
             shard=group,
+        )
+    if kv_dtype is not None:  # before anything sizes the cache
+        loaded.model.kv_cache_dtype = kv_dtype
+        share = kv_dtype.itemsize / torch_dtype.itemsize
+        log(
+            f"KV cache in {kv_cache_dtype} ({str(kv_dtype).removeprefix('torch.')}): {share:g} "
+            f"of {dtype_name}'s bytes"
+            + (" (the CPU's C attention takes only float32)" if on_cpu else "")
         )
     model_context = int(getattr(loaded.config, "context_length", 0) or 4096)
     default_context = min(model_context, DEFAULT_CONTEXT)
@@ -662,6 +673,14 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
             "cache are sized within it.",
         ),
         click.option(
+            "--kv-cache-dtype",
+            type=click.Choice(["auto", "fp8"]),
+            default="auto",
+            show_default=True,
+            help="The KV cache's format: auto is the model's dtype; fp8 (e4m3, no scale) "
+            "holds twice the tokens in the same memory.",
+        ),
+        click.option(
             "--quant-importance",
             default=None,
             help="int4 fit weighted by input channel: a file of tools/quant_importance.py "
@@ -698,6 +717,7 @@ def command(
     session_dir: str | None,
     prefix_cache_gb: float | None,
     gpu_memory_gb: float | None,
+    kv_cache_dtype: str,
 ) -> None:
     """Run one worker process: JSONL requests on stdin, JSONL events on stdout."""
     build = dict(
@@ -722,6 +742,7 @@ def command(
         session_dir=session_dir,
         prefix_cache_gb=prefix_cache_gb,
         gpu_memory_gb=gpu_memory_gb,
+        kv_cache_dtype=kv_cache_dtype,
     )
     group = None
     try:

@@ -122,6 +122,13 @@ QUANTIZE_MODES = ("auto", "none", "int8", "int4", "int4-mixed", "int4-experts")
     help="Per worker: device memory it may hold, as on a card that size.",
 )
 @click.option(
+    "--kv-cache-dtype",
+    default=None,
+    type=click.Choice(["auto", "fp8"]),
+    help="Per worker: the KV cache's format (worker default: auto, the model's dtype; fp8 "
+    "holds twice the tokens).",
+)
+@click.option(
     "--session-dir",
     default=None,
     type=click.Path(file_okay=False, path_type=Path),
@@ -166,6 +173,7 @@ def command(
     quantize: str | None,
     group_size: int | None,
     gpu_memory_gb: float | None,
+    kv_cache_dtype: str | None,
     session_dir: Path | None,
     worker_args: tuple[str, ...],
     log_level: str,
@@ -196,7 +204,7 @@ def command(
             max_context=max_context,
             max_queue=max_queue,
             worker_args=tiers_args(max_resident, host_cache_gb)
-            + weights_args(quantize, group_size, gpu_memory_gb)
+            + weights_args(quantize, group_size, gpu_memory_gb, kv_cache_dtype)
             + tuple(worker_args),
             session_dir=str(session_dir) if session_dir is not None else None,
             tensor_parallel=tensor_parallel,
@@ -247,9 +255,13 @@ def tiers_args(max_resident: int | None, host_cache_gb: float | None) -> tuple[s
 
 
 def weights_args(
-    quantize: str | None, group_size: int | None, gpu_memory_gb: float | None
+    quantize: str | None,
+    group_size: int | None,
+    gpu_memory_gb: float | None,
+    kv_cache_dtype: str | None = None,
 ) -> tuple[str, ...]:
-    """The worker flags of the weights' format and the device memory limit."""
+    """The worker flags of the weights' format, the device memory limit and the KV cache's
+    format."""
     args: tuple[str, ...] = ()
     if quantize is not None:
         args += ("--quantize", quantize)
@@ -257,6 +269,8 @@ def weights_args(
         args += ("--group-size", str(group_size))
     if gpu_memory_gb is not None:
         args += ("--gpu-memory-gb", str(gpu_memory_gb))
+    if kv_cache_dtype is not None:
+        args += ("--kv-cache-dtype", kv_cache_dtype)
     return args
 
 

@@ -59,6 +59,12 @@ def command() -> None:
     type=click.FloatRange(0, min_open=True),
     help="Device memory each worker may hold, as on a card that size.",
 )
+@click.option(
+    "--kv-cache-dtype",
+    default=None,
+    type=click.Choice(["auto", "fp8"]),
+    help="The KV cache's format (worker default: auto; fp8 holds twice the tokens).",
+)
 @click.option("--worker-arg", "worker_args", multiple=True, help="An extra worker flag.")
 @click.option(
     "--session-dir",
@@ -97,6 +103,7 @@ def up_command(
     quantize: str | None,
     group_size: int | None,
     gpu_memory_gb: float | None,
+    kv_cache_dtype: str | None,
     worker_args: tuple[str, ...],
     session_dir: str | None,
     api_key: str | None,
@@ -125,7 +132,8 @@ def up_command(
                 max_sessions=max_sessions,
                 max_context=max_context,
                 max_queue=max_queue,
-                worker_args=weights_args(quantize, group_size, gpu_memory_gb) + worker_args,
+                worker_args=weights_args(quantize, group_size, gpu_memory_gb, kv_cache_dtype)
+                + worker_args,
                 session_dir=session_dir,
             ),
             server=ServerConfig(

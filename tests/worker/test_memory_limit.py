@@ -202,6 +202,7 @@ def test_serve_and_ray_pass_the_flags_to_their_workers(monkeypatch: pytest.Monke
         "--quantize", "int4", "--group-size", "64", "--gpu-memory-gb", "23.5",
     )  # fmt: skip
     assert cli.weights_args(None, None, None) == ()
+    assert cli.weights_args(None, None, None, "fp8") == ("--kv-cache-dtype", "fp8")
     seen: dict[str, Any] = {}
 
     class Stop(Exception):
@@ -213,7 +214,9 @@ def test_serve_and_ray_pass_the_flags_to_their_workers(monkeypatch: pytest.Monke
 
     monkeypatch.setattr("supervisor.core.SupervisorConfig", capture)
     result = CliRunner().invoke(
-        cli.command, ["--quantize", "int4", "--gpu-memory-gb", "24", "--max-resident", "2"]
+        cli.command,
+        ["--quantize", "int4", "--gpu-memory-gb", "24", "--max-resident", "2"]
+        + ["--kv-cache-dtype", "fp8"],
     )
     assert isinstance(result.exception, Stop), result.output
     assert seen["worker_args"] == (
@@ -223,6 +226,8 @@ def test_serve_and_ray_pass_the_flags_to_their_workers(monkeypatch: pytest.Monke
         "int4",
         "--gpu-memory-gb",
         "24.0",
+        "--kv-cache-dtype",
+        "fp8",
     )
     bad = CliRunner().invoke(cli.command, ["--quantize", "int3"])
     assert bad.exit_code == 2 and "int3" in bad.output

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from worker.device import cpu_gemv
 from worker.device.kernels.attention import use_triton
-from worker.layers.kv import LayerCache
+from worker.layers.kv import LayerCache, as_cache, as_cached, index_copy
 from worker.models.step import StepInput
 
 
@@ -208,12 +208,13 @@ def _decode_group(
         return
     # write first: on a ring the overwritten index held position pos - R <= pos - W, unseen
     index = pos if cache.window is None else pos % cache.capacity  # [Bd]
-    cache.k[slots, :, index] = k[rows]  # [Bd, KVH, D]
-    cache.v[slots, :, index] = v[rows]
+    cache.k[slots, :, index] = as_cache(k[rows], cache.k)  # [Bd, KVH, D]
+    cache.v[slots, :, index] = as_cache(v[rows], cache.v)
     mask = plan.decode_mask(cache)  # [Bd, 1, 1, L]
     length = mask.shape[-1]
     if on_cpu:
-        mask = _additive_decode_mask(plan, cache)  # SDPA on the CPU converts a bool one per call
+        # SDPA on the CPU converts a bool one per call
+        mask = _additive_decode_mask(plan, cache, q.dtype)
     # consecutive slots are a view; others a gather (a copy of the keys the group reads)
     by = plan.decode_slot_range if plan.decode_slot_range is not None else slots
     keys = cache.k[by, :, :length]  # [Bd, KVH, L, D]
@@ -268,7 +269,7 @@ def _decode_seq_cpu(
     seq = plan.decode[seq_index]
     row = seq.start
     index, first, end, masked = _seq_range(seq, cache)
-    mask = _additive_decode_mask(plan, cache)[seq_index, 0, 0] if masked else None  # [R]
+    mask = _additive_decode_mask(plan, cache, q.dtype)[seq_index, 0, 0] if masked else None
     cpu_gemv.decode_attention(
         q[row], k[row], v[row], cache.k, cache.v, seq.slot, index, first, end, mask, scale,
         out[row],
@@ -289,9 +290,9 @@ def _decode_one_sdpa(
     seq = plan.decode[0]
     row, slot = seq.start, seq.slot
     index, first, end, masked = _seq_range(seq, cache)
-    mask = _additive_decode_mask(plan, cache) if masked else None  # [1, 1, 1, R]
-    cache.k[slot, :, index] = k[row]  # [KVH, D]
-    cache.v[slot, :, index] = v[row]
+    mask = _additive_decode_mask(plan, cache, q.dtype) if masked else None  # [1, 1, 1, R]
+    cache.k[slot, :, index] = as_cache(k[row], cache.k)  # [KVH, D]
+    cache.v[slot, :, index] = as_cache(v[row], cache.v)
     keys = cache.k[slot : slot + 1, :, first:end]  # [1, KVH, L, D]
     values = cache.v[slot : slot + 1, :, first:end]
     query = q[row : row + 1, :, None, :]  # [1, H, 1, D]
@@ -299,13 +300,15 @@ def _decode_one_sdpa(
     out[row] = o[0, :, 0, :]
 
 
-def _additive_decode_mask(plan: AttentionPlan, cache: LayerCache) -> torch.Tensor:
-    """`plan.decode_mask` as 0 / -inf in the cache's dtype (memoized per geometry)."""
-    key = ("decode_additive", cache.capacity, cache.window)
+def _additive_decode_mask(
+    plan: AttentionPlan, cache: LayerCache, dtype: torch.dtype
+) -> torch.Tensor:
+    """`plan.decode_mask` as 0 / -inf in the step's dtype (memoized per geometry)."""
+    key = ("decode_additive", cache.capacity, cache.window, dtype)
     mask = plan._masks.get(key)
     if mask is None:
         allowed = plan.decode_mask(cache)
-        mask = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=allowed.device)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         mask.masked_fill_(~allowed, float("-inf"))
         plan._masks[key] = mask
     return mask
@@ -326,8 +329,8 @@ def _prefill_one(
     if use_triton(q) and os.environ.get("TOKENPIPE_NO_TRITON_PREFILL") != "1":
         _prefill_one_triton(q, k, v, cache, plan, i, seq, scale, out)
         return
-    new_k = k[seq.start : seq.end].transpose(0, 1)  # [KVH, n, D]
-    new_v = v[seq.start : seq.end].transpose(0, 1)
+    new_k = as_cached(k[seq.start : seq.end].transpose(0, 1), cache.k)  # [KVH, n, D]
+    new_v = as_cached(v[seq.start : seq.end].transpose(0, 1), cache.v)
     mask = plan.prefill_mask(i, cache)  # see AttentionPlan._prefill_mask for the shapes
     if cache.window is None:
         _store_full(cache, seq, new_k, new_v)
@@ -337,8 +340,8 @@ def _prefill_one(
             keys, values = new_k, new_v  # [KVH, n, D]
         else:
             # the ring as it was before this step, then the new keys: [KVH, R + n, D]
-            keys = torch.cat([cache.k[s], new_k], dim=1)
-            values = torch.cat([cache.v[s], new_v], dim=1)
+            keys = torch.cat([cache.k[s].to(new_k.dtype), new_k], dim=1)
+            values = torch.cat([cache.v[s].to(new_v.dtype), new_v], dim=1)
         _store_ring(cache, plan, i, seq, new_k, new_v)
     query = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, H, n, D]
     if mask is not None and cache.window is None and q.is_cuda:
@@ -373,7 +376,7 @@ def _prefill_one_triton(
 
     c, s = seq.cached, seq.slot
     rows = slice(seq.start, seq.end)
-    new_k, new_v = k[rows], v[rows]  # [n, KVH, D]
+    new_k, new_v = as_cached(k[rows], cache.k), as_cached(v[rows], cache.v)  # [n, KVH, D]
     k_prev = v_prev = prev_pos = None
     if cache.window is None:
         _store_full(cache, seq, new_k.transpose(0, 1), new_v.transpose(0, 1))
@@ -396,8 +399,8 @@ def _store_full(cache: LayerCache, seq: SeqView, new_k: torch.Tensor, new_v: tor
     c, n, s = seq.cached, seq.new, seq.slot
     if c + n > cache.capacity:
         raise ValueError(f"slot {s}: {c + n} tokens exceed max_context {cache.capacity}")
-    cache.k[s, :, c : c + n] = new_k
-    cache.v[s, :, c : c + n] = new_v
+    cache.k[s, :, c : c + n] = as_cache(new_k, cache.k)
+    cache.v[s, :, c : c + n] = as_cache(new_v, cache.v)
     if cache.capture is not None:  # the shared-prefix cache's copy (worker/layers/kv.py)
         cache.capture.take(cache, s, new_k, new_v)
 
@@ -414,8 +417,8 @@ def _store_ring(
     ones are past every later window), at the indices `plan.ring_tables` built."""
     _, index = plan.ring_tables(i, cache.capacity)
     kept = index.shape[0]
-    cache.k[seq.slot].index_copy_(1, index, new_k[:, seq.new - kept :])
-    cache.v[seq.slot].index_copy_(1, index, new_v[:, seq.new - kept :])
+    index_copy(cache.k[seq.slot], 1, index, new_k[:, seq.new - kept :])
+    index_copy(cache.v[seq.slot], 1, index, new_v[:, seq.new - kept :])
     if cache.capture is not None:  # every new position, the ones the ring drops included
         cache.capture.take(cache, seq.slot, new_k, new_v)
 
@@ -432,8 +435,10 @@ def _sdpa(
 
     Query head h reads KV head h // (H / KVH). The fused CUDA kernels need equal head counts, so
     a single-query step folds each head group into the query rows (no copy) and longer steps
-    expand the KV heads.
+    expand the KV heads. Keys and values from an fp8 cache widen to q's dtype here.
     """
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     batch, heads, q_len, dim = q.shape
     groups = heads // k.shape[1]
     if groups > 1 and q_len == 1:

@@ -149,10 +149,13 @@ class HybridCache:
         snapshots: int = DEFAULT_SNAPSHOTS,
         ring_slack: int = DEFAULT_RING_SLACK,
         free_split: int = 0,
+        kv_dtype: torch.dtype | None = None,  # the attention layers' (default: dtype)
     ) -> None:
         if snapshots < 0:
             raise ValueError(f"snapshots must be >= 0, got {snapshots}")
-        self.kv = KVCache(layer_specs, None, num_slots, max_context, device, dtype, ring_slack)
+        self.kv = KVCache(
+            layer_specs, None, num_slots, max_context, device, kv_dtype or dtype, ring_slack
+        )
         self.num_slots, self.max_context = num_slots, max_context
         self.ring_slack = ring_slack
         self.lookahead = 0

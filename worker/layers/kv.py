@@ -18,6 +18,13 @@ copied to and from (``slot_to_pool``, ``pool_to_slot``, and ``PoolCapture`` duri
 
 K=V layers (gemma4 full layers, no v_proj) still store K and V separately: K is the k-normed,
 rotated projection and V the weightless-normed, unrotated one, so the cached tensors differ.
+
+The cache's dtype is the model's, or fp8 (e4m3, no scale: ``--kv-cache-dtype fp8``), which
+halves a token's bytes. Writes round into it (``as_cache``: saturating at +-448, the format's
+largest finite value); reads widen to the step's dtype (worker/layers/attention.py, the Triton
+kernels). With no scale the format keeps ~2 significant digits of each value and nothing below
+2^-9: enough for keys and values that a norm keeps near 1 (Gemma's q/k/v norms, Qwen3.5's
+q/k norms); BENCHMARKS.md has what it does to the default model's tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +39,44 @@ from worker.layers.slot_state import SlotState, to_host
 from worker.models.config import LayerSpec
 
 DEFAULT_RING_SLACK = 16
+# the KV cache dtypes `--kv-cache-dtype` offers besides the model's own ("auto")
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def kv_cache_dtype(name: str | None) -> torch.dtype | None:
+    """`--kv-cache-dtype`'s value -> the cache dtype, None for the model's own (auto)."""
+    if name in (None, "auto"):
+        return None
+    if name not in KV_CACHE_DTYPES:
+        known = ", ".join(["auto", *KV_CACHE_DTYPES])
+        raise ValueError(f"unknown --kv-cache-dtype {name!r}; known: {known}")
+    return KV_CACHE_DTYPES[name]
+
+
+def as_cache(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``t`` in the cache's dtype (itself when it already is): fp8 saturates at +-448."""
+    if t.dtype == cache.dtype:
+        return t
+    if cache.dtype == torch.float8_e4m3fn:
+        t = t.clamp(-FP8_MAX, FP8_MAX)
+    return t.to(cache.dtype)
+
+
+def as_cached(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``t`` as the cache would give it back (itself for a cache of its dtype): a prefill's
+    new keys and values, so that attention sees every key as the cache holds it, however the
+    prompt was split into steps (a warm resume equals a cold prefill with an fp8 cache too)."""
+    return t if t.dtype == cache.dtype else as_cache(t, cache).to(t.dtype)
+
+
+def index_copy(dest: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dest.index_copy_(dim, index, src)`` with ``src`` in dest's dtype first (`as_cache`);
+    an fp8 cache copies its bytes (torch's CPU index_copy_ has no fp8 kernel)."""
+    src = as_cache(src, dest)
+    if dest.dtype == torch.float8_e4m3fn:
+        dest, src = dest.view(torch.uint8), src.view(torch.uint8)
+    dest.index_copy_(dim, index, src)
 
 
 @dataclass
@@ -217,16 +262,16 @@ class KVCache:
             if not layer.capacity:
                 continue
             if layer.window is None:
-                layer.pool_k.index_copy_(1, rows, layer.k[slot, :, start:end])
-                layer.pool_v.index_copy_(1, rows, layer.v[slot, :, start:end])
+                index_copy(layer.pool_k, 1, rows, layer.k[slot, :, start:end])
+                index_copy(layer.pool_v, 1, rows, layer.v[slot, :, start:end])
                 continue
             first = max(start, sliding_start)
             if first >= end:
                 continue
             index = _ring_index(first, end, layer.capacity, layer.k.device)
             kept = rows[first - start :]
-            layer.pool_k.index_copy_(1, kept, layer.k[slot].index_select(1, index))
-            layer.pool_v.index_copy_(1, kept, layer.v[slot].index_select(1, index))
+            index_copy(layer.pool_k, 1, kept, layer.k[slot].index_select(1, index))
+            index_copy(layer.pool_v, 1, kept, layer.v[slot].index_select(1, index))
 
     def pool_to_slot(
         self,
@@ -252,8 +297,8 @@ class KVCache:
                 continue
             index = _ring_index(first, end, layer.capacity, layer.k.device)
             kept = rows[first - start :]
-            layer.k[slot].index_copy_(1, index, layer.pool_k.index_select(1, kept))
-            layer.v[slot].index_copy_(1, index, layer.pool_v.index_select(1, kept))
+            index_copy(layer.k[slot], 1, index, layer.pool_k.index_select(1, kept))
+            index_copy(layer.v[slot], 1, index, layer.pool_v.index_select(1, kept))
 
 
 @dataclass
@@ -273,8 +318,8 @@ class PoolCapture:
         if slot != self.slot or cache.pool_k is None or cache.pool_v is None:
             return
         end = self.first + self.rows.shape[0]
-        cache.pool_k.index_copy_(1, self.rows, new_k[:, self.first : end])
-        cache.pool_v.index_copy_(1, self.rows, new_v[:, self.first : end])
+        index_copy(cache.pool_k, 1, self.rows, new_k[:, self.first : end])
+        index_copy(cache.pool_v, 1, self.rows, new_v[:, self.first : end])
         self.written = True
 
 

@@ -98,6 +98,8 @@ class CausalLM(nn.Module):
         self.embed_scale = config.hidden_size**0.5 if scale_embeddings else None
         # tensor parallel (worker/parallel/shard.py): the vocabulary-split embedding and head
         self.tensor_parallel: Any = None
+        # the KV cache's dtype (--kv-cache-dtype; worker/layers/kv.py); None: the model's
+        self.kv_cache_dtype: torch.dtype | None = None
         # one rotary table per distinct (rope, head_dim); layer i uses self._rope_keys[i]
         self._rope_keys: list[tuple[RopeSpec, int]] = [(s.rope, s.head_dim) for s in config.layers]
         self._rotaries = {
@@ -124,7 +126,7 @@ class CausalLM(nn.Module):
             num_slots,
             max_context,
             self.device if device is None else torch.device(device),
-            self.model.norm.weight.dtype,
+            self.kv_cache_dtype or self.model.norm.weight.dtype,
             ring_slack=ring_slack,
         )
 

@@ -135,6 +135,7 @@ class Qwen35MoeForCausalLM(CausalLM):
             snapshots=snapshots,
             ring_slack=ring_slack,
             free_split=prefill_states(where if where.type != "meta" else self.device, norm.dtype),
+            kv_dtype=self.kv_cache_dtype,
         )
 
     @torch.inference_mode()

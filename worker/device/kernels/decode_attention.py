@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from worker.device.kernels import dependent_launch, dependent_small
-from worker.device.kernels.rmsnorm import dependent_start
+from worker.device.kernels.rmsnorm import dependent_start, to_cache
 
 
 @triton.jit
@@ -57,6 +57,9 @@ def _attend_block(
         q = q.to(tl.float32)
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    else:  # an fp8 cache widens to q's dtype (a no-op for the model's own)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     # scores: [BLOCK_G, BLOCK_N]
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
     # entry j < n_valid holds position last - (last - j) % R  (last - j >= 0 here)
@@ -299,8 +302,8 @@ def _store_kv_kernel(
         v = tl.load(v_ptr + row * stride_vb + head * stride_vh + offs_d)
         k_dst = k_cache_ptr + slot * stride_ks + head * stride_kc_h + entry * stride_kr
         v_dst = v_cache_ptr + slot * stride_vs + head * stride_vc_h + entry * stride_vr
-        tl.store(k_dst + offs_d, k.to(k_cache_ptr.dtype.element_ty))
-        tl.store(v_dst + offs_d, v.to(v_cache_ptr.dtype.element_ty))
+        tl.store(k_dst + offs_d, to_cache(k, k_cache_ptr))
+        tl.store(v_dst + offs_d, to_cache(v, v_cache_ptr))
 
 
 def store_kv_triton(

@@ -70,6 +70,9 @@ def _tile(
         q = q.to(tl.float32)
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    else:  # an fp8 cache's entries widen to q's dtype (a no-op for the model's own)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
     allowed = (
         in_bounds[None, :]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.layers.kv import as_cache
+
 
 def entry_positions(lens: torch.Tensor, capacity: int) -> torch.Tensor:
     """Absolute position held by each cache entry, or a negative number when empty.
@@ -85,8 +87,8 @@ def store_kv_reference(
     keep = slots >= 0
     slot = slots[keep]
     entry = torch.remainder(positions[keep], k_cache.shape[2])
-    k_cache[slot, :, entry] = k[keep].to(k_cache.dtype)
-    v_cache[slot, :, entry] = v[keep].to(v_cache.dtype)
+    k_cache[slot, :, entry] = as_cache(k[keep], k_cache)
+    v_cache[slot, :, entry] = as_cache(v[keep], v_cache)
 
 
 def prefill_attention_slot_reference(
@@ -109,8 +111,8 @@ def prefill_attention_slot_reference(
     prev_len = min(cached, capacity)
     held = entry_positions(torch.tensor([cached], device=q.device), capacity)[0, :prev_len]
     k_pos = torch.cat([held, torch.arange(cached, cached + n, device=q.device)])  # [P + n]
-    keys = torch.cat([k_cache[slot, :, :prev_len].transpose(0, 1), k_new[:n]]).float()
-    values = torch.cat([v_cache[slot, :, :prev_len].transpose(0, 1), v_new[:n]]).float()
+    keys = torch.cat([k_cache[slot, :, :prev_len].transpose(0, 1).float(), k_new[:n].float()])
+    values = torch.cat([v_cache[slot, :, :prev_len].transpose(0, 1).float(), v_new[:n].float()])
     group = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)  # [P + n, Hq, D]
     values = values.repeat_interleave(group, dim=1)

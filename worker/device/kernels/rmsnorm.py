@@ -48,6 +48,16 @@ def dependent_start(WAIT: tl.constexpr, TRIGGER: tl.constexpr):
 
 
 @triton.jit
+def to_cache(x, cache_ptr):
+    """x in the KV cache's element type: into an fp8 cache (``--kv-cache-dtype fp8``) it
+    saturates at +-448, e4m3's largest finite value, as `worker.layers.kv.as_cache` does."""
+    ct = cache_ptr.dtype.element_ty
+    if ct == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(ct)
+
+
+@triton.jit
 def _normed(x, w_ptr, offs, mask, n, eps, offset, HAS_W: tl.constexpr,
             ROUND_FIRST: tl.constexpr, OUT_DTYPE: tl.constexpr):  # fmt: skip
     """x [BLOCK] float32 -> the norm's output [BLOCK] float32, rounded to OUT_DTYPE."""
@@ -298,9 +308,8 @@ def _qkv_norm_rope_store_kernel(
                                     sin_ptr, t, stride_c, half, eps, offset, NORM, HAS_W,
                                     ROUND_FIRST, BLOCK_HALF, dt)  # fmt: skip
             k_dst = k_cache_ptr + slot * stride_ks + j * stride_kh + entry * stride_kr
-            ct = k_cache_ptr.dtype.element_ty
-            tl.store(k_dst + offs, y1.to(dt).to(ct), mask=mask)
-            tl.store(k_dst + half + offs, y2.to(dt).to(ct), mask=mask)
+            tl.store(k_dst + offs, to_cache(y1.to(dt), k_cache_ptr), mask=mask)
+            tl.store(k_dst + half + offs, to_cache(y2.to(dt), k_cache_ptr), mask=mask)
             offs_d = tl.arange(0, BLOCK_D)
             mask_d = offs_d < 2 * half
             v = tl.load(v_ptr + t * stride_v0 + j * stride_v1 + offs_d, mask=mask_d, other=0.0)
@@ -308,7 +317,7 @@ def _qkv_norm_rope_store_kernel(
             if V_NORM:
                 v = _normed(v, v_ptr, offs_d, mask_d, 2 * half, v_eps, 0.0, False, False, dt)
             v_dst = v_cache_ptr + slot * stride_vs + j * stride_vh + entry * stride_vr
-            tl.store(v_dst + offs_d, v.to(dt).to(v_cache_ptr.dtype.element_ty), mask=mask_d)
+            tl.store(v_dst + offs_d, to_cache(v.to(dt), v_cache_ptr), mask=mask_d)
 
 
 def qkv_norm_rope_store_triton(
