@@ -358,3 +358,71 @@ def _none() -> Any:
     from worker.loading.quantize import QuantizeOptions
 
     return QuantizeOptions("none")
+
+
+# -- on a GPU: the CUDA graphs' decode over an fp8 cache -----------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_graph_replay_equals_eager_over_an_fp8_cache() -> None:
+    """Greedy decode of three sequences past the sliding rings: the replayed graphs' logits
+    equal the eager model's (the same kernels, one captured), both over fp8 caches."""
+    from test_cuda_graphs import tiny_model
+
+    from worker.device.graphed_lm import GraphedCausalLM
+    from worker.models.step import StepInput
+
+    model = tiny_model("cuda", torch.bfloat16)
+    model.kv_cache_dtype = FP8
+    graphed = GraphedCausalLM(model, use_graphs=True)
+    kv_eager, kv_graph = model.make_kv_cache(5, 64), graphed.make_kv_cache(5, 64)
+    assert all(layer.k.dtype == FP8 for layer in kv_graph.layers)
+    gen = torch.Generator().manual_seed(0)
+    prompts = {s: torch.randint(0, 256, (n,), generator=gen).tolist() for s, n in ((4, 5), (0, 21))}
+    for slot, ids in prompts.items():
+        model(StepInput.single(ids, slot, 0, device="cuda"), kv_eager)
+        graphed(StepInput.single(ids, slot, 0, device="cuda"), kv_graph)
+    slots = [4, 0]
+    lens = [len(prompts[s]) for s in slots]
+    tokens = [prompts[s][-1] for s in slots]
+    for _ in range(20):
+        step = StepInput(
+            input_ids=torch.tensor(tokens, device="cuda"),
+            positions=torch.tensor(lens, device="cuda"),
+            slots=slots, cached_lens=list(lens), new_lens=[1, 1],
+        )  # fmt: skip
+        want = model(step, kv_eager)
+        got = graphed(step, kv_graph).clone()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        tokens = want.argmax(dim=-1).tolist()
+        lens = [n + 1 for n in lens]
+    for a, b in zip(kv_eager.layers, kv_graph.layers, strict=True):
+        assert torch.equal(a.k.view(torch.uint8), b.k.view(torch.uint8))
+
+
+@needs_cuda
+def test_gpu_over_an_fp8_cache_agrees_with_the_cpu_over_one() -> None:
+    """Teacher-forced top-1 of the bf16 GPU model (graphs, Triton kernels) over an fp8 cache
+    against the fp32 CPU model (the torch path) over an fp8 cache: the same rounding of K and V
+    in both, so they agree about as well as bf16 against fp32 does (>= 99% with float caches)."""
+    from test_cuda_graphs import sharpened_tiny_model
+
+    from worker.device.graphed_lm import GraphedCausalLM
+    from worker.models.step import StepInput
+
+    cpu = sharpened_tiny_model("cpu", torch.float32)
+    gpu_model = sharpened_tiny_model("cuda", torch.bfloat16)
+    cpu.kv_cache_dtype = gpu_model.kv_cache_dtype = FP8
+    gpu = GraphedCausalLM(gpu_model)
+    kv_cpu, kv_gpu = cpu.make_kv_cache(1, 600), gpu.make_kv_cache(1, 600)
+    ids = torch.randint(0, 256, (513,), generator=torch.Generator().manual_seed(5)).tolist()
+    agree = 0
+    for pos in range(1, 513):
+        new, cached = (ids[:2], 0) if pos == 1 else ([ids[pos]], pos)
+        want = cpu(StepInput.single(new, 0, cached), kv_cpu).argmax(dim=-1).item()
+        step = StepInput.single(new, 0, cached, device="cuda")
+        agree += int(want == gpu(step, kv_gpu).argmax(dim=-1).item())
+    print(f"fp8 cache, bf16 GPU vs fp32 CPU top-1 agreement: {agree}/512")
+    assert agree >= 0.97 * 512
