@@ -198,7 +198,8 @@ def describe(
             fitted["with_quantize_int4"] = {key: int4[key] for key in INT4_FIGURES}
         if fitted.get("fits") is False and kv_dtype is None:  # what an fp8 cache would hold
             fp8 = estimate(weights, parse_kv_dtype("fp8"))
-            fitted["with_kv_cache_fp8"] = {key: fp8[key] for key in INT4_FIGURES}
+            if fp8["max_context_at_slots"] > fitted["max_context_at_slots"]:  # weights fit
+                fitted["with_kv_cache_fp8"] = {key: fp8[key] for key in INT4_FIGURES}
         out["device_estimate"] = {"dtype": str(on_device).removeprefix("torch."), **fitted}
     return out
 

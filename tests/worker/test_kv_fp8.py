@@ -7,7 +7,10 @@ a cold prefill gives, and the top-1 agreement with the float cache stays where i
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -291,6 +294,8 @@ def _words(rng: random.Random, n: int) -> list[int]:
 def test_the_engine_builds_an_fp8_cache(loaded: Any) -> None:
     engine = _engine(loaded)
     assert all(layer.k.dtype == FP8 for layer in engine.kv.layers if layer.capacity)
+    info = engine.info()
+    assert info["kv_cache_dtype"] == "float8_e4m3fn" and info["dtype"] == "float32"
     engine.close()
 
 
@@ -426,3 +431,55 @@ def test_gpu_over_an_fp8_cache_agrees_with_the_cpu_over_one() -> None:
         agree += int(want == gpu(step, kv_gpu).argmax(dim=-1).item())
     print(f"fp8 cache, bf16 GPU vs fp32 CPU top-1 agreement: {agree}/512")
     assert agree >= 0.97 * 512
+
+
+# -- the real processes: `tokenpipe run` and `tokenpipe info` with the flag -----------------------
+
+TOKENPIPE = [
+    sys.executable,
+    "-c",
+    "import sys; sys.argv[0] = 'tokenpipe'; from supervisor.cli import main; main()",
+]
+
+
+def _run(args: list[str], stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*TOKENPIPE, *args], input=stdin, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.timeout(600)
+def test_tokenpipe_run_and_info_take_the_flag(default_model_gguf: Path) -> None:
+    """`tokenpipe run --kv-cache-dtype fp8` serves with the cache in fp8 (a quarter of the
+    float32 CPU worker's bytes a session); `tokenpipe info` counts the same bytes; a value the
+    flag does not know is a usage error before anything loads."""
+    lines = "\n".join(
+        json.dumps(r)
+        for r in (
+            {"op": "info", "id": 1},
+            {"id": 2, "prompt": "The capital of France is", "max_new_tokens": 6},
+        )
+    )
+    common = ["--max-context", "512", "--max-sessions", "2", "--threads", "1"]
+    runs = {kv: _run(["run", *common, "--kv-cache-dtype", kv], lines) for kv in ("auto", "fp8")}
+    infos = {}
+    for kv, result in runs.items():
+        events = [json.loads(line) for line in result.stdout.splitlines()]
+        assert result.returncode == 0, result.stderr[-2000:]
+        infos[kv] = next(e["info"] for e in events if e.get("id") == 1 and "info" in e)
+        done = next(e for e in events if e.get("id") == 2 and "done" in e)
+        assert done["completion_tokens"] == 6
+    assert infos["fp8"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert infos["auto"]["kv_cache_dtype"] == "float32"
+    assert infos["fp8"]["bytes_per_session"] * 4 == infos["auto"]["bytes_per_session"]
+    assert "KV cache in fp8" in runs["fp8"].stderr
+
+    info = _run(["info", "--context", "512", "--kv-cache-dtype", "fp8"])
+    assert info.returncode == 0, info.stderr
+    described = json.loads(info.stdout)
+    assert described["kv_cache_dtype"] == "float8_e4m3fn"
+    # the worker's slot holds its ring slack too; info counts the same cache layout
+    assert described["bytes_per_session"] == infos["fp8"]["bytes_per_session"]
+
+    bad = _run(["run", "--kv-cache-dtype", "int4"], "")
+    assert bad.returncode == 2 and "int4" in bad.stderr and "fp8" in bad.stderr

@@ -533,6 +533,22 @@ def test_info_device_estimate_against_the_24_gb_runs(
     assert "does not fit --gpu-memory-gb 23.5" in int8.stderr
     assert "--quantize int4 would need 23.0" in int8.stderr and int8.stderr.endswith("fits\n")
     assert CliRunner().invoke(command, [*args, "--dtype", "bfloat16"]).stderr == ""
+    assert "with_kv_cache_fp8" not in over  # the weights alone are over: no cache would fit
+    # two 32k slots of int4: over with a bf16 cache, within with an fp8 one (session 38)
+    long = CliRunner().invoke(command, [*args[:-1], "32768"])
+    cut = json.loads(long.stdout)["device_estimate"]
+    assert not cut["fits"] and cut["with_kv_cache_fp8"]["fits"]
+    assert long.stderr.endswith("--kv-cache-dtype fp8 would need 23.47 GiB: fits\n"), long.stderr
+    fp8 = json.loads(
+        CliRunner().invoke(command, [*args[:-1], "32768", "--kv-cache-dtype", "fp8"]).stdout
+    )
+    assert {key: fp8["device_estimate"][key] for key in info.INT4_FIGURES} == cut[
+        "with_kv_cache_fp8"
+    ]
+    assert (
+        fp8["kv_cache_dtype"] == "float8_e4m3fn"
+        and "with_kv_cache_fp8" not in fp8["device_estimate"]
+    )
     bad = CliRunner().invoke(command, ["--model", str(REPO / "examples" / "gemma4_31b"),
                                        "--tokenizer-path", str(tokenizer), "--max-sessions", "2",
                                        "--max-resident", "3"])  # fmt: skip

@@ -1009,6 +1009,7 @@ class Engine:
             "max_sessions": self.config.max_sessions,
             "max_named_sessions": self.pool.max_named,
             "bytes_per_session": int(getattr(self.kv, "bytes_per_slot", 0)),
+            "kv_cache_dtype": self._kv_dtype(),
             "max_resident": self.pool.max_resident,
             "host_cache_bytes": self.config.host_cache_bytes,
             "host_pool": self.host_pool.stats() if self.host_pool is not None else None,
@@ -1021,6 +1022,14 @@ class Engine:
             "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
             "weights": self._weight_formats(),
         }
+
+    def _kv_dtype(self) -> str | None:
+        """The attention layers' cache dtype (--kv-cache-dtype; None: no attention layer)."""
+        for layer in getattr(self.kv, "layers", []):
+            k = getattr(layer, "k", None)
+            if isinstance(k, torch.Tensor) and k.shape[2]:
+                return str(k.dtype).removeprefix("torch.")
+        return None
 
     def _weight_formats(self) -> dict[str, dict[str, int]]:
         """Format -> tensors and bytes of the loaded weights (``quantize.summary``), once."""
