@@ -67,6 +67,10 @@ def _config() -> ModelConfig:
 @pytest.fixture
 def model() -> Any:
     """A fresh copy each test: the Engine repacks its weights (``prepare_for_cpu``)."""
+    return tiny_hybrid()
+
+
+def tiny_hybrid() -> Any:
     torch.manual_seed(0)
     model = build_model(_config(), "cpu", torch.float32)
     with torch.no_grad():  # spread weights: clear argmax margins

@@ -365,6 +365,24 @@ def _none() -> Any:
     return QuantizeOptions("none")
 
 
+def test_hybrid_sessions_resume_roll_back_and_offload_over_an_fp8_cache(tmp_path: Path) -> None:
+    """Qwen3.5's hybrid cache with fp8 attention layers (the DeltaNet states stay float): the
+    hybrid engine's own tests, append / rollback to a snapshot / rollback without one equal a
+    fresh session, and sessions through host memory and disk equal resident ones."""
+    import test_engine_qwen3_5_moe as hybrid
+    import test_session_tiers_hybrid as tiers
+
+    def fp8_model() -> Any:
+        model = hybrid.tiny_hybrid()
+        model.kv_cache_dtype = FP8
+        return model
+
+    engine = hybrid.make_engine(fp8_model())
+    assert engine.kv.kv.layers[3].k.dtype == FP8 and engine.kv.all_recurrent.dtype == torch.float32
+    hybrid.test_append_rollback_with_and_without_snapshot_equal_fresh(fp8_model())
+    tiers.test_hybrid_sessions_offloaded_equal_resident(fp8_model(), tmp_path)
+
+
 # -- on a GPU: the CUDA graphs' decode over an fp8 cache -----------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
