@@ -189,6 +189,8 @@ def _memory_capped_context(
                 "; --quantize int4 leaves more room (`tokenpipe info --model M --context N "
                 "--gpu-memory-gb G` says what fits)"
             )
+        if device.type == "cuda" and getattr(model, "kv_cache_dtype", None) is None:
+            hint += "; --kv-cache-dtype fp8 holds twice the tokens"
         log(f"max context capped at {capped} tokens by memory ({sessions} sessions){hint}")
     return capped
 

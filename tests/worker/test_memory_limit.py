@@ -186,6 +186,11 @@ def test_default_context_is_sized_within_the_limit(monkeypatch: pytest.MonkeyPat
     assert _memory_capped_context(Model(), 2, 32768, quantize="int4") == 2048
     assert "capped at 2048 tokens" in lines[0] and "--quantize int4 leaves more room" in lines[0]
     assert "--quantize" not in lines[1]
+    assert all(line.endswith("; --kv-cache-dtype fp8 holds twice the tokens") for line in lines)
+    fp8 = Model()
+    fp8.kv_cache_dtype = torch.float8_e4m3fn  # type: ignore[attr-defined]
+    assert _memory_capped_context(fp8, 2, 32768, quantize="int4") == 2048
+    assert "fp8" not in lines[2]
     assert _default_prefix_cache_gb(torch.device("cuda:0")) == pytest.approx(0.15 * 5)
     # --max-context given: the sessions' KV first, the prefix cache from what it leaves
     assert _default_prefix_cache_gb(torch.device("cuda:0"), 4 * GIB) == pytest.approx(0.15)
