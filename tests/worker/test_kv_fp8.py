@@ -422,7 +422,10 @@ def test_graph_replay_equals_eager_over_an_fp8_cache() -> None:
         tokens = want.argmax(dim=-1).tolist()
         lens = [n + 1 for n in lens]
     for a, b in zip(kv_eager.layers, kv_graph.layers, strict=True):
-        assert torch.equal(a.k.view(torch.uint8), b.k.view(torch.uint8))
+        # the eager step norms and rotates k with torch ops, the graph with the fused kernel:
+        # bf16 values a rounding apart, so their fp8 entries at most one step apart
+        torch.testing.assert_close(a.k.float(), b.k.float(), rtol=0.13, atol=2**-9)
+        assert not b.k[1].float().any() and not b.k[3].float().any()  # no padded row wrote
 
 
 @needs_cuda
