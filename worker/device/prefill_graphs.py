@@ -33,6 +33,7 @@ import torch
 
 from worker.device.decode_graphs import bucket_for, rows_logits
 from worker.device.kernels.attention import prefill_attention_slot, store_kv
+from worker.layers.kv import as_cached
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
 
@@ -60,7 +61,8 @@ class FusedPrefillPlan:
         """q [N, H, D]; k, v [N, KVH, D]; cache: a worker.layers.kv.LayerCache. Attention
         reads the cache as it was before the step, so the store comes after it (a ring may
         overwrite entries that the first new tokens still see)."""
-        k, v = k.contiguous(), v.contiguous()  # an fp8 pool: the kernel rounds them as it will
+        # the new keys as the cache holds them (an fp8 cache: worker.layers.kv.as_cached)
+        k, v = as_cached(k.contiguous(), cache.k), as_cached(v.contiguous(), cache.v)
         out = prefill_attention_slot(
             q.contiguous(), k, v, cache.k, cache.v, self.meta,
             sm_scale=float(scale), window=cache.window or 0,

@@ -376,7 +376,7 @@ def _prefill_one_triton(
 
     c, s = seq.cached, seq.slot
     rows = slice(seq.start, seq.end)
-    new_k, new_v = k[rows], v[rows]  # [n, KVH, D]
+    new_k, new_v = as_cached(k[rows], cache.k), as_cached(v[rows], cache.v)  # [n, KVH, D]
     k_prev = v_prev = prev_pos = None
     if cache.window is None:
         _store_full(cache, seq, new_k.transpose(0, 1), new_v.transpose(0, 1))
@@ -389,7 +389,6 @@ def _prefill_one_triton(
     prefill_attention_triton(
         q[rows], new_k, new_v, out[rows], cached=c, sm_scale=scale,
         window=cache.window or 0, k_prev=k_prev, v_prev=v_prev, prev_pos=prev_pos,
-        round_new=cache.k.dtype == torch.float8_e4m3fn,  # seen as the cache holds them
     )  # fmt: skip
     if cache.window is not None:
         _store_ring(cache, plan, i, seq, new_k.transpose(0, 1), new_v.transpose(0, 1))

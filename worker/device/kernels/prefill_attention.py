@@ -46,11 +46,9 @@ def _tile(
     q, m_i, l_i, acc, q_pos, k_base, v_base, pos_ptr, start, limit, pos_offset, ring,
     stride_kn, stride_vn, qk_scale, window,
     POS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, ROUND: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over key entries [start, start + BLOCK_N) ∩ [0, limit).
-    ROUND: the keys and values rounded to fp8 e4m3 first, as an fp8 cache would hold them
-    (the step's new ones, `worker.layers.kv.as_cached`).
 
     q: [BLOCK_M, D]; q_pos, m_i, l_i: [BLOCK_M]; acc: [BLOCK_M, D] float32 (base-2 logits).
     Entry i holds position: POS 0, pos_offset + i; 1, pos_ptr[i]; 2, the latest p < pos_offset
@@ -68,9 +66,6 @@ def _tile(
                 other=0.0)  # fmt: skip
     v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=in_bounds[:, None],
                 other=0.0)  # fmt: skip
-    if ROUND:
-        k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0).to(tl.float8e4nv)
-        v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0).to(tl.float8e4nv)
     if INTERPRET:  # the CPU interpreter has no bf16 dot
         q = q.to(tl.float32)
         k = k.to(tl.float32)
@@ -107,7 +102,7 @@ def _prefill_kernel(
     n_new, n_prev, cached, qk_scale, window, n_rows,
     GROUP: tl.constexpr, PREV: tl.constexpr, META: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, ROUND_NEW: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     head = tl.program_id(1)
@@ -183,7 +178,7 @@ def _prefill_kernel(
             m_i, l_i, acc = _tile(
                 q, m_i, l_i, acc, q_pos, k_base, v_base, prev_pos_ptr, start, hi,
                 cached, ring, stride_kn, stride_vn, qk_scale, window,
-                0, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET, ROUND_NEW,
+                0, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
             )  # fmt: skip
             start += BLOCK_N
     else:
@@ -191,7 +186,7 @@ def _prefill_kernel(
             m_i, l_i, acc = _tile(
                 q, m_i, l_i, acc, q_pos, k_base, v_base, prev_pos_ptr, start, hi,
                 cached, ring, stride_kn, stride_vn, qk_scale, window,
-                0, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET, ROUND_NEW,
+                0, HEAD_DIM, BLOCK_N, DOT_PRECISION, INTERPRET,
             )  # fmt: skip
 
     if SPLITS > 1:  # partial state, merged by _combine_kernel: [SPLITS, rows, heads(, D)]
@@ -281,14 +276,12 @@ def prefill_attention_triton(
     v_prev: torch.Tensor | None = None,
     prev_pos: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
-    round_new: bool = False,
 ) -> torch.Tensor:
     """Attention of one sequence's new tokens; writes and returns `out` [n, Hq, D].
 
     q: [n, Hq, D]; k_new, v_new: [n, Hkv, D]; k_prev, v_prev: [Hkv, P, D] or None; prev_pos:
     [P] int32 positions of the previous entries, or None when entry i holds position i.
-    Every tensor needs a contiguous last dim; D a power of two >= 16. `round_new`: the new
-    keys and values as an fp8 cache holds them (`worker.layers.kv.as_cached`, in the kernel).
+    Every tensor needs a contiguous last dim; D a power of two >= 16.
     """
     _check_shapes(q, k_new, v_new, out, k_prev, v_prev)
     if k_prev is None or v_prev is None or k_prev.shape[1] == 0:
@@ -307,7 +300,6 @@ def prefill_attention_triton(
     _launch(
         q, k_new, v_new, k_prev, v_prev, prev_pos, out, prev_pos, k_prev_strides,
         v_prev_strides, n, n_prev, cached, sm_scale, window, mode, False, config,
-        round_new=round_new,
     )  # fmt: skip
     return out
 
@@ -336,8 +328,7 @@ def prefill_attention_slot(
     A few query rows give few programs (one per query tile and head), each streaming the
     whole prefix. `splits` > 1 cuts the previous keys into that many runs, one program each,
     and merges their softmax states in a second kernel. Default: enough splits to give every
-    SM a program (`default_splits`). Over an fp8 pool the new keys and values are seen as the
-    pool will hold them (rounded in the kernel, `worker.layers.kv.as_cached`).
+    SM a program (`default_splits`).
     """
     _check_shapes(q, k_new, v_new, out, k_cache[0], v_cache[0])
     if meta.dtype != torch.int64 or meta.numel() != 3:
@@ -347,7 +338,7 @@ def prefill_attention_slot(
     _launch(
         q, k_new, v_new, k_cache, v_cache, meta, out, meta, k_cache.stride()[:3],
         v_cache.stride()[:3], n, k_cache.shape[2], 0, sm_scale, window, mode, True, config,
-        splits, round_new=k_cache.dtype == torch.float8_e4m3fn,
+        splits,
     )  # fmt: skip
     return out
 
@@ -402,7 +393,6 @@ def _launch(
     slot_meta: bool,
     config: tuple[int, int, int, int] | None,
     splits: int | None = 1,
-    round_new: bool = False,
 ) -> None:
     q_heads, head_dim = q.shape[1], q.shape[2]
     block_m, block_n, num_warps, num_stages = config or fit_config(
@@ -428,7 +418,7 @@ def _launch(
         GROUP=q_heads // k_new.shape[1], PREV=mode, META=slot_meta, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRET=interpret, ROUND_NEW=round_new, num_warps=num_warps, num_stages=num_stages,
+        INTERPRET=interpret, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(n, q_heads)](

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.layers.kv import as_cache, as_cached
+from worker.layers.kv import as_cache
 
 
 def entry_positions(lens: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -105,9 +105,7 @@ def prefill_attention_slot_reference(
     """`worker.device.kernels.prefill_attention.prefill_attention_slot` in torch (reads `meta` on
     the host: not capturable). q [N, Hq, D]; k_new, v_new [N, Hkv, D] with rows >= n padding;
     the pool [S, Hkv, R, D] as it was before the step; meta (slot, cached, n) -> [N, Hq, D],
-    padding rows zero. Over an fp8 pool the new keys and values are seen as the pool will hold
-    them (`as_cached`)."""
-    k_new, v_new = as_cached(k_new, k_cache), as_cached(v_new, v_cache)
+    padding rows zero."""
     slot, cached, n = (int(x) for x in meta.tolist())
     capacity = k_cache.shape[2]
     prev_len = min(cached, capacity)
