@@ -135,10 +135,11 @@ def describe(
         from worker.models.registry import build_model
 
         skeleton = build_model(config, "meta", dtype)
-        skeleton.kv_cache_dtype = kv_dtype
         if parameters is None:
             parameters = sum(p.numel() for p in skeleton.parameters())
-        bytes_per_session = int(skeleton.make_kv_cache(1, context).bytes_per_slot)
+        bytes_per_session = int(
+            skeleton.make_kv_cache(1, context, kv_dtype=kv_dtype).bytes_per_slot
+        )
         weights = _weights(skeleton, gguf_source, quantize, dtype)
     except ImportError:
         skeleton = None
@@ -175,22 +176,14 @@ def describe(
         on_device = device_dtype or dtype
         if on_device != dtype:  # the CUDA worker's own dtype (bf16 unless --dtype says)
             skeleton = build_model(config, "meta", on_device)
-            skeleton.kv_cache_dtype = kv_dtype
             weights = _weights(skeleton, gguf_source, quantize, on_device)
 
         def estimate(weights: dict[str, Any], kv: torch.dtype | None = kv_dtype) -> dict[str, Any]:
-            if skeleton is not None:
-                skeleton.kv_cache_dtype = kv
-            try:
-                return device_estimate(
-                    checkpoint.config, weights, (context, config.context_length), on_device,
-                    slots, prefill_chunk,
-                    _session_bytes(skeleton, checkpoint.config, kv or on_device),
-                    gpu_memory_gb, fla=_fla_installed(on_device),
-                )  # fmt: skip
-            finally:
-                if skeleton is not None:
-                    skeleton.kv_cache_dtype = kv_dtype
+            return device_estimate(
+                checkpoint.config, weights, (context, config.context_length), on_device, slots,
+                prefill_chunk, _session_bytes(skeleton, checkpoint.config, on_device, kv),
+                gpu_memory_gb, fla=_fla_installed(on_device),
+            )  # fmt: skip
 
         fitted = estimate(weights)
         if fitted.get("fits") is False and quantize.mode != "int4":  # what int4 would hold
@@ -251,12 +244,17 @@ def _fla_installed(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and fla_installed()
 
 
-def _session_bytes(skeleton: Any, config: dict[str, Any], dtype: torch.dtype) -> Any:
-    """One slot's cache bytes at a context: the model's own cache layout on the meta device,
-    or the config's KV arithmetic for a family without one."""
+def _session_bytes(
+    skeleton: Any, config: dict[str, Any], dtype: torch.dtype, kv_dtype: torch.dtype | None
+) -> Any:
+    """One slot's cache bytes at a context: the model's own cache layout on the meta device
+    (its attention layers in `kv_dtype`, None: the model's), or the config's KV arithmetic for a
+    family without one."""
     if skeleton is not None:
-        return lambda tokens: int(skeleton.make_kv_cache(1, tokens).bytes_per_slot)
-    return lambda tokens: kv_bytes_from_config(config, tokens, dtype)
+        return lambda tokens: int(
+            skeleton.make_kv_cache(1, tokens, kv_dtype=kv_dtype).bytes_per_slot
+        )
+    return lambda tokens: kv_bytes_from_config(config, tokens, kv_dtype or dtype)
 
 
 def device_estimate(

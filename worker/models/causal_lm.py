@@ -119,6 +119,7 @@ class CausalLM(nn.Module):
         max_context: int,
         ring_slack: int = DEFAULT_RING_SLACK,
         device: torch.device | str | None = None,  # "meta": sizes without allocating
+        kv_dtype: torch.dtype | None = None,  # default: kv_cache_dtype, else the model's
     ) -> KVCache:
         return KVCache(
             self.config.layers,
@@ -126,7 +127,7 @@ class CausalLM(nn.Module):
             num_slots,
             max_context,
             self.device if device is None else torch.device(device),
-            self.kv_cache_dtype or self.model.norm.weight.dtype,
+            kv_dtype or self.kv_cache_dtype or self.model.norm.weight.dtype,
             ring_slack=ring_slack,
         )
 

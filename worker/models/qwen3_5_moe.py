@@ -121,6 +121,7 @@ class Qwen35MoeForCausalLM(CausalLM):
         ring_slack: int = DEFAULT_RING_SLACK,
         snapshots: int = DEFAULT_SNAPSHOTS,
         device: torch.device | str | None = None,  # "meta": sizes without allocating
+        kv_dtype: torch.dtype | None = None,  # default: kv_cache_dtype, else the model's
     ) -> HybridCache:
         norm = self.model.norm.weight
         assert self.config.deltanet is not None and norm is not None
@@ -135,7 +136,7 @@ class Qwen35MoeForCausalLM(CausalLM):
             snapshots=snapshots,
             ring_slack=ring_slack,
             free_split=prefill_states(where if where.type != "meta" else self.device, norm.dtype),
-            kv_dtype=self.kv_cache_dtype,
+            kv_dtype=kv_dtype or self.kv_cache_dtype,
         )
 
     @torch.inference_mode()
