@@ -137,6 +137,7 @@ def load_library(threaded: bool) -> ctypes.CDLL:
     attn.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     attn.argtypes += [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     attn.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
+    attn.argtypes += [ctypes.c_int]
     quant = lib.tp_quant_gemm
     quant.restype = ctypes.c_int
     quant.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -357,25 +358,33 @@ def decode_attention(
     out: torch.Tensor,
 ) -> None:
     """One decoding sequence's attention step in one call. Writes its new key and value
-    (k_new, v_new [KVH, D]) at ``write_index`` of cache slot ``slot`` (cache_k, cache_v
-    [slots, KVH, R, D]; no write when None), then writes softmax(q k^T * scale + mask) v over
-    the slot's entries [first, end) into ``out`` [H, D]; q [H, D]; mask None or additive [L]
+    (k_new, v_new [KVH, D]; rounded into an fp8 cache as ``kv.as_cache`` does) at
+    ``write_index`` of cache slot ``slot`` (cache_k, cache_v [slots, KVH, R, D], float32 or
+    float8_e4m3fn; no write when None), then writes softmax(q k^T * scale + mask) v over the
+    slot's entries [first, end) into ``out`` [H, D]; q [H, D]; mask None or additive [L]
     (0 / -inf); query head h reads KV head h // (H / KVH). Check ``can_decode_attention``
     first. Needs ``kernel()``."""
+    from worker.layers.kv import as_cache
+
     lib = kernel()
     assert lib is not None, "decode_attention needs the CPU kernel"
     heads, dim = q.shape
-    kv_heads = cache_k.shape[1]
     length = end - first
+    fp8 = cache_k.dtype == torch.float8_e4m3fn
+    if fp8 and write_index is not None:  # the bytes the cache holds, [KVH, D] contiguous
+        k_new, v_new = as_cache(k_new, cache_k).contiguous(), as_cache(v_new, cache_v).contiguous()
     scores = torch.empty(min(heads, 4) * length, dtype=torch.float32)  # HB heads at a time
     slot_offset = slot * cache_k.stride(0) * cache_k.element_size()
     mask_ptr = None if mask is None else mask.contiguous().data_ptr()
     lib.tp_decode_attention(
         q.data_ptr(), cache_k.data_ptr() + slot_offset, cache_v.data_ptr() + slot_offset,
         cache_k.stride(1), -1 if write_index is None else write_index, k_new.data_ptr(),
-        v_new.data_ptr(), first, length, heads, kv_heads, dim, mask_ptr, scale, out.data_ptr(),
-        scores.data_ptr(),
+        v_new.data_ptr(), first, length, heads, cache_k.shape[1], dim, mask_ptr, scale,
+        out.data_ptr(), scores.data_ptr(), int(fp8),
     )  # fmt: skip
+
+
+CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn)  # the caches ``decode_attention`` reads
 
 
 def can_decode_attention(
@@ -387,7 +396,8 @@ def can_decode_attention(
     out: torch.Tensor,
 ) -> bool:
     """``decode_attention`` takes these: the kernel is there; fp32 on the CPU; q, k_new, v_new
-    rows of D % 8 == 0 contiguous floats; whole head groups; contiguous caches of one shape."""
+    rows of D % 8 == 0 contiguous floats; whole head groups; contiguous caches of one shape,
+    float32 or fp8 (``CACHE_DTYPES``)."""
     heads, dim = q.shape
 
     def rows(t: torch.Tensor) -> bool:
@@ -401,7 +411,8 @@ def can_decode_attention(
         and rows(k_new)
         and rows(v_new)
         and out.is_contiguous()
-        and cache_k.dtype == torch.float32
+        and cache_k.dtype in CACHE_DTYPES
+        and cache_v.dtype == cache_k.dtype
         and cache_k.shape == cache_v.shape
         and cache_k.is_contiguous()
         and cache_v.is_contiguous()

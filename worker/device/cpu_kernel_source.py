@@ -386,28 +386,54 @@ static inline float hsum(__m256 v) {
    attends over L cached entries from index first: softmax(q k^T * scale + mask) v.
    Slot layout: entry l of KV head g at k_slot + g * head_stride + l * D (v_slot alike);
    query head h reads KV head h / (H / KVH). q [H, D]; mask [L] additive (0 / -inf) or NULL;
-   out [H, D]; scores: L floats of scratch. D % 8 == 0. */
+   out [H, D]; scores: L floats of scratch. D % 8 == 0. The cache (and k_new, v_new) holds
+   floats, or with fp8 set e4m3 bytes (`--kv-cache-dtype fp8`), widened as they are read. */
 #define HB 4 /* query heads per pass over K and V */
 
-/* nh (<= HB) query heads q [nh, D] over one KV head's rows k, v [L, D]: out [nh, D] */
-static void attend_heads(const float *q, const float *k, const float *v, int64_t L, int64_t nh,
-                         int64_t D, const float *mask, float scale, float *out, float *scores) {
+/* 8 e4m3 bytes as floats times 2^-8: moved into fp16's bit layout (sign to bit 15, exponent
+   and mantissa up 7 bits: the value times 2^-8, subnormals included, since fp16's exponent
+   bias is 8 more) and widened by F16C; 0x7f / 0xff (e4m3's NaN) become fp16 NaN. The 2^-8
+   is an exact power of two, folded into the scale and the softmax's normalizer. */
+static inline __m256 e4m3x8(const uint8_t *p) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(mag, 7));
+    h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)),
+                                      _mm_set1_epi16(0x7e00)));
+    return _mm256_cvtph_ps(h);
+}
+
+/* 8 entries of row p from element i: floats, or (fp8) e4m3 bytes as floats times 2^-8 */
+static inline __attribute__((always_inline)) __m256 kv8(const void *p, int64_t i, int fp8) {
+    return fp8 ? e4m3x8((const uint8_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* nh (<= HB) query heads q [nh, D] over one KV head's rows k, v [L, D]: out [nh, D]. With fp8
+   the rows are e4m3 bytes read as 2^-8 of their value: the scale and the normalizer take the
+   2^8 back (exact: products of the same reals, rounded once). */
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *q, const void *k, const void *v, int64_t L, int64_t nh, int64_t D,
+    const float *mask, float scale, float *out, float *scores, int fp8) {
+    const int64_t esize = fp8 ? 1 : 4;
+    const float unit = fp8 ? 256.0f : 1.0f;
+    scale *= unit;
     float top[HB], total[HB];
     for (int64_t j = 0; j < nh; j++) top[j] = -INFINITY, total[j] = 0.0f;
     for (int64_t l = 0; l < L; l++) {
-        const float *kl = k + l * D;
+        const void *kl = (const char *)k + l * D * esize;
         __m256 a0[HB], a1[HB];
         for (int64_t j = 0; j < nh; j++) a0[j] = _mm256_setzero_ps(), a1[j] = _mm256_setzero_ps();
         int64_t i = 0;
         for (; i + 16 <= D; i += 16) {
-            const __m256 k0 = _mm256_loadu_ps(kl + i), k1 = _mm256_loadu_ps(kl + i + 8);
+            const __m256 k0 = kv8(kl, i, fp8), k1 = kv8(kl, i + 8, fp8);
             for (int64_t j = 0; j < nh; j++) {
                 a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + i), k0, a0[j]);
                 a1[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + i + 8), k1, a1[j]);
             }
         }
         for (; i < D; i += 8) {
-            const __m256 k0 = _mm256_loadu_ps(kl + i);
+            const __m256 k0 = kv8(kl, i, fp8);
             for (int64_t j = 0; j < nh; j++)
                 a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + i), k0, a0[j]);
         }
@@ -429,8 +455,8 @@ static void attend_heads(const float *q, const float *k, const float *v, int64_t
         __m256 acc0[HB], acc1[HB];
         for (int64_t j = 0; j < nh; j++) acc0[j] = _mm256_setzero_ps(), acc1[j] = acc0[j];
         for (int64_t l = 0; l < L; l++) {
-            const float *vl = v + l * D + i0;
-            const __m256 v0 = _mm256_loadu_ps(vl), v1 = two ? _mm256_loadu_ps(vl + 8) : v0;
+            const void *vl = (const char *)v + l * D * esize;
+            const __m256 v0 = kv8(vl, i0, fp8), v1 = two ? kv8(vl, i0 + 8, fp8) : v0;
             for (int64_t j = 0; j < nh; j++) {
                 const __m256 p = _mm256_set1_ps(scores[j * L + l]);
                 acc0[j] = _mm256_fmadd_ps(p, v0, acc0[j]);
@@ -438,21 +464,34 @@ static void attend_heads(const float *q, const float *k, const float *v, int64_t
             }
         }
         for (int64_t j = 0; j < nh; j++) {
-            const __m256 inv_total = _mm256_set1_ps(1.0f / total[j]);
+            const __m256 inv_total = _mm256_set1_ps(unit / total[j]);
             _mm256_storeu_ps(out + j * D + i0, _mm256_mul_ps(acc0[j], inv_total));
             if (two) _mm256_storeu_ps(out + j * D + i0 + 8, _mm256_mul_ps(acc1[j], inv_total));
         }
     }
 }
 
-void tp_decode_attention(const float *q, float *k_slot, float *v_slot, int64_t head_stride,
-                         int64_t write_index, const float *k_new, const float *v_new,
+static void attend_heads(const float *q, const void *k, const void *v, int64_t L, int64_t nh,
+                         int64_t D, const float *mask, float scale, float *out, float *scores) {
+    attend_rows(q, k, v, L, nh, D, mask, scale, out, scores, 0);
+}
+
+static void attend_heads_fp8(const float *q, const void *k, const void *v, int64_t L,
+                             int64_t nh, int64_t D, const float *mask, float scale, float *out,
+                             float *scores) {
+    attend_rows(q, k, v, L, nh, D, mask, scale, out, scores, 1);
+}
+
+void tp_decode_attention(const float *q, void *k_slot, void *v_slot, int64_t head_stride,
+                         int64_t write_index, const void *k_new, const void *v_new,
                          int64_t first, int64_t L, int64_t H, int64_t KVH, int64_t D,
-                         const float *mask, float scale, float *out, float *scores) {
+                         const float *mask, float scale, float *out, float *scores, int fp8) {
+    const int64_t esize = fp8 ? 1 : 4, row = D * esize, stride = head_stride * esize;
+    char *ks = k_slot, *vs = v_slot;
     if (write_index >= 0)
         for (int64_t g = 0; g < KVH; g++) {
-            memcpy(k_slot + g * head_stride + write_index * D, k_new + g * D, D * sizeof(float));
-            memcpy(v_slot + g * head_stride + write_index * D, v_new + g * D, D * sizeof(float));
+            memcpy(ks + g * stride + write_index * row, (const char *)k_new + g * row, row);
+            memcpy(vs + g * stride + write_index * row, (const char *)v_new + g * row, row);
         }
     /* the query heads of one KV head together, up to HB at a time: each key and value row is
        read once for all of them (a long context's K and V do not stay in cache between heads).
@@ -462,9 +501,9 @@ void tp_decode_attention(const float *q, float *k_slot, float *v_slot, int64_t h
         const int64_t kv = h0 / group;
         int64_t nh = (kv + 1) * group - h0; /* heads of this KV head not yet done */
         if (nh > HB) nh = HB;
-        attend_heads(q + h0 * D, k_slot + kv * head_stride + first * D,
-                     v_slot + kv * head_stride + first * D, L, nh, D, mask, scale,
-                     out + h0 * D, scores);
+        (fp8 ? attend_heads_fp8 : attend_heads)(q + h0 * D, ks + kv * stride + first * row,
+                                                 vs + kv * stride + first * row, L, nh, D, mask,
+                                                 scale, out + h0 * D, scores);
         h0 += nh;
     }
 }
