@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import os
 import queue
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -550,8 +551,10 @@ def _warm_up(engine: Any, chosen: bool) -> None:
                 return
             engine.prefill_chunk = max(MIN_PREFILL_CHUNK, chunk // 2)
             torch.cuda.empty_cache()
+            tried = re.search(r"tried to allocate ([\d.]+ [KMGT]?i?B)", str(exc), re.IGNORECASE)
+            short = f" (a {tried.group(1)} allocation failed)" if tried else ""
             log(f"prefill chunk {engine.prefill_chunk}: the warm-up ran out of device memory at "
-                f"{chunk} tokens a step")  # fmt: skip
+                f"{chunk} tokens a step{short}")  # fmt: skip
 
 
 def _options(func: click.decorators.FC) -> click.decorators.FC:

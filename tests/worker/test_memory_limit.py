@@ -431,6 +431,12 @@ def test_a_warm_up_out_of_memory_halves_the_default_chunk(monkeypatch: pytest.Mo
     assert lines == ["prefill chunk 1024: the warm-up ran out of device memory at 2048 tokens a "
                      "step", "prefill chunk 512: the warm-up ran out of device memory at 1024 "
                      "tokens a step"]  # fmt: skip
+    lines.clear()  # torch's message names the allocation that failed: the line says it
+    torch_says = "CUDA out of memory. Tried to allocate 26.00 MiB. GPU 0 has a total capacity"
+    worker_main._warm_up(Engine(2048, fits=1024, error=torch_says), chosen=False)
+    assert lines == ["prefill chunk 1024: the warm-up ran out of device memory at 2048 tokens a "
+                     "step (a 26.00 MiB allocation failed)"]  # fmt: skip
+    lines.clear()
     engine = Engine(2048, fits=0)  # never below the floor
     worker_main._warm_up(engine, chosen=False)
     assert engine.prefill_chunk == memory.MIN_PREFILL_CHUNK and lines[-1].startswith("warning:")
