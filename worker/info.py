@@ -140,7 +140,7 @@ def describe(
         bytes_per_session = int(
             skeleton.make_kv_cache(1, context, kv_dtype=kv_dtype).bytes_per_slot
         )
-        weights = _weights(skeleton, gguf_source, quantize, dtype)
+        weights = _weights(skeleton, gguf_source, quantize, dtype, int6_planes=False)
     except ImportError:
         skeleton = None
         bytes_per_session = kv_bytes_from_config(checkpoint.config, context, kv_dtype or dtype)
@@ -176,7 +176,7 @@ def describe(
         on_device = device_dtype or dtype
         if on_device != dtype:  # the CUDA worker's own dtype (bf16 unless --dtype says)
             skeleton = build_model(config, "meta", on_device)
-            weights = _weights(skeleton, gguf_source, quantize, on_device)
+        weights = _weights(skeleton, gguf_source, quantize, on_device)  # int6 in GPU planes
 
         def estimate(weights: dict[str, Any], kv: torch.dtype | None = kv_dtype) -> dict[str, Any]:
             return device_estimate(
@@ -333,19 +333,24 @@ def _longest_context(session_bytes: Any, budget: int, ceiling: int) -> int:
 
 
 def _weights(
-    skeleton: Any, gguf_source: Any, quantize: QuantizeOptions, dtype: torch.dtype
+    skeleton: Any,
+    gguf_source: Any,
+    quantize: QuantizeOptions,
+    dtype: torch.dtype,
+    int6_planes: bool = True,
 ) -> dict[str, Any]:
     """`quantize`, each tensor group's format and bytes, and the bytes a decode step reads
-    (the CPU and the CUDA paths keep the same formats; int6 counted in a GPU's 6-bit planes,
-    7 bits a weight at g16, which a worker chooses where memory is tight; with room to spare,
-    and on a CPU, its codes are held as int8 bytes)."""
+    (the CPU and the CUDA paths keep the same formats). int6: with `int6_planes` (the device
+    estimate) in a GPU's 6-bit planes, 7 bits a weight at g16, which a worker chooses where
+    memory is tight; else (the top level's figures, a CPU worker's) as int8 bytes, as a CPU,
+    or a GPU with room to spare, holds them."""
     from worker.loading.quantize import plan_for_gguf, plan_for_model
 
     if quantize.mode == "auto" and gguf_source is not None:
         plan = plan_for_gguf(gguf_source)
     else:
         plan = plan_for_model(skeleton, quantize)
-    described = describe_weights(skeleton, plan, dtype)
+    described = describe_weights(skeleton, plan, dtype, int6_planes)
     stored = sum(entry["bytes"] for entry in described["formats"].values())
     out = {"quantize": quantize.mode, **described, "weights_bytes": stored}
     scratch = expert_scratch_bytes(skeleton, plan, dtype)

@@ -460,3 +460,23 @@ def test_bad_magic_and_bit_flipped_header(tiny_gguf, cache: Path) -> None:
 def test_missing_gguf(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         convert_gguf(tmp_path / "nope.gguf", progress=False)
+
+
+def test_info_counts_the_weights_a_cpu_worker_holds(default_model_gguf: Path) -> None:
+    """`tokenpipe info`'s formats are what a CPU worker holds, byte for byte (its Q6_K tensors
+    as int8 bytes with a scale per 16), and its device estimate counts those in a GPU's 6-bit
+    planes (7 bits a weight), which a worker under a memory limit chooses."""
+    from worker.info import describe
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions, summary
+
+    described = describe(str(default_model_gguf), 256, torch.float32, progress=False)
+    loaded = load_model(default_model_gguf, "cpu", torch.float32, progress=False,
+                        quantize=QuantizeOptions("auto"))  # fmt: skip
+    held = summary(loaded.model)
+    held["float32 vectors"] = held.pop("float32")
+    assert described["formats"] == held and "int6 g16" in held
+    assert described["weights_bytes"] == sum(entry["bytes"] for entry in held.values())
+    six = held["int6 g16"]["bytes"]  # [N, K] int8 + N K / 16 fp16 scales: 9 bits a weight
+    device = described["device_estimate"]["weights_bytes"]  # in float32 too: no --dtype given
+    assert (described["weights_bytes"] - device) * 9 == six * 2

@@ -577,11 +577,14 @@ def _module_shape(module: nn.Module) -> tuple[int, int]:
     return module.out_features, module.in_features
 
 
-def describe_weights(model: nn.Module, plan: Plan, dtype: torch.dtype) -> dict[str, Any]:
+def describe_weights(
+    model: nn.Module, plan: Plan, dtype: torch.dtype, int6_planes: bool = True
+) -> dict[str, Any]:
     """For `tokenpipe info`, from shapes alone (``model`` may live on the meta device): per
     format, the tensors and their bytes, and the bytes one decode step reads (every matmul
     weight once, the LM head included; of a sparse MoE's experts the top-k share, k of E; the
-    embedding's row lookup is not counted)."""
+    embedding's row lookup is not counted). int6 weights as a GPU holds them where memory is
+    tight (`int6_planes`: 6-bit planes) or as a CPU does (int8 bytes)."""
     element = torch.empty((), dtype=dtype).element_size()
     groups: dict[str, dict[str, int]] = {}
     decode = 0
@@ -590,7 +593,9 @@ def describe_weights(model: nn.Module, plan: Plan, dtype: torch.dtype) -> dict[s
         if isinstance(module, FusedExperts):  # E matrices [N, K] each: E * N rows of K
             experts_bytes = 0
             for _, (n, k) in _planned_shapes(name, module):
-                key, nbytes = _stored(plan.get(name), module.num_experts * n, k, element, dtype)
+                key, nbytes = _stored(
+                    plan.get(name), module.num_experts * n, k, element, dtype, int6_planes
+                )
                 entry = groups.setdefault(key, {})
                 entry["tensors"] = entry.get("tensors", 0) + 1
                 entry["bytes"] = entry.get("bytes", 0) + nbytes
@@ -607,7 +612,7 @@ def describe_weights(model: nn.Module, plan: Plan, dtype: torch.dtype) -> dict[s
                 entry["tensors"] = entry.get("tensors", 0) + 1
                 entry["bytes"] = entry.get("bytes", 0) + param.numel() * element
             continue
-        key, nbytes = _stored(plan.get(name), n, k, element, dtype)
+        key, nbytes = _stored(plan.get(name), n, k, element, dtype, int6_planes)
         entry = groups.setdefault(key, {})
         entry["tensors"] = entry.get("tensors", 0) + 1
         entry["bytes"] = entry.get("bytes", 0) + nbytes
@@ -615,7 +620,7 @@ def describe_weights(model: nn.Module, plan: Plan, dtype: torch.dtype) -> dict[s
             decode += nbytes
     if tied:  # the head reads the embedding's table (its own when the formats differ)
         n, k = _module_shape(model.get_submodule(EMBEDDING))
-        key, nbytes = _stored(plan.get(HEAD), n, k, element, dtype)
+        key, nbytes = _stored(plan.get(HEAD), n, k, element, dtype, int6_planes)
         decode += nbytes
         if plan.get(HEAD) != plan.get(EMBEDDING):
             entry = groups.setdefault(key, {})
@@ -630,14 +635,19 @@ def _top_k(model: nn.Module) -> int:
 
 
 def _stored(
-    fmt: QuantFormat | None, n: int, k: int, element: int, dtype: torch.dtype
+    fmt: QuantFormat | None,
+    n: int,
+    k: int,
+    element: int,
+    dtype: torch.dtype,
+    int6_planes: bool = True,
 ) -> tuple[str, int]:
     """(format name, bytes) of an [n, k] weight stored in ``fmt`` (None: float ``dtype``)."""
     if fmt is None:
         return str(dtype).removeprefix("torch."), n * k * element
     int4 = fmt.kind == INT4
     groups = n * (k // fmt.group_for(k))
-    if fmt.kind == INT6:  # a GPU's 6-bit planes, N in words of 8 (a CPU holds int8 bytes)
+    if fmt.kind == INT6 and int6_planes:  # a GPU's 6-bit planes, N in words of 8
         padded = -(-n // 8) * 8
         return fmt.describe(), padded * k * 3 // 4 + padded * (k // fmt.group_for(k)) * 2
     return fmt.describe(), n * k // (2 if int4 else 1) + groups * (4 if int4 else 2)
