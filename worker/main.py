@@ -510,7 +510,8 @@ def build_engine(
         with _explained(torch_device, building, quantize):
             engine = Engine(loaded, config, torch_device, log=log)
         if torch_device.type == "cuda":
-            log(f"device memory: {memory.summary(torch_device)} with the caches and graphs")
+            log(f"device memory: {memory.summary(torch_device)} with the caches and graphs; "
+                f"{memory.graph_pools_summary(torch_device)}")  # fmt: skip
     if torch_device.type == "cuda":
         if group is None and os.environ.get(WARM_PREFILL) != "0":
             with clock.step("prefill warm-up"):

@@ -79,6 +79,19 @@ def test_limit_takes_what_is_held_outside_torch_off_the_top(
     )  # fmt: skip
 
 
+def test_graph_pools_are_counted_apart() -> None:
+    """The private pools' segments (CUDA graphs) from a memory snapshot: reserved and
+    allocated; the default pool's (id (0, 0)) are not theirs."""
+    segments = [
+        {"segment_pool_id": (0, 0), "total_size": 8 * GIB, "allocated_size": 7 * GIB},
+        {"segment_pool_id": (1, 2), "total_size": 300 << 20, "allocated_size": 100 << 20},
+        {"segment_pool_id": (1, 3), "total_size": 100 << 20, "allocated_size": 0},
+        {"total_size": GIB, "allocated_size": GIB},  # no id: the default pool
+    ]
+    assert memory.graph_pools(segments) == (400 << 20, 100 << 20)
+    assert memory.graph_pools([]) == (0, 0)
+
+
 def test_a_context_that_grew_past_the_limit_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cap cannot see what CUDA takes outside the allocator after it is set (H100: 0.51 ->
     0.79 GiB by the end of start-up); the worker says so at ready instead of staying quiet."""

@@ -294,6 +294,26 @@ def summary(device: Any) -> str:
     )
 
 
+def graph_pools(segments: list[dict[str, Any]]) -> tuple[int, int]:
+    """(reserved, allocated) bytes of the allocator's private pools (CUDA graphs) in
+    ``torch.cuda.memory_snapshot()``'s segments: a pool keeps the blocks its captures freed for
+    their replays, so its reserved-but-unallocated bytes are no eager step's to use (a prefill
+    step under a limit can fail with them "reserved but unallocated": session 39)."""
+    private = [seg for seg in segments if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)]
+    reserved = sum(int(seg["total_size"]) for seg in private)
+    return reserved, sum(int(seg["allocated_size"]) for seg in private)
+
+
+def graph_pools_summary(device: Any) -> str:
+    """``graph_pools`` for a log line: "0.41 GiB in CUDA graph pools (0.21 allocated)"."""
+    import torch
+
+    index = torch.device(_key(device)).index
+    segments = [seg for seg in torch.cuda.memory_snapshot() if seg.get("device") == index]
+    reserved, allocated = graph_pools(segments)
+    return f"{reserved / GIB:.2f} GiB in CUDA graph pools ({allocated / GIB:.2f} allocated)"
+
+
 def over_limit(device: Any) -> str | None:
     """A warning when the process holds more than its --gpu-memory-gb: the CUDA context grows
     after the limit is set (kernel modules, the local memory of kernels that spill; 0.51 ->
