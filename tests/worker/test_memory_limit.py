@@ -92,6 +92,19 @@ def test_graph_pools_are_counted_apart() -> None:
     assert memory.graph_pools([]) == (0, 0)
 
 
+def test_the_graph_pools_line_never_stops_a_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    other = {"device": 1, "segment_pool_id": (1, 1), "total_size": GIB, "allocated_size": 0}
+    mine = {"device": 0, "segment_pool_id": (1, 2), "total_size": GIB // 2, "allocated_size": 0}
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [other, mine])
+    assert memory.graph_pools_summary("cuda:0") == "0.50 GiB in CUDA graph pools (0.00 allocated)"
+
+    def broken() -> list[dict[str, int]]:
+        raise RuntimeError("no snapshot")
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", broken)
+    assert memory.graph_pools_summary("cuda:0") == "CUDA graph pools not measured (no snapshot)"
+
+
 def test_a_context_that_grew_past_the_limit_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cap cannot see what CUDA takes outside the allocator after it is set (H100: 0.51 ->
     0.79 GiB by the end of start-up); the worker says so at ready instead of staying quiet."""

@@ -300,17 +300,21 @@ def graph_pools(segments: list[dict[str, Any]]) -> tuple[int, int]:
     their replays, so its reserved-but-unallocated bytes are no eager step's to use (a prefill
     step under a limit can fail with them "reserved but unallocated": session 39)."""
     private = [seg for seg in segments if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0)]
-    reserved = sum(int(seg["total_size"]) for seg in private)
-    return reserved, sum(int(seg["allocated_size"]) for seg in private)
+    reserved = sum(int(seg.get("total_size", 0)) for seg in private)
+    return reserved, sum(int(seg.get("allocated_size", 0)) for seg in private)
 
 
 def graph_pools_summary(device: Any) -> str:
-    """``graph_pools`` for a log line: "0.41 GiB in CUDA graph pools (0.21 allocated)"."""
+    """``graph_pools`` for a log line: "0.41 GiB in CUDA graph pools (0.21 allocated)"; a
+    snapshot torch cannot give says so instead (a log figure never stops a start-up)."""
     import torch
 
-    index = torch.device(_key(device)).index
-    segments = [seg for seg in torch.cuda.memory_snapshot() if seg.get("device") == index]
-    reserved, allocated = graph_pools(segments)
+    try:
+        index = torch.device(_key(device)).index
+        segments = [seg for seg in torch.cuda.memory_snapshot() if seg.get("device") == index]
+        reserved, allocated = graph_pools(segments)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        return f"CUDA graph pools not measured ({exc})"
     return f"{reserved / GIB:.2f} GiB in CUDA graph pools ({allocated / GIB:.2f} allocated)"
 
 
