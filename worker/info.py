@@ -140,7 +140,8 @@ def describe(
         bytes_per_session = int(
             skeleton.make_kv_cache(1, context, kv_dtype=kv_dtype).bytes_per_slot
         )
-        weights = _weights(skeleton, gguf_source, quantize, dtype, int6_planes=False)
+        plan = _plan(skeleton, gguf_source, quantize)
+        weights = _weights(skeleton, plan, quantize.mode, dtype, int6_planes=False)
     except ImportError:
         skeleton = None
         bytes_per_session = kv_bytes_from_config(checkpoint.config, context, kv_dtype or dtype)
@@ -176,7 +177,7 @@ def describe(
         on_device = device_dtype or dtype
         if on_device != dtype:  # the CUDA worker's own dtype (bf16 unless --dtype says)
             skeleton = build_model(config, "meta", on_device)
-        weights = _weights(skeleton, gguf_source, quantize, on_device)  # int6 in GPU planes
+        weights = _weights(skeleton, plan, quantize.mode, on_device)  # int6 in GPU planes
 
         def estimate(weights: dict[str, Any], kv: torch.dtype | None = kv_dtype) -> dict[str, Any]:
             return device_estimate(
@@ -187,7 +188,9 @@ def describe(
 
         fitted = estimate(weights)
         if fitted.get("fits") is False and quantize.mode != "int4":  # what int4 would hold
-            int4 = estimate(_weights(skeleton, gguf_source, quantize.as_int4(), on_device))
+            as_int4 = quantize.as_int4()
+            int4_plan = _plan(skeleton, gguf_source, as_int4)
+            int4 = estimate(_weights(skeleton, int4_plan, as_int4.mode, on_device))
             fitted["with_quantize_int4"] = {key: int4[key] for key in INT4_FIGURES}
         if fitted.get("fits") is False and kv_dtype is None:  # what an fp8 cache would hold
             fp8 = estimate(weights, parse_kv_dtype("fp8"))
@@ -332,27 +335,31 @@ def _longest_context(session_bytes: Any, budget: int, ceiling: int) -> int:
     return low * 256
 
 
-def _weights(
-    skeleton: Any,
-    gguf_source: Any,
-    quantize: QuantizeOptions,
-    dtype: torch.dtype,
-    int6_planes: bool = True,
-) -> dict[str, Any]:
-    """`quantize`, each tensor group's format and bytes, and the bytes a decode step reads
-    (the CPU and the CUDA paths keep the same formats). int6: with `int6_planes` (the device
-    estimate) in a GPU's 6-bit planes, 7 bits a weight at g16, which a worker chooses where
-    memory is tight; else (the top level's figures, a CPU worker's) as int8 bytes, as a CPU,
-    or a GPU with room to spare, holds them."""
+def _plan(skeleton: Any, gguf_source: Any, quantize: QuantizeOptions) -> dict[str, Any]:
+    """Each weight's format under `quantize`: the GGUF's own (its header read once) for auto
+    on a GGUF, else the plan the loader would make from the shapes (any dtype's skeleton)."""
     from worker.loading.quantize import plan_for_gguf, plan_for_model
 
     if quantize.mode == "auto" and gguf_source is not None:
-        plan = plan_for_gguf(gguf_source)
-    else:
-        plan = plan_for_model(skeleton, quantize)
+        return plan_for_gguf(gguf_source)
+    return plan_for_model(skeleton, quantize)
+
+
+def _weights(
+    skeleton: Any,
+    plan: dict[str, Any],
+    mode: str,
+    dtype: torch.dtype,
+    int6_planes: bool = True,
+) -> dict[str, Any]:
+    """`mode` (--quantize), each tensor group's format and bytes under `plan` (``_plan``), and
+    the bytes a decode step reads (the CPU and the CUDA paths keep the same formats). int6:
+    with `int6_planes` (the device estimate) in a GPU's 6-bit planes, 7 bits a weight at g16,
+    which a worker chooses where memory is tight; else (the top level's figures, a CPU
+    worker's) as int8 bytes, as a CPU, or a GPU with room to spare, holds them."""
     described = describe_weights(skeleton, plan, dtype, int6_planes)
     stored = sum(entry["bytes"] for entry in described["formats"].values())
-    out = {"quantize": quantize.mode, **described, "weights_bytes": stored}
+    out = {"quantize": mode, **described, "weights_bytes": stored}
     scratch = expert_scratch_bytes(skeleton, plan, dtype)
     return {**out, "expert_scratch_bytes": scratch} if scratch else out
 
