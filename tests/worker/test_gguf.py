@@ -476,6 +476,9 @@ def test_info_counts_the_weights_a_cpu_worker_holds(default_model_gguf: Path) ->
     held = summary(loaded.model)
     held["float32 vectors"] = held.pop("float32")
     assert described["formats"] == held and "int6 g16" in held
+    # the worker's `info` reply counts the parameters a quantized module keeps in buffers too
+    # (it counted the float vectors only: 55,936 of 268,098,176)
+    assert loaded.meta["parameters"] == described["parameters"] == 268_098_176
     assert described["weights_bytes"] == sum(entry["bytes"] for entry in held.values())
     six = held["int6 g16"]["bytes"]  # [N, K] int8 + N K / 16 fp16 scales: 9 bits a weight
     device = described["device_estimate"]["weights_bytes"]  # in float32 too: no --dtype given

@@ -217,6 +217,8 @@ def load_model(
     # on the meta device first: the quantized modules go in before any storage is given, so
     # a planned weight never has a float copy on the device (a 31B model into 24 GB)
     model = build_model(config if shard is None else shard.config(), "meta", dtype)
+    # counted on the float skeleton: quantized modules keep their weights in buffers
+    parameters = sum(p.numel() for p in model.parameters())
     stored_tensors: dict[str, Any] = checkpoint.text_tensors()
     if gguf_source is not None and not random_weights:
         from worker.loading.gguf_quant import gguf_tensor_entries
@@ -281,7 +283,6 @@ def load_model(
             )
             print(f"[tokenpipe quantize] weights on {device}: {parts}", file=sys.stderr)
     weights_seconds = phases["weights"] = time.monotonic() - weights_started
-    parameters = sum(p.numel() for p in model.parameters())
     meta: dict[str, Any] = {
         "model": str(gguf_source or checkpoint.path),
         "checkpoint_dir": str(checkpoint.path),
