@@ -147,6 +147,17 @@ def test_graph_replay_matches_eager_on_cuda() -> None:
     _decode_both("cuda", use_graphs=True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captures_warm_up_on_one_side_stream() -> None:
+    """Every capture's eager warm-up runs on one side stream a device (what a warm-up frees
+    stays cached for its stream: a stream a size would strand each size's)."""
+    from worker.device.decode_graphs import capture_stream
+
+    here = torch.device("cuda", torch.cuda.current_device())
+    stream = capture_stream("cuda")
+    assert stream is capture_stream(here) and stream != torch.cuda.current_stream(here)
+
+
 # ------------------------------------------------------------------ GPU correctness (issue 6)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -35,6 +35,22 @@ from worker.layers.quant import QuantLinear
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device | str) -> torch.cuda.Stream:
+    """The one side stream every graph capture on `device` warms up on (PyTorch's recipe: a
+    capture's eager warm-up runs off the default stream). One for all: the caching allocator
+    keeps what a warm-up freed for the stream it ran on, so a new stream a captured size would
+    leave each size's warm-up memory reserved where no other stream's step can use it."""
+    key = torch.device(device)
+    if key.index is None:
+        key = torch.device("cuda", torch.cuda.current_device())
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
+    return _CAPTURE_STREAMS[key]
+
+
 def bucket_for(batch: int, buckets: Sequence[int] = BATCH_BUCKETS) -> int | None:
     """The smallest bucket >= batch, or None when the batch is larger than all (pure)."""
     for size in sorted(buckets):
@@ -242,7 +258,7 @@ class DecodeGraphRunner:
             key = (size, sample)
             if key in self._graphs:
                 continue
-            stream = torch.cuda.Stream(self.device)
+            stream = capture_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), torch.inference_mode():
                 # warm-up: lazy tables, Triton and torch.compile compilation, cuBLAS; twice,

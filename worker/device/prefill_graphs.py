@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from worker.device.decode_graphs import bucket_for, rows_logits
+from worker.device.decode_graphs import bucket_for, capture_stream, rows_logits
 from worker.device.kernels.attention import prefill_attention_slot, store_kv
 from worker.layers.kv import as_cached
 
@@ -145,7 +145,7 @@ class PrefillGraphRunner:
         for size in sorted(sizes or self.buckets, reverse=True):
             if size in self._graphs:
                 continue
-            stream = torch.cuda.Stream(self.device)
+            stream = capture_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream), torch.inference_mode():
                 self._body(size)  # Triton compiles, lazy tables, cuBLAS handles
