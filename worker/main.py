@@ -214,8 +214,33 @@ def _fit_expert_scratch(model: Any, dtype: Any, device: Any, caches: int) -> boo
     return allowed
 
 
+def _reserve_quant_scratch(model: Any, device: Any) -> int:
+    """The quantized matmuls' prefill scratch allocated now, before the caches, where `model`
+    has quantized linear layers (``quant_matmul.reserve_scratch``: later, under a card's limit,
+    only holes may be left for it). Its bytes, which the chunk's fit then counts as held (0:
+    none, or no room for it now; a step then allocates its own, as without)."""
+    import torch
+
+    from worker.layers.quant import QuantLinear
+
+    if not any(isinstance(module, QuantLinear) for module in model.modules()):
+        return 0
+    from worker.device.kernels.quant_matmul import reserve_scratch
+
+    try:
+        return reserve_scratch(device)
+    except torch.OutOfMemoryError:
+        return 0
+
+
 def _fit_prefill_chunk(
-    model_config: dict[str, Any], config: Any, dtype: Any, device: Any, caches: int, chosen: bool
+    model_config: dict[str, Any],
+    config: Any,
+    dtype: Any,
+    device: Any,
+    caches: int,
+    chosen: bool,
+    scratch: int = 0,
 ) -> int:
     """The prefill chunk whose step's activations (``memory.prefill_step_bytes``) fit beside
     the caches about to be allocated (`caches` bytes), the CUDA graphs and a margin for
@@ -223,11 +248,13 @@ def _fit_prefill_chunk(
     ``FRAGMENTATION_BYTES``), for `config`'s chunk and prefix block: the default halved
     until it does (not below ``MIN_PREFILL_CHUNK``), with a log line; a chunk the user chose is
     kept, with a warning. Without it a 24 GB card could start and then fail its first long
-    prompt (session 31: the Qwen3.5 Q4_K_M file with two 16k slots under 23.5 GiB)."""
+    prompt (session 31: the Qwen3.5 Q4_K_M file with two 16k slots under 23.5 GiB).
+    `scratch`: the bytes of the step's quantized scratch already allocated
+    (``_reserve_quant_scratch``), which the step's estimate counts too."""
     from worker.device import memory
 
     chunk, every = config.prefill_chunk, config.prefix_block if config.prefix_cache_bytes else 0
-    room = memory.unallocated_bytes(device) - caches - memory.GRAPHS_BYTES
+    room = memory.unallocated_bytes(device) - caches - memory.GRAPHS_BYTES + scratch
     room -= memory.FRAGMENTATION_BYTES
     fla = _fla_prefill(model_config, device, dtype)
     need = memory.prefill_step_bytes(model_config, chunk, dtype, every, fla)
@@ -488,9 +515,10 @@ def build_engine(
             slots = _slots_kv_bytes(loaded.model, config.resident, config.max_context)
             caches = config.prefix_cache_bytes + slots
             _fit_expert_scratch(loaded.model, torch_dtype, torch_device, caches)
+            scratch = _reserve_quant_scratch(loaded.model, torch_device)
             chunk = _fit_prefill_chunk(
                 loaded.config.raw, config, torch_dtype, torch_device, caches,
-                chosen=prefill_chunk is not None,
+                chosen=prefill_chunk is not None, scratch=scratch,
             )  # fmt: skip
             config = dataclasses.replace(config, prefill_chunk=chunk)
             from worker.device.graphed_lm import GraphedCausalLM

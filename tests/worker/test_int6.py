@@ -105,6 +105,17 @@ def test_gemv_splits_add_up_and_the_scratch_goes_in_ranges(monkeypatch: pytest.M
     xs = torch.randn(65, 384, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     torch.testing.assert_close(M.int6_linear(xs, packed), xs @ qw.dequantize().T, rtol=1e-4,
                                atol=1e-4)  # fmt: skip
+    # through a reserved scratch (a worker's): both ranges are dequantized into it
+    monkeypatch.setattr(quant_matmul, "_SCRATCH", {})
+    quant_matmul.reserve_scratch(DEVICE)
+    next(iter(quant_matmul._SCRATCH.values())).fill_(255)
+    real, written = M.dequantize_t, []
+    monkeypatch.setattr(
+        M, "dequantize_t", lambda *args: written.append(args[-1].data_ptr()) or real(*args)
+    )
+    torch.testing.assert_close(M.int6_linear(xs, packed), xs @ qw.dequantize().T, rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+    assert written == [next(iter(quant_matmul._SCRATCH.values())).data_ptr()] * 2
 
 
 @pytest.mark.usefixtures("triton_ready")

@@ -405,6 +405,16 @@ def test_the_default_prefill_chunk_shrinks_until_a_step_fits(
     assert fit() == 2048 and not lines  # room enough: nothing said
     room["bytes"] -= 1
     assert fit() == 1024 and "prefill chunk 1024: a 2048-token step needs" in lines[-1]
+    # a scratch reserved before the fit is out of the room already, and in the step's need
+    scratch = memory.PREFILL_SCRATCH_BYTES
+    room["bytes"] = caches + margin + need - scratch
+    assert fit() == 1024
+    assert (
+        worker_main._fit_prefill_chunk(
+            qwen, config, torch.bfloat16, "cuda:0", caches, False, scratch=scratch
+        )
+        == 2048
+    )
     room["bytes"] = caches + margin + int(0.52 * GIB)  # the H100 run's room: 512 served 16k
     assert fit() == 512
     monkeypatch.setattr(worker_main, "_fla_prefill", lambda *args: True)
@@ -590,3 +600,31 @@ def test_info_device_estimate_against_the_24_gb_runs(
                                        "--tokenizer-path", str(tokenizer), "--max-sessions", "2",
                                        "--max-resident", "3"])  # fmt: skip
     assert bad.exit_code == 1 and "--max-resident 3 is above --max-sessions 2" in bad.output
+
+
+def test_the_quantized_scratch_is_reserved_before_the_caches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model with quantized matmuls gets its prefill scratch (``quant_matmul.SCRATCH_BYTES``)
+    before its caches, while the memory is in one piece (session 40); a float model none, and
+    no room for it now leaves the steps to allocate their own, as before."""
+    from torch import nn
+
+    from worker import main as worker_main
+    from worker.device.kernels import quant_matmul as qm
+    from worker.layers import quant as Q
+
+    monkeypatch.setattr(qm, "_SCRATCH", {})
+    assert worker_main._reserve_quant_scratch(nn.Sequential(nn.Linear(4, 4)), "cpu") == 0
+    assert not qm._SCRATCH
+    weight = Q.quantize(torch.randn(64, 64), Q.QuantFormat(Q.INT8, 32))
+    model = nn.Sequential(Q.QuantLinear.from_weight(weight))
+    assert worker_main._reserve_quant_scratch(model, "cpu") == qm.SCRATCH_BYTES
+    assert qm._SCRATCH[torch.device("cpu")].numel() == qm.SCRATCH_BYTES
+    assert worker_main._reserve_quant_scratch(model, "cpu") == 0  # once a process
+
+    def no_room(device: object) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    monkeypatch.setattr(qm, "reserve_scratch", no_room)
+    assert worker_main._reserve_quant_scratch(model, "cpu") == 0

@@ -145,10 +145,25 @@ def test_prefill_scratch_a_range_of_outputs_at_a_time(
     calls: list[tuple[int, int] | None] = []
     real = qm.dequantize_triton
     monkeypatch.setattr(
-        qm, "dequantize_triton", lambda p, d, o=None: calls.append(o) or real(p, d, o)
+        qm,
+        "dequantize_triton",
+        lambda p, d, o=None, into=None: calls.append(o) or real(p, d, o, into),
     )
     torch.testing.assert_close(qm.quant_linear(x, packed), want, rtol=1e-5, atol=1e-4)
     assert calls == [(0, 64), (64, 128), (128, 192), (192, 203)]
+    # a reserved scratch (a worker's, before its caches): every range is written there
+    monkeypatch.setattr(qm, "_SCRATCH", {})
+    assert qm.reserve_scratch(DEVICE) == qm.SCRATCH_BYTES and qm.reserve_scratch(DEVICE) == 0
+    buffer = next(iter(qm._SCRATCH.values()))
+    buffer.fill_(255)  # NaN as float32: a range read before its own write would show
+    written: list[int] = []
+    monkeypatch.setattr(
+        qm,
+        "dequantize_triton",
+        lambda p, d, o=None, into=None: written.append(into.data_ptr()) or real(p, d, o, into),
+    )
+    torch.testing.assert_close(qm.quant_linear(x, packed), want, rtol=1e-5, atol=1e-4)
+    assert written == [buffer.data_ptr()] * 4
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])

@@ -512,14 +512,19 @@ def int6_gemm(x: torch.Tensor, packed: SixBitWeight, split: int | None = None) -
 
 
 def dequantize_t(
-    packed: SixBitWeight, dtype: torch.dtype, start: int = 0, end: int | None = None
+    packed: SixBitWeight,
+    dtype: torch.dtype,
+    start: int = 0,
+    end: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The weight's outputs start..end (start a multiple of 8), transposed and dequantized:
-    [K, end - start] in ``dtype``."""
+    [K, end - start] in ``dtype``, into ``out`` where given."""
     n, k = packed.shape
     end = n if end is None else end
     assert start % P == 0 and 0 <= start < end <= n, (start, end, n)
-    out = torch.empty((k, end - start), device=packed.low.device, dtype=dtype)
+    if out is None:
+        out = torch.empty((k, end - start), device=packed.low.device, dtype=dtype)
     block_c = 32
     grid = (triton.cdiv(triton.cdiv(end - start, P), block_c), k // 16)
     _int6_dequant_kernel[grid](
@@ -530,17 +535,19 @@ def dequantize_t(
 
 
 def _dequantized_linear(flat: torch.Tensor, packed: SixBitWeight) -> torch.Tensor:
-    """x [M, K] @ W^T through a scratch of at most ``quant_matmul.SCRATCH_BYTES``."""
-    from worker.device.kernels.quant_matmul import SCRATCH_BYTES
+    """x [M, K] @ W^T through a scratch of at most ``quant_matmul.SCRATCH_BYTES`` (the
+    reserved one where ``quant_matmul.reserve_scratch`` ran)."""
+    from worker.device.kernels.quant_matmul import SCRATCH_BYTES, scratch
 
     n, k = packed.shape
     width = max(256, SCRATCH_BYTES // (k * flat.element_size()) // 256 * 256)
     if width >= n:
-        return flat @ dequantize_t(packed, flat.dtype)
+        return flat @ dequantize_t(packed, flat.dtype, out=scratch((k, n), flat.dtype, flat.device))
     y = flat.new_empty((flat.shape[0], n))
     for start in range(0, n, width):
         end = min(n, start + width)
-        torch.mm(flat, dequantize_t(packed, flat.dtype, start, end), out=y[:, start:end])
+        into = scratch((k, end - start), flat.dtype, flat.device)
+        torch.mm(flat, dequantize_t(packed, flat.dtype, start, end, into), out=y[:, start:end])
     return y
 
 

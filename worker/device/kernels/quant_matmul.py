@@ -1248,16 +1248,20 @@ def _bf16_pairs() -> bool:
 
 
 def dequantize_triton(
-    packed: KMajorWeight, dtype: torch.dtype, outputs: tuple[int, int] | None = None
+    packed: KMajorWeight,
+    dtype: torch.dtype,
+    outputs: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The weight, transposed: [K, N] in ``dtype`` (the prefill path's scratch); with
     ``outputs`` = (start, end), only those outputs ([K, end - start]; start a multiple of the
-    outputs a word holds)."""
+    outputs a word holds). ``out``: where to write it (default: a new tensor)."""
     n, k = packed.shape
     start, end = outputs if outputs is not None else (0, n)
     per_word = packed.per_word
     assert start % per_word == 0 and 0 <= start < end <= n, (start, end, n)
-    out = torch.empty((k, end - start), device=packed.words.device, dtype=dtype)
+    if out is None:
+        out = torch.empty((k, end - start), device=packed.words.device, dtype=dtype)
     block_c, block_k = 32, 32
     words = triton.cdiv(end, per_word) - start // per_word
     grid = (triton.cdiv(words, block_c), triton.cdiv(k, block_k))
@@ -1276,19 +1280,55 @@ is the same computation, so the result is the whole weight's, up to cuBLAS's cho
 for the narrower shape). The whole gate_up of Gemma 4 31B in bf16 is 441 MiB, once in the
 eager prefill and once in the prefill graphs' pool: too much next to a 24 GB card's KV."""
 
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def reserve_scratch(device: torch.device | str) -> int:
+    """Allocate the prefill path's dequantized scratch on `device` now, for the life of the
+    process: ``SCRATCH_BYTES``, which every quantized matmul's prefill range (int4, int8 and
+    int6 weights, eager steps and the prefill graphs alike) then writes instead of a tensor of
+    its own. A worker does this before its caches, while the memory is in one piece: a step
+    that asks for it later, under a card's limit, finds only holes (session 40: 251 MiB free in
+    137 pieces, the largest 30 MiB, so a 64 MiB scratch failed where the step's other tensors
+    fitted). Steps run one after another on one stream, so one scratch serves them all. The
+    bytes newly allocated (0 where it already was)."""
+    key = torch.device(device)
+    if key.type == "cuda" and key.index is None:
+        key = torch.device("cuda", torch.cuda.current_device())
+    if key in _SCRATCH:
+        return 0
+    _SCRATCH[key] = torch.empty(SCRATCH_BYTES, dtype=torch.uint8, device=key)
+    return SCRATCH_BYTES
+
+
+def scratch(
+    shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """A [K, width] view of the reserved scratch (``reserve_scratch``) on `device`, or None
+    where none is reserved or it is too small (the caller allocates one)."""
+    buffer = _SCRATCH.get(device)
+    size = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    if buffer is None or size > buffer.numel():
+        return None
+    return buffer[:size].view(dtype).view(shape)
+
 
 def _dequantized_linear(flat: torch.Tensor, packed: KMajorWeight) -> torch.Tensor:
-    """x [M, K] @ W^T through a scratch of at most ``SCRATCH_BYTES``."""
+    """x [M, K] @ W^T through a scratch of at most ``SCRATCH_BYTES`` (the reserved one where
+    ``reserve_scratch`` ran)."""
     n, k = packed.shape
     per_word = packed.per_word
     budget = SCRATCH_BYTES // (k * flat.element_size())  # outputs a range may hold
     width = budget // 256 * 256 if budget >= 256 else max(per_word, budget // per_word * per_word)
     if width >= n:
-        return F.linear(flat, dequantize_triton(packed, flat.dtype).t())
+        whole = scratch((k, n), flat.dtype, flat.device)
+        return F.linear(flat, dequantize_triton(packed, flat.dtype, None, whole).t())
     y = flat.new_empty((flat.shape[0], n))
     for start in range(0, n, width):
         end = min(n, start + width)
-        torch.mm(flat, dequantize_triton(packed, flat.dtype, (start, end)), out=y[:, start:end])
+        into = scratch((k, end - start), flat.dtype, flat.device)
+        w = dequantize_triton(packed, flat.dtype, (start, end), into)
+        torch.mm(flat, w, out=y[:, start:end])
     return y
 
 
