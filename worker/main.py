@@ -216,14 +216,16 @@ def _fit_expert_scratch(model: Any, dtype: Any, device: Any, caches: int) -> boo
 
 def _reserve_quant_scratch(model: Any, device: Any) -> int:
     """The quantized matmuls' prefill scratch allocated now, before the caches, where `model`
-    has quantized linear layers (``quant_matmul.reserve_scratch``: later, under a card's limit,
-    only holes may be left for it). Its bytes, which the chunk's fit then counts as held (0:
-    none, or no room for it now; a step then allocates its own, as without)."""
+    has quantized linear layers besides its LM head (which a prefill step runs on its last
+    rows only) (``quant_matmul.reserve_scratch``: later, under a card's limit, only holes may
+    be left for it). Its bytes, which the chunk's fit then counts as held (0: none, or no room
+    for it now; a step then allocates its own, as without)."""
     import torch
 
     from worker.layers.quant import QuantLinear
 
-    if not any(isinstance(module, QuantLinear) for module in model.modules()):
+    head = getattr(model, "lm_head", None)
+    if not any(isinstance(m, QuantLinear) and m is not head for m in model.modules()):
         return 0
     from worker.device.kernels.quant_matmul import reserve_scratch
 

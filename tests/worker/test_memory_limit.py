@@ -606,8 +606,9 @@ def test_the_quantized_scratch_is_reserved_before_the_caches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A model with quantized matmuls gets its prefill scratch (``quant_matmul.SCRATCH_BYTES``)
-    before its caches, while the memory is in one piece (session 40); a float model none, and
-    no room for it now leaves the steps to allocate their own, as before."""
+    before its caches, while the memory is in one piece (session 40); a float model, or one
+    whose only quantized matmul is its LM head, none; no room for it now leaves the steps to
+    allocate their own, as before."""
     from torch import nn
 
     from worker import main as worker_main
@@ -616,8 +617,11 @@ def test_the_quantized_scratch_is_reserved_before_the_caches(
 
     monkeypatch.setattr(qm, "_SCRATCH", {})
     assert worker_main._reserve_quant_scratch(nn.Sequential(nn.Linear(4, 4)), "cpu") == 0
-    assert not qm._SCRATCH
     weight = Q.quantize(torch.randn(64, 64), Q.QuantFormat(Q.INT8, 32))
+    head_only = nn.Sequential(nn.Linear(64, 64))
+    head_only.lm_head = Q.QuantLinear.from_weight(weight)  # int4-experts' int8 head: last rows
+    assert worker_main._reserve_quant_scratch(head_only, "cpu") == 0
+    assert not qm._SCRATCH
     model = nn.Sequential(Q.QuantLinear.from_weight(weight))
     assert worker_main._reserve_quant_scratch(model, "cpu") == qm.SCRATCH_BYTES
     assert qm._SCRATCH[torch.device("cpu")].numel() == qm.SCRATCH_BYTES
