@@ -1307,7 +1307,7 @@ def scratch(
     """A [K, width] view of the reserved scratch (``reserve_scratch``) on `device`, or None
     where none is reserved or it is too small (the caller allocates one)."""
     buffer = _SCRATCH.get(device)
-    size = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    size = shape[0] * shape[1] * dtype.itemsize
     if buffer is None or size > buffer.numel():
         return None
     return buffer[:size].view(dtype).view(shape)
