@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from worker.device.kernels.attention import decode_attention_op, store_kv_op
 from worker.device.kernels.batched_sampling import RowSampling, sample_rows
+from worker.device.memory import indexed
 from worker.layers.blocks import norm_chain
 from worker.layers.quant import QuantLinear
 
@@ -43,9 +44,7 @@ def capture_stream(device: torch.device | str) -> torch.cuda.Stream:
     capture's eager warm-up runs off the default stream). One for all: the caching allocator
     keeps what a warm-up freed for the stream it ran on, so a new stream a captured size would
     leave each size's warm-up memory reserved where no other stream's step can use it."""
-    key = torch.device(device)
-    if key.index is None:
-        key = torch.device("cuda", torch.cuda.current_device())
+    key = indexed(device)
     if key not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
     return _CAPTURE_STREAMS[key]

@@ -145,12 +145,19 @@ class MemoryLimit:
 _LIMITS: dict[str, MemoryLimit] = {}
 
 
-def _key(device: Any) -> str:
+def indexed(device: Any) -> Any:
+    """`device` as a ``torch.device`` with its index: a bare "cuda" is the current CUDA
+    device (the key of anything kept per device); other devices as they are."""
     import torch
 
     device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return f"cuda:{index}"
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _key(device: Any) -> str:
+    return f"cuda:{indexed(device).index}"
 
 
 def apply(device: Any, gib: float, log: Any = None) -> MemoryLimit | None:

@@ -1292,9 +1292,9 @@ def reserve_scratch(device: torch.device | str) -> int:
     137 pieces, the largest 30 MiB, so a 64 MiB scratch failed where the step's other tensors
     fitted). Steps run one after another on one stream, so one scratch serves them all. The
     bytes newly allocated (0 where it already was)."""
-    key = torch.device(device)
-    if key.type == "cuda" and key.index is None:
-        key = torch.device("cuda", torch.cuda.current_device())
+    from worker.device.memory import indexed
+
+    key = indexed(device)
     if key in _SCRATCH:
         return 0
     _SCRATCH[key] = torch.empty(SCRATCH_BYTES, dtype=torch.uint8, device=key)
