@@ -135,13 +135,15 @@ def test_gguf_read_as_floats_on_cuda_equals_cpu(
     torch.testing.assert_close(logits("cuda"), logits("cpu"), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("compact", ["0", "1"])
 @pytest.mark.parametrize("family", ["gemma4", "qwen35moe"])
 def test_gguf_of_the_seed_models_on_cuda_equals_cpu(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, compact: str
 ) -> None:
     """The tiny gemma4 / qwen35moe GGUFs of test_gguf_gemma4 / test_gguf_qwen3_5_moe, with
     quantized tensors kept (and, for qwen35moe, experts repacked) by auto, repacked on the GPU:
-    the logits of a prompt equal the CPU load's."""
+    the logits of a prompt equal the CPU load's, also with the packed weights moved end to end
+    through the host (``TOKENPIPE_COMPACT=1``, ``worker.device.compaction``)."""
     from test_models_common import make_pair
 
     from worker.device.cuda_setup import prepare_model_for_device
@@ -150,6 +152,7 @@ def test_gguf_of_the_seed_models_on_cuda_equals_cpu(
     from worker.models.step import StepInput
 
     monkeypatch.setenv("TOKENPIPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENPIPE_COMPACT", compact)
     path = tmp_path / f"tiny-{family}.gguf"
     if family == "gemma4":
         import test_gguf_gemma4 as g

@@ -78,6 +78,8 @@ def prepare_model_for_device(
     if packed or left:
         _log(f"cuda_setup: {packed} quantized weights in the K-major layout of the W4A16/W8A16 "
              f"kernels, {left} left to the torch reference")  # fmt: skip
+    if packed or left:
+        _compact_weights(inner, clock)
     if packed and os.environ.get("TOKENPIPE_NO_GEMV") != "1":
         with clock.step("cuda_setup: quantized kernel tiles timed"):
             shapes = _time_quantized(inner, compiles)
@@ -113,6 +115,27 @@ def _pack_quantized(inner: Any) -> tuple[int, int]:
     result = pack_for_device(inner, inner.model.norm.weight.dtype, six_bit)
     torch.cuda.empty_cache()
     return result
+
+
+def _compact_weights(inner: Any, clock: StartupClock) -> None:
+    """The quantized model's weights moved end to end through the host where memory is tight
+    (``worker.device.compaction``): the load's holes back to the allocator in one piece."""
+    from worker.device import compaction
+
+    device = inner.model.norm.weight.device
+    wanted, why = compaction.wanted(device)
+    if not wanted:
+        return
+    with clock.step("cuda_setup: weights moved end to end"):
+        done = compaction.compact(inner, device)
+    if done is None:
+        _log(f"cuda_setup: the weights stay where they loaded (the host lacks the room): {why}")
+        return
+    mib = 1 << 20
+    _log(f"cuda_setup: weights moved end to end through the host ({done.moved_bytes / 1e9:.2f} "
+         f"GB in {done.storages} storages, {done.kept} left in place, {done.seconds:.1f}s): "
+         f"{done.holes_before / mib:.0f} MiB in holes before, {done.holes_after / mib:.0f} "
+         f"after; {why}")  # fmt: skip
 
 
 SIX_BIT = "TOKENPIPE_INT6"

@@ -1,0 +1,113 @@
+"""worker.device.compaction: a model's device storages copied elsewhere, every tensor object
+pointed at its copy. The CPU tests copy host to host (the same steps a GPU's trip through the
+host takes, but the allocator's holes); the CUDA test opens holes and closes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.device import compaction
+from worker.layers import quant as Q
+
+CPU = torch.device("cpu")
+
+
+def _quantized_pair() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A module with a parameter, a buffer, a list of tensors and two QuantLinears sharing one
+    canonical weight (as a tied embedding and LM head share theirs); and an input."""
+    generator = torch.Generator().manual_seed(0)
+    qw = Q.quantize(torch.randn(64, 64, generator=generator) * 0.1, Q.QuantFormat("int4", 32))
+    model = torch.nn.Module()
+    model.first = Q.QuantLinear.from_weight(qw)
+    model.second = Q.QuantLinear.from_weight(qw, bias=torch.randn(64, generator=generator))
+    model.norm = torch.nn.Linear(64, 64)
+    model.register_buffer("table", torch.arange(10.0))
+    model.pieces = [torch.ones(3), torch.zeros(2)]
+    return model, torch.randn(2, 64, generator=generator)
+
+
+def _run(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model.norm(model.second(model.first(x))) + model.table.sum()
+
+
+def test_device_tensors_finds_each_tensor_object_once() -> None:
+    model, _ = _quantized_pair()
+    found = compaction.device_tensors(model, CPU)
+    ids = {id(t) for t in found}
+    assert len(ids) == len(found)
+    qw = model.first.quantized
+    assert qw is model.second.quantized
+    for tensor in (qw.qdata, qw.scales, qw.offsets, model.second.bias, model.norm.weight,
+                   model.table, *model.pieces):  # fmt: skip
+        assert id(tensor) in ids
+    assert compaction.device_tensors(model, torch.device("meta")) == []
+
+
+def test_relocate_copies_each_storage_once_and_keeps_the_results() -> None:
+    model, x = _quantized_pair()
+    want = _run(model, x)
+    groups, kept = compaction.movable(model, CPU)
+    assert kept == 0
+    before = {storage.data_ptr() for storage, _ in groups}
+    qw = model.first.quantized
+    moved = compaction.relocate(groups, CPU)
+    del groups
+    assert len(moved) == len(before)
+    assert not before & {storage.data_ptr() for storage, _ in moved}  # all copied
+    assert model.first.quantized is qw is model.second.quantized  # the objects stay shared
+    assert qw.qdata.untyped_storage().data_ptr() in {s.data_ptr() for s, _ in moved}
+    torch.testing.assert_close(_run(model, x), want, rtol=0, atol=0)
+
+
+def test_views_of_one_storage_move_together() -> None:
+    model = torch.nn.Module()
+    whole = torch.arange(24.0)
+    model.top, model.rest = whole[:8].view(2, 4), whole[8:].view(4, 4).t()
+    del whole  # only the two views hold the storage, and the base they keep alive
+    groups, kept = compaction.movable(model, CPU)
+    assert kept == 0 and len(groups) == 1 and len(groups[0][1]) == 3
+    compaction.relocate(groups, CPU)
+    assert model.top.untyped_storage().data_ptr() == model.rest.untyped_storage().data_ptr()
+    assert model.top.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert model.rest.stride() == (1, 4) and model.rest[0].tolist() == [8, 12, 16, 20]
+
+
+def test_a_storage_something_else_holds_stays() -> None:
+    """A tensor the walk cannot see (a dict's value, a caller's variable) shares the storage:
+    moving it would leave two copies, so it stays."""
+    model = torch.nn.Module()
+    model.part = torch.arange(6.0)[2:]
+    model.alone = torch.ones(4)
+    groups, kept = compaction.movable(model, CPU)
+    assert kept == 0 and len(groups) == 2  # the base the view keeps is found
+    elsewhere = {"view": model.part.view(2, 2)}
+    groups, kept = compaction.movable(model, CPU)
+    assert kept == 1 and [tensors for _, tensors in groups] == [[model.alone]]
+    assert elsewhere["view"].untyped_storage().data_ptr() == model.part.untyped_storage().data_ptr()
+
+
+def test_the_setting_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compaction.SETTING, "0")
+    assert compaction.wanted(CPU) == (False, "TOKENPIPE_COMPACT=0")
+    monkeypatch.setenv(compaction.SETTING, "1")
+    assert compaction.wanted(CPU) == (True, "TOKENPIPE_COMPACT=1")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compact_closes_the_holes_between_weights() -> None:
+    """Every other 3 MiB block freed among 120 (the load's pattern: temporaries between the
+    weights), in 20 MiB pages no hole spans: the holes stay after empty_cache; compacting
+    moves the rest end to end and returns them, values intact."""
+    torch.cuda.empty_cache()
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = torch.nn.Module()
+    blocks = [torch.full((3 << 18,), float(i), device=device) for i in range(120)]
+    model.kept = blocks[::2]
+    del blocks
+    base = compaction.holes(device)
+    assert base >= 120 << 20
+    done = compaction.compact(model, device)
+    assert done is not None and done.storages == 60 and done.kept == 0
+    assert done.holes_before == base and done.holes_after < 32 << 20
+    assert [int(t[0]) for t in model.kept] == list(range(0, 120, 2))

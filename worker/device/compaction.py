@@ -1,0 +1,163 @@
+"""A loaded model's device tensors moved out through the host and back, so they lie end to end.
+
+Loading a quantized model leaves holes between its weights. Each GGUF tensor is repacked on the
+device in chunks (temporaries between the weights), the merged projections are concatenated and
+their parts freed, and ``pack_for_device`` writes each weight's K-major copy before it drops the
+canonical one. After a Gemma 4 31B Q4_K_M loaded under a 23.5 GiB limit, 270 MiB lay free in 143
+pieces, the largest 14.6 MiB (BENCHMARKS.md, session 40). ``empty_cache`` cannot return them:
+expandable segments map the large pool in 20 MiB pages, and no hole spans a whole page. A KV
+cache or a 64 MiB prefill scratch fits in none of them, so a 24 GB card loses them.
+
+``compact`` copies every storage the model's modules hold on the device to the host, frees the
+device copies, and copies them back one after another into the emptied segment. A storage some
+other object also holds (``torch._C._storage_Use_Count`` says so) stays where it is: moving it
+would leave two copies. The worker runs it where memory is tight (``wanted``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+SETTING = "TOKENPIPE_COMPACT"
+"""1: always move the weights end to end after packing them; 0: never; unset: ``wanted``."""
+
+MIN_HOLES_BYTES = 64 << 20
+"""Holes below this are not worth a trip through the host (the prefill scratch's size)."""
+
+HOST_HEADROOM = 1.25
+"""The host must have this many times the moved bytes available, or nothing moves."""
+
+
+def holes(device: Any) -> int:
+    """Bytes the allocator has mapped on `device` that no tensor holds, after ``empty_cache``
+    returned whatever it could."""
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 3 and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _tensors_in(getattr(value, field.name), depth + 1)
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item, depth + 1)
+
+
+def device_tensors(model: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:
+    """Every tensor object `model`'s modules hold on `device`, each once: parameters, buffers,
+    and tensors in plain attributes, in dataclasses there (the packed weights) and in lists or
+    tuples of them; and the base a view keeps alive (``_base``), which holds its storage too."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        held = [*module._parameters.values(), *module._buffers.values()]
+        held += [v for k, v in vars(module).items() if k not in ("_parameters", "_buffers")]
+        for value in held:
+            for tensor in _tensors_in(value):
+                while tensor is not None and tensor.device == device and tensor.numel() > 0:
+                    found.setdefault(id(tensor), tensor)
+                    tensor = tensor._base
+    return list(found.values())
+
+
+def _viewed(tensor: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
+    """`tensor`'s view (offset, shape, strides, dtype) over `storage`."""
+    out = torch.empty(0, dtype=tensor.dtype, device=storage.device)
+    return out.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+Group = tuple[torch.UntypedStorage, list[torch.Tensor]]
+"""A storage and the tensor objects that view it."""
+
+
+def movable(model: torch.nn.Module, device: torch.device) -> tuple[list[Group], int]:
+    """`model`'s storages on `device` with the tensor objects viewing them, and how many
+    storages stay because something else also holds them. None of them stays where this torch
+    cannot count a storage's users (``torch._C._storage_Use_Count``): all are kept."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    groups: dict[int, list[torch.Tensor]] = {}
+    for tensor in device_tensors(model, device):
+        groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+    if use_count is None:
+        return [], len(groups)
+    found: list[Group] = []
+    for tensors in groups.values():
+        storage = tensors[0].untyped_storage()
+        # one use a tensor object, one this handle: anything more is a holder we cannot see
+        if use_count(storage._cdata) == len(tensors) + 1:
+            found.append((storage, tensors))
+    return found, len(groups) - len(found)
+
+
+def relocate(groups: list[Group], device: torch.device) -> list[Group]:
+    """Each storage copied to `device`, one after another, and its tensor objects pointed at
+    the copy (so every reference to them follows); the old storages go once `groups` does."""
+    moved: list[Group] = []
+    for storage, tensors in groups:
+        copy = torch.UntypedStorage(storage.nbytes(), device=device)
+        copy.copy_(storage)
+        for tensor in tensors:
+            tensor.data = _viewed(tensor, copy)
+        moved.append((copy, tensors))
+    return moved
+
+
+@dataclasses.dataclass
+class Compaction:
+    moved_bytes: int  # the storages that went through the host
+    storages: int
+    kept: int  # storages another object also holds, left in place
+    holes_before: int
+    holes_after: int
+    seconds: float
+
+
+def compact(model: torch.nn.Module, device: Any) -> Compaction | None:
+    """Move the device storages of `model`'s tensors to the host and back, in order; None
+    where the host lacks the room."""
+    import psutil
+
+    device = torch.device(device)
+    started = time.monotonic()
+    before = holes(device)
+    groups, kept = movable(model, device)
+    total = sum(storage.nbytes() for storage, _ in groups)
+    if total * HOST_HEADROOM > psutil.virtual_memory().available:
+        return None
+    hosted = relocate(groups, torch.device("cpu"))
+    del groups  # the last handles on the device copies
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    count = len(relocate(hosted, device))
+    del hosted
+    torch.cuda.synchronize(device)
+    seconds = round(time.monotonic() - started, 3)
+    return Compaction(total, count, kept, before, holes(device), seconds)
+
+
+def wanted(device: Any) -> tuple[bool, str]:
+    """Whether to compact after the weights are packed, and why (for the start-up's log):
+    where the holes are at least ``MIN_HOLES_BYTES`` and memory is tight (what tensors could
+    still get, under ``--gpu-memory-gb`` its limit's, is less than the weights hold), as on a
+    24-32 GB card; with room to spare the trip through the host (seconds) buys nothing.
+    ``TOKENPIPE_COMPACT`` =1 / =0 overrides."""
+    setting = os.environ.get(SETTING, "")
+    if setting in ("0", "1"):
+        return setting == "1", f"{SETTING}={setting}"
+    from worker.device import memory
+
+    gaps = holes(device)
+    held, free = torch.cuda.memory_allocated(device), memory.unallocated_bytes(device)
+    why = (
+        f"{gaps / memory.GIB:.2f} GiB in holes, {held / memory.GIB:.2f} GiB of weights, "
+        f"{free / memory.GIB:.2f} GiB free beside them ({SETTING}=1 / =0 to choose)"
+    )
+    return gaps >= MIN_HOLES_BYTES and free < held, why
