@@ -78,7 +78,7 @@ def prepare_model_for_device(
     if packed or left:
         _log(f"cuda_setup: {packed} quantized weights in the K-major layout of the W4A16/W8A16 "
              f"kernels, {left} left to the torch reference")  # fmt: skip
-    if packed or left:
+    if packed and not isinstance(model, GraphedCausalLM):  # no graph holds an address yet
         _compact_weights(inner, clock)
     if packed and os.environ.get("TOKENPIPE_NO_GEMV") != "1":
         with clock.step("cuda_setup: quantized kernel tiles timed"):
