@@ -44,20 +44,43 @@ def test_device_tensors_finds_each_tensor_object_once() -> None:
     assert compaction.device_tensors(model, torch.device("meta")) == []
 
 
-def test_relocate_copies_each_storage_once_and_keeps_the_results() -> None:
-    model, x = _quantized_pair()
-    want = _run(model, x)
+def _through_a_buffer(model: torch.nn.Module) -> list[int]:
+    """`model`'s storages into one buffer and out again (the host's side of ``compact``), on
+    the CPU; their data pointers before."""
     groups, kept = compaction.movable(model, CPU)
     assert kept == 0
-    before = {storage.data_ptr() for storage, _ in groups}
-    qw = model.first.quantized
-    moved = compaction.relocate(groups, CPU)
+    before = [storage.data_ptr() for storage, _ in groups]
+    at, total = compaction.offsets(groups)
+    buffer = torch.full((total,), 255, dtype=torch.uint8)
+    compaction.into_buffer(groups, buffer, at)
+    for _, tensors in groups:  # each tensor object now views the buffer
+        assert all(t.untyped_storage().data_ptr() == buffer.data_ptr() for t in tensors)
+    placed = [(storage.nbytes(), tensors) for storage, tensors in groups]
     del groups
-    assert len(moved) == len(before)
-    assert not before & {storage.data_ptr() for storage, _ in moved}  # all copied
+    buffer_bytes = buffer.clone()
+    compaction.out_of_buffer(placed, buffer, at, CPU)
+    buffer.fill_(0)  # the tensors hold copies of their own
+    del buffer_bytes
+    return before
+
+
+def test_storages_go_through_one_buffer_and_keep_the_results() -> None:
+    model, x = _quantized_pair()
+    want = _run(model, x)
+    qw = model.first.quantized
+    before = _through_a_buffer(model)
     assert model.first.quantized is qw is model.second.quantized  # the objects stay shared
-    assert qw.qdata.untyped_storage().data_ptr() in {s.data_ptr() for s, _ in moved}
+    after = {t.untyped_storage().data_ptr() for t in compaction.device_tensors(model, CPU)}
+    assert len(after) == len(before)  # each storage copied once (malloc may reuse addresses)
     torch.testing.assert_close(_run(model, x), want, rtol=0, atol=0)
+
+
+def test_offsets_are_aligned_and_in_order() -> None:
+    model, _ = _quantized_pair()
+    groups, _ = compaction.movable(model, CPU)
+    at, total = compaction.offsets(groups)
+    assert at[0] == 0 and all(a % 256 == 0 for a in at) and at == sorted(at)
+    assert total >= at[-1] + groups[-1][0].nbytes()
 
 
 def test_views_of_one_storage_move_together() -> None:
@@ -67,7 +90,8 @@ def test_views_of_one_storage_move_together() -> None:
     del whole  # only the two views hold the storage, and the base they keep alive
     groups, kept = compaction.movable(model, CPU)
     assert kept == 0 and len(groups) == 1 and len(groups[0][1]) == 3
-    compaction.relocate(groups, CPU)
+    del groups
+    _through_a_buffer(model)
     assert model.top.untyped_storage().data_ptr() == model.rest.untyped_storage().data_ptr()
     assert model.top.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert model.rest.stride() == (1, 4) and model.rest[0].tolist() == [8, 12, 16, 20]
@@ -108,6 +132,6 @@ def test_compact_closes_the_holes_between_weights() -> None:
     base = compaction.holes(device)
     assert base >= 120 << 20
     done = compaction.compact(model, device)
-    assert done is not None and done.storages == 60 and done.kept == 0
+    assert done is not None and done.storages == 60 and done.kept == 0 and done.pinned
     assert done.holes_before == base and done.holes_after < 32 << 20
     assert [int(t[0]) for t in model.kept] == list(range(0, 120, 2))

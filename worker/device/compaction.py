@@ -68,10 +68,15 @@ def device_tensors(model: torch.nn.Module, device: torch.device) -> list[torch.T
     return list(found.values())
 
 
-def _viewed(tensor: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
-    """`tensor`'s view (offset, shape, strides, dtype) over `storage`."""
+def _viewed(tensor: torch.Tensor, storage: torch.UntypedStorage, at: int = 0) -> torch.Tensor:
+    """`tensor`'s view (offset, shape, strides, dtype) over `storage` from byte `at` on."""
     out = torch.empty(0, dtype=tensor.dtype, device=storage.device)
-    return out.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+    offset = at // tensor.element_size() + tensor.storage_offset()
+    return out.set_(storage, offset, tensor.shape, tensor.stride())
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 Group = tuple[torch.UntypedStorage, list[torch.Tensor]]
@@ -97,17 +102,46 @@ def movable(model: torch.nn.Module, device: torch.device) -> tuple[list[Group], 
     return found, len(groups) - len(found)
 
 
-def relocate(groups: list[Group], device: torch.device) -> list[Group]:
-    """Each storage copied to `device`, one after another, and its tensor objects pointed at
-    the copy (so every reference to them follows); the old storages go once `groups` does."""
-    moved: list[Group] = []
-    for storage, tensors in groups:
-        copy = torch.UntypedStorage(storage.nbytes(), device=device)
-        copy.copy_(storage)
+def offsets(groups: list[Group]) -> tuple[list[int], int]:
+    """Each storage's byte offset in one buffer (``host_pool.ALIGN``-aligned, in order) and the
+    buffer's size."""
+    from worker.engine.host_pool import ALIGN
+
+    at, end = [], 0
+    for storage, _ in groups:
+        at.append(end)
+        end += -(-storage.nbytes() // ALIGN) * ALIGN
+    return at, end
+
+
+def into_buffer(
+    groups: list[Group], buffer: torch.Tensor, at: list[int], pinned: bool = False
+) -> None:
+    """Every storage copied into uint8 `buffer` at its offset (asynchronously where the buffer
+    is `pinned`, then waited for), and its tensor objects pointed there (so every reference to
+    them follows); the old storages go once `groups` does."""
+    for (storage, _), start in zip(groups, at, strict=True):
+        buffer[start : start + storage.nbytes()].copy_(_bytes(storage), non_blocking=pinned)
+    if pinned:
+        torch.cuda.synchronize()
+    whole = buffer.untyped_storage()
+    for (_, tensors), start in zip(groups, at, strict=True):
         for tensor in tensors:
-            tensor.data = _viewed(tensor, copy)
-        moved.append((copy, tensors))
-    return moved
+            tensor.data = _viewed(tensor, whole, start + buffer.storage_offset())
+
+
+def out_of_buffer(
+    placed: list[tuple[int, list[torch.Tensor]]], buffer: torch.Tensor, at: list[int],
+    device: torch.device, pinned: bool = False,
+) -> None:  # fmt: skip
+    """The reverse of ``into_buffer``, for each storage's size and tensor objects: its bytes
+    copied from `buffer` into a storage of its own on `device`, one after another, its tensor
+    objects pointed at it."""
+    for (nbytes, tensors), start in zip(placed, at, strict=True):
+        copy = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        copy.copy_(buffer[start : start + nbytes], non_blocking=pinned)
+        for tensor in tensors:  # its offset counted from the buffer's start until now
+            tensor.data = _viewed(tensor, copy.untyped_storage(), -start)
 
 
 @dataclasses.dataclass
@@ -118,29 +152,36 @@ class Compaction:
     holes_before: int
     holes_after: int
     seconds: float
+    pinned: bool  # the host buffer was page-locked (copies at the bus's speed)
 
 
 def compact(model: torch.nn.Module, device: Any) -> Compaction | None:
-    """Move the device storages of `model`'s tensors to the host and back, in order; None
+    """Move the device storages of `model`'s tensors into one host buffer (page-locked where
+    ``cudaHostRegister`` takes it: ``host_pool.registered_buffer``) and back, in order; None
     where the host lacks the room."""
     import psutil
+
+    from worker.engine.host_pool import registered_buffer
 
     device = torch.device(device)
     started = time.monotonic()
     before = holes(device)
     groups, kept = movable(model, device)
-    total = sum(storage.nbytes() for storage, _ in groups)
+    at, total = offsets(groups)
     if total * HOST_HEADROOM > psutil.virtual_memory().available:
         return None
-    hosted = relocate(groups, torch.device("cpu"))
+    buffer, pinned = registered_buffer(total)
+    into_buffer(groups, buffer, at, pinned)
+    placed = [(storage.nbytes(), tensors) for storage, tensors in groups]
     del groups  # the last handles on the device copies
-    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    count = len(relocate(hosted, device))
-    del hosted
+    out_of_buffer(placed, buffer, at, device, pinned)
     torch.cuda.synchronize(device)
+    if pinned:
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    del buffer
     seconds = round(time.monotonic() - started, 3)
-    return Compaction(total, count, kept, before, holes(device), seconds)
+    return Compaction(total, len(placed), kept, before, holes(device), seconds, pinned)
 
 
 def wanted(device: Any) -> tuple[bool, str]:

@@ -132,8 +132,10 @@ def _compact_weights(inner: Any, clock: StartupClock) -> None:
         _log(f"cuda_setup: the weights stay where they loaded (the host lacks the room): {why}")
         return
     mib = 1 << 20
-    _log(f"cuda_setup: weights moved end to end through the host ({done.moved_bytes / 1e9:.2f} "
-         f"GB in {done.storages} storages, {done.kept} left in place, {done.seconds:.1f}s): "
+    host = "page-locked" if done.pinned else "pageable"
+    _log(f"cuda_setup: weights moved end to end through {host} host memory ("
+         f"{done.moved_bytes / 1e9:.2f} GB in {done.storages} storages, {done.kept} left in "
+         f"place, {done.seconds:.1f}s): "
          f"{done.holes_before / mib:.0f} MiB in holes before, {done.holes_after / mib:.0f} "
          f"after; {why}")  # fmt: skip
 

@@ -153,11 +153,17 @@ def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
     rounds every block up to a power of two (a 1.52 GB state took 2 GB)."""
     if not pinned:
         return torch.empty(nbytes, dtype=torch.uint8)
+    data, registered = registered_buffer(nbytes)
+    return data if registered else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def registered_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
+    """uint8 [nbytes] in host memory, its pages first touched by all of torch's threads, and
+    whether ``cudaHostRegister`` page-locked it (the owner then unregisters it before it goes:
+    ``cudaHostUnregister``)."""
     data = torch.zeros(nbytes, dtype=torch.uint8)  # first touch, in parallel
     cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(data.data_ptr(), nbytes, 0)) == 0:
-        return data
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return data, int(cudart.cudaHostRegister(data.data_ptr(), nbytes, 0)) == 0
 
 
 def lay_out(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
