@@ -11,7 +11,7 @@ cache or a 64 MiB prefill scratch fits in none of them, so a 24 GB card loses th
 ``compact`` copies every storage the model's modules hold on the device to the host, frees the
 device copies, and copies them back one after another into the emptied segment. A storage some
 other object also holds (``torch._C._storage_Use_Count`` says so) stays where it is: moving it
-would leave two copies. The worker runs it where memory is tight (``wanted``).
+would leave two copies. The worker runs it where ``TOKENPIPE_COMPACT=1`` (``wanted``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 SETTING = "TOKENPIPE_COMPACT"
-"""1: always move the weights end to end after packing them; 0: never; unset: ``wanted``."""
+"""1: move a quantized model's weights end to end after packing them (off by default:
+``wanted``)."""
 
 MIN_HOLES_BYTES = 64 << 20
 """Holes below this are not worth a trip through the host (the prefill scratch's size)."""
@@ -184,21 +185,26 @@ def compact(model: torch.nn.Module, device: Any) -> Compaction | None:
     return Compaction(total, len(placed), kept, before, holes(device), seconds, pinned)
 
 
-def wanted(device: Any) -> tuple[bool, str]:
-    """Whether to compact after the weights are packed, and why (for the start-up's log):
-    where the holes are at least ``MIN_HOLES_BYTES`` and memory is tight (what tensors could
-    still get, under ``--gpu-memory-gb`` its limit's, is less than the weights hold), as on a
-    24-32 GB card; with room to spare the trip through the host (seconds) buys nothing.
-    ``TOKENPIPE_COMPACT`` =1 / =0 overrides."""
+def wanted(device: Any) -> tuple[bool, str | None]:
+    """Whether to compact after the weights are packed (``TOKENPIPE_COMPACT=1``), and a line
+    for the start-up's log: where it is off but the holes are at least ``MIN_HOLES_BYTES`` and
+    memory is tight (what tensors could still get, under ``--gpu-memory-gb`` its limit's, is
+    less than the weights hold, as on a 24-32 GB card), what the setting would return. Off by
+    default: the trip through the host took 18.9 s for 20.5 GB of a 31B GGUF's weights to win
+    0.26 GiB (BENCHMARKS.md, session 41)."""
     setting = os.environ.get(SETTING, "")
-    if setting in ("0", "1"):
-        return setting == "1", f"{SETTING}={setting}"
+    if setting == "1":
+        return True, f"{SETTING}=1"
+    if setting == "0":
+        return False, None
     from worker.device import memory
 
     gaps = holes(device)
     held, free = torch.cuda.memory_allocated(device), memory.unallocated_bytes(device)
-    why = (
-        f"{gaps / memory.GIB:.2f} GiB in holes, {held / memory.GIB:.2f} GiB of weights, "
-        f"{free / memory.GIB:.2f} GiB free beside them ({SETTING}=1 / =0 to choose)"
+    if gaps < MIN_HOLES_BYTES or free >= held:
+        return False, None
+    return False, (
+        f"{gaps / memory.GIB:.2f} GiB lie in holes between the {held / memory.GIB:.2f} GiB of "
+        f"weights ({free / memory.GIB:.2f} GiB free beside them): {SETTING}=1 returns them, "
+        "moving the weights end to end through host memory at start-up"
     )
-    return gaps >= MIN_HOLES_BYTES and free < held, why

@@ -118,18 +118,21 @@ def _pack_quantized(inner: Any) -> tuple[int, int]:
 
 
 def _compact_weights(inner: Any, clock: StartupClock) -> None:
-    """The quantized model's weights moved end to end through the host where memory is tight
-    (``worker.device.compaction``): the load's holes back to the allocator in one piece."""
+    """The quantized model's weights moved end to end through the host where
+    ``TOKENPIPE_COMPACT=1`` (``worker.device.compaction``): the load's holes back to the
+    allocator in one piece. Off, a tight card's log says what it would return."""
     from worker.device import compaction
 
     device = inner.model.norm.weight.device
     wanted, why = compaction.wanted(device)
     if not wanted:
+        if why:
+            _log(f"cuda_setup: {why}")
         return
     with clock.step("cuda_setup: weights moved end to end"):
         done = compaction.compact(inner, device)
     if done is None:
-        _log(f"cuda_setup: the weights stay where they loaded (the host lacks the room): {why}")
+        _log("cuda_setup: the weights stay where they loaded (the host lacks the room)")
         return
     mib = 1 << 20
     host = "page-locked" if done.pinned else "pageable"
@@ -137,7 +140,7 @@ def _compact_weights(inner: Any, clock: StartupClock) -> None:
          f"{done.moved_bytes / 1e9:.2f} GB in {done.storages} storages, {done.kept} left in "
          f"place, {done.seconds:.1f}s): "
          f"{done.holes_before / mib:.0f} MiB in holes before, {done.holes_after / mib:.0f} "
-         f"after; {why}")  # fmt: skip
+         "after")  # fmt: skip
 
 
 SIX_BIT = "TOKENPIPE_INT6"
