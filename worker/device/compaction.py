@@ -4,7 +4,8 @@ Loading a quantized model leaves holes between its weights. Each GGUF tensor is 
 device in chunks (temporaries between the weights), the merged projections are concatenated and
 their parts freed, and ``pack_for_device`` writes each weight's K-major copy before it drops the
 canonical one. After a Gemma 4 31B Q4_K_M loaded under a 23.5 GiB limit, 270 MiB lay free in 143
-pieces, the largest 14.6 MiB (BENCHMARKS.md, session 40). ``empty_cache`` cannot return them:
+pieces, the largest 14.6 MiB (BENCHMARKS.md, session 40): 9 MiB after the load, 177 after the
+merge, 271 after the packing (session 41). ``empty_cache`` cannot return them:
 expandable segments map the large pool in 20 MiB pages, and no hole spans a whole page. A KV
 cache or a 64 MiB prefill scratch fits in none of them, so a 24 GB card loses them.
 
@@ -190,8 +191,8 @@ def wanted(device: Any) -> tuple[bool, str | None]:
     for the start-up's log: where it is off but the holes are at least ``MIN_HOLES_BYTES`` and
     memory is tight (what tensors could still get, under ``--gpu-memory-gb`` its limit's, is
     less than the weights hold, as on a 24-32 GB card), what the setting would return. Off by
-    default: the trip through the host took 18.9 s for 20.5 GB of a 31B GGUF's weights to win
-    0.26 GiB (BENCHMARKS.md, session 41)."""
+    default: the trip through the host takes 4.1-4.8 s for 20.5 GB of a 31B GGUF's weights
+    (page-locked; 18.9 s pageable) to win 0.26 GiB (BENCHMARKS.md, session 41)."""
     setting = os.environ.get(SETTING, "")
     if setting == "1":
         return True, f"{SETTING}=1"
