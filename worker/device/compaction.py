@@ -1,18 +1,18 @@
 """A loaded model's device tensors moved out through the host and back, so they lie end to end.
 
-Loading a quantized model leaves holes between its weights. Each GGUF tensor is repacked on the
-device in chunks (temporaries between the weights), the merged projections are concatenated and
-their parts freed, and ``pack_for_device`` writes each weight's K-major copy before it drops the
-canonical one. After a Gemma 4 31B Q4_K_M loaded under a 23.5 GiB limit, 270 MiB lay free in 143
-pieces, the largest 14.6 MiB (BENCHMARKS.md, session 40): 9 MiB after the load, 177 after the
-merge, 271 after the packing (session 41). ``empty_cache`` cannot return them:
-expandable segments map the large pool in 20 MiB pages, and no hole spans a whole page. A KV
-cache or a 64 MiB prefill scratch fits in none of them, so a 24 GB card loses them.
+Loading a quantized model leaves holes between its weights: the merged projections are
+concatenated while their parts are alive, and ``pack_for_device`` writes each weight's K-major
+copy before it drops the canonical one. After a Gemma 4 31B Q4_K_M loaded under a 23.5 GiB
+limit, 271 MiB lay free in ~140 pieces, the largest 14.6 MiB: 9 MiB after the chunked GGUF
+repack, 177 after the merge, 271 after the packing (BENCHMARKS.md, sessions 40-41).
+``empty_cache`` does not return them (measured): they sit in pages of the expandable segment
+that live tensors share. A KV cache or a 64 MiB prefill scratch fits in none of them.
 
-``compact`` copies every storage the model's modules hold on the device to the host, frees the
-device copies, and copies them back one after another into the emptied segment. A storage some
-other object also holds (``torch._C._storage_Use_Count`` says so) stays where it is: moving it
-would leave two copies. The worker runs it where ``TOKENPIPE_COMPACT=1`` (``wanted``).
+``compact`` copies every storage the model's modules hold on the device into one host buffer,
+frees the device copies, and copies them back one after another into the emptied segment. A
+storage some other object also holds (``torch._C._storage_Use_Count`` says so) stays where it
+is: moving it would leave two copies. The worker runs it where ``TOKENPIPE_COMPACT=1``
+(``wanted``).
 """
 
 from __future__ import annotations
