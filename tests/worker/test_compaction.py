@@ -118,6 +118,30 @@ def test_the_setting_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compaction.wanted(CPU) == (True, "TOKENPIPE_COMPACT=1")
 
 
+@pytest.mark.parametrize(
+    ("gaps_mib", "free_gib", "hint"), [(271, 3.85, True), (40, 3.85, False), (271, 60.0, False)]
+)
+def test_off_by_default_with_a_hint_where_memory_is_tight(
+    monkeypatch: pytest.MonkeyPatch, gaps_mib: int, free_gib: float, hint: bool
+) -> None:
+    """Unset, nothing moves; where the holes reach 64 MiB and the room beside the weights is
+    less than they hold (the 31B file under 23.5 GiB: 271 MiB, 19.13 GiB held, 3.85 free), the
+    log line names the setting."""
+    from worker.device import memory
+
+    gib = 1 << 30
+    monkeypatch.delenv(compaction.SETTING, raising=False)
+    monkeypatch.setattr(compaction, "holes", lambda device: gaps_mib << 20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: int(19.13 * gib))
+    monkeypatch.setattr(memory, "unallocated_bytes", lambda device: int(free_gib * gib))
+    on, why = compaction.wanted(torch.device("cuda", 0))
+    assert not on
+    if hint:
+        assert why is not None and "TOKENPIPE_COMPACT=1" in why and "0.26 GiB" in why
+    else:
+        assert why is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compact_closes_the_holes_between_weights() -> None:
     """Every other 3 MiB block freed among 120 (the load's pattern: temporaries between the
