@@ -51,15 +51,16 @@ def _through_a_buffer(model: torch.nn.Module) -> list[int]:
     assert kept == 0
     before = [storage.data_ptr() for storage, _ in groups]
     at, total = compaction.offsets(groups)
-    buffer = torch.full((total,), 255, dtype=torch.uint8)
+    whole = torch.full((total + 512,), 255, dtype=torch.uint8)
+    buffer = whole[512:]  # a buffer that starts inside its storage
     compaction.into_buffer(groups, buffer, at)
     for _, tensors in groups:  # each tensor object now views the buffer
-        assert all(t.untyped_storage().data_ptr() == buffer.data_ptr() for t in tensors)
+        assert all(t.untyped_storage().data_ptr() == whole.data_ptr() for t in tensors)
     placed = [(storage.nbytes(), tensors) for storage, tensors in groups]
     del groups
     buffer_bytes = buffer.clone()
     compaction.out_of_buffer(placed, buffer, at, CPU)
-    buffer.fill_(0)  # the tensors hold copies of their own
+    whole.fill_(0)  # the tensors hold copies of their own
     del buffer_bytes
     return before
 

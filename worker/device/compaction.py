@@ -142,8 +142,8 @@ def out_of_buffer(
     for (nbytes, tensors), start in zip(placed, at, strict=True):
         copy = torch.empty(nbytes, dtype=torch.uint8, device=device)
         copy.copy_(buffer[start : start + nbytes], non_blocking=pinned)
-        for tensor in tensors:  # its offset counted from the buffer's start until now
-            tensor.data = _viewed(tensor, copy.untyped_storage(), -start)
+        for tensor in tensors:  # its offset counted from the buffer's storage until now
+            tensor.data = _viewed(tensor, copy.untyped_storage(), -start - buffer.storage_offset())
 
 
 @dataclasses.dataclass
