@@ -58,10 +58,8 @@ def _through_a_buffer(model: torch.nn.Module) -> list[int]:
         assert all(t.untyped_storage().data_ptr() == whole.data_ptr() for t in tensors)
     placed = [(storage.nbytes(), tensors) for storage, tensors in groups]
     del groups
-    buffer_bytes = buffer.clone()
     compaction.out_of_buffer(placed, buffer, at, CPU)
     whole.fill_(0)  # the tensors hold copies of their own
-    del buffer_bytes
     return before
 
 
