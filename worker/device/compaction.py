@@ -107,13 +107,9 @@ def movable(model: torch.nn.Module, device: torch.device) -> tuple[list[Group], 
 def offsets(groups: list[Group]) -> tuple[list[int], int]:
     """Each storage's byte offset in one buffer (``host_pool.ALIGN``-aligned, in order) and the
     buffer's size."""
-    from worker.engine.host_pool import ALIGN
+    from worker.engine.host_pool import aligned_offsets
 
-    at, end = [], 0
-    for storage, _ in groups:
-        at.append(end)
-        end += -(-storage.nbytes() // ALIGN) * ALIGN
-    return at, end
+    return aligned_offsets(storage.nbytes() for storage, _ in groups)
 
 
 def into_buffer(

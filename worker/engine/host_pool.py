@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -168,9 +168,16 @@ def registered_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
 
 def lay_out(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
     """Each tensor's byte offset in a buffer (``ALIGN``-aligned, in order) and the bytes used."""
-    offsets: dict[str, int] = {}
+    at, end = aligned_offsets(t.numel() * t.element_size() for t in tensors.values())
+    return dict(zip(tensors, at, strict=True)), end
+
+
+def aligned_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Byte offsets of pieces of these sizes laid one after another in a buffer, each
+    ``ALIGN``-aligned, and the bytes used."""
+    at: list[int] = []
     end = 0
-    for name, t in tensors.items():
-        offsets[name] = end
-        end += -(-(t.numel() * t.element_size()) // ALIGN) * ALIGN
-    return offsets, end
+    for size in sizes:
+        at.append(end)
+        end += -(-size // ALIGN) * ALIGN
+    return at, end
