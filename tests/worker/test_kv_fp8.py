@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -295,6 +296,37 @@ def test_prefill_attention_reads_an_fp8_pool(triton_ready: None, window: int) ->
         config=(16, 16, 4, 1),
     )  # fmt: skip
     torch.testing.assert_close(out[:n].cpu(), want[:n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_bf16_prefill_over_an_fp8_cache_dots_in_fp16(triton_ready: None, window: int) -> None:
+    """A bf16 model's prefill over an fp8 cache takes its dots in fp16 (q scaled first, then
+    rounded; `prefill_attention._fp16_operands`): what the fp32 reference gives over the same
+    cached values, within bf16's rounding of the output; and the same with the switch off."""
+    from worker.device.kernels import prefill_attention as pa
+    from worker.device.kernels.reference import prefill_attention_slot_reference
+
+    n, cached, entries, q_heads, kv_heads, dim = 9, 7, 10, 4, 2, 16
+    gen = torch.Generator().manual_seed(21 + window)
+    q = torch.randn(n, q_heads, dim, generator=gen) * 4
+    k_new = as_cached(torch.randn(n, kv_heads, dim, generator=gen), torch.empty(0, dtype=FP8))
+    v_new = as_cached(torch.randn(n, kv_heads, dim, generator=gen), torch.empty(0, dtype=FP8))
+    k_pool = torch.randn(3, kv_heads, entries, dim, generator=gen).to(FP8)
+    v_pool = torch.randn(3, kv_heads, entries, dim, generator=gen).to(FP8)
+    meta = torch.tensor([1, cached, n], dtype=torch.int64)
+    bf = [t.to(torch.bfloat16) for t in (q, k_new, v_new)]
+    want = prefill_attention_slot_reference(
+        *(t.float() for t in bf), k_pool, v_pool, meta, sm_scale=dim**-0.5, window=window
+    )
+    args = [t.to(DEVICE) for t in (*bf, k_pool, v_pool, meta)]
+    for f16 in (True, False):
+        out = torch.empty(n, q_heads, dim, dtype=torch.bfloat16, device=DEVICE)
+        with patch.object(pa, "FP16_OVER_FP8", f16):
+            pa.prefill_attention_slot(
+                *args[:3], out, *args[3:], sm_scale=dim**-0.5, window=window,
+                config=(16, 16, 4, 1),
+            )  # fmt: skip
+        torch.testing.assert_close(out.cpu().double(), want.double(), rtol=2e-2, atol=2e-2)
 
 
 # -- the engine on the default model's real weights, fp8 cache ---------------------------------

@@ -29,11 +29,14 @@ outputs ignored. This module imports Triton: import it only after
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+# a bf16 step over an fp8 cache takes its dots in fp16 (`_fp16_operands`); 0: in bf16
+FP16_OVER_FP8 = os.environ.get("TOKENPIPE_PREFILL_FP16", "1") != "0"
 PREV_NONE = 0  # no previous keys
 PREV_INDEX = 1  # previous entry i holds position i (a full layer's cached prefix)
 PREV_TABLE = 2  # previous entry i holds position prev_pos[i] (a ring)
@@ -373,6 +376,24 @@ def _check_shapes(
         raise ValueError("q, k, v and out need a contiguous last dim")
 
 
+def _fp16_operands(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qk_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """A bf16 step's operands for dots in fp16 over an fp8 cache: q scaled first (so a q far
+    past fp16's largest value, 65,504, stays in range), the new keys as they are (an fp8
+    cache's new keys are rounded to its values, which fp16 holds exactly). Returns (q, k_new,
+    v_new, the scale left for the kernel: 1).
+
+    Why: the kernel widens every cached K/V tile to its dots' dtype. e4m3 widens to fp16 in
+    one instruction a pair; to bf16 it takes more, and those conversions, not the bytes, made
+    an fp8 cache's prefill slower than a bf16 one's (H100, the 31B full layer's 1,024 new
+    tokens over 15,360 cached: bf16 5.87 ms, fp8 widened to bf16 6.63, to fp16 5.61; the
+    widened q made in the kernel instead stays in registers and took 7.20: BENCHMARKS.md,
+    session 42). fp16 keeps 3 more mantissa bits than bf16 for q and the probabilities."""
+    q16 = torch.mul(q, qk_scale).to(torch.float16)
+    return q16, k_new.to(torch.float16), v_new.to(torch.float16), 1.0
+
+
 def _launch(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -395,6 +416,9 @@ def _launch(
     splits: int | None = 1,
 ) -> None:
     q_heads, head_dim = q.shape[1], q.shape[2]
+    qk_scale = float(sm_scale) * 1.4426950408889634  # base-2 logits
+    if FP16_OVER_FP8 and k_prev.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16:
+        q, k_new, v_new, qk_scale = _fp16_operands(q, k_new, v_new, qk_scale)
     block_m, block_n, num_warps, num_stages = config or fit_config(
         CONFIGS.get(head_dim, (64, 32, 8, 1)), head_dim, q.element_size()
     )
@@ -414,7 +438,7 @@ def _launch(
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), *k_prev_strides, *v_prev_strides,
         out.stride(0), out.stride(1),
-        n, n_prev, cached, float(sm_scale) * 1.4426950408889634, window, n,
+        n, n_prev, cached, qk_scale, window, n,
         GROUP=q_heads // k_new.shape[1], PREV=mode, META=slot_meta, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
