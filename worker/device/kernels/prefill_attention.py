@@ -387,11 +387,24 @@ def _fp16_operands(
     Why: the kernel widens every cached K/V tile to its dots' dtype. e4m3 widens to fp16 in
     one instruction a pair; to bf16 it takes more, and those conversions, not the bytes, made
     an fp8 cache's prefill slower than a bf16 one's (H100, the 31B full layer's 1,024 new
-    tokens over 15,360 cached: bf16 5.87 ms, fp8 widened to bf16 6.63, to fp16 5.61; the
-    widened q made in the kernel instead stays in registers and took 7.20: BENCHMARKS.md,
-    session 42). fp16 keeps 3 more mantissa bits than bf16 for q and the probabilities."""
-    q16 = torch.mul(q, qk_scale).to(torch.float16)
+    tokens over 15,360 cached: bf16 5.87 ms, fp8 widened to bf16 6.64, to fp16 5.72 with
+    these casts; the widened q made in the kernel instead stays in registers and took 7.20:
+    BENCHMARKS.md, session 42). fp16 keeps 3 more mantissa bits than bf16 for q and the
+    probabilities. Where it pays: `_fp16_pays`."""
+    q16 = torch.empty(q.shape, dtype=torch.float16, device=q.device)
+    torch.mul(q, qk_scale, out=q16)  # one pass: the product rounded once, to fp16
     return q16, k_new.to(torch.float16), v_new.to(torch.float16), 1.0
+
+
+def _fp16_pays(q: torch.Tensor, k_prev: torch.Tensor, n_prev: int, n: int, window: int) -> bool:
+    """Whether a step takes `_fp16_operands`: a bf16 step over an fp8 cache's full layer whose
+    previous keys (the slot variant: its pool's capacity) are at least as many as the new rows.
+    The casts cost a pass over q; the kernel wins back 13-16% of itself over a long prefix, but
+    over a sliding layer's ring (at most its window) the casts cost more than the kernel saves:
+    1,024 new rows over a 1,024-entry ring took 330 us against 282 (H100, session 42)."""
+    if not FP16_OVER_FP8 or k_prev.dtype != torch.float8_e4m3fn or q.dtype != torch.bfloat16:
+        return False
+    return window <= 0 and n_prev >= n
 
 
 def _launch(
@@ -417,7 +430,7 @@ def _launch(
 ) -> None:
     q_heads, head_dim = q.shape[1], q.shape[2]
     qk_scale = float(sm_scale) * 1.4426950408889634  # base-2 logits
-    if FP16_OVER_FP8 and k_prev.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16:
+    if _fp16_pays(q, k_prev, n_prev, n, window):
         q, k_new, v_new, qk_scale = _fp16_operands(q, k_new, v_new, qk_scale)
     block_m, block_n, num_warps, num_stages = config or fit_config(
         CONFIGS.get(head_dim, (64, 32, 8, 1)), head_dim, q.element_size()
