@@ -396,15 +396,16 @@ def _fp16_operands(
     return q16, k_new.to(torch.float16), v_new.to(torch.float16), 1.0
 
 
-def _fp16_pays(q: torch.Tensor, k_prev: torch.Tensor, n_prev: int, n: int, window: int) -> bool:
-    """Whether a step takes `_fp16_operands`: a bf16 step over an fp8 cache's full layer whose
-    previous keys (the slot variant: its pool's capacity) are at least as many as the new rows.
-    The casts cost a pass over q; the kernel wins back 13-16% of itself over a long prefix, but
-    over a sliding layer's ring (at most its window) the casts cost more than the kernel saves:
-    1,024 new rows over a 1,024-entry ring took 330 us against 282 (H100, session 42)."""
+def _fp16_pays(q: torch.Tensor, k_prev: torch.Tensor, window: int) -> bool:
+    """Whether a step takes `_fp16_operands`: a bf16 step over an fp8 cache's full layer. The
+    casts cost a pass over q; over a full layer's prefix the kernel wins back 13-16% of itself
+    (a short prefix loses the pass, under 0.3% of a step), but over a sliding layer's ring (at
+    most its window) the casts cost more than the kernel saves: 1,024 new rows over a
+    1,024-entry ring took 330 us against 282 (H100, session 42). Not by length: one kernel
+    variant a layer kind, the ones the start-up warm-up compiles."""
     if not FP16_OVER_FP8 or k_prev.dtype != torch.float8_e4m3fn or q.dtype != torch.bfloat16:
         return False
-    return window <= 0 and n_prev >= n
+    return window <= 0
 
 
 def _launch(
@@ -430,7 +431,7 @@ def _launch(
 ) -> None:
     q_heads, head_dim = q.shape[1], q.shape[2]
     qk_scale = float(sm_scale) * 1.4426950408889634  # base-2 logits
-    if _fp16_pays(q, k_prev, n_prev, n, window):
+    if _fp16_pays(q, k_prev, window):
         q, k_new, v_new, qk_scale = _fp16_operands(q, k_new, v_new, qk_scale)
     block_m, block_n, num_warps, num_stages = config or fit_config(
         CONFIGS.get(head_dim, (64, 32, 8, 1)), head_dim, q.element_size()
