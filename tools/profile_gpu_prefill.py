@@ -2,6 +2,11 @@
 
 python tools/profile_gpu_prefill.py [--config examples/gemma4_31b/config.json] [--resident 4096]
 Prints wall time per prefill and the top CUDA kernels / CPU ops of one warm prefill.
+
+python tools/profile_gpu_prefill.py --kv-dtypes auto,fp8 [--prompt 16384] [--chunk 2048]
+is a same-process A/B of KV cache formats: one model, one cache of each format, a cold
+chunked prefill of the whole prompt timed in each in turn (rounds alternate the order), then
+one profiled prompt each and the kernels whose GPU time differs most between them.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import argparse
 import json
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -26,12 +32,19 @@ def main() -> None:
     parser.add_argument("--resident", type=int, default=4096)
     parser.add_argument("--extra", type=int, default=64)
     parser.add_argument("--decode", type=int, default=0, help="also time N batch-1 decode steps")
+    parser.add_argument("--kv-dtypes", default="", help="e.g. auto,fp8: the A/B of cache formats")
+    parser.add_argument("--prompt", type=int, default=16384, help="the A/B's prompt tokens")
+    parser.add_argument("--chunk", type=int, default=2048, help="the A/B's prefill chunk")
+    parser.add_argument("--rounds", type=int, default=3, help="the A/B's timed prompts a format")
     args = parser.parse_args()
     dev = torch.device("cuda")
     cfg = ModelConfig.from_hf(json.load(open(args.config)))
     model = build_model(cfg, dev, torch.bfloat16)
     init_random_weights_on_device(model, 0)
     model = prepare_model_for_device(SimpleNamespace(model=model), dev, True, 0)
+    if args.kv_dtypes:
+        cache_dtype_ab(model, args.kv_dtypes.split(","), args.prompt, args.chunk, args.rounds)
+        return
     kv = model.make_kv_cache(2, args.resident + args.extra + 16)
     vocab = cfg.vocab_size if hasattr(cfg, "vocab_size") else 1000
     gen = torch.Generator().manual_seed(0)
@@ -64,6 +77,57 @@ def main() -> None:
     if args.decode:
         profile_decode(model, kv, args.resident + args.extra, args.decode)
     time_prefill_graphs(model, args.resident)
+
+
+def cache_dtype_ab(model: Any, names: list[str], prompt: int, chunk: int, rounds: int) -> None:
+    """The same cold chunked prefill into a cache of each format, eager as a worker runs a
+    long prompt's chunks (a cache that is not the graphs' own goes to the eager model)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from worker.layers.kv import kv_cache_dtype
+
+    inner = getattr(model, "inner", model)
+    dev = inner.device
+    caches = {n: inner.make_kv_cache(1, prompt + 16, kv_dtype=kv_cache_dtype(n)) for n in names}
+    ids = torch.randint(0, 1000, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def run(kv: Any) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for first in range(0, prompt, chunk):
+            inner(StepInput.single(ids[first : first + chunk], 0, first, dev), kv)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for kv in caches.values():
+        run(kv)  # compiles, allocator
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names if r % 2 == 0 else names[::-1]:
+            times[n].append(run(caches[n]))
+    base = min(times[names[0]])
+    for n in names:
+        best = min(times[n])
+        print(
+            f"kv {n}: {prompt} tokens in chunks of {chunk}: best {best * 1000:.1f} ms "
+            f"({prompt / best:,.0f} tok/s, {best / base - 1:+.1%} against {names[0]}); "
+            f"all {', '.join(f'{t * 1000:.1f}' for t in times[n])} ms",
+            flush=True,
+        )
+    kernels: dict[str, dict[str, float]] = {}
+    for n in names:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(caches[n])
+        for event in prof.key_averages():
+            kernels.setdefault(event.key, {})[n] = event.device_time_total / 1000  # ms
+    totals = {n: sum(k.get(n, 0.0) for k in kernels.values()) for n in names}
+    print("kernel GPU time a prompt (ms): " + ", ".join(f"{n} {t:.1f}" for n, t in totals.items()))
+    a, b = names[0], names[-1]
+    rows = sorted(kernels.items(), key=lambda kv: -abs(kv[1].get(b, 0.0) - kv[1].get(a, 0.0)))
+    print(f"| kernel | {' | '.join(names)} | {b} - {a} |")
+    for key, ms in rows[:16]:
+        cells = " | ".join(f"{ms.get(n, 0.0):.2f}" for n in names)
+        print(f"| {key[:90]} | {cells} | {ms.get(b, 0.0) - ms.get(a, 0.0):+.2f} |")
 
 
 def time_prefill_graphs(model: object, cached: int, steps: int = 10) -> None:
