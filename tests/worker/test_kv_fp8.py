@@ -312,6 +312,38 @@ def test_fp16_dots_only_where_they_pay(triton_ready: None) -> None:
         assert not pa._fp16_pays(bf16, fp8, 0)
 
 
+def test_the_flash_prefill_fills_an_fp8_cache_as_the_torch_path_does(
+    monkeypatch: pytest.MonkeyPatch, triton_ready: None
+) -> None:
+    """The eager prefill's Triton path (`_prefill_one_triton`: the new keys rounded to fp8
+    once, the store copying those bytes) against the torch path (`_prefill_one`), both over
+    fp8 caches: chunks from scratch, over a cached prefix and over a wrapped sliding ring give
+    the same logits and the same cache entries, and no other slot is written."""
+    if torch.cuda.is_available():  # CPU tensors through Triton want its interpreter
+        pytest.skip("the interpreter's test: the GPU tests run the flash path on CUDA")
+    from test_cuda_graphs import tiny_model
+
+    from worker.models.step import StepInput
+
+    model = tiny_model()
+    model.kv_cache_dtype = FP8
+    kv_torch, kv_flash = model.make_kv_cache(3, 64), model.make_kv_cache(3, 64)
+    assert {layer.window for layer in kv_flash.layers} == {None, 8}
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    for start in range(0, 40, 13):
+        step = StepInput.single(prompt[start : start + 13], 1, start)
+        monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "0")
+        want = model(step, kv_torch)
+        monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
+        got = model(step, kv_flash)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    for a, b in zip(kv_torch.layers, kv_flash.layers, strict=True):
+        assert b.k.dtype == FP8 and b.v.dtype == FP8
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+            assert not y[0].float().any() and not y[2].float().any()
+
+
 @pytest.mark.parametrize("window", [0, 8])
 def test_bf16_prefill_over_an_fp8_cache_dots_in_fp16(triton_ready: None, window: int) -> None:
     """A bf16 model's prefill over an fp8 cache takes its dots in fp16 (q scaled first, then

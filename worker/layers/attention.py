@@ -376,10 +376,13 @@ def _prefill_one_triton(
 
     c, s = seq.cached, seq.slot
     rows = slice(seq.start, seq.end)
-    new_k, new_v = as_cached(k[rows], cache.k), as_cached(v[rows], cache.v)  # [n, KVH, D]
+    # [n, KVH, D] in the cache's dtype (rounded once: the store copies these bytes), and as
+    # attention sees them (`as_cached`); the same tensors where the cache has k's dtype
+    stored_k, stored_v = as_cache(k[rows], cache.k), as_cache(v[rows], cache.v)
+    new_k, new_v = stored_k.to(k.dtype), stored_v.to(v.dtype)
     k_prev = v_prev = prev_pos = None
     if cache.window is None:
-        _store_full(cache, seq, new_k.transpose(0, 1), new_v.transpose(0, 1))
+        _store_full(cache, seq, stored_k.transpose(0, 1), stored_v.transpose(0, 1))
         if c:
             k_prev, v_prev = cache.k[s, :, :c], cache.v[s, :, :c]  # [KVH, c, D]
     else:
@@ -391,7 +394,7 @@ def _prefill_one_triton(
         window=cache.window or 0, k_prev=k_prev, v_prev=v_prev, prev_pos=prev_pos,
     )  # fmt: skip
     if cache.window is not None:
-        _store_ring(cache, plan, i, seq, new_k.transpose(0, 1), new_v.transpose(0, 1))
+        _store_ring(cache, plan, i, seq, stored_k.transpose(0, 1), stored_v.transpose(0, 1))
 
 
 def _store_full(cache: LayerCache, seq: SeqView, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
