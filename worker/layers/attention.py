@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from worker.device import cpu_gemv
 from worker.device.kernels.attention import use_triton
-from worker.layers.kv import LayerCache, as_cache, as_cached, index_copy
+from worker.layers.kv import LayerCache, as_cache, index_copy
 from worker.models.step import StepInput
 
 
@@ -329,11 +329,13 @@ def _prefill_one(
     if use_triton(q) and os.environ.get("TOKENPIPE_NO_TRITON_PREFILL") != "1":
         _prefill_one_triton(q, k, v, cache, plan, i, seq, scale, out)
         return
-    new_k = as_cached(k[seq.start : seq.end].transpose(0, 1), cache.k)  # [KVH, n, D]
-    new_v = as_cached(v[seq.start : seq.end].transpose(0, 1), cache.v)
+    # [KVH, n, D] in the cache's dtype, and as attention sees them (see _prefill_one_triton)
+    stored_k = as_cache(k[seq.start : seq.end].transpose(0, 1), cache.k)
+    stored_v = as_cache(v[seq.start : seq.end].transpose(0, 1), cache.v)
+    new_k, new_v = stored_k.to(k.dtype), stored_v.to(v.dtype)
     mask = plan.prefill_mask(i, cache)  # see AttentionPlan._prefill_mask for the shapes
     if cache.window is None:
-        _store_full(cache, seq, new_k, new_v)
+        _store_full(cache, seq, stored_k, stored_v)
         keys, values = cache.k[s, :, : c + n], cache.v[s, :, : c + n]  # [KVH, c + n, D]
     else:
         if c == 0:
@@ -342,7 +344,7 @@ def _prefill_one(
             # the ring as it was before this step, then the new keys: [KVH, R + n, D]
             keys = torch.cat([cache.k[s].to(new_k.dtype), new_k], dim=1)
             values = torch.cat([cache.v[s].to(new_v.dtype), new_v], dim=1)
-        _store_ring(cache, plan, i, seq, new_k, new_v)
+        _store_ring(cache, plan, i, seq, stored_k, stored_v)
     query = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, H, n, D]
     if mask is not None and cache.window is None and q.is_cuda:
         # full layer over a cached prefix: the mask is causal aligned to the bottom right;
@@ -377,7 +379,7 @@ def _prefill_one_triton(
     c, s = seq.cached, seq.slot
     rows = slice(seq.start, seq.end)
     # [n, KVH, D] in the cache's dtype (rounded once: the store copies these bytes), and as
-    # attention sees them (`as_cached`); the same tensors where the cache has k's dtype
+    # attention sees them (`kv.as_cached`); the same tensors where the cache has k's dtype
     stored_k, stored_v = as_cache(k[rows], cache.k), as_cache(v[rows], cache.v)
     new_k, new_v = stored_k.to(k.dtype), stored_v.to(v.dtype)
     k_prev = v_prev = prev_pos = None
