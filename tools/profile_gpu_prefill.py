@@ -88,15 +88,21 @@ def cache_dtype_ab(model: Any, names: list[str], prompt: int, chunk: int, rounds
 
     inner = getattr(model, "inner", model)
     dev = inner.device
+    cuda = dev.type == "cuda"  # the CPU runs it too (its test)
     caches = {n: inner.make_kv_cache(1, prompt + 16, kv_dtype=kv_cache_dtype(n)) for n in names}
-    ids = torch.randint(0, 1000, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    vocab = getattr(inner.config, "vocab_size", 1000)
+    ids = torch.randint(0, vocab, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
 
     def run(kv: Any) -> float:
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         for first in range(0, prompt, chunk):
             inner(StepInput.single(ids[first : first + chunk], 0, first, dev), kv)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - start
 
     for kv in caches.values():
@@ -114,16 +120,19 @@ def cache_dtype_ab(model: Any, names: list[str], prompt: int, chunk: int, rounds
             f"all {', '.join(f'{t * 1000:.1f}' for t in times[n])} ms",
             flush=True,
         )
+    # the GPU's kernels; on the CPU, its ops' own time
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     kernels: dict[str, dict[str, float]] = {}
     for n in names:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[activity]) as prof:
             run(caches[n])
         for event in prof.key_averages():
-            kernels.setdefault(event.key, {})[n] = event.device_time_total / 1000  # ms
+            us = event.device_time_total if cuda else event.self_cpu_time_total
+            kernels.setdefault(event.key, {})[n] = us / 1000  # ms
     totals = {n: sum(k.get(n, 0.0) for k in kernels.values()) for n in names}
     print("kernel GPU time a prompt (ms): " + ", ".join(f"{n} {t:.1f}" for n, t in totals.items()))
     a, b = names[0], names[-1]
-    rows = sorted(kernels.items(), key=lambda kv: -abs(kv[1].get(b, 0.0) - kv[1].get(a, 0.0)))
+    rows = sorted(kernels.items(), key=lambda item: -abs(item[1].get(b, 0.0) - item[1].get(a, 0.0)))
     print(f"| kernel | {' | '.join(names)} | {b} - {a} |")
     for key, ms in rows[:16]:
         cells = " | ".join(f"{ms.get(n, 0.0):.2f}" for n in names)

@@ -651,3 +651,28 @@ def test_tokenpipe_run_and_info_take_the_flag(default_model_gguf: Path) -> None:
     bad = _run(["run", "--kv-cache-dtype", "int4"], "")  # the worker's own parse refuses it
     assert bad.returncode != 0
     assert "Invalid value for '--kv-cache-dtype': 'int4' is not one of 'auto', 'fp8'" in bad.stderr
+
+
+def test_the_cache_format_ab_tool_runs_both_caches(capsys: pytest.CaptureFixture[str]) -> None:
+    """tools/profile_gpu_prefill.py --kv-dtypes (the same prompt into a cache of each format
+    in one process) on the CPU: a line per format, the kernel table, both caches filled."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from profile_gpu_prefill import cache_dtype_ab
+    from test_cuda_graphs import tiny_model
+
+    model = tiny_model()
+    made: list[KVCache] = []
+    make = model.make_kv_cache
+
+    def recording(*args: Any, **kwargs: Any) -> KVCache:
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    with patch.object(model, "make_kv_cache", recording):
+        cache_dtype_ab(model, ["auto", "fp8"], prompt=20, chunk=8, rounds=2)
+    out = capsys.readouterr().out
+    assert "kv auto: 20 tokens in chunks of 8" in out and "+0.0% against auto" in out
+    assert "kv fp8: 20 tokens in chunks of 8" in out
+    assert "| kernel | auto | fp8 | fp8 - auto |" in out
+    assert [c.layers[0].k.dtype for c in made] == [torch.float32, FP8]
+    assert all(c.layers[2].k[0, :, :20].float().abs().sum() > 0 for c in made)  # a full layer
