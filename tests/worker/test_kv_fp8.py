@@ -27,6 +27,7 @@ from worker.layers.kv import (
     as_cached,
     index_copy,
     kv_cache_dtype,
+    round_to_cache,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -51,6 +52,10 @@ def test_writes_round_to_the_cache_and_saturate() -> None:
     assert as_cache(same, same) is same and as_cached(same, same) is same
     back = as_cached(x, cache)  # what attention sees of a new key
     assert back.dtype == torch.bfloat16 and torch.equal(back, got.to(torch.bfloat16))
+    stored, seen = round_to_cache(x, cache)  # both at once, rounded once (a prefill's store)
+    assert stored.dtype == FP8 and torch.equal(stored.view(torch.uint8), got.view(torch.uint8))
+    assert torch.equal(seen, back)
+    assert all(t is same for t in round_to_cache(same, same))
 
 
 def test_index_copy_writes_an_fp8_cache_on_the_cpu() -> None:

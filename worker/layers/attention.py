@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from worker.device import cpu_gemv
 from worker.device.kernels.attention import use_triton
-from worker.layers.kv import LayerCache, as_cache, index_copy
+from worker.layers.kv import LayerCache, as_cache, index_copy, round_to_cache
 from worker.models.step import StepInput
 
 
@@ -329,10 +329,9 @@ def _prefill_one(
     if use_triton(q) and os.environ.get("TOKENPIPE_NO_TRITON_PREFILL") != "1":
         _prefill_one_triton(q, k, v, cache, plan, i, seq, scale, out)
         return
-    # [KVH, n, D] in the cache's dtype, and as attention sees them (see _prefill_one_triton)
-    stored_k = as_cache(k[seq.start : seq.end].transpose(0, 1), cache.k)
-    stored_v = as_cache(v[seq.start : seq.end].transpose(0, 1), cache.v)
-    new_k, new_v = stored_k.to(k.dtype), stored_v.to(v.dtype)
+    # [KVH, n, D] in the cache's dtype (the store copies these bytes), and as attention sees them
+    stored_k, new_k = round_to_cache(k[seq.start : seq.end].transpose(0, 1), cache.k)
+    stored_v, new_v = round_to_cache(v[seq.start : seq.end].transpose(0, 1), cache.v)
     mask = plan.prefill_mask(i, cache)  # see AttentionPlan._prefill_mask for the shapes
     if cache.window is None:
         _store_full(cache, seq, stored_k, stored_v)
@@ -378,10 +377,9 @@ def _prefill_one_triton(
 
     c, s = seq.cached, seq.slot
     rows = slice(seq.start, seq.end)
-    # [n, KVH, D] in the cache's dtype (rounded once: the store copies these bytes), and as
-    # attention sees them (`kv.as_cached`); the same tensors where the cache has k's dtype
-    stored_k, stored_v = as_cache(k[rows], cache.k), as_cache(v[rows], cache.v)
-    new_k, new_v = stored_k.to(k.dtype), stored_v.to(v.dtype)
+    # [n, KVH, D] in the cache's dtype (the store copies these bytes), and as attention sees them
+    stored_k, new_k = round_to_cache(k[rows], cache.k)
+    stored_v, new_v = round_to_cache(v[rows], cache.v)
     k_prev = v_prev = prev_pos = None
     if cache.window is None:
         _store_full(cache, seq, stored_k.transpose(0, 1), stored_v.transpose(0, 1))

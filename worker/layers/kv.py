@@ -67,7 +67,15 @@ def as_cached(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """``t`` as the cache would give it back (itself for a cache of its dtype): a prefill's
     new keys and values, so that attention sees every key as the cache holds it, however the
     prompt was split into steps (a warm resume equals a cold prefill with an fp8 cache too)."""
-    return t if t.dtype == cache.dtype else as_cache(t, cache).to(t.dtype)
+    return round_to_cache(t, cache)[1]
+
+
+def round_to_cache(t: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``t`` in the cache's dtype: what a store copies, `as_cache`; that widened back to
+    ``t``'s dtype: what attention sees, `as_cached`), rounded once; both ``t`` itself for a
+    cache of its dtype."""
+    stored = as_cache(t, cache)
+    return stored, stored.to(t.dtype)
 
 
 def index_copy(dest: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
