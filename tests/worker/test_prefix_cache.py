@@ -10,8 +10,9 @@ import random
 import pytest
 import torch
 
+import worker.layers.kv as kv_module
 from worker.engine.prefix_cache import PrefixCache, block_keys
-from worker.layers.kv import KVCache
+from worker.layers.kv import KVCache, run_start
 from worker.models.config import LayerSpec, RopeSpec
 
 BLOCK = 8
@@ -80,7 +81,11 @@ def check_slot(kv: KVCache, slot: int, prompt: list[int], tokens: int) -> None:
 
 @pytest.mark.parametrize("chunks", [[40], [16, 16, 8], [5, 30, 5], [3] * 13 + [1]])
 @pytest.mark.parametrize("graph", [False, True])
-def test_a_shared_prefix_rebuilds_the_slot_exactly(chunks: list[int], graph: bool) -> None:
+@pytest.mark.parametrize("runs", [True, False])
+def test_a_shared_prefix_rebuilds_the_slot_exactly(
+    chunks: list[int], graph: bool, runs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kv_module, "CAPTURE_RUNS", runs)  # a slice copy, or an indexed one
     kv = make_kv()
     cache = PrefixCache(kv, budget_bytes=64 * BLOCK * kv.pool_row_bytes, block=BLOCK)
     rng = random.Random(1)
@@ -99,6 +104,29 @@ def test_a_shared_prefix_rebuilds_the_slot_exactly(chunks: list[int], graph: boo
     store_step(kv, 2, second, 0, 5, graph=True)  # a slot already holding 5 of its tokens
     cache.apply(plan, 2, keep=5)
     check_slot(kv, 2, second, plan.tokens)
+
+
+def test_a_capture_into_one_run_of_rows_is_a_slice_copy_and_any_other_an_indexed_one() -> None:
+    assert run_start([5, 6, 7]) == 5 and run_start([0]) == 0
+    assert run_start([]) is None and run_start([3, 4, 6]) is None and run_start([8, 0]) is None
+    rng = random.Random(2)
+    for fresh in (True, False):
+        kv = make_kv()
+        cache = PrefixCache(kv, budget_bytes=8 * BLOCK * kv.pool_row_bytes, block=BLOCK)
+        if not fresh:
+            cache._free.reverse()  # blocks handed out highest first: rows 56.., 48.., ...
+        prompt = [rng.randrange(100) for _ in range(3 * BLOCK)]
+        keys = block_keys(prompt, BLOCK)
+        pending = cache.begin(prompt, keys, 0, 0, 0, len(prompt))
+        assert pending is not None and pending.capture is not None
+        assert pending.capture.run_start == (0 if fresh else None)
+        store_step(kv, 0, prompt, 0, len(prompt), graph=False)
+        assert pending.capture.written
+        cache.finish(pending, 0, len(prompt), ok=True)
+        plan = cache.plan(prompt + [1], block_keys(prompt + [1], BLOCK), len(prompt))
+        assert plan.tokens == len(prompt)
+        cache.apply(plan, 1, keep=0)
+        check_slot(kv, 1, prompt, len(prompt))
 
 
 def test_a_block_finished_by_a_later_turn_keeps_what_the_rings_held() -> None:

@@ -86,7 +86,7 @@ from typing import Any
 import torch
 
 from worker.layers.hybrid_cache import StateCapture
-from worker.layers.kv import PoolCapture
+from worker.layers.kv import PoolCapture, run_start
 
 DEFAULT_BLOCK = 256
 BLOCKS_PER_STATE = 4  # a hybrid cache's budget: one DeltaNet state per 4 blocks (module doc)
@@ -355,8 +355,9 @@ class PrefixCache:
                     entry.sliding_from = min(max(entry.start, reach), entry.start + block)
         pending.cap_start, pending.cap_end = max(first, cached), end
         if pending.cap_end > pending.cap_start:
-            rows = self._block_rows(pending, pending.cap_start, pending.cap_end)
-            pending.capture = PoolCapture(slot, pending.cap_start - cached, rows)
+            rows = self._row_list(pending, pending.cap_start, pending.cap_end)
+            pending.capture = PoolCapture(slot, pending.cap_start - cached, self._index(rows),
+                                          run_start=run_start(rows))  # fmt: skip
             self.kv.set_capture(pending.capture)
         return pending
 
@@ -428,13 +429,15 @@ class PrefixCache:
         return 0 if kept is None else max(0, cached - kept)
 
     def _block_rows(self, pending: PendingBlocks, start: int, end: int) -> torch.Tensor:
+        return self._index(self._row_list(pending, start, end))
+
+    def _row_list(self, pending: PendingBlocks, start: int, end: int) -> list[int]:
+        """The pool rows of positions [start, end) of the pending blocks."""
         base = pending.blocks[0].start
-        return self._index(
-            [
-                pending.blocks[(p - base) // self.block].index * self.block + p % self.block
-                for p in range(start, end)
-            ]
-        )
+        return [
+            pending.blocks[(p - base) // self.block].index * self.block + p % self.block
+            for p in range(start, end)
+        ]
 
     def _allocate(self, keep: set[bytes]) -> int | None:
         """A free pool block, evicting the least recently used one outside ``keep``."""

@@ -29,6 +29,7 @@ q/k norms); BENCHMARKS.md has what it does to the default model's tokens.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,9 @@ from worker.models.config import LayerSpec
 DEFAULT_RING_SLACK = 16
 # the KV cache dtypes `--kv-cache-dtype` offers besides the model's own ("auto")
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn}
+# a prefill's capture into the prefix pool (`PoolCapture`) copies a slice where its rows are
+# one run; TOKENPIPE_CAPTURE_RUNS=0: an indexed copy always (the A/B of session 44)
+CAPTURE_RUNS = os.environ.get("TOKENPIPE_CAPTURE_RUNS", "1") != "0"
 FP8_MAX = 448.0  # e4m3's largest finite value
 
 
@@ -76,6 +80,15 @@ def round_to_cache(t: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, 
     cache of its dtype."""
     stored = as_cache(t, cache)
     return stored, stored.to(t.dtype)
+
+
+def slice_copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """``dest.copy_(src)`` with ``src`` in dest's dtype first (`as_cache`); an fp8 cache copies
+    its bytes, as `index_copy` does."""
+    src = as_cache(src, dest)
+    if dest.dtype == torch.float8_e4m3fn:
+        dest, src = dest.view(torch.uint8), src.view(torch.uint8)
+    dest.copy_(src)
 
 
 def index_copy(dest: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
@@ -309,6 +322,13 @@ class KVCache:
             index_copy(layer.v[slot], 1, index, layer.pool_v.index_select(1, kept))
 
 
+def run_start(rows: Sequence[int]) -> int | None:
+    """The first of ``rows`` when they are one run (row, row + 1, ...); None otherwise."""
+    if not rows or list(rows) != list(range(rows[0], rows[0] + len(rows))):
+        return None
+    return rows[0]
+
+
 @dataclass
 class PoolCapture:
     """A prefill step's keys and values of ``slot``'s new tokens [first, first + len(rows))
@@ -320,14 +340,22 @@ class PoolCapture:
     first: int
     rows: torch.Tensor  # [m] int64 on the cache's device
     written: bool = False
+    # the first of ``rows`` when they are one run (row, row + 1, ...), as a fresh pool gives a
+    # prompt's blocks: the copy is then a slice's, not an indexed one (`take`); None: not one run
+    run_start: int | None = None
 
     def take(self, cache: LayerCache, slot: int, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """new_k, new_v [kv_heads, n, head_dim]: the step's new keys/values of ``slot``."""
         if slot != self.slot or cache.pool_k is None or cache.pool_v is None:
             return
         end = self.first + self.rows.shape[0]
-        index_copy(cache.pool_k, 1, self.rows, new_k[:, self.first : end])
-        index_copy(cache.pool_v, 1, self.rows, new_v[:, self.first : end])
+        if self.run_start is None or not CAPTURE_RUNS:
+            index_copy(cache.pool_k, 1, self.rows, new_k[:, self.first : end])
+            index_copy(cache.pool_v, 1, self.rows, new_v[:, self.first : end])
+        else:
+            rows = slice(self.run_start, self.run_start + self.rows.shape[0])
+            slice_copy(cache.pool_k[:, rows], new_k[:, self.first : end])
+            slice_copy(cache.pool_v[:, rows], new_v[:, self.first : end])
         self.written = True
 
 
