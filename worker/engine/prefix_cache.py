@@ -17,7 +17,8 @@ diverges.
 Filling the pool costs no extra pass: before a prefill step the engine asks ``begin`` for the
 prompt's blocks that step completes; their positions inside the step are captured by the
 attention layers as they store the step's keys (``PoolCapture``, worker/layers/kv.py: one
-``index_copy_`` per layer, before a ring drops anything), and their positions from earlier
+copy per layer, before a ring drops anything: a slice where the rows are one run, else
+``index_copy_``), and their positions from earlier
 steps (a block the previous turn left half done) are copied from the slot first. A step
 replayed from a CUDA graph (a short prefill) captures nothing: ``finish`` copies its positions
 from the slot, whose rings still hold them. A sliding position no ring held any more is
