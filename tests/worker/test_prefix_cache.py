@@ -6,6 +6,8 @@ puts into another slot can be checked exactly."""
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +171,22 @@ def test_lru_by_block_and_failed_steps_give_rows_back() -> None:
     assert pending is not None
     cache.finish(pending, 2, 0, ok=False)
     assert len(cache._free) == 2 and all(layer.capture is None for layer in kv.layers)
+
+
+def test_the_capture_benchmark_writes_the_same_bytes_both_ways(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tools/bench_pool_capture.py on the CPU, small: a row per (cache, layer kind), each with
+    equal bytes from the indexed and the slice copy, and the model totals."""
+    tools = Path(__file__).resolve().parents[2] / "tools"
+    monkeypatch.syspath_prepend(str(tools))
+    from bench_pool_capture import main
+
+    argv = ["bench_pool_capture.py", "--chunk", "16", "--pool-rows", "64", "--repeat", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert main() == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| bfloat16") or
+            line.startswith("| fp8")]  # fmt: skip
+    assert len(rows) == 4 and all(line.rstrip().endswith("| True |") for line in rows)
+    assert "fp8: a 16-token chunk over the 31B's 60 layers" in out
