@@ -82,21 +82,24 @@ def round_to_cache(t: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, 
     return stored, stored.to(t.dtype)
 
 
-def slice_copy(dest: torch.Tensor, src: torch.Tensor) -> None:
-    """``dest.copy_(src)`` with ``src`` in dest's dtype first (`as_cache`); an fp8 cache copies
-    its bytes, as `index_copy` does."""
+def _as_stored(dest: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dest, src) to copy between: ``src`` in dest's dtype first (`as_cache`); for an fp8
+    cache both as their bytes (torch's CPU copy kernels have no fp8 index_copy_)."""
     src = as_cache(src, dest)
     if dest.dtype == torch.float8_e4m3fn:
-        dest, src = dest.view(torch.uint8), src.view(torch.uint8)
+        return dest.view(torch.uint8), src.view(torch.uint8)
+    return dest, src
+
+
+def slice_copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """``dest.copy_(src)``, as the cache stores it (`_as_stored`)."""
+    dest, src = _as_stored(dest, src)
     dest.copy_(src)
 
 
 def index_copy(dest: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
-    """``dest.index_copy_(dim, index, src)`` with ``src`` in dest's dtype first (`as_cache`);
-    an fp8 cache copies its bytes (torch's CPU index_copy_ has no fp8 kernel)."""
-    src = as_cache(src, dest)
-    if dest.dtype == torch.float8_e4m3fn:
-        dest, src = dest.view(torch.uint8), src.view(torch.uint8)
+    """``dest.index_copy_(dim, index, src)``, as the cache stores it (`_as_stored`)."""
+    dest, src = _as_stored(dest, src)
     dest.index_copy_(dim, index, src)
 
 
