@@ -7,13 +7,19 @@ python tools/profile_gpu_prefill.py --kv-dtypes auto,fp8 [--prompt 16384] [--chu
 is a same-process A/B of KV cache formats: one model, one cache of each format, a cold
 chunked prefill of the whole prompt timed in each in turn (rounds alternate the order), then
 one profiled prompt each and the kernels whose GPU time differs most between them.
+
+Weights are random bf16; `--quantize int4|int8` draws them quantized through the worker's own
+load path instead (what `tokenpipe run --random-weights --quantize` and bench_gpu load), so
+the A/B can be taken on the weights a worker measurement had.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,11 +42,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=16384, help="the A/B's prompt tokens")
     parser.add_argument("--chunk", type=int, default=2048, help="the A/B's prefill chunk")
     parser.add_argument("--rounds", type=int, default=3, help="the A/B's timed prompts a format")
+    parser.add_argument(
+        "--quantize", default="none", choices=("none", "int8", "int4"),
+        help="random weights drawn quantized (the worker's load path), not bf16",
+    )  # fmt: skip
     args = parser.parse_args()
     dev = torch.device("cuda")
     cfg = ModelConfig.from_hf(json.load(open(args.config)))
-    model = build_model(cfg, dev, torch.bfloat16)
-    init_random_weights_on_device(model, 0)
+    model = random_model(Path(args.config), dev, args.quantize)
     model = prepare_model_for_device(SimpleNamespace(model=model), dev, True, 0)
     if args.kv_dtypes:
         cache_dtype_ab(model, args.kv_dtypes.split(","), args.prompt, args.chunk, args.rounds)
@@ -77,6 +86,27 @@ def main() -> None:
     if args.decode:
         profile_decode(model, kv, args.resident + args.extra, args.decode)
     time_prefill_graphs(model, args.resident)
+
+
+def random_model(config: Path, device: torch.device, quantize: str) -> Any:
+    """The config's model with random weights: bf16 drawn on the device (``none``), or int4 /
+    int8 drawn quantized by ``load_model(random_weights=True, quantize=...)``, the worker's own
+    path, from a directory with the config and bench_gpu's synthetic tokenizer."""
+    if quantize == "none":
+        model = build_model(ModelConfig.from_hf(json.loads(config.read_text())), device,
+                            torch.bfloat16)  # fmt: skip
+        init_random_weights_on_device(model, 0)
+        return model
+    from bench_gpu import make_model_dir
+
+    from worker.loading.loader import load_model
+    from worker.loading.quantize import QuantizeOptions
+
+    with tempfile.TemporaryDirectory() as tmp:
+        where = make_model_dir(config, False, Path(tmp) / "model")
+        loaded = load_model(where, device, torch.bfloat16, random_weights=True,
+                            quantize=QuantizeOptions(quantize))  # fmt: skip
+    return loaded.model
 
 
 def cache_dtype_ab(model: Any, names: list[str], prompt: int, chunk: int, rounds: int) -> None:

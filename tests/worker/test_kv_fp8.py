@@ -681,3 +681,27 @@ def test_the_cache_format_ab_tool_runs_both_caches(capsys: pytest.CaptureFixture
     assert "| kernel | auto | fp8 | fp8 - auto |" in out
     assert [c.layers[0].k.dtype for c in made] == [torch.float32, FP8]
     assert all(c.layers[2].k[0, :, :20].float().abs().sum() > 0 for c in made)  # a full layer
+
+
+def test_the_cache_format_ab_tool_draws_quantized_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tools/profile_gpu_prefill.py --quantize int4 (on the CPU): the config's model drawn
+    quantized through the worker's load path, whose A/B then runs over int4 layers."""
+    tools = Path(__file__).resolve().parents[2] / "tools"
+    sys.path.insert(0, str(tools))
+    from bench_gpu import TINY_OVERRIDES
+    from profile_gpu_prefill import cache_dtype_ab, random_model
+
+    from worker.layers.quant import QuantLinear
+
+    config = json.loads((tools.parent / "examples/gemma4_31b/config.json").read_text())
+    config.update(TINY_OVERRIDES)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = random_model(tmp_path / "config.json", torch.device("cpu"), "int4")
+    kinds = {n: m.format.kind for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    layers = {n: k for n, k in kinds.items() if ".layers." in n}
+    assert layers and set(layers.values()) == {"int4"}, kinds  # the head may stay int8
+    cache_dtype_ab(model, ["auto", "fp8"], prompt=20, chunk=8, rounds=1)
+    out = capsys.readouterr().out
+    assert "kv auto: 20 tokens in chunks of 8" in out and "kv fp8: 20 tokens" in out
