@@ -129,6 +129,15 @@ compiles the prefill's kernels)."""
 
 DEFAULT_CONTEXT = 32768
 """The default context (capped by the model's own and by memory)."""
+QUANTIZED_PREFILL_CHUNK = 4096
+"""The default prefill chunk on CUDA for a model whose dense matmuls are quantized, where the
+step fits beside the caches (else the 2,048 default's fit, as for float weights): each chunk
+dequantizes every such matmul's weights once (``quant_matmul._dequantized_linear``), so a
+longer chunk spreads that over more tokens. Gemma 4 31B through the worker on an H100, a
+16k prompt: int4 6,768 / 7,204 / 7,342 tok/s at 2,048 / 4,096 / 8,192, int8 6,657 / 7,118 at
+2,048 / 4,096; with bf16 weights 4,096 gains 0.3% (BENCHMARKS.md, session 46). Not 8,192:
+a decoding session waits for one chunk at most (``scheduler.plan_step``), ~0.6 s at 4,096 on
+that card, twice that at 8,192."""
 CPU_KV_BUDGET = 2 << 30
 """KV bytes all sessions may take at the default context on the CPU. The default Gemma 3
 270M costs 6 KiB a token (3 full layers x 1 KV head x 256 dims x K and V x fp32; its 15
@@ -214,6 +223,22 @@ def _fit_expert_scratch(model: Any, dtype: Any, device: Any, caches: int) -> boo
     return allowed
 
 
+def _dequantizes_per_chunk(model: Any) -> bool:
+    """Whether `model`'s prefill dequantizes quantized dense matmuls a chunk at a time: a
+    ``QuantLinear`` besides the LM head (which a prefill step runs on its last rows only), and
+    no quantized experts (a sparse MoE's prefill, whose chunk size was not measured)."""
+    from worker.layers.quant import QuantLinear
+    from worker.layers.quant_experts import QuantExperts
+
+    head = getattr(model, "lm_head", None)
+    dense = False
+    for module in model.modules():
+        if isinstance(module, QuantExperts):
+            return False
+        dense = dense or (isinstance(module, QuantLinear) and module is not head)
+    return dense
+
+
 def _reserve_quant_scratch(model: Any, device: Any) -> int:
     """The quantized matmuls' prefill scratch allocated now, before the caches, where `model`
     has quantized linear layers besides its LM head (which a prefill step runs on its last
@@ -243,6 +268,7 @@ def _fit_prefill_chunk(
     caches: int,
     chosen: bool,
     scratch: int = 0,
+    preferred: int = 0,
 ) -> int:
     """The prefill chunk whose step's activations (``memory.prefill_step_bytes``) fit beside
     the caches about to be allocated (`caches` bytes), the CUDA graphs and a margin for
@@ -252,13 +278,20 @@ def _fit_prefill_chunk(
     kept, with a warning. Without it a 24 GB card could start and then fail its first long
     prompt (session 31: the Qwen3.5 Q4_K_M file with two 16k slots under 23.5 GiB).
     `scratch`: the bytes of the step's quantized scratch already allocated
-    (``_reserve_quant_scratch``), which the step's estimate counts too."""
+    (``_reserve_quant_scratch``), which the step's estimate counts too. `preferred` (a default
+    chunk, ``QUANTIZED_PREFILL_CHUNK``): taken, with a log line, where its step fits; else the
+    fit of `config`'s chunk as above, in silence where that one fits."""
     from worker.device import memory
 
     chunk, every = config.prefill_chunk, config.prefix_block if config.prefix_cache_bytes else 0
     room = memory.unallocated_bytes(device) - caches - memory.GRAPHS_BYTES + scratch
     room -= memory.FRAGMENTATION_BYTES
     fla = _fla_prefill(model_config, device, dtype)
+    if preferred > chunk and not chosen:
+        if memory.prefill_step_bytes(model_config, preferred, dtype, every, fla) <= room:
+            log(f"prefill chunk {preferred}: quantized weights, which a prefill step "
+                "dequantizes once a chunk")  # fmt: skip
+            return preferred
     need = memory.prefill_step_bytes(model_config, chunk, dtype, every, fla)
     if need <= room:
         return chunk
@@ -518,9 +551,10 @@ def build_engine(
             caches = config.prefix_cache_bytes + slots
             _fit_expert_scratch(loaded.model, torch_dtype, torch_device, caches)
             scratch = _reserve_quant_scratch(loaded.model, torch_device)
+            preferred = QUANTIZED_PREFILL_CHUNK if _dequantizes_per_chunk(loaded.model) else 0
             chunk = _fit_prefill_chunk(
                 loaded.config.raw, config, torch_dtype, torch_device, caches,
-                chosen=prefill_chunk is not None, scratch=scratch,
+                chosen=prefill_chunk is not None, scratch=scratch, preferred=preferred,
             )  # fmt: skip
             config = dataclasses.replace(config, prefill_chunk=chunk)
             from worker.device.graphed_lm import GraphedCausalLM
@@ -654,7 +688,8 @@ def _options(func: click.decorators.FC) -> click.decorators.FC:
             "--prefill-chunk",
             type=click.IntRange(min=1),
             default=None,
-            help="Most prompt tokens per step (default 512 on CPU, 2048 on CUDA).",
+            help="Most prompt tokens per step (default 512 on CPU, 2048 on CUDA; 4096 where "
+            "the matmuls are quantized and the step fits).",
         ),
         click.option(
             "--prefix-ids",
