@@ -279,14 +279,15 @@ def _fit_prefill_chunk(
     prompt (session 31: the Qwen3.5 Q4_K_M file with two 16k slots under 23.5 GiB).
     `scratch`: the bytes of the step's quantized scratch already allocated
     (``_reserve_quant_scratch``), which the step's estimate counts too. `preferred` (a default
-    chunk, ``QUANTIZED_PREFILL_CHUNK``): taken, with a log line, where its step fits; else the
-    fit of `config`'s chunk as above, in silence where that one fits."""
+    chunk, ``QUANTIZED_PREFILL_CHUNK``, capped by the context): taken, with a log line, where
+    its step fits; else the fit of `config`'s chunk as above, in silence where that one fits."""
     from worker.device import memory
 
     chunk, every = config.prefill_chunk, config.prefix_block if config.prefix_cache_bytes else 0
     room = memory.unallocated_bytes(device) - caches - memory.GRAPHS_BYTES + scratch
     room -= memory.FRAGMENTATION_BYTES
     fla = _fla_prefill(model_config, device, dtype)
+    preferred = min(preferred, config.max_context)  # no prompt is longer than a session
     if preferred > chunk and not chosen:
         if memory.prefill_step_bytes(model_config, preferred, dtype, every, fla) <= room:
             log(f"prefill chunk {preferred}: quantized weights, which a prefill step "

@@ -475,6 +475,14 @@ def test_quantized_weights_take_a_longer_default_chunk_where_it_fits(
     lines.clear()
     assert fit(prefer=0) == 2048 and not lines  # float weights: the 2,048 default
     assert fit(chosen=True) == 2048 and not lines  # the user's chunk, which fits
+    short = EngineConfig(max_sessions=2, max_context=2048, prefill_chunk=2048)
+    assert (
+        worker_main._fit_prefill_chunk(
+            gemma, short, torch.bfloat16, "cuda:0", caches, False, preferred=preferred
+        )
+        == 2048
+    )  # no prompt of a 2,048-token context needs a longer chunk
+    assert not lines
     room["bytes"] -= 1  # 4,096 does not fit, 2,048 does: the old default, nothing said
     assert fit() == 2048 and not lines
     room["bytes"] = caches + margin + step(2048) - 1  # nor 2,048: halved, as before
