@@ -223,20 +223,23 @@ def _fit_expert_scratch(model: Any, dtype: Any, device: Any, caches: int) -> boo
     return allowed
 
 
-def _dequantizes_per_chunk(model: Any) -> bool:
-    """Whether `model`'s prefill dequantizes quantized dense matmuls a chunk at a time: a
-    ``QuantLinear`` besides the LM head (which a prefill step runs on its last rows only), and
-    no quantized experts (a sparse MoE's prefill, whose chunk size was not measured)."""
+def _quantized_matmuls(model: Any) -> tuple[bool, bool]:
+    """Whether `model` has a ``QuantLinear`` besides its LM head (which a prefill step runs on
+    its last rows only), and whether it has quantized experts."""
     from worker.layers.quant import QuantLinear
     from worker.layers.quant_experts import QuantExperts
 
     head = getattr(model, "lm_head", None)
-    dense = False
-    for module in model.modules():
-        if isinstance(module, QuantExperts):
-            return False
-        dense = dense or (isinstance(module, QuantLinear) and module is not head)
-    return dense
+    modules = list(model.modules())
+    dense = any(isinstance(m, QuantLinear) and m is not head for m in modules)
+    return dense, any(isinstance(m, QuantExperts) for m in modules)
+
+
+def _dequantizes_per_chunk(model: Any) -> bool:
+    """Whether `model`'s prefill dequantizes quantized dense matmuls a chunk at a time: such
+    matmuls and no quantized experts (a sparse MoE's prefill, whose chunk was not measured)."""
+    dense, experts = _quantized_matmuls(model)
+    return dense and not experts
 
 
 def _reserve_quant_scratch(model: Any, device: Any) -> int:
@@ -247,10 +250,7 @@ def _reserve_quant_scratch(model: Any, device: Any) -> int:
     for it now; a step then allocates its own, as without)."""
     import torch
 
-    from worker.layers.quant import QuantLinear
-
-    head = getattr(model, "lm_head", None)
-    if not any(isinstance(m, QuantLinear) and m is not head for m in model.modules()):
+    if not _quantized_matmuls(model)[0]:
         return 0
     from worker.device.kernels.quant_matmul import reserve_scratch
 
