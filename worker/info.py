@@ -24,17 +24,19 @@ import click
 import torch
 
 from worker.device.memory import (
+    CUDA_PREFILL_CHUNK,
     FRAGMENTATION_BYTES,
     GIB,
     GRAPHS_BYTES,
     MIN_PREFIX_TOKENS,
+    QUANTIZED_PREFILL_CHUNK,
     default_prefix_pool_bytes,
     fit_prefill_chunk,
     prefill_step_bytes,
 )
 from worker.engine.prefix_cache import DEFAULT_BLOCK as PREFIX_BLOCK
 from worker.loading.checkpoint import Checkpoint, ModelLoadError, text_config
-from worker.loading.quantize import QuantizeOptions, describe_weights
+from worker.loading.quantize import HEAD, QuantizeOptions, describe_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,7 +104,7 @@ def describe(
     quantize: QuantizeOptions | None = None,
     tokenizer_path: str | None = None,
     slots: int = 2,
-    prefill_chunk: int = 2048,
+    prefill_chunk: int | None = None,
     gpu_memory_gb: float | None = None,
     device_dtype: torch.dtype | None = None,
     kv_cache_dtype: str = "auto",
@@ -110,7 +112,9 @@ def describe(
     """The metadata `tokenpipe info` prints (see the module docstring); `slots` device cache
     slots (the worker's --max-resident, else --max-sessions: one named session and the scratch
     one by default); `device_dtype` the CUDA worker's dtype for device_estimate (else
-    `dtype`); `kv_cache_dtype` the worker's --kv-cache-dtype."""
+    `dtype`); `kv_cache_dtype` the worker's --kv-cache-dtype; `prefill_chunk` the worker's
+    --prefill-chunk (None: its CUDA default, 2,048, or ``QUANTIZED_PREFILL_CHUNK`` where a
+    quantized model's step fits)."""
     from worker.layers.kv import kv_cache_dtype as parse_kv_dtype
     from worker.loading.loader import open_model_files
 
@@ -179,21 +183,27 @@ def describe(
             skeleton = build_model(config, "meta", on_device)
         weights = _weights(skeleton, plan, quantize.mode, on_device)  # int6 in GPU planes
 
-        def estimate(weights: dict[str, Any], kv: torch.dtype | None = kv_dtype) -> dict[str, Any]:
+        def estimate(
+            weights: dict[str, Any], plan: dict[str, Any], kv: torch.dtype | None = kv_dtype
+        ) -> dict[str, Any]:
+            preferred = 0  # the worker's longer chunk for quantized dense matmuls
+            if prefill_chunk is None and _dequantizes_per_chunk(skeleton, plan):
+                preferred = QUANTIZED_PREFILL_CHUNK
             return device_estimate(
                 checkpoint.config, weights, (context, config.context_length), on_device, slots,
-                prefill_chunk, _session_bytes(skeleton, checkpoint.config, on_device, kv),
-                gpu_memory_gb, fla=_fla_installed(on_device),
+                prefill_chunk or CUDA_PREFILL_CHUNK,
+                _session_bytes(skeleton, checkpoint.config, on_device, kv), gpu_memory_gb,
+                fla=_fla_installed(on_device), preferred=preferred,
             )  # fmt: skip
 
-        fitted = estimate(weights)
+        fitted = estimate(weights, plan)
         if fitted.get("fits") is False and quantize.mode != "int4":  # what int4 would hold
             as_int4 = quantize.as_int4()
             int4_plan = _plan(skeleton, gguf_source, as_int4)
-            int4 = estimate(_weights(skeleton, int4_plan, as_int4.mode, on_device))
+            int4 = estimate(_weights(skeleton, int4_plan, as_int4.mode, on_device), int4_plan)
             fitted["with_quantize_int4"] = {key: int4[key] for key in INT4_FIGURES}
         if fitted.get("fits") is False and kv_dtype is None:  # what an fp8 cache would hold
-            fp8 = estimate(weights, parse_kv_dtype("fp8"))
+            fp8 = estimate(weights, plan, parse_kv_dtype("fp8"))
             if fp8["max_context_at_slots"] > fitted["max_context_at_slots"]:  # weights fit
                 fitted["with_kv_cache_fp8"] = {key: fp8[key] for key in INT4_FIGURES}
         out["device_estimate"] = {"dtype": str(on_device).removeprefix("torch."), **fitted}
@@ -239,6 +249,25 @@ def fit_advice(estimate: dict[str, Any]) -> str | None:
     return line
 
 
+def _dequantizes_per_chunk(skeleton: Any, plan: dict[str, Any]) -> bool:
+    """Whether `plan` quantizes a dense matmul of `skeleton` besides its LM head, and no sparse
+    MoE's experts: a worker's prefill then dequantizes those weights a chunk at a time and
+    takes the longer default chunk where it fits (``worker.main._dequantizes_per_chunk``)."""
+    from worker.layers.moe import FusedExperts
+
+    dense = experts = False
+    for name, fmt in plan.items():
+        if fmt is None or name == HEAD:
+            continue
+        try:
+            module = skeleton.get_submodule(name)
+        except AttributeError:  # a tensor the model folds elsewhere
+            continue
+        dense |= isinstance(module, torch.nn.Linear)
+        experts |= isinstance(module, FusedExperts)
+    return dense and not experts
+
+
 def _fla_installed(dtype: torch.dtype) -> bool:
     """Whether a CUDA worker here would prefill DeltaNet layers with fla's kernels (in bf16/fp16,
     ``deltanet.fla_installed``), without importing fla."""
@@ -270,6 +299,7 @@ def device_estimate(
     session_bytes: Any,
     gpu_memory_gb: float | None = None,
     fla: bool = False,
+    preferred: int = 0,
 ) -> dict[str, Any]:
     """What a CUDA worker with `slots` cache slots of `context` tokens (`contexts`: it and the
     model's longest) holds at its peak (see the module docstring), and with `gpu_memory_gb`
@@ -280,7 +310,10 @@ def device_estimate(
     `gpu_memory_gb` reported as ``prefix_pool_bytes``, 0 where it would hold less than
     ``MIN_PREFIX_TOKENS`` tokens and the worker leaves it off, and then no states).
     `fla`: a hybrid model's DeltaNet prefill runs fla's kernels (reported as
-    ``deltanet_prefill``)."""
+    ``deltanet_prefill``). `preferred`: the worker's longer default chunk for quantized dense
+    matmuls (``QUANTIZED_PREFILL_CHUNK``; 0: none), which ``fits_with_prefill_chunk`` names where
+    its step fits beside the slots and the pool, as the worker takes it (the figures above stay
+    at `prefill_chunk`: the longer step only takes room nothing else claims)."""
     context, longest = contexts
     session = session_bytes(context)
     every = PREFIX_BLOCK  # the prefix cache on: a hybrid step keeps states at block ends
@@ -317,6 +350,11 @@ def device_estimate(
     out["fits_with_prefill_chunk"] = fit_prefill_chunk(  # as the worker's default falls back
         config, prefill_chunk, dtype, limit - (out["total_bytes"] - step), every, fla
     )
+    preferred = min(preferred, context)  # as the worker: no prompt is longer than a session
+    beside = limit - (out["total_bytes"] - step) - (pool or 0)
+    if preferred > prefill_chunk:
+        if prefill_step_bytes(config, preferred, dtype, every, fla) <= beside:
+            out["fits_with_prefill_chunk"] = preferred
     out["max_slots_at_context"] = max(0, room // session) if session else None
     out["max_context_at_slots"] = _longest_context(session_bytes, room // slots, longest)
     return out
@@ -410,8 +448,9 @@ def expert_scratch_bytes(skeleton: Any, plan: dict[str, Any], dtype: torch.dtype
     default=None,
     help="As the worker's flag: the slots on the device when fewer than sessions.",
 )
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="As the worker's flag (its CUDA default).")  # fmt: skip
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=None,
+              help="As the worker's flag (default 2048, its CUDA default; 4096 where dense "
+              "matmuls are quantized and that step fits).")  # fmt: skip
 @click.option(
     "--gpu-memory-gb",
     type=click.FloatRange(min=0, min_open=True),
@@ -435,7 +474,7 @@ def command(
     tokenizer_path: str | None,
     max_sessions: int,
     max_resident: int | None,
-    prefill_chunk: int,
+    prefill_chunk: int | None,
     gpu_memory_gb: float | None,
     kv_cache_dtype: str,
 ) -> None:

@@ -129,15 +129,6 @@ compiles the prefill's kernels)."""
 
 DEFAULT_CONTEXT = 32768
 """The default context (capped by the model's own and by memory)."""
-QUANTIZED_PREFILL_CHUNK = 4096
-"""The default prefill chunk on CUDA for a model whose dense matmuls are quantized, where the
-step fits beside the caches (else the 2,048 default's fit, as for float weights): each chunk
-dequantizes every such matmul's weights once (``quant_matmul._dequantized_linear``), so a
-longer chunk spreads that over more tokens. Gemma 4 31B through the worker on an H100, a
-16k prompt: int4 6,768 / 7,204 / 7,342 tok/s at 2,048 / 4,096 / 8,192, int8 6,657 / 7,118 at
-2,048 / 4,096; with bf16 weights 4,096 gains 0.3% (BENCHMARKS.md, session 46). Not 8,192:
-a decoding session waits for one chunk at most (``scheduler.plan_step``), ~0.6 s at 4,096 on
-that card, twice that at 8,192."""
 CPU_KV_BUDGET = 2 << 30
 """KV bytes all sessions may take at the default context on the CPU. The default Gemma 3
 270M costs 6 KiB a token (3 full layers x 1 KV head x 256 dims x K and V x fp32; its 15
@@ -279,8 +270,9 @@ def _fit_prefill_chunk(
     prompt (session 31: the Qwen3.5 Q4_K_M file with two 16k slots under 23.5 GiB).
     `scratch`: the bytes of the step's quantized scratch already allocated
     (``_reserve_quant_scratch``), which the step's estimate counts too. `preferred` (a default
-    chunk, ``QUANTIZED_PREFILL_CHUNK``, capped by the context): taken, with a log line, where
-    its step fits; else the fit of `config`'s chunk as above, in silence where that one fits."""
+    chunk, ``memory.QUANTIZED_PREFILL_CHUNK``, capped by the context): taken, with a log line,
+    where its step fits; else the fit of `config`'s chunk as above, in silence where that one
+    fits."""
     from worker.device import memory
 
     chunk, every = config.prefill_chunk, config.prefix_block if config.prefix_cache_bytes else 0
@@ -499,7 +491,7 @@ def build_engine(
     if max_resident is not None and max_resident > max_sessions:
         raise ValueError(f"--max-resident {max_resident} is above --max-sessions {max_sessions}")
     resident = max_resident or max_sessions
-    chunk_tokens = prefill_chunk or (512 if on_cpu else 2048)
+    chunk_tokens = prefill_chunk or (512 if on_cpu else memory.CUDA_PREFILL_CHUNK)
     if prefix_cache_gb is None and on_cpu:
         prefix_cache_gb = _useful_prefix_gb(loaded.model, 0.25)
     elif prefix_cache_gb is None:
@@ -552,7 +544,8 @@ def build_engine(
             caches = config.prefix_cache_bytes + slots
             _fit_expert_scratch(loaded.model, torch_dtype, torch_device, caches)
             scratch = _reserve_quant_scratch(loaded.model, torch_device)
-            preferred = QUANTIZED_PREFILL_CHUNK if _dequantizes_per_chunk(loaded.model) else 0
+            longer = _dequantizes_per_chunk(loaded.model)  # the quantized weights' chunk
+            preferred = memory.QUANTIZED_PREFILL_CHUNK if longer else 0
             chunk = _fit_prefill_chunk(
                 loaded.config.raw, config, torch_dtype, torch_device, caches,
                 chosen=prefill_chunk is not None, scratch=scratch, preferred=preferred,

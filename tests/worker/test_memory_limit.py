@@ -459,7 +459,7 @@ def test_quantized_weights_take_a_longer_default_chunk_where_it_fits(
     config = EngineConfig(max_sessions=2, max_context=8192, prefill_chunk=2048)
     margin = memory.GRAPHS_BYTES + memory.FRAGMENTATION_BYTES
     caches = 4 * GIB
-    preferred = worker_main.QUANTIZED_PREFILL_CHUNK
+    preferred = memory.QUANTIZED_PREFILL_CHUNK
 
     def fit(chosen: bool = False, prefer: int = preferred) -> int:
         return worker_main._fit_prefill_chunk(
@@ -642,7 +642,17 @@ def test_info_device_estimate_against_the_24_gb_runs(
     fp32 = json.loads(CliRunner().invoke(command, [*args, "--dtype", "float32"]).stdout)
     assert fp32["device_estimate"]["dtype"] == "float32"
     assert fp32["device_estimate"]["total_bytes"] > two["total_bytes"]
-    assert two["fits_with_prefill_chunk"] == 2048 and three["fits_with_prefill_chunk"] is None
+    # int4 dense matmuls: the worker's longer default chunk where its step fits beside the two
+    # slots (as the worker takes it); a chunk the user names is the one reported
+    assert two["fits_with_prefill_chunk"] == 4096 and three["fits_with_prefill_chunk"] is None
+    named = estimate("gemma4_31b", "--context", "8192", "--prefill-chunk", "2048")
+    assert named["fits_with_prefill_chunk"] == 2048
+    assert {k: v for k, v in named.items() if k != "fits_with_prefill_chunk"} == {
+        k: v for k, v in two.items() if k != "fits_with_prefill_chunk"
+    }
+    tight = estimate("gemma4_31b", "--context", "8192", "--gpu-memory-gb", "23.2")
+    assert tight["fits"] and tight["fits_with_prefill_chunk"] == 2048  # 4,096 does not fit
+    assert qwen["fits_with_prefill_chunk"] == 1024  # quantized experts: the 2,048 default's fit
     assert "expert_scratch_bytes" not in two
     # where the flags' weights do not fit, what --quantize int4 would (session 36); int4 itself
     # or a fit says nothing more

@@ -24,6 +24,17 @@ GRAPHS_BYTES = 1 << 28
 """The engine's CUDA graphs' pools, sampling buffers and the like, beside the weights and caches:
 0.10-0.35 GiB measured on the Gemma 4 31B and Qwen3.5 shapes (BENCHMARKS.md, session 31)."""
 
+CUDA_PREFILL_CHUNK = 2048
+"""The default prefill chunk on CUDA (``--prefill-chunk``; 512 on the CPU)."""
+QUANTIZED_PREFILL_CHUNK = 4096
+"""The default prefill chunk on CUDA for a model whose dense matmuls are quantized, where the
+step fits beside the caches (else the 2,048 default's fit, as for float weights): each chunk
+dequantizes every such matmul's weights once (``quant_matmul._dequantized_linear``), so a
+longer chunk spreads that over more tokens. Gemma 4 31B through the worker on an H100, a
+16k prompt: int4 6,768 / 7,204 / 7,342 tok/s at 2,048 / 4,096 / 8,192, int8 6,657 / 7,118 at
+2,048 / 4,096; with bf16 weights 4,096 gains 0.3% (BENCHMARKS.md, session 46). Not 8,192:
+a decoding session waits for one chunk at most (``scheduler.plan_step``), ~0.6 s at 4,096 on
+that card, twice that at 8,192."""
 MIN_PREFILL_CHUNK = 256
 """The worker halves its default prefill chunk until a step fits, never below this."""
 
