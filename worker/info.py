@@ -186,14 +186,15 @@ def describe(
         def estimate(
             weights: dict[str, Any], plan: dict[str, Any], kv: torch.dtype | None = kv_dtype
         ) -> dict[str, Any]:
-            preferred = 0  # the worker's longer chunk for quantized dense matmuls
-            if prefill_chunk is None and _dequantizes_per_chunk(skeleton, plan):
+            dense, experts = _dequantized_matmuls(skeleton, plan)
+            preferred = 0  # the worker's longer chunk for weights a prefill step dequantizes
+            if prefill_chunk is None and (dense or experts):
                 preferred = QUANTIZED_PREFILL_CHUNK
             return device_estimate(
                 checkpoint.config, weights, (context, config.context_length), on_device, slots,
                 prefill_chunk or CUDA_PREFILL_CHUNK,
                 _session_bytes(skeleton, checkpoint.config, on_device, kv), gpu_memory_gb,
-                fla=_fla_installed(on_device), preferred=preferred,
+                fla=_fla_installed(on_device), preferred=preferred, experts_only=not dense,
             )  # fmt: skip
 
         fitted = estimate(weights, plan)
@@ -209,6 +210,12 @@ def describe(
         out["device_estimate"] = {"dtype": str(on_device).removeprefix("torch."), **fitted}
     return out
 
+
+LOAD_HOLES_BYTES = 1 << 30
+"""What `device_estimate` leaves beside the longer prefill chunk's step for the allocator's
+holes between the weights, which the worker leaves out of that chunk's room
+(``memory.holes_bytes``): 0.93 GiB after the 31B's quantize-at-load (session 47), 0.01-0.27
+GiB after a GGUF kept (session 41)."""
 
 INT4_FIGURES = (
     "weights_bytes",
@@ -249,10 +256,11 @@ def fit_advice(estimate: dict[str, Any]) -> str | None:
     return line
 
 
-def _dequantizes_per_chunk(skeleton: Any, plan: dict[str, Any]) -> bool:
-    """Whether `plan` quantizes a dense matmul of `skeleton` besides its LM head, and no sparse
-    MoE's experts: a worker's prefill then dequantizes those weights a chunk at a time and
-    takes the longer default chunk where it fits (``worker.main._dequantizes_per_chunk``)."""
+def _dequantized_matmuls(skeleton: Any, plan: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether `plan` quantizes a dense matmul of `skeleton` besides its LM head, and whether
+    it quantizes a sparse MoE's experts: a worker's prefill dequantizes either a chunk at a
+    time (experts only with their float scratch) and then takes the longer default chunk where
+    it fits (``worker.main._dequantizes_per_chunk``)."""
     from worker.layers.moe import FusedExperts
 
     dense = experts = False
@@ -265,7 +273,7 @@ def _dequantizes_per_chunk(skeleton: Any, plan: dict[str, Any]) -> bool:
             continue
         dense |= isinstance(module, torch.nn.Linear)
         experts |= isinstance(module, FusedExperts)
-    return dense and not experts
+    return dense, experts
 
 
 def _fla_installed(dtype: torch.dtype) -> bool:
@@ -300,6 +308,7 @@ def device_estimate(
     gpu_memory_gb: float | None = None,
     fla: bool = False,
     preferred: int = 0,
+    experts_only: bool = False,
 ) -> dict[str, Any]:
     """What a CUDA worker with `slots` cache slots of `context` tokens (`contexts`: it and the
     model's longest) holds at its peak (see the module docstring), and with `gpu_memory_gb`
@@ -310,10 +319,12 @@ def device_estimate(
     `gpu_memory_gb` reported as ``prefix_pool_bytes``, 0 where it would hold less than
     ``MIN_PREFIX_TOKENS`` tokens and the worker leaves it off, and then no states).
     `fla`: a hybrid model's DeltaNet prefill runs fla's kernels (reported as
-    ``deltanet_prefill``). `preferred`: the worker's longer default chunk for quantized dense
-    matmuls (``QUANTIZED_PREFILL_CHUNK``; 0: none), which ``fits_with_prefill_chunk`` names where
-    its step fits beside the slots and the pool, as the worker takes it (the figures above stay
-    at `prefill_chunk`: the longer step only takes room nothing else claims)."""
+    ``deltanet_prefill``). `preferred`: the worker's longer default chunk for quantized
+    weights (``QUANTIZED_PREFILL_CHUNK``; 0: none), which ``fits_with_prefill_chunk`` names
+    where its step fits beside the slots, the pool and ``LOAD_HOLES_BYTES``, as the worker
+    takes it (`experts_only`: the quantized weights are a sparse MoE's experts, which need
+    room for twice their float scratch too). The figures above stay at `prefill_chunk`: the
+    longer step only takes room nothing else claims."""
     context, longest = contexts
     session = session_bytes(context)
     every = PREFIX_BLOCK  # the prefix cache on: a hybrid step keeps states at block ends
@@ -352,8 +363,11 @@ def device_estimate(
     )
     preferred = min(preferred, context)  # as the worker: no prompt is longer than a session
     beside = limit - (out["total_bytes"] - step) - (pool or 0)
+    if experts_only and beside < 2 * scratch:  # the experts run on their codes: nothing is
+        preferred = 0  # dequantized a chunk at a time
     if preferred > prefill_chunk:
-        if prefill_step_bytes(config, preferred, dtype, every, fla) <= beside:
+        need = prefill_step_bytes(config, preferred, dtype, every, fla) + LOAD_HOLES_BYTES
+        if need <= beside:
             out["fits_with_prefill_chunk"] = preferred
     out["max_slots_at_context"] = max(0, room // session) if session else None
     out["max_context_at_slots"] = _longest_context(session_bytes, room // slots, longest)

@@ -227,10 +227,14 @@ def _quantized_matmuls(model: Any) -> tuple[bool, bool]:
 
 
 def _dequantizes_per_chunk(model: Any) -> bool:
-    """Whether `model`'s prefill dequantizes quantized dense matmuls a chunk at a time: such
-    matmuls and no quantized experts (a sparse MoE's prefill, whose chunk was not measured)."""
+    """Whether `model`'s prefill dequantizes quantized weights a chunk at a time: dense
+    quantized matmuls, or quantized experts with their float scratch allowed
+    (``_fit_expert_scratch``, which runs first; without it they run grouped GEMMs on the
+    codes)."""
+    from worker.layers import quant_experts
+
     dense, experts = _quantized_matmuls(model)
-    return dense and not experts
+    return dense or (experts and bool(quant_experts.DEQUANT_SCRATCH.get("allowed")))
 
 
 def _reserve_quant_scratch(model: Any, device: Any) -> int:
@@ -271,7 +275,9 @@ def _fit_prefill_chunk(
     `scratch`: the bytes of the step's quantized scratch already allocated
     (``_reserve_quant_scratch``), which the step's estimate counts too. `preferred` (a default
     chunk, ``memory.QUANTIZED_PREFILL_CHUNK``, capped by the context): taken, with a log line,
-    where its step fits; else the fit of `config`'s chunk as above, in silence where that one
+    where its step fits in that room less the allocator's holes (``memory.holes_bytes``: on a
+    24 GB card's limit the 31B's 4,096 passed the plain fit and ran out at the warm-up,
+    session 47); else the fit of `config`'s chunk as above, in silence where that one
     fits."""
     from worker.device import memory
 
@@ -280,8 +286,9 @@ def _fit_prefill_chunk(
     room -= memory.FRAGMENTATION_BYTES
     fla = _fla_prefill(model_config, device, dtype)
     preferred = min(preferred, config.max_context)  # no prompt is longer than a session
-    if preferred > chunk and not chosen:
-        if memory.prefill_step_bytes(model_config, preferred, dtype, every, fla) <= room:
+    if preferred > chunk and not chosen:  # with the load's holes left out of the room
+        beside = room - memory.holes_bytes(device)
+        if memory.prefill_step_bytes(model_config, preferred, dtype, every, fla) <= beside:
             log(f"prefill chunk {preferred}: quantized weights, which a prefill step "
                 "dequantizes once a chunk")  # fmt: skip
             return preferred

@@ -459,6 +459,52 @@ def test_pack_for_device_drops_each_canonical_copy_before_the_next_pack(
     assert model["embed"].device_packed is model["head"].device_packed
 
 
+def test_a_weight_without_room_for_a_second_copy_packs_from_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under a 24 GB card's limit the 31B's tied 1.5 GB table, packed first, ran out in one
+    of two starts (session 47): a weight whose device lacks room for its packed copy leaves
+    the device first and packs from a host copy, a chunk of rows at a time, into the same
+    layout; the others pack in place; the log says how many moved."""
+    from worker.device.kernels import quant_matmul as qm
+
+    def model() -> torch.nn.ModuleDict:
+        shared = _qw("int8", 32, n=40, k=64, seed=1)
+        m = torch.nn.ModuleDict({
+            "embed": Q.QuantEmbedding(40, 64, Q.QuantFormat("int8", 32), torch.float32),
+            "a": Q.QuantLinear.from_weight(_qw("int4", 32, n=16, k=64, seed=2)),
+            "head": Q.QuantLinear.from_weight(shared),
+        })  # fmt: skip
+        m["embed"].quantized = shared
+        return m
+
+    plain, staged = model(), model()
+    assert Q._room_for_a_second_copy(plain["head"].quantized)  # always on the CPU
+    assert Q.pack_for_device(plain) == (2, 0)
+    devices: list[Any] = []
+    real = qm.KMajorWeight.pack
+
+    def pack(qw: Any, *args: Any, device: Any = None) -> Any:
+        devices.append(device)
+        return real(qw, *args, device=device)
+
+    monkeypatch.setattr(qm.KMajorWeight, "pack", staticmethod(pack))
+    monkeypatch.setattr(Q, "_room_for_a_second_copy", lambda qw: qw.shape[0] != 40)
+    lines: list[str] = []
+    assert Q.pack_for_device(staged, log=lines.append) == (2, 0)
+    kinds = [None if d is None else torch.device(d).type for d in devices]
+    assert kinds == [torch.device(DEVICE).type, None]  # the table from the host, then "a"
+    assert lines == ["cuda_setup: 1 quantized weights packed from a host copy: the device had "
+                     "no room for a second copy of each"]  # fmt: skip
+    for name in ("a", "head"):
+        got, want = staged[name].device_packed, plain[name].device_packed
+        for part in ("words", "scales", "offsets"):
+            a, b = getattr(got, part), getattr(want, part)
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert staged["embed"].device_packed is staged["head"].device_packed
+    assert all(m.quantized is None for m in staged.values())
+
+
 def test_quantized_model_logits_kernels_equal_reference() -> None:
     """A tiny model loaded --quantize int4 with random weights: after pack_for_device (the
     CUDA set-up's step) the kernels' logits (prefill and decode rows) equal the reference's."""

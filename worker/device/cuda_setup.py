@@ -112,7 +112,7 @@ def _pack_quantized(inner: Any) -> tuple[int, int]:
             "6-bit planes (7 bits a weight)" if six_bit else
             "the int8 kernels' layout (9 bits a weight, faster decode batches)"
         ) + f": {why}")  # fmt: skip
-    result = pack_for_device(inner, inner.model.norm.weight.dtype, six_bit)
+    result = pack_for_device(inner, inner.model.norm.weight.dtype, six_bit, log=_log)
     torch.cuda.empty_cache()
     return result
 

@@ -263,6 +263,16 @@ def unallocated_bytes(device: Any) -> int:
     return int(max(0, min(free, limit.allocator - allocated)))
 
 
+def holes_bytes(device: Any) -> int:
+    """What the allocator holds on `device` that no tensor does: after a load, mostly gaps
+    between the weights (the packing's freed copies: 0.93 GiB after the 31B's quantize-at-load,
+    session 47), usable by small blocks but not by a prefill step's large ones."""
+    import torch
+
+    key = _key(device)
+    return max(0, int(torch.cuda.memory_reserved(key) - torch.cuda.memory_allocated(key)))
+
+
 def free_bytes(device: Any) -> int:
     """Device memory still free for this process: the card's free memory, and under a
     limit at most what the allocator may still reserve."""

@@ -21,6 +21,7 @@ tested against. Norms, biases and other vectors are never quantized.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -476,7 +477,10 @@ class QuantEmbedding(nn.Module):
 
 
 def pack_for_device(
-    model: nn.Module, dtype: torch.dtype = torch.float32, six_bit: bool = True
+    model: nn.Module,
+    dtype: torch.dtype = torch.float32,
+    six_bit: bool = True,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[int, int]:
     """Every quantized linear of ``model`` (computing in ``dtype``) into the GPU kernels'
     K-major layout (``worker.device.kernels.quant_matmul.KMajorWeight``, scales in
@@ -486,7 +490,9 @@ def pack_for_device(
     copy). int6 weights go into 6-bit planes (``worker.device.kernels.int6_matmul``), or with
     ``six_bit`` False into the int8 layout (the same codes; ``cuda_setup.six_bit_planes``
     chooses). Weights whose group the kernels cannot take stay canonical (the torch
-    reference). Returns (packed, left canonical). Imports Triton."""
+    reference). A weight whose device has no room for its packed copy beside it
+    (``_room_for_a_second_copy``) is packed from a host copy, its device copy freed first
+    (`log` says how many). Returns (packed, left canonical). Imports Triton."""
     from worker.device.kernels.int6_matmul import SixBitWeight
     from worker.device.kernels.quant_matmul import KMajorWeight, meta_dtype_for
 
@@ -494,7 +500,7 @@ def pack_for_device(
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)) and module.quantized is not None:
             users.setdefault(id(module.quantized), []).append(module)
-    packed = left = 0
+    packed = left = staged = 0
     for sharing in users.values():
         qw = sharing[0].quantized
         assert qw is not None
@@ -506,7 +512,16 @@ def pack_for_device(
         if qw.kind == INT6 and SixBitWeight.supports(qw):
             device_packed = SixBitWeight.pack(qw)
         elif qw.kind != INT6 and KMajorWeight.supports(qw):
-            device_packed = KMajorWeight.pack(qw, meta_dtype_for(qw.kind, dtype))
+            meta = meta_dtype_for(qw.kind, dtype)
+            if _room_for_a_second_copy(qw):
+                device_packed = KMajorWeight.pack(qw, meta)
+            else:  # its canonical copy leaves the device first (a 24 GB card's tied table)
+                device, qw = qw.device, qw.to("cpu")
+                for module in sharing:
+                    module.quantized = None
+                torch.cuda.empty_cache()
+                device_packed = KMajorWeight.pack(qw, meta, device=device)
+                staged += 1
         else:
             left += 1
             continue
@@ -515,4 +530,27 @@ def pack_for_device(
             module.quantized = None  # the canonical copy goes before the next weight packs
         del qw
         packed += 1
+    if staged and log is not None:
+        log(f"cuda_setup: {staged} quantized weights packed from a host copy: the device had "
+            "no room for a second copy of each")  # fmt: skip
     return packed, left
+
+
+PACK_MARGIN_BYTES = 256 << 20
+"""Beside a weight's packed copy, what its packing's row chunks may take."""
+
+
+def _room_for_a_second_copy(qw: QuantizedWeight) -> bool:
+    """Whether `qw`'s device can hold its packed copy beside it (``memory.free_bytes``, after
+    ``empty_cache`` where it looks short). Not, under a 24 GB card's limit, for the 31B's tied
+    1.5 GB table packed first: its pack ran out there in one of two starts (session 47), so it
+    packs from a host copy instead (``pack_for_device``). Always on the CPU."""
+    if qw.device.type != "cuda":
+        return True
+    from worker.device import memory
+
+    need = qw.nbytes + PACK_MARGIN_BYTES
+    if memory.free_bytes(qw.device) >= need:
+        return True
+    torch.cuda.empty_cache()  # pages the load left free go back first
+    return memory.free_bytes(qw.device) >= need

@@ -176,11 +176,15 @@ class KMajorWeight:
 
     @staticmethod
     def pack(
-        qw: QuantizedWeight, meta_dtype: torch.dtype = torch.float16, block: int | None = None
+        qw: QuantizedWeight,
+        meta_dtype: torch.dtype = torch.float16,
+        block: int | None = None,
+        device: torch.device | str | None = None,
     ) -> KMajorWeight:
         """``meta_dtype``: the scales' and offsets' (fp16 as in ``qw``; bf16 for int4 weights
         of a bf16 model, ``meta_dtype_for``); ``block``: word columns a block of the blocked
-        layout, 0 for plain rows (None: BLOCK_WORDS)."""
+        layout, 0 for plain rows (None: BLOCK_WORDS); ``device``: where the packed weight goes
+        (None: ``qw``'s; from host memory a chunk of rows is copied over at a time)."""
         n, k = qw.shape
         if not KMajorWeight.supports(qw):
             group = qw.group_size
@@ -192,17 +196,18 @@ class KMajorWeight:
             raise ValueError(f"K-major packing: blocks of {block} words do not divide a chunk")
         width = triton.cdiv(n, per_word)
         columns = triton.cdiv(width, block) * block if block else width  # stored
-        device = qw.qdata.device
+        device = qw.qdata.device if device is None else torch.device(device)
         # blocked: [C / B, K, B], filled a chunk of whole blocks at a time (chunks start at
         # multiples of PACK_ROWS / P word columns), so no [K, C] copy is made
         shape = (columns // block, k, block) if block else (k, columns)
         words = torch.zeros(shape, dtype=torch.int32, device=device)
         for start in range(0, n, PACK_ROWS):
             stop = min(start + PACK_ROWS, n)
+            rows = qw.qdata[start:stop].to(device)
             if qw.kind == INT4:
-                codes = unpack_nibbles(qw.qdata[start:stop]).to(torch.int32)
+                codes = unpack_nibbles(rows).to(torch.int32)
             else:  # signed bytes stored offset by 128 (the kernels take 128 * scale back)
-                codes = (qw.qdata[start:stop].to(torch.int32) + 128) & 0xFF
+                codes = (rows.to(torch.int32) + 128) & 0xFF
             first, last = start // per_word, triton.cdiv(stop, per_word)
             span = triton.cdiv(last - first, block) * block if block else last - first
             chunk = torch.zeros((span * per_word, k), dtype=torch.int32, device=device)
@@ -218,6 +223,7 @@ class KMajorWeight:
                 words[:, first:last] = word.t()
 
         def by_position(meta: torch.Tensor) -> torch.Tensor:  # [N, K / g] -> [K / g, P, C]
+            meta = meta.to(device)
             padded = meta.new_zeros((columns * per_word, meta.shape[1]), dtype=meta_dtype)
             padded[:n] = meta
             meta = padded.t().reshape(-1, columns, per_word).transpose(1, 2)
