@@ -216,6 +216,35 @@ def test_store_kernel_rounds_into_an_fp8_cache(triton_ready: None) -> None:
     assert torch.equal(got_k[1].view(torch.uint8), k_cache[1].view(torch.uint8))  # untouched
 
 
+@pytest.mark.parametrize("wide", [torch.bfloat16, torch.float16])
+def test_a_prefills_new_keys_round_into_fp8_in_one_launch(
+    triton_ready: None, wide: torch.dtype
+) -> None:
+    """`round_kv_to_fp8`: a prefill's new keys and values, strided views of one projection
+    output, as `round_to_cache` gives them (the stored e4m3 bytes, saturated, and those values
+    widened to the dots' dtype), contiguous; no rows, no launch."""
+    from worker.device.kernels.prefill_attention import round_kv_to_fp8
+
+    gen = torch.Generator().manual_seed(5)
+    n, heads, dim = 37, 4, 64
+    scale = torch.logspace(-1.7, 2, n * heads * dim).reshape(n, heads * dim)  # e4m3's range
+    qkv = torch.randn(n, 3, heads * dim, generator=gen) * scale[:, None]
+    qkv[1] *= 0.01  # one row of subnormals (the interpreter flushes them: within atol there)
+    qkv[0, 1, :2] = torch.tensor([1000.0, -3000.0])  # past e4m3's range: saturated, not NaN
+    qkv = qkv.to(DEVICE, torch.bfloat16)
+    k, v = qkv[:, 1].view(n, heads, dim), qkv[:, 2].view(n, heads, dim)
+    cache = torch.empty(1, dtype=FP8, device=DEVICE)
+    stored_k, stored_v, wide_k, wide_v = round_kv_to_fp8(k, v, wide)
+    for stored, widened, x in ((stored_k, wide_k, k), (stored_v, wide_v, v)):
+        want_stored, _ = round_to_cache(x, cache)
+        _close_to_fp8(stored, want_stored)
+        assert stored.is_contiguous() and widened.is_contiguous() and widened.dtype == wide
+        assert torch.equal(widened, stored.to(wide))  # e4m3 values are exact in both
+    assert stored_k[0, 0, :2].float().tolist() == [FP8_MAX, -FP8_MAX]
+    empty = round_kv_to_fp8(k[:0], v[:0], wide)
+    assert [t.shape[0] for t in empty] == [0, 0, 0, 0]
+
+
 def test_fused_qkv_store_rounds_into_an_fp8_cache(triton_ready: None) -> None:
     """The decode step's one launch writes what it writes into a bf16 cache, rounded to fp8."""
     from worker.device.kernels.rmsnorm import qkv_norm_rope_store_triton

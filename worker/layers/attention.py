@@ -378,8 +378,16 @@ def _prefill_one_triton(
     c, s = seq.cached, seq.slot
     rows = slice(seq.start, seq.end)
     # [n, KVH, D] in the cache's dtype (the store copies these bytes), and as attention sees them
-    stored_k, new_k = round_to_cache(k[rows], cache.k)
-    stored_v, new_v = round_to_cache(v[rows], cache.v)
+    if cache.k.dtype == torch.float8_e4m3fn and q.is_cuda:  # one launch for both, both ways
+        from worker.device.kernels import prefill_attention as pa
+
+        # widened to what the kernel's dots take: fp16 over a full layer's cached prefix
+        fp16 = c and cache.window is None and pa._fp16_pays(q, cache.k, 0)
+        wide = torch.float16 if fp16 else q.dtype
+        stored_k, stored_v, new_k, new_v = pa.round_kv_to_fp8(k[rows], v[rows], wide)
+    else:
+        stored_k, new_k = round_to_cache(k[rows], cache.k)
+        stored_v, new_v = round_to_cache(v[rows], cache.v)
     k_prev = v_prev = prev_pos = None
     if cache.window is None:
         _store_full(cache, seq, stored_k.transpose(0, 1), stored_v.transpose(0, 1))

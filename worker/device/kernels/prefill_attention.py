@@ -376,6 +376,65 @@ def _check_shapes(
         raise ValueError("q, k, v and out need a contiguous last dim")
 
 
+@triton.jit
+def _round_row(src, stored, wide, offs, mask, HEAD_DIM: tl.constexpr):
+    """src's [BLOCK] entries at `offs` of a row of [Hkv, D] (src at the row, its head
+    stride given through the head-major offsets) rounded into e4m3, saturating at +-448,
+    stored as those bytes and widened to `wide`'s type."""
+    x = tl.load(src, mask=mask, other=0.0)
+    x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    rounded = x.to(tl.float8e4nv)
+    tl.store(stored + offs, rounded, mask=mask)
+    tl.store(wide + offs, rounded.to(wide.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_kv_kernel(
+    k_ptr, v_ptr, stored_k_ptr, stored_v_ptr, wide_k_ptr, wide_v_ptr,
+    stride_kn, stride_kh, stride_vn, stride_vh, row_len,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One token's new keys and values (a row of [Hkv, D], strided) as an fp8 cache holds
+    them: `stored_*` the e4m3 bytes a store copies, `wide_*` those values widened, both
+    contiguous [n, Hkv, D]. Grid: (n, cdiv(Hkv * D, BLOCK))."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_len
+    head, dim = offs // HEAD_DIM, offs % HEAD_DIM
+    out = row * row_len + offs
+    k_src = k_ptr + row * stride_kn + head * stride_kh + dim
+    v_src = v_ptr + row * stride_vn + head * stride_vh + dim
+    _round_row(k_src, stored_k_ptr, wide_k_ptr, out, mask, HEAD_DIM)
+    _round_row(v_src, stored_v_ptr, wide_v_ptr, out, mask, HEAD_DIM)
+
+
+def round_kv_to_fp8(
+    k: torch.Tensor, v: torch.Tensor, wide_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefill's new keys and values [n, Hkv, D] (any strides, a contiguous last dim) as an
+    fp8 cache holds them, in one launch: (stored k, stored v) in e4m3, the bytes a store
+    copies, and (k, v) those values widened to `wide_dtype` (the step's dtype, or fp16 where
+    the dots take fp16 operands: `_fp16_pays`; e4m3 values are exact in both). What
+    ``worker.layers.kv.round_to_cache`` gives for each, without its four elementwise passes a
+    tensor (the clamp, the rounding, the widening, and the fp16 operands' cast)."""
+    n, heads, head_dim = k.shape
+    if v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v need one shape and a contiguous last dim")
+    stored_k = torch.empty(k.shape, dtype=torch.float8_e4m3fn, device=k.device)
+    stored_v = torch.empty_like(stored_k)
+    wide_k = torch.empty(k.shape, dtype=wide_dtype, device=k.device)
+    wide_v = torch.empty_like(wide_k)
+    if n == 0:
+        return stored_k, stored_v, wide_k, wide_v
+    row_len = heads * head_dim
+    block = min(triton.next_power_of_2(row_len), 2048)
+    _round_kv_kernel[(n, triton.cdiv(row_len, block))](
+        k, v, stored_k, stored_v, wide_k, wide_v, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), row_len, HEAD_DIM=head_dim, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return stored_k, stored_v, wide_k, wide_v
+
+
 def _fp16_operands(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qk_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
