@@ -333,12 +333,16 @@ def test_prefill_attention_reads_an_fp8_pool(triton_ready: None, window: int) ->
 
 
 def test_fp16_dots_only_where_they_pay(triton_ready: None) -> None:
-    """fp16 operands for a bf16 step over an fp8 cache's full layer; never over a ring, a
-    bf16 cache, a float32 step, or with the switch off."""
+    """fp16 operands for a bf16 step over an fp8 cache's full layer (a first chunk's keys
+    widened to fp16 included); never over a ring, a bf16 cache, a float32 step, or with the
+    switch off."""
     from worker.device.kernels import prefill_attention as pa
 
     bf16, fp8 = torch.empty(4, dtype=torch.bfloat16), torch.empty(4, dtype=FP8)
     assert pa._fp16_pays(bf16, fp8, 0)
+    # a first chunk's new keys, widened to fp16 for an fp8 cache: the same dots as the
+    # prefill graphs take over that layer (session 47)
+    assert pa._fp16_pays(bf16, torch.empty(4, dtype=torch.float16), 0)
     assert not pa._fp16_pays(bf16, fp8, 1024)  # a sliding layer's ring
     assert not pa._fp16_pays(bf16, bf16, 0)
     assert not pa._fp16_pays(bf16.float(), fp8, 0)

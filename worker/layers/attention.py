@@ -381,8 +381,9 @@ def _prefill_one_triton(
     if cache.k.dtype == torch.float8_e4m3fn and q.is_cuda:  # one launch for both, both ways
         from worker.device.kernels import prefill_attention as pa
 
-        # widened to what the kernel's dots take: fp16 over a full layer's cached prefix
-        fp16 = c and cache.window is None and pa._fp16_pays(q, cache.k, 0)
+        # widened to what the kernel's dots take: fp16 over a full layer (a first chunk too,
+        # as the prefill graphs take it: session 47 found graphed and eager caches apart)
+        fp16 = cache.window is None and pa._fp16_pays(q, cache.k, 0)
         wide = torch.float16 if fp16 else q.dtype
         stored_k, stored_v, new_k, new_v = pa.round_kv_to_fp8(k[rows], v[rows], wide)
     else:

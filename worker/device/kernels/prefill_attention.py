@@ -462,9 +462,11 @@ def _fp16_pays(q: torch.Tensor, k_prev: torch.Tensor, window: int) -> bool:
     most its window) the casts cost more than the kernel saves: 1,024 new rows over a
     1,024-entry ring took 330 us against 282 (H100, session 42). Not by length: one kernel
     variant a layer kind, the ones the start-up warm-up compiles."""
-    if not FP16_OVER_FP8 or k_prev.dtype != torch.float8_e4m3fn or q.dtype != torch.bfloat16:
+    if not FP16_OVER_FP8 or q.dtype != torch.bfloat16:
         return False
-    return window <= 0
+    # fp16 keys: a first chunk's new keys into an fp8 cache, widened to fp16 already
+    # (`round_kv_to_fp8`), so its dots match the prefill graphs' over the same layer
+    return k_prev.dtype in (torch.float8_e4m3fn, torch.float16) and window <= 0
 
 
 def _launch(
