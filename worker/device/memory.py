@@ -27,12 +27,14 @@ GRAPHS_BYTES = 1 << 28
 CUDA_PREFILL_CHUNK = 2048
 """The default prefill chunk on CUDA (``--prefill-chunk``; 512 on the CPU)."""
 QUANTIZED_PREFILL_CHUNK = 4096
-"""The default prefill chunk on CUDA for a model whose dense matmuls are quantized, where the
-step fits beside the caches (else the 2,048 default's fit, as for float weights): each chunk
-dequantizes every such matmul's weights once (``quant_matmul._dequantized_linear``), so a
-longer chunk spreads that over more tokens. Gemma 4 31B through the worker on an H100, a
-16k prompt: int4 6,768 / 7,204 / 7,342 tok/s at 2,048 / 4,096 / 8,192, int8 6,657 / 7,118 at
-2,048 / 4,096; with bf16 weights 4,096 gains 0.3% (BENCHMARKS.md, session 46). Not 8,192:
+"""The default prefill chunk on CUDA for a model whose prefill dequantizes quantized weights a
+chunk at a time, where the step fits beside the caches and the load's holes (else the 2,048
+default's fit, as for float weights): each chunk dequantizes every quantized dense matmul's
+weights once (``quant_matmul._dequantized_linear``), and a sparse MoE's quantized experts
+into their float scratch, so a longer chunk spreads that over more tokens. Through the worker
+on an H100, a 16k prompt: Gemma 4 31B int4 6,768 / 7,204 / 7,342 tok/s at 2,048 / 4,096 /
+8,192, int8 6,657 / 7,118 at 2,048 / 4,096, with bf16 weights 4,096 gains 0.3% (session 46);
+Qwen3.5-35B-A3B int4 experts 14,687 / 18,871 (session 47). Not 8,192:
 a decoding session waits for one chunk at most (``scheduler.plan_step``), ~0.6 s at 4,096 on
 that card, twice that at 8,192."""
 MIN_PREFILL_CHUNK = 256

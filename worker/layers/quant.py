@@ -542,9 +542,9 @@ PACK_MARGIN_BYTES = 256 << 20
 
 def _room_for_a_second_copy(qw: QuantizedWeight) -> bool:
     """Whether `qw`'s device can hold its packed copy beside it (``memory.free_bytes``, after
-    ``empty_cache`` where it looks short). Not, under a 24 GB card's limit, for the 31B's tied
-    1.5 GB table packed first: its pack ran out there in one of two starts (session 47), so it
-    packs from a host copy instead (``pack_for_device``). Always on the CPU."""
+    ``empty_cache`` where it looks short); where not, ``pack_for_device`` packs it from a host
+    copy. The 31B's tied 1.5 GB table, packed first under a 24 GB card's limit, ran out in one
+    of three starts (session 47), the load's free pages still reserved. Always on the CPU."""
     if qw.device.type != "cuda":
         return True
     from worker.device import memory
