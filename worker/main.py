@@ -527,6 +527,9 @@ def build_engine(
     elif torch_device.type == "cuda":
         from worker.device.cuda_setup import prepare_model_for_device
 
+        # the load's own peak, apart from the packing's (a 24 GB card's margin at start-up was
+        # 0.1 GiB, and which of the two reached it was not known: session 47)
+        log(f"device memory: {memory.summary(torch_device)} after the load")
         # merged projections, fused kernels, decode steps replayed from CUDA graphs
         with _explained(torch_device, "packing the weights for the GPU kernels", quantize):
             loaded.model = prepare_model_for_device(
