@@ -383,8 +383,7 @@ def _prefill_one_triton(
 
         # widened to what the kernel's dots take: fp16 over a full layer (a first chunk too,
         # as the prefill graphs take it: session 47 found graphed and eager caches apart)
-        fp16 = cache.window is None and pa._fp16_pays(q, cache.k, 0)
-        wide = torch.float16 if fp16 else q.dtype
+        wide = torch.float16 if pa._fp16_pays(q, cache.k, cache.window or 0) else q.dtype
         stored_k, stored_v, new_k, new_v = pa.round_kv_to_fp8(k[rows], v[rows], wide)
     else:
         stored_k, new_k = round_to_cache(k[rows], cache.k)
