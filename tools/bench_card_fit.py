@@ -9,11 +9,14 @@ start-up error users get.
         --gpu-memory-gb 23.5 --sessions 2 --context 8192 --too-small 16
     python tools/bench_card_fit.py --tiny --device cpu --context 256   # a dry run, no limit
 
-Random weights (the config's shape) and random prompt ids, as tools/bench_gpu.py uses; or, with
-`--model FILE.gguf`, that file's own tensors (a `tools/gguf_stub.py` file: a real layout with
-zero weights, so the memory is a real file's; MoE routing over zero weights always picks the
-same experts, so its decode rate is not one). Prints a table and writes
-OUT/bench_card_fit_<sessions>x<context>_<tag>.json.
+Random weights (the config's shape) and random prompt ids, as tools/bench_gpu.py uses; with
+`--checkpoint DIR`, the same random weights written first as a bf16 safetensors checkpoint in
+DIR (kept for the next run), which the worker then loads as a user's downloaded checkpoint:
+with `--quantize int4` that is the quantize-at-load path, each weight streamed from the files
+and quantized on the device; or, with `--model FILE.gguf`, that file's own tensors (a
+`tools/gguf_stub.py` file: a real layout with zero weights, so the memory is a real file's; MoE
+routing over zero weights always picks the same experts, so its decode rate is not one). Prints
+a table and writes OUT/bench_card_fit_<sessions>x<context>_<tag>.json.
 """
 
 from __future__ import annotations
@@ -69,10 +72,85 @@ def warm_up(worker: WorkerProcess, tokens: int, vocab: int) -> float:
     return time.perf_counter() - t0
 
 
+SHARD_BYTES = 4 << 30
+
+
+def write_checkpoint(model_dir: Path, where: Path, seed: int = 0) -> Path:
+    """A bf16 safetensors checkpoint of `model_dir`'s config (its config.json and tokenizer.json
+    copied), sharded as downloaded ones are, with `--random-weights`' distribution: matrices
+    ~ N(0, 0.02), norms at their identity, other buffers 1. Drawn on the GPU where there is one
+    (seconds for 31B), one shard in host memory at a time. Kept: a DIR that already holds an
+    index is used as it is."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from worker.layers.blocks import RMSNorm
+    from worker.models.config import ModelConfig
+    from worker.models.registry import build_model
+
+    index_path = where / "model.safetensors.index.json"
+    if index_path.exists():
+        log(f"checkpoint: {where} already written")
+        return where
+    where.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(model_dir / name, where / name)
+    config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    model = build_model(config, "meta", torch.bfloat16)
+    identity = {
+        id(m.weight): 1.0 - m.style.offset
+        for m in model.modules()
+        if isinstance(m, RMSNorm) and m.weight is not None
+    }
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(seed)
+    entries = list(model.state_dict(keep_vars=True).items())
+    total = sum(t.numel() * t.element_size() for _, t in entries)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    for name, tensor in entries:
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + size > SHARD_BYTES:
+            shards.append({})
+        shards[-1][name] = tensor  # a meta tensor: its values are drawn as its shard is written
+    weight_map: dict[str, str] = {}
+    done = 0
+    t0 = time.perf_counter()
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        values: dict[str, torch.Tensor] = {}
+        for name, tensor in shard.items():
+            value = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            if id(tensor) in identity:
+                value.fill_(identity[id(tensor)])
+            elif name.endswith(".bias"):
+                value.zero_()
+            elif isinstance(tensor, torch.nn.Parameter):
+                value.normal_(0.0, 0.02, generator=generator)
+            else:
+                value.fill_(1.0)
+            values[name] = value.cpu()
+            weight_map[name] = file
+        save_file(values, str(where / file), metadata={"format": "pt"})
+        done += sum(v.nbytes for v in values.values())
+        log(f"checkpoint: {file} written, {done / GIB:.1f} of {total / GIB:.1f} GiB "
+            f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index_path.write_text(json.dumps(index, indent=1))
+    return where
+
+
 def worker_args(model_dir: Path, args: argparse.Namespace, limit: float | None) -> list[str]:
-    """The worker's flags: random weights of a config's shape, or a GGUF file's own tensors
-    (e.g. one of `tools/gguf_stub.py`'s: a real file's layout, zero weights)."""
-    weights = [] if str(model_dir).endswith(".gguf") else ["--random-weights"]
+    """The worker's flags: random weights of a config's shape, a written checkpoint's files, or a
+    GGUF file's own tensors (e.g. one of `tools/gguf_stub.py`'s: a real file's layout, zero
+    weights)."""
+    gguf = str(model_dir).endswith(".gguf")
+    weights = (
+        []
+        if gguf or (model_dir / "model.safetensors.index.json").exists()
+        else ["--random-weights"]
+    )
     flags = [
         "--model", str(model_dir), *weights, "--device", args.device,
         "--max-sessions", str(args.sessions + 1), "--max-context", str(args.context),
@@ -107,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=64, help="tokens decoded in each session")
     p.add_argument("--tag", default="run", help="names the JSON file")
     p.add_argument("--too-small", type=float, default=None, help="GiB the weights cannot fit")
+    p.add_argument("--checkpoint", default=None,
+                   help="write the random weights as a bf16 safetensors checkpoint here (once) "
+                   "and load the worker from it")  # fmt: skip
     p.add_argument("--worker-arg", action="append", default=[], help="another worker flag")
     p.add_argument("--warmup", type=int, default=4096,
                    help="prompt tokens of an untimed request first (0: none)")  # fmt: skip
@@ -123,12 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         if config_path.is_dir():
             config_path = config_path / "config.json"
         model_dir = make_model_dir(config_path, args.tiny, Path(tempfile.mkdtemp()) / "model")
+        if args.checkpoint:
+            model_dir = write_checkpoint(model_dir, Path(args.checkpoint))
         vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     result: dict[str, Any] = {
         "model": args.model, "quantize": args.quantize, "gpu_memory_gb": args.gpu_memory_gb,
         "sessions": args.sessions, "context": args.context,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "worker_args": args.worker_arg,
-        "tag": args.tag,
+        "tag": args.tag, "checkpoint": args.checkpoint,
     }  # fmt: skip
     worker = WorkerProcess(worker_args(model_dir, args, args.gpu_memory_gb))
     try:
