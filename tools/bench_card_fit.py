@@ -204,8 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         if config_path.is_dir():
             config_path = config_path / "config.json"
         model_dir = make_model_dir(config_path, args.tiny, Path(tempfile.mkdtemp()) / "model")
-        if args.checkpoint:
-            model_dir = write_checkpoint(model_dir, Path(args.checkpoint))
+        if args.checkpoint:  # in a child process: its CUDA context is gone before the worker's
+            import multiprocessing
+
+            child = multiprocessing.get_context("spawn").Process(
+                target=write_checkpoint, args=(model_dir, Path(args.checkpoint))
+            )
+            child.start()
+            child.join()
+            if child.exitcode != 0:
+                raise SystemExit(f"writing the checkpoint failed (exit code {child.exitcode})")
+            model_dir = Path(args.checkpoint)
         vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     result: dict[str, Any] = {
         "model": args.model, "quantize": args.quantize, "gpu_memory_gb": args.gpu_memory_gb,
