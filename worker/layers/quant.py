@@ -21,6 +21,7 @@ tested against. Norms, biases and other vectors are never quantized.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -126,6 +127,18 @@ SEARCH_ROWS = 512  # rows per chunk of a search: bounds its temporaries to a few
 SEARCH_ELEMENTS_GPU = 1 << 24  # on a GPU, chunks of ~16M weights: few launches, ~400 MB
 
 
+def _fit_in_one_launch(weight: torch.Tensor, group: int) -> bool:
+    """The fits below as one Triton launch a weight (``worker.device.kernels.quant_fit``) for a
+    weight on the GPU in groups of 16-256 (a power of two): the same codes, scales and offsets
+    as these torch passes but for sums added in another order, ~100x sooner (a float
+    checkpoint quantized at load). ``TOKENPIPE_QUANT_FIT=torch`` keeps the torch form."""
+    from worker.device.kernels.attention import use_triton
+
+    if os.environ.get("TOKENPIPE_QUANT_FIT") == "torch" or not use_triton(weight):
+        return False
+    return 16 <= group <= 256 and group & (group - 1) == 0 and weight.shape[0] > 0
+
+
 def _search_rows(weight: torch.Tensor) -> int:
     if weight.device.type == "cpu":
         return SEARCH_ROWS
@@ -143,6 +156,11 @@ def quantize_int8(
     QuantFormat(kind, group).check("weight", (n, k))
     limit = CODE_LIMIT[kind]
     divisors = tuple(range((limit + 1) // 2, limit + 1)) if search else (limit,)
+    if _fit_in_one_launch(weight, group):
+        from worker.device.kernels.quant_fit import fit_int8
+
+        q, scales = fit_int8(weight, group, divisors[0], limit)
+        return QuantizedWeight(kind, (n, k), group, q, scales)
     rows = _search_rows(weight)
     scales, codes = [], []
     for start in range(0, n, rows):  # chunks bound the fp32 temporaries
@@ -188,8 +206,14 @@ def quantize_int4(
     each weight's squared error by its input channel's, in the fit and in the choice."""
     n, k = weight.shape
     QuantFormat(INT4, group_size).check("weight", (n, k))
-    rows = _search_rows(weight)
     weights = None if importance is None else _group_weights(importance, k, group_size, weight)
+    if _fit_in_one_launch(weight, group_size):
+        from worker.device.kernels.quant_fit import fit_int4
+
+        factors = None if weights is None else weights.reshape(k)
+        packed_codes, scale, offset = fit_int4(weight, group_size, search, factors)
+        return QuantizedWeight(INT4, (n, k), group_size, packed_codes, scale, offset)
+    rows = _search_rows(weight)
     scales, offsets, packed = [], [], []
     for start in range(0, n, rows):  # chunks bound the fp32 temporaries
         grouped = _groups(weight[start : start + rows], group_size)
