@@ -83,13 +83,15 @@ def test_int8_fit_gives_the_torch_fits_codes(triton_ready: None, kind: str, grou
 def test_quantize_takes_the_kernel_where_it_fits(
     triton_ready: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`quantize` sends a device weight in groups of 16-256 through one launch (on the CPU with
-    TOKENPIPE_TRITON_CPU=1), per-channel groups and TOKENPIPE_QUANT_FIT=torch through the torch
-    passes, and both give the same weight."""
+    """With TOKENPIPE_QUANT_FIT=kernel, `quantize` sends a device weight in groups of 16-256
+    through one launch (on the CPU with TOKENPIPE_TRITON_CPU=1) and other groups through the
+    torch passes; without it (the default, until the kernels have run on a GPU), every weight
+    takes the torch passes; both give the same weight."""
     from worker.device.kernels import quant_fit
 
     w = _weight(8, 64, torch.bfloat16, seed=4)
     monkeypatch.setenv("TOKENPIPE_TRITON_CPU", "1")
+    monkeypatch.setenv("TOKENPIPE_QUANT_FIT", "kernel")
     calls: list[str] = []
     for name in ("fit_int4", "fit_int8"):
         real = getattr(quant_fit, name)
@@ -104,7 +106,7 @@ def test_quantize_takes_the_kernel_where_it_fits(
     assert calls == ["fit_int4", "fit_int8", "fit_int8"]
     Q.quantize(w[:, :48].contiguous(), Q.QuantFormat(Q.INT8, 0))  # a 48-weight row: torch's
     assert len(calls) == 3
-    monkeypatch.setenv("TOKENPIPE_QUANT_FIT", "torch")
+    monkeypatch.delenv("TOKENPIPE_QUANT_FIT")
     for fmt, got in kernel.items():
         want = Q.quantize(w, Q.QuantFormat(fmt, 32))
         assert torch.equal(got.qdata, want.qdata) and torch.equal(got.scales, want.scales)

@@ -16,6 +16,12 @@ rounds them. Only the sums over a group add in another order, so a group whose t
 candidates tie to the last bit may pick the other (tests: codes, scales and offsets equal for
 almost every group, and every group's error within 1e-5 of the torch fit's). This module
 imports Triton: import it only after `worker.device.kernels.triton_available()`.
+
+Opt-in (`TOKENPIPE_QUANT_FIT=kernel`, `worker.layers.quant._fit_in_one_launch`) until it has
+run on a GPU: session 48 wrote it after its device time was spent. The CPU tests run it in
+Triton's interpreter; it compiles for sm_90 with Triton 3.6 (no FMA in its PTX). The next
+device session: `tests/worker/test_quant_fit.py` on the GPU, `tools/bench_quant_fit.py`, and
+`tools/bench_card_fit.py --checkpoint DIR --quantize int4` with and without it.
 """
 
 from __future__ import annotations
