@@ -159,12 +159,6 @@ def _int8_fit_kernel(
     tl.store(scale_ptr + groups, best_scale.to(tl.float16), mask=live)
 
 
-def kernel_fits(group: int) -> bool:
-    """The group sizes these kernels take: a power of two from 16 to 256 (per-channel groups, a
-    row's whole length, stay with the torch form)."""
-    return 16 <= group <= 256 and group & (group - 1) == 0
-
-
 def fit_int4(
     weight: torch.Tensor, group: int, search: bool, importance: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
