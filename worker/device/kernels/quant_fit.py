@@ -9,12 +9,15 @@ bf16 (BENCHMARKS.md, session 48). Here a program holds `BLOCK_M` whole groups in
 each weight once and writes its codes, scale and offset: the search costs arithmetic, not
 memory passes, and no fp32 copy of the weight is made.
 
-Each candidate is computed as the torch form computes it, one rounding an operation: divisions
-are correctly rounded (`div_rn`), nothing is contracted into an FMA (`enable_fp_fusion=False`),
-codes round half to even, and scales and offsets are rounded to fp16 where the torch form
-rounds them. Only the sums over a group add in another order, so a group whose two best
-candidates tie to the last bit may pick the other (tests: codes, scales and offsets equal for
-almost every group, and every group's error within 1e-5 of the torch fit's). This module
+Each candidate is computed as the torch form computes it on the CPU, one rounding an operation:
+divisions are correctly rounded (`div_rn`; a number over a tensor is the tensor's reciprocal
+times the number, as torch takes it), nothing is contracted into an FMA
+(`enable_fp_fusion=False`), codes round half to even, and scales and offsets are rounded to fp16
+where the torch form rounds them. Only the sums over a group add in another order, so a group
+whose two best candidates tie to the last bit may pick the other: the interpreter's tests find
+the torch fit's bits exactly, unweighted, and with importance weights almost every group equal
+and none with more error. (torch on CUDA divides by a scalar through its reciprocal, so its own
+GPU fit differs from its CPU one in the same rare way; the GPU test allows for that.) This module
 imports Triton: import it only after `worker.device.kernels.triton_available()`.
 
 Opt-in (`TOKENPIPE_QUANT_FIT=kernel`, `worker.layers.quant._fit_in_one_launch`) until it has
