@@ -77,16 +77,16 @@ SHARD_BYTES = 4 << 30
 
 def write_checkpoint(model_dir: Path, where: Path, seed: int = 0) -> Path:
     """A bf16 safetensors checkpoint of `model_dir`'s config (its config.json and tokenizer.json
-    copied), sharded as downloaded ones are, with `--random-weights`' distribution: matrices
-    ~ N(0, 0.02), norms at their identity, other buffers 1. Drawn on the GPU where there is one
-    (seconds for 31B), one shard in host memory at a time. Kept: a DIR that already holds an
+    copied), sharded as downloaded ones are, with `--random-weights`' recipe
+    (`random_init.fill_entry`). Drawn on the GPU where there is one (seconds for 31B), one shard
+    in host memory at a time. Kept: a DIR that already holds an
     index is used as it is."""
     import shutil
 
     import torch
     from safetensors.torch import save_file
 
-    from worker.layers.blocks import RMSNorm
+    from worker.loading.random_init import INIT_STD, fill_entry, norm_identities
     from worker.models.config import ModelConfig
     from worker.models.registry import build_model
 
@@ -99,37 +99,32 @@ def write_checkpoint(model_dir: Path, where: Path, seed: int = 0) -> Path:
         shutil.copy(model_dir / name, where / name)
     config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     model = build_model(config, "meta", torch.bfloat16)
-    identity = {
-        id(m.weight): 1.0 - m.style.offset
-        for m in model.modules()
-        if isinstance(m, RMSNorm) and m.weight is not None
-    }
+    norm_weights = norm_identities(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(tensor: torch.Tensor) -> None:
+        tensor.normal_(0.0, INIT_STD, generator=generator)
+
     entries = list(model.state_dict(keep_vars=True).items())
-    total = sum(t.numel() * t.element_size() for _, t in entries)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    for name, tensor in entries:
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + size > SHARD_BYTES:
-            shards.append({})
-        shards[-1][name] = tensor  # a meta tensor: its values are drawn as its shard is written
+    total = sum(t.nbytes for _, t in entries)
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    filled = 0  # bytes in the last shard
+    for name, tensor in entries:  # meta tensors: their values are drawn as their shard is written
+        if shards[-1] and filled + tensor.nbytes > SHARD_BYTES:
+            shards.append([])
+            filled = 0
+        shards[-1].append((name, tensor))
+        filled += tensor.nbytes
     weight_map: dict[str, str] = {}
     done = 0
     t0 = time.perf_counter()
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         values: dict[str, torch.Tensor] = {}
-        for name, tensor in shard.items():
+        for name, tensor in shard:
             value = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-            if id(tensor) in identity:
-                value.fill_(identity[id(tensor)])
-            elif name.endswith(".bias"):
-                value.zero_()
-            elif isinstance(tensor, torch.nn.Parameter):
-                value.normal_(0.0, 0.02, generator=generator)
-            else:
-                value.fill_(1.0)
+            fill_entry(name, tensor, value, norm_weights, draw)
             values[name] = value.cpu()
             weight_map[name] = file
         save_file(values, str(where / file), metadata={"format": "pt"})
@@ -145,12 +140,10 @@ def worker_args(model_dir: Path, args: argparse.Namespace, limit: float | None) 
     """The worker's flags: random weights of a config's shape, a written checkpoint's files, or a
     GGUF file's own tensors (e.g. one of `tools/gguf_stub.py`'s: a real file's layout, zero
     weights)."""
-    gguf = str(model_dir).endswith(".gguf")
-    weights = (
-        []
-        if gguf or (model_dir / "model.safetensors.index.json").exists()
-        else ["--random-weights"]
+    files = (
+        str(model_dir).endswith(".gguf") or (model_dir / "model.safetensors.index.json").exists()
     )
+    weights = [] if files else ["--random-weights"]
     flags = [
         "--model", str(model_dir), *weights, "--device", args.device,
         "--max-sessions", str(args.sessions + 1), "--max-context", str(args.context),

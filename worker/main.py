@@ -527,8 +527,8 @@ def build_engine(
     elif torch_device.type == "cuda":
         from worker.device.cuda_setup import prepare_model_for_device
 
-        # the load's own peak, apart from the packing's (a 24 GB card's margin at start-up was
-        # 0.1 GiB, and which of the two reached it was not known: session 47)
+        # the load's own peak, apart from the packing's (the 31B from bf16 files under a 24 GB
+        # card's limit: 19.48 GiB reserved after the load, 22.97 after the packing; session 48)
         log(f"device memory: {memory.summary(torch_device)} after the load")
         # merged projections, fused kernels, decode steps replayed from CUDA graphs
         with _explained(torch_device, "packing the weights for the GPU kernels", quantize):

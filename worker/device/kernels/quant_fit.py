@@ -44,14 +44,21 @@ def _rint(x):
 
 
 @triton.jit
-def _int4_error(a, b, wa, wb, scale, offset, WEIGHTED: tl.constexpr):
-    """Each group's (weighted) squared error of round((w - offset) / scale) clamped to 0..15;
-    `a` and `b` are a group's even and odd weights [BLOCK_M, G / 2]."""
+def _codes(x, scale, offset, LOW: tl.constexpr, HIGH: tl.constexpr):
+    """round((x - offset) / scale) clamped to LOW..HIGH, a scale of 0 taken as 1; `scale` and
+    `offset` [BLOCK_M] a group's, `x` [BLOCK_M, n] its weights."""
     safe = tl.where(scale == 0.0, 1.0, scale)[:, None]
+    return tl.minimum(tl.maximum(_rint(tl.math.div_rn(x - offset[:, None], safe)), LOW), HIGH)
+
+
+@triton.jit
+def _int4_error(a, b, wa, wb, scale, offset, WEIGHTED: tl.constexpr):
+    """Each group's (weighted) squared error of its codes under `scale` and `offset`; `a` and
+    `b` are a group's even and odd weights [BLOCK_M, G / 2]."""
     s = scale[:, None]
     o = offset[:, None]
-    ca = tl.minimum(tl.maximum(_rint(tl.math.div_rn(a - o, safe)), 0.0), 15.0)
-    cb = tl.minimum(tl.maximum(_rint(tl.math.div_rn(b - o, safe)), 0.0), 15.0)
+    ca = _codes(a, scale, offset, 0.0, 15.0)
+    cb = _codes(b, scale, offset, 0.0, 15.0)
     ea = (ca * s + o) - a
     eb = (cb * s + o) - b
     ea = ea * ea
@@ -124,10 +131,8 @@ def _int4_fit_kernel(
             best_scale = tl.where(better, scale, best_scale)
             best_offset = tl.where(better, offset, best_offset)
             best_error = tl.where(better, error, best_error)
-    safe = tl.where(best_scale == 0.0, 1.0, best_scale)[:, None]
-    o = best_offset[:, None]
-    qa = tl.minimum(tl.maximum(_rint(tl.math.div_rn(a - o, safe)), 0.0), 15.0).to(tl.uint8)
-    qb = tl.minimum(tl.maximum(_rint(tl.math.div_rn(b - o, safe)), 0.0), 15.0).to(tl.uint8)
+    qa = _codes(a, best_scale, best_offset, 0.0, 15.0).to(tl.uint8)
+    qb = _codes(b, best_scale, best_offset, 0.0, 15.0).to(tl.uint8)
     out = groups.to(tl.int64)[:, None] * (G // 2) + half[None, :]
     tl.store(packed_ptr + out, qa | (qb << 4), mask=live[:, None])
     tl.store(scale_ptr + groups, best_scale.to(tl.float16), mask=live)
@@ -144,20 +149,19 @@ def _int8_fit_kernel(
     at = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
     x = tl.load(w_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
-    best_scale = tl.zeros(amax.shape, tl.float32)
-    best_error = tl.zeros(amax.shape, tl.float32)
+    zero = tl.zeros(amax.shape, tl.float32)  # symmetric: no offset (x - 0 is x exactly)
+    best_scale = zero
+    best_error = zero
     for divisor in range(LOW, LIMIT + 1):
         scale = tl.math.div_rn(amax, tl.zeros_like(amax) + divisor)
         scale = scale.to(tl.float16).to(tl.float32)
-        safe = tl.where(scale == 0.0, 1.0, scale)[:, None]
-        codes = tl.minimum(tl.maximum(_rint(tl.math.div_rn(x, safe)), -LIMIT), LIMIT)
+        codes = _codes(x, scale, zero, -LIMIT, LIMIT)
         e = codes * scale[:, None] - x
         error = tl.sum(e * e, 1)
         better = (error < best_error) | (divisor == LOW)  # the first candidate starts the search
         best_scale = tl.where(better, scale, best_scale)
         best_error = tl.where(better, error, best_error)
-    safe = tl.where(best_scale == 0.0, 1.0, best_scale)[:, None]
-    codes = tl.minimum(tl.maximum(_rint(tl.math.div_rn(x, safe)), -LIMIT), LIMIT)
+    codes = _codes(x, best_scale, zero, -LIMIT, LIMIT)
     tl.store(q_ptr + at, codes.to(tl.int8), mask=live[:, None])
     tl.store(scale_ptr + groups, best_scale.to(tl.float16), mask=live)
 

@@ -11,28 +11,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.layers.blocks import RMSNorm
-from worker.loading.random_init import INIT_STD
+from worker.loading.random_init import INIT_STD, fill_entry, norm_identities
 
 
 @torch.no_grad()
 def init_random_weights_on_device(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter and persistent buffer in place on its own device."""
-    norm_weights = {
-        id(m.weight): 1.0 - m.style.offset
-        for m in model.modules()
-        if isinstance(m, RMSNorm) and m.weight is not None
-    }
     generators: dict[torch.device, torch.Generator] = {}
+
+    def draw(tensor: torch.Tensor) -> None:
+        gen = generators.get(tensor.device)
+        if gen is None:
+            gen = generators[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
+        tensor.normal_(0.0, INIT_STD, generator=gen)
+
+    norm_weights = norm_identities(model)
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in norm_weights:
-            tensor.fill_(norm_weights[id(tensor)])
-        elif name.endswith(".bias"):
-            tensor.zero_()
-        elif isinstance(tensor, nn.Parameter):
-            gen = generators.get(tensor.device)
-            if gen is None:
-                gen = generators[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
-            tensor.normal_(0.0, INIT_STD, generator=gen)
-        else:
-            tensor.fill_(1.0)
+        fill_entry(name, tensor, tensor, norm_weights, draw)
