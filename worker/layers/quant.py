@@ -260,8 +260,9 @@ def _int4_params(
     size = grouped.shape[-1] if weights is None else weights.sum(-1, keepdim=True)
     sum_w = _sum(grouped, weights)
     nonzero_span = torch.where(span > 0, span, torch.ones_like(span))
+    shifted = grouped - low  # the same for every candidate: one pass, not one a candidate
     for delta in INT4_STEP_DELTAS:
-        codes = torch.sub(grouped, low).mul_((15.0 + delta) / nonzero_span).round_().clamp_(0, 15)
+        codes = torch.mul(shifted, (15.0 + delta) / nonzero_span).round_().clamp_(0, 15)
         # (weighted) least squares of grouped ~ scale * codes + offset over each group
         sum_c = _sum(codes, weights)
         sum_cc = _sum(codes.square(), weights)
