@@ -1,6 +1,6 @@
 """`--quantize`'s fits on the GPU: the one-launch Triton kernels of
-worker/device/kernels/quant_fit.py (`TOKENPIPE_QUANT_FIT=kernel`) against the torch passes they
-replace (the default until the kernels are measured on a GPU), side by side on Gemma 4 31B's
+worker/device/kernels/quant_fit.py (the default on a GPU) against the torch passes they replace
+(`TOKENPIPE_QUANT_FIT=torch`), side by side on Gemma 4 31B's
 matrix shapes (random bf16 weights, N(0, 0.02)). Prints each fit's milliseconds, the bf16
 bytes it quantizes a second, and the share of groups whose scale (and offset) came out equal.
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["TOKENPIPE_QUANT_FIT"] = "torch"
             fit = functools.partial(Q.quantize, w, fmt)
             slow, want = timed(fit, args.repeat)
-            os.environ["TOKENPIPE_QUANT_FIT"] = "kernel"
+            del os.environ["TOKENPIPE_QUANT_FIT"]  # the default: one launch
             fast, got = timed(fit, args.repeat)
             assert isinstance(want, Q.QuantizedWeight) and isinstance(got, Q.QuantizedWeight)
             equal = want.scales == got.scales

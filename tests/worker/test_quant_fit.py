@@ -83,10 +83,10 @@ def test_int8_fit_gives_the_torch_fits_codes(triton_ready: None, kind: str, grou
 def test_quantize_takes_the_kernel_where_it_fits(
     triton_ready: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With TOKENPIPE_QUANT_FIT=kernel, `quantize` sends a device weight in groups of 16-256
-    through one launch (on the CPU with TOKENPIPE_TRITON_CPU=1) and other groups through the
-    torch passes; without it (the default, until the kernels have run on a GPU), every weight
-    takes the torch passes; both give the same weight."""
+    """`quantize` sends a device weight in groups of 16-256 through one launch (on the CPU: with
+    TOKENPIPE_TRITON_CPU=1 and TOKENPIPE_QUANT_FIT=kernel) and other groups through the torch
+    passes; with TOKENPIPE_QUANT_FIT=torch every weight takes the torch passes; both give the
+    same weight. (That a CUDA weight takes the kernel with nothing set: the GPU test below.)"""
     from worker.device.kernels import quant_fit
 
     w = _weight(8, 64, torch.bfloat16, seed=4)
@@ -106,10 +106,13 @@ def test_quantize_takes_the_kernel_where_it_fits(
     assert calls == ["fit_int4", "fit_int8", "fit_int8"]
     Q.quantize(w[:, :48].contiguous(), Q.QuantFormat(Q.INT8, 0))  # a 48-weight row: torch's
     assert len(calls) == 3
-    monkeypatch.delenv("TOKENPIPE_QUANT_FIT")
+    monkeypatch.setenv("TOKENPIPE_QUANT_FIT", "torch")
     for fmt, got in kernel.items():
         want = Q.quantize(w, Q.QuantFormat(fmt, 32))
         assert torch.equal(got.qdata, want.qdata) and torch.equal(got.scales, want.scales)
+    assert len(calls) == 3
+    monkeypatch.delenv("TOKENPIPE_QUANT_FIT")  # a CPU weight, nothing asked: the torch passes
+    Q.quantize(w, Q.QuantFormat(Q.INT4, 32))
     assert len(calls) == 3
 
 
@@ -118,7 +121,8 @@ def test_a_31b_matrix_on_the_gpu_matches_the_torch_fit(
     triton_ready: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Gemma 4 31B's down_proj [5376, 21504] in bf16: the compiled kernel against the torch fit
-    on the same GPU (the GPU's own reduction order): every group's error within 1e-5."""
+    on the same GPU (the GPU's own reduction order): every group's error within 1e-5. With
+    nothing set, `quantize_int4` of a CUDA weight is the kernel's fit."""
     from worker.device.kernels.quant_fit import fit_int4
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -132,3 +136,6 @@ def test_a_31b_matrix_on_the_gpu_matches_the_torch_fit(
     assert (scales == want.scales).float().mean() >= 0.999
     mine, theirs = _error(w, got, None), _error(w, want, None)
     assert torch.all(mine <= theirs * (1 + 1e-5) + 1e-12)
+    monkeypatch.delenv("TOKENPIPE_QUANT_FIT")
+    default = Q.quantize_int4(w, 32)
+    assert torch.equal(default.qdata, packed) and torch.equal(default.scales, scales)

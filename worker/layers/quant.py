@@ -129,14 +129,19 @@ SEARCH_ELEMENTS_GPU = 1 << 24  # on a GPU, chunks of ~16M weights: few launches,
 
 def _fit_in_one_launch(weight: torch.Tensor, group: int) -> bool:
     """The fits below as one Triton launch a weight (``worker.device.kernels.quant_fit``), for a
-    weight on the GPU in groups of 16-256 (a power of two), with ``TOKENPIPE_QUANT_FIT=kernel``:
-    the codes, scales and offsets of these torch passes (up to the order the sums add in),
-    without their ~360 fp32 passes over the weight (int4; int8: ~500). Opt-in until it has run
-    on a GPU: written in session 48, whose device time ran out first (the CPU tests run it in
-    Triton's interpreter, and it compiles for sm_90 with Triton 3.6)."""
+    weight on the GPU in groups of 16-256 (a power of two): the codes, scales and offsets of
+    these torch passes (up to the order the sums add in), without their ~360 fp32 passes over
+    the weight (int4; int8: ~500). On an H100 it fits each 31B matrix 32-39x faster with every
+    group's scale equal, and a bf16 31B checkpoint loads in 12 s, not 54 (BENCHMARKS.md, session
+    49). ``TOKENPIPE_QUANT_FIT=torch`` keeps the torch passes (for comparison); a CPU weight
+    takes the kernel (Triton's interpreter, with TOKENPIPE_TRITON_CPU=1) only with
+    ``TOKENPIPE_QUANT_FIT=kernel``, so the CPU tests of other paths keep the torch passes' pace."""
     from worker.device.kernels.attention import use_triton
 
-    if os.environ.get("TOKENPIPE_QUANT_FIT") != "kernel" or not use_triton(weight):
+    choice = os.environ.get("TOKENPIPE_QUANT_FIT")
+    if choice == "torch" or not use_triton(weight):
+        return False
+    if not weight.is_cuda and choice != "kernel":
         return False
     return 16 <= group <= 256 and group & (group - 1) == 0 and weight.shape[0] > 0
 
