@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -275,11 +276,20 @@ def test_other_threads_take_only_buffers_no_copy_still_reads() -> None:
     assert pool.take(0, wait=False) is buffer
 
 
-def test_an_exhausted_pool_first_pushes_out_a_copy_only_the_tier_holds(tmp_path: Path) -> None:
+def test_an_exhausted_pool_first_pushes_out_a_copy_only_the_tier_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pool = HostPool(BUFFER_BYTES, 2, pinned=False)
     store = SessionStore(tmp_path, "fp", print)
     hold = threading.Event()
     store._spiller.submit(hold.wait, 30)  # spills wait: "a"'s buffer stays shared
+    write_file = store._write_file
+
+    def held_write(item: Any) -> int:  # nor does the writer finish "a" before the eviction
+        hold.wait(30)  # (CI once saw it done first: "a" was alone in its buffer and went)
+        return write_file(item)
+
+    monkeypatch.setattr(store, "_write_file", held_write)
     tiers = SessionTiers(1 << 30, store, pool)
     tiers.offload("a", export(tiers, 8, 1.0), list(range(8)), 1)
     shared = tiers.host.entries["a"].state
