@@ -40,8 +40,19 @@ def test_stopped_worker_is_killed_and_restarted() -> None:
             await asyncio.sleep(3.0)
             assert slot.process is not None and slot.process.pid == old_pid
             assert sup.state.loads()[0].queued == 0
-            task = asyncio.ensure_future(_collect(client, prompt="hello", max_new_tokens=500))
-            await asyncio.sleep(0.3)
+            first = asyncio.Event()  # a token out first: a request with none is sent again
+
+            async def collect() -> list[Any]:
+                events = []
+                async for event in client.generate(
+                    GenerateRequest(prompt="hello", max_new_tokens=500)
+                ):
+                    events.append(event)
+                    first.set()
+                return events
+
+            task = asyncio.ensure_future(collect())
+            await asyncio.wait_for(first.wait(), 30)
             os.kill(old_pid, signal.SIGSTOP)
             stopped_at = time.monotonic()
             events = await asyncio.wait_for(task, 30)

@@ -107,12 +107,12 @@ def test_cancel_and_leaving_the_loop_cancel() -> None:
             if len(events) == 2:
                 await client.cancel("long")
         assert isinstance(events[-1], DoneEvent) and events[-1].finish_reason == "cancelled"
-        assert len(events) < 100
+        assert len(events) < 2_000  # not all 10,000 (a token each 2 ms: a stalled box is slow)
         async for _event in client.generate(GenerateRequest(prompt="x", max_new_tokens=10_000)):
             break
         sup = client.supervisor
         assert sup is not None
-        for _ in range(100):
+        for _ in range(500):
             if not sup.slots[0].inflight:
                 break
             await asyncio.sleep(0.02)

@@ -4,8 +4,12 @@ resumes them instead of re-prefilling (what the supervisor's rebuild then finds)
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,17 @@ def worker(session_dir: Path) -> Worker:
          "--max-resident", "2", "--max-context", "256", "--prefill-chunk", "64",
          "--session-dir", str(session_dir)]
     )  # fmt: skip
+
+
+def saved_lengths(session_dir: Path, names: Iterable[str]) -> dict[str, int]:
+    """How many resident ids each session's file holds (read from its header; -1: no file)."""
+    lengths = {}
+    for name in names:
+        path = session_dir / (hashlib.sha256(name.encode()).hexdigest()[:32] + ".tpsession")
+        raw = path.read_bytes() if path.exists() else b""  # (files are renamed into place)
+        (size,) = struct.unpack("<Q", raw[8:16]) if raw else (0,)
+        lengths[name] = len(json.loads(raw[16 : 16 + size])["resident_ids"]) if raw else -1
+    return lengths
 
 
 def turn(w: Worker, sid: str, ids: list[int], rid: str) -> dict:
@@ -47,17 +62,21 @@ def test_tiers_and_restart_from_session_dir(tmp_path: Path) -> None:
     w.send({"op": "stats", "id": "s"})
     stats = w.read()["stats"]
     assert stats["tiers"]["offloads"] >= 2 and stats["tiers"]["reloads"] >= 1, stats
-    # idle: every session is saved by the writer thread
-    for _ in range(100):
-        if len(list(tmp_path.glob("*.tpsession"))) == 3:
-            break
+    # idle: every session is saved by the writer thread, a as it is after a2 (not its first
+    # file, which is there already: wait for the files' contents, not their number)
+    deadline = time.monotonic() + 120
+    want = {sid: len(ids) - 1 for sid, ids in history.items()}
+    while saved_lengths(tmp_path, want) != want:
+        assert time.monotonic() < deadline, (saved_lengths(tmp_path, want), want, w.tail())
         time.sleep(0.1)
-    time.sleep(0.5)
     w.proc.kill()  # a crash
     w.proc.wait()
 
     w2 = worker(tmp_path)
-    assert any(b"restored 3 session(s)" in line for line in w2.stderr), w2.tail()
+    deadline = time.monotonic() + 10  # the line is read from stderr by a thread of its own
+    while not any(b"restored 3 session(s)" in line for line in w2.stderr):
+        assert time.monotonic() < deadline, w2.tail()
+        time.sleep(0.05)
     for sid in "abc":
         done = turn(w2, sid, history[sid] + [5000], f"{sid}3")
         assert done["session_reset_reason"] == "exact_prefix", (sid, done)

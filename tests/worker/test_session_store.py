@@ -156,7 +156,7 @@ def test_prefetch_serves_reads_and_a_write_drops_it(tmp_path: Path) -> None:
     names = [name for name, _, _ in again.scan()]
     one_file = again.path_for("a").stat().st_size
     again.prefetch(names, budget_bytes=2 * one_file)
-    for _ in range(200):
+    for _ in range(1000):  # 10 s: a loaded box reads slowly
         if again.prefetched == 2:
             break
         time.sleep(0.01)

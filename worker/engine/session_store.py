@@ -283,8 +283,11 @@ class SessionStore:
         self._queue.put(_Delete(name))
 
     def flush(self) -> None:
-        """Wait until every write asked for so far is on disk (or failed)."""
+        """Wait until every write asked for so far is on disk (or failed), and every spill of
+        one has given its buffer back (a spill releases it after the copy, outside the lock,
+        so a write of the copy can end first)."""
         self._queue.join()
+        self._spiller.submit(lambda: None).result()  # one thread: the spills before it ended
 
     def close(self) -> None:
         self._closing = True  # no more prefetching
