@@ -19,8 +19,16 @@ from tests.supervisor.conftest import fake_config
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _collect(client: AsyncClient, **fields: Any) -> list[Any]:
-    return [event async for event in client.generate(GenerateRequest(**fields))]
+async def _collect(
+    client: AsyncClient, first: asyncio.Event | None = None, **fields: Any
+) -> list[Any]:
+    """The request's events; ``first`` is set once one has come."""
+    events = []
+    async for event in client.generate(GenerateRequest(**fields)):
+        events.append(event)
+        if first is not None:
+            first.set()
+    return events
 
 
 def test_stopped_worker_is_killed_and_restarted() -> None:
@@ -41,17 +49,9 @@ def test_stopped_worker_is_killed_and_restarted() -> None:
             assert slot.process is not None and slot.process.pid == old_pid
             assert sup.state.loads()[0].queued == 0
             first = asyncio.Event()  # a token out first: a request with none is sent again
-
-            async def collect() -> list[Any]:
-                events = []
-                async for event in client.generate(
-                    GenerateRequest(prompt="hello", max_new_tokens=500)
-                ):
-                    events.append(event)
-                    first.set()
-                return events
-
-            task = asyncio.ensure_future(collect())
+            task = asyncio.ensure_future(
+                _collect(client, first, prompt="hello", max_new_tokens=500)
+            )
             await asyncio.wait_for(first.wait(), 30)
             os.kill(old_pid, signal.SIGSTOP)
             stopped_at = time.monotonic()

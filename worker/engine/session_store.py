@@ -35,6 +35,7 @@ never waits for the disk except to read a session back.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -287,7 +288,8 @@ class SessionStore:
         one has given its buffer back (a spill releases it after the copy, outside the lock,
         so a write of the copy can end first)."""
         self._queue.join()
-        self._spiller.submit(lambda: None).result()  # one thread: the spills before it ended
+        with contextlib.suppress(RuntimeError):  # (closed: the spill thread has ended)
+            self._spiller.submit(lambda: None).result()  # one thread: the spills before it ended
 
     def close(self) -> None:
         self._closing = True  # no more prefetching
