@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,19 @@ def default_model_dir(default_model_gguf: Path) -> Path:
 
 
 from tiny_models import byte_level_tokenizer_json, llama_tensor_shapes, tiny_config  # noqa: E402,F401
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Name the threads still alive as the run's process exits (on stderr): CI once saw this
+    process segfault after every test had passed (session 50); with PYTHONFAULTHANDLER=1, as
+    .ci/run sets, a crash there then prints their stacks too."""
+    import threading
+
+    alive = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if alive:
+        names = ", ".join(f"{t.name}{' (daemon)' if t.daemon else ''}" for t in alive)
+        print(f"threads alive at exit: {names}", file=sys.stderr)
+
 
 TinyFactory = Callable[..., Path]
 
