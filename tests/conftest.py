@@ -90,9 +90,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """Leave at once with the session's exit status, once pytest has reported (the summary and
     the junit file are written by now), skipping the interpreter's teardown. In one of four
     local CI runs (session 50) that teardown segfaulted after 1,912 tests had passed, with no
-    trace. By then 87 threads are alive (Ray's router loop, the session readers and writers of
-    engines that tests do not close); torch's teardown crashing with threads about is a known
-    class. It is no part of the product: the worker and supervisor processes the tests start
+    trace. By then 87 threads were alive (Ray's router loop, the session readers and writers of
+    engines that tests did not close); torch's teardown crashing with threads about is a known
+    class. `_close_session_stores` now closes those stores after each test: two threads are left
+    at exit (Ray's router loop, tqdm's monitor), and the guard stays for them. It is no part of the product: the worker and supervisor processes the tests start
     exit normally, and tests assert their exit codes. The threads still alive are counted on
     stderr first. TOKENPIPE_TEST_TEARDOWN=1 keeps the teardown (to hunt the crash)."""
     import re
