@@ -93,9 +93,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     trace. By then 87 threads were alive (Ray's router loop, the session readers and writers of
     engines that tests did not close); torch's teardown crashing with threads about is a known
     class. `_close_session_stores` now closes those stores after each test: two threads are left
-    at exit (Ray's router loop, tqdm's monitor), and the guard stays for them. It is no part of the product: the worker and supervisor processes the tests start
-    exit normally, and tests assert their exit codes. The threads still alive are counted on
-    stderr first. TOKENPIPE_TEST_TEARDOWN=1 keeps the teardown (to hunt the crash)."""
+    at exit (Ray's router loop, tqdm's monitor), and the guard stays for them. It is no part of
+    the product: the worker and supervisor processes the tests start exit normally, and tests
+    assert their exit codes. The threads still alive are counted on stderr first.
+    TOKENPIPE_TEST_TEARDOWN=1 keeps the teardown (to hunt the crash)."""
     import re
     import threading
     from collections import Counter
