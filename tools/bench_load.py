@@ -132,6 +132,7 @@ if loader == "ours":
     loaded = load_model(directory, "cuda", torch.bfloat16, progress=False)
     extra["weights_s"] = loaded.meta["weights_seconds"]
     extra["phases"] = loaded.meta["load_phases"]
+    extra["staged"] = loaded.meta.get("staging")  # where the load waited
 else:
     from pathlib import Path
     kept = [load_file(str(f), device="cuda") for f in sorted(Path(directory).glob("*.safetensors"))]

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from worker.loading.checkpoint import TensorEntry, open_checkpoint, read_tensor
-from worker.loading.staged_load import CUT_ALIGN, StagingConfig, plan_batches, staged_tensors
+from worker.loading.staged_load import (
+    CUT_ALIGN,
+    StagingConfig,
+    StagingStats,
+    plan_batches,
+    staged_tensors,
+)
 from worker.models.config import ModelConfig
 from worker.models.registry import build_model
 
@@ -75,6 +81,27 @@ def test_staged_load_equals_the_plain_read(
     if stored == model_dtype:
         for name, entry in checkpoint.text_tensors().items():
             assert torch.equal(targets[name], read_tensor(entry)), name
+
+
+def test_stats_say_where_the_load_waited(tiny_checkpoint_factory) -> None:
+    """The consumer's own time is counted as the model's, the readers' as reading; on the CPU
+    a buffer is free once its copies return, so no reader waits for a device."""
+    import time
+
+    checkpoint = open_checkpoint(tiny_checkpoint_factory(shards=2))
+    model = build_model(ModelConfig.from_hf(checkpoint.config), "cpu", torch.float32)
+    stats = StagingStats()
+    config = StagingConfig(buffer_bytes=1024, buffers=3, readers=2)
+    targets = model.state_dict(keep_vars=True)
+    handed = 0
+    for _ in staged_tensors(checkpoint.text_tensors(), targets, config, stats=stats):
+        handed += 1
+        time.sleep(0.01)
+    assert handed == len(targets)
+    assert stats.model >= 0.01 * handed
+    assert stats.reading > 0 and stats.batch_wait >= 0 and stats.device_wait == 0
+    assert set(stats.as_dict()) == {"batch_wait", "model", "reading", "device_wait"}
+    assert "2 readers" in stats.describe(2)
 
 
 def test_tensors_without_a_target_come_back_as_meta(tiny_checkpoint_factory) -> None:

@@ -26,7 +26,7 @@ import torch
 from worker.loading.checkpoint import Checkpoint, ModelLoadError, open_checkpoint
 from worker.loading.gguf_convert import Progress, convert_gguf, dtype_name
 from worker.loading.quantize import begin_load
-from worker.loading.staged_load import staged_tensors
+from worker.loading.staged_load import StagingConfig, StagingStats, staged_tensors
 from worker.loading.tokenizer import Tokenizer, TokenizerError
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_checkpoint_dir"]
@@ -231,6 +231,7 @@ def load_model(
     quantized = begin_load(model, quantize, None if random_weights else gguf_source, device, dtype)
     model = model.to_empty(device=device).eval()
     weights_started = time.monotonic()
+    staging: StagingStats | None = None  # where a staged (CUDA) load's time went
     phases["allocate"] = weights_started - started - phases["files"]
     if random_weights and shard is not None:
         shard.draw_random(model, device, dtype, seed)  # the full model's draw, then a slice
@@ -253,9 +254,11 @@ def load_model(
             transient = quantized.transient_names(model) if quantized is not None else None
             views = getattr(model, "staging_views", None)  # tensors that land inside a parameter
             staged = {**targets, **views()} if callable(views) else targets
+            staging = StagingStats()
             pairs = staged_tensors(
-                checkpoint.text_tensors(), staged, transient=transient, device=device
-            )
+                checkpoint.text_tensors(), staged, transient=transient, device=device,
+                stats=staging,
+            )  # fmt: skip
         else:
             pairs = checkpoint.iter_tensors(device=device, dtype=dtype, targets=targets)
         if shard is not None:
@@ -298,6 +301,8 @@ def load_model(
         "weights_seconds": round(weights_seconds, 3),
         "load_phases": {name: round(seconds, 3) for name, seconds in phases.items()},
     }
+    if staging is not None:
+        meta["staging"] = staging.as_dict()
     if progress and not random_weights:
         stored = sum(e.end - e.begin for e in stored_tensors.values())
         rate = stored / max(weights_seconds, 1e-9) / 1e9
@@ -305,6 +310,9 @@ def load_model(
             f"read {stored / 1e9:.2f} GB of weights in {weights_seconds:.1f}s ({rate:.2f} GB/s)",
             file=sys.stderr,
         )
+        if staging is not None:
+            readers = StagingConfig.from_env().readers
+            print(f"  staged: {staging.describe(readers)}", file=sys.stderr)
     elif progress:
         print(f"drew random weights on {device} in {weights_seconds:.1f}s", file=sys.stderr)
     if progress:

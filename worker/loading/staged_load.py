@@ -16,12 +16,19 @@ A tensor whose target has another dtype (an fp32 checkpoint into a bf16 model) g
 a device temporary of the piece's bytes and a cast there; one without a target (a tied
 `lm_head`, names the model ignores) is yielded as a meta tensor of its shape, so the model's
 `load_weights` can skip or report it without reading its bytes.
+
+Where a load's time goes (`StagingStats`, filled when one is passed): the calling thread's
+waits for a batch's bytes, the model's own time with each tensor it was handed (a quantizing
+load's fits are launched there), and the readers' time in `preadv` and waiting for the device
+to finish with a buffer. The loader prints them, so a slow load says whether the disk, the
+device's copies and fits, or the host's own work bounds it.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,6 +72,40 @@ class StagingConfig:
                 f"TOKENPIPE_LOAD_STAGING={value!r}: expected MiB,buffers,readers"
             ) from None
         return cls(buffer_bytes=mib << 20, buffers=buffers, readers=readers)
+
+
+@dataclass
+class StagingStats:
+    """Seconds a staged load spent, by where (see the module docstring). `reading` and
+    `device_wait` are summed over the reader threads, so they may exceed the wall time."""
+
+    batch_wait: float = 0.0  # the calling thread, waiting for a batch's bytes to be read
+    model: float = 0.0  # the calling thread, inside the consumer between two tensors
+    reading: float = 0.0  # readers in os.preadv
+    device_wait: float = 0.0  # readers waiting for a buffer's copies (and the work before them)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add_reader(self, reading: float, device_wait: float) -> None:
+        with self._lock:
+            self.reading += reading
+            self.device_wait += device_wait
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "batch_wait": round(self.batch_wait, 3),
+            "model": round(self.model, 3),
+            "reading": round(self.reading, 3),
+            "device_wait": round(self.device_wait, 3),
+        }
+
+    def describe(self, readers: int) -> str:
+        return (
+            f"waited {self.batch_wait:.1f}s for reads, the model's own work {self.model:.1f}s; "
+            f"{readers} readers: {self.reading:.1f}s reading, {self.device_wait:.1f}s waiting "
+            "for the device to free a buffer"
+        )
 
 
 @dataclass(frozen=True)
@@ -163,10 +204,13 @@ def _read_batch(
     staging: memoryview,
     files: _Files,
     reusable: torch.cuda.Event | None,
+    stats: StagingStats | None = None,
 ) -> None:
     """Reader thread: wait until the buffer's previous copies are done, then fill it."""
+    started = time.perf_counter()
     if reusable is not None:
         reusable.synchronize()
+    waited = time.perf_counter()
     for run in _read_runs(pieces, entries):
         path = entries[run.tensor].file
         fd = files.fd(path)
@@ -178,6 +222,9 @@ def _read_batch(
             if count <= 0:
                 raise ModelLoadError(f"{path}: truncated while reading at byte {run.file_offset}")
             filled += count
+    if stats is not None:
+        device_wait = waited - started if reusable is not None else 0.0
+        stats.add_reader(time.perf_counter() - waited, device_wait)
 
 
 def _issue_copies(
@@ -221,6 +268,7 @@ def staged_tensors(
     config: StagingConfig | None = None,
     transient: Mapping[str, torch.dtype] | None = None,
     device: torch.device | None = None,
+    stats: StagingStats | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, target)` for every entry (name -> where its bytes are), after its bytes
     were issued into `targets[name]` (all on one device). See the module docstring.
@@ -230,7 +278,7 @@ def staged_tensors(
     those gets a tensor of its own on `device` when its first bytes are issued, dropped here
     once yielded (a weight quantized as it streams in: only the tensors in flight are ever
     float on the device). On CUDA the copies are ordered on the current stream, and the
-    generator synchronises it before it finishes.
+    generator synchronises it before it finishes. `stats`, when given, is filled as it goes.
     """
     config = config or StagingConfig.from_env()
     transient = transient or {}
@@ -283,9 +331,13 @@ def staged_tensors(
                         views[slot],
                         files,
                         copied[slot],
+                        stats,
                     )  # fmt: skip
                 )
+            waiting = time.perf_counter()
             reads[index].result()
+            if stats is not None:
+                stats.batch_wait += time.perf_counter() - waiting
             slot = index % buffer_count
             for piece in batch:
                 if load_targets[piece.tensor] is None:  # a transient target's first bytes
@@ -302,12 +354,14 @@ def staged_tensors(
                 if piece.last:
                     name = names[piece.tensor]
                     if name in targets:
-                        yield name, targets[name]
-                        continue
-                    tensor = load_targets[piece.tensor]
-                    load_targets[piece.tensor] = None
+                        tensor: torch.Tensor | None = targets[name]
+                    else:  # a transient: dropped here once the consumer is done with it
+                        tensor, load_targets[piece.tensor] = load_targets[piece.tensor], None
                     assert tensor is not None
+                    handed = time.perf_counter()
                     yield name, tensor
+                    if stats is not None:
+                        stats.model += time.perf_counter() - handed
         if stream is not None:
             stream.synchronize()
     finally:
