@@ -100,7 +100,8 @@ def test_stats_say_where_the_load_waited(tiny_checkpoint_factory) -> None:
     assert handed == len(targets)
     assert stats.model >= 0.01 * handed
     assert stats.reading > 0 and stats.batch_wait >= 0 and stats.device_wait == 0
-    assert set(stats.as_dict()) == {"batch_wait", "model", "reading", "device_wait"}
+    assert stats.drain == 0  # no device stream to wait for at the end
+    assert set(stats.as_dict()) == {"batch_wait", "model", "reading", "device_wait", "drain"}
     assert "2 readers" in stats.describe(2)
 
 

@@ -18,10 +18,11 @@ a device temporary of the piece's bytes and a cast there; one without a target (
 `load_weights` can skip or report it without reading its bytes.
 
 Where a load's time goes (`StagingStats`, filled when one is passed): the calling thread's
-waits for a batch's bytes, the model's own time with each tensor it was handed (a quantizing
-load's fits are launched there), and the readers' time in `preadv` and waiting for the device
-to finish with a buffer. The loader prints them, so a slow load says whether the disk, the
-device's copies and fits, or the host's own work bounds it.
+waits for a batch's bytes, its wait at the end for the device's last work, the model's own
+time with each tensor it was handed (a quantizing load's fits are launched there), and the
+readers' time in `preadv` and waiting for the device to finish with a buffer. The loader
+prints them, so a slow load says whether the disk, the device's copies and fits, or the
+host's own work bounds it.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class StagingStats:
     model: float = 0.0  # the calling thread, inside the consumer between two tensors
     reading: float = 0.0  # readers in os.preadv
     device_wait: float = 0.0  # readers waiting for a buffer's copies (and the work before them)
+    drain: float = 0.0  # the calling thread, at the end: the device's last copies and work
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -98,13 +100,14 @@ class StagingStats:
             "model": round(self.model, 3),
             "reading": round(self.reading, 3),
             "device_wait": round(self.device_wait, 3),
+            "drain": round(self.drain, 3),
         }
 
     def describe(self, readers: int) -> str:
         return (
-            f"waited {self.batch_wait:.1f}s for reads, the model's own work {self.model:.1f}s; "
-            f"{readers} readers: {self.reading:.1f}s reading, {self.device_wait:.1f}s waiting "
-            "for the device to free a buffer"
+            f"waited {self.batch_wait:.1f}s for reads, the model's own work {self.model:.1f}s, "
+            f"the device's last work {self.drain:.1f}s; {readers} readers: {self.reading:.1f}s "
+            f"reading, {self.device_wait:.1f}s waiting for the device to free a buffer"
         )
 
 
@@ -363,7 +366,10 @@ def staged_tensors(
                     if stats is not None:
                         stats.model += time.perf_counter() - handed
         if stream is not None:
+            draining = time.perf_counter()
             stream.synchronize()
+            if stats is not None:
+                stats.drain = time.perf_counter() - draining
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         files.close()
