@@ -26,7 +26,7 @@ import torch
 from worker.loading.checkpoint import Checkpoint, ModelLoadError, open_checkpoint
 from worker.loading.gguf_convert import Progress, convert_gguf, dtype_name
 from worker.loading.quantize import begin_load
-from worker.loading.staged_load import StagingConfig, StagingStats, staged_tensors
+from worker.loading.staged_load import StagingStats, staged_tensors
 from worker.loading.tokenizer import Tokenizer, TokenizerError
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_checkpoint_dir"]
@@ -311,8 +311,7 @@ def load_model(
             file=sys.stderr,
         )
         if staging is not None:
-            readers = StagingConfig.from_env().readers
-            print(f"  staged: {staging.describe(readers)}", file=sys.stderr)
+            print(f"  staged: {staging.describe()}", file=sys.stderr)
     elif progress:
         print(f"drew random weights on {device} in {weights_seconds:.1f}s", file=sys.stderr)
     if progress:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -85,6 +85,7 @@ class StagingStats:
     reading: float = 0.0  # readers in os.preadv
     device_wait: float = 0.0  # readers waiting for a buffer's copies (and the work before them)
     drain: float = 0.0  # the calling thread, at the end: the device's last copies and work
+    readers: int = 0  # set by `staged_tensors` from its config
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -95,19 +96,14 @@ class StagingStats:
             self.device_wait += device_wait
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            "batch_wait": round(self.batch_wait, 3),
-            "model": round(self.model, 3),
-            "reading": round(self.reading, 3),
-            "device_wait": round(self.device_wait, 3),
-            "drain": round(self.drain, 3),
-        }
+        return {field.name: round(getattr(self, field.name), 3) for field in fields(self)}
 
-    def describe(self, readers: int) -> str:
+    def describe(self) -> str:
         return (
             f"waited {self.batch_wait:.1f}s for reads, the model's own work {self.model:.1f}s, "
-            f"the device's last work {self.drain:.1f}s; {readers} readers: {self.reading:.1f}s "
-            f"reading, {self.device_wait:.1f}s waiting for the device to free a buffer"
+            f"the device's last work {self.drain:.1f}s; {self.readers} readers: "
+            f"{self.reading:.1f}s reading, {self.device_wait:.1f}s waiting for the device to "
+            "free a buffer"
         )
 
 
@@ -285,6 +281,8 @@ def staged_tensors(
     """
     config = config or StagingConfig.from_env()
     transient = transient or {}
+    if stats is not None:
+        stats.readers = config.readers
     ordered = sorted(entries.items(), key=lambda kv: (str(kv[1].file), kv[1].begin))
 
     def loads(name: str, entry: TensorEntry) -> bool:
